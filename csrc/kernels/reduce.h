@@ -1,0 +1,43 @@
+// Element-wise kernels on local memory: reduce, divide (AVG's last step), cast with scale.
+// They never communicate. CPU versions are single-threaded: the communicator gives each rank
+// one core; ops.py parallelises standalone calls where that pays.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "common/status.h"
+
+namespace dk::kernels {
+
+// dst[i] = op(a[i], b[i]) for i < count. dst may alias a or b. AVG reduces as SUM.
+Status reduceCpu(void* dst, const void* a, const void* b, size_t count, DType dtype, RedOp op);
+
+// dst[i] = op(srcs[0][i], ..., srcs[nsrcs-1][i]); FP16/BF16 accumulate in FP32 and round once.
+// dst may alias srcs[0]. AVG reduces as SUM.
+Status reduceMultiCpu(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                      RedOp op);
+
+// dst[i] = src[i] / divisor: AVG's final step. Integer types truncate toward zero.
+Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t divisor);
+
+// dst[i] = (dst_dtype)(src[i] * scale) for float32 / float16 / bfloat16 pairs, rounding once to
+// nearest even; overflow becomes inf.
+Status castScaleCpu(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,
+                    float scale);
+
+#if DK_WITH_CUDA
+// The same operations on device memory, enqueued on `stream` (a cudaStream_t); they return
+// once enqueued.
+Status reduceCuda(void* dst, const void* a, const void* b, size_t count, DType dtype, RedOp op,
+                  void* stream);
+Status reduceMultiCuda(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                       RedOp op, void* stream);
+Status divideCuda(void* dst, const void* src, size_t count, DType dtype, int64_t divisor,
+                  void* stream);
+Status castScaleCuda(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,
+                     float scale, void* stream);
+#endif
+
+}  // namespace dk::kernels

@@ -1,0 +1,112 @@
+// One definition of the reduction math, shared by the CPU and CUDA kernels (design: "CPU and
+// CUDA versions share one definition of the math"). Operands arrive in the compute type
+// (Accum<T>: float for FP16/BF16, T otherwise).
+//
+// Invariants:
+//  - NaN propagates through MAX and MIN as in torch.maximum / torch.minimum.
+//  - Signed integer SUM and PROD wrap modulo 2^bits as torch does (computed unsigned: no UB).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/dtype.h"
+#include "common/half.h"
+#include "common/macros.h"
+
+namespace dk::kernels {
+
+template <typename A>
+DK_HOST_DEVICE DK_INLINE bool isNan(A v) {
+  if constexpr (std::is_floating_point<A>::value) {
+    return v != v;
+  } else {
+    return false;
+  }
+}
+
+// Wrapping arithmetic for integers: performed in the unsigned type of the same width.
+template <typename A>
+DK_HOST_DEVICE DK_INLINE A wrapAdd(A a, A b) {
+  if constexpr (std::is_integral<A>::value) {
+    using U = typename std::make_unsigned<A>::type;
+    return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return a + b;
+  }
+}
+
+template <typename A>
+DK_HOST_DEVICE DK_INLINE A wrapMul(A a, A b) {
+  if constexpr (std::is_integral<A>::value) {
+    // Promote narrow types to unsigned int so the product cannot overflow a signed int.
+    using U = typename std::conditional<(sizeof(A) < sizeof(unsigned)), unsigned,
+                                        typename std::make_unsigned<A>::type>::type;
+    return static_cast<A>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+  } else {
+    return a * b;
+  }
+}
+
+struct SumOp {
+  template <typename A>
+  DK_HOST_DEVICE DK_INLINE A operator()(A a, A b) const {
+    return wrapAdd(a, b);
+  }
+};
+
+struct ProdOp {
+  template <typename A>
+  DK_HOST_DEVICE DK_INLINE A operator()(A a, A b) const {
+    return wrapMul(a, b);
+  }
+};
+
+struct MaxOp {
+  template <typename A>
+  DK_HOST_DEVICE DK_INLINE A operator()(A a, A b) const {
+    if (isNan(a)) return a;
+    if (isNan(b)) return b;
+    return a > b ? a : b;
+  }
+};
+
+struct MinOp {
+  template <typename A>
+  DK_HOST_DEVICE DK_INLINE A operator()(A a, A b) const {
+    if (isNan(a)) return a;
+    if (isNan(b)) return b;
+    return a < b ? a : b;
+  }
+};
+
+// Calls fn(FunctorInstance) for a runtime RedOp; AVG reduces as SUM (the caller divides once
+// at the end so that every rank divides the same fully reduced value).
+#define DK_DISPATCH_REDOP(op, ...)                                               \
+  switch (op) {                                                                  \
+    case ::dk::RedOp::kSum:                                                      \
+    case ::dk::RedOp::kAvg: {                                                    \
+      using Op = ::dk::kernels::SumOp;                                           \
+      __VA_ARGS__;                                                               \
+      break;                                                                     \
+    }                                                                            \
+    case ::dk::RedOp::kProd: {                                                   \
+      using Op = ::dk::kernels::ProdOp;                                          \
+      __VA_ARGS__;                                                               \
+      break;                                                                     \
+    }                                                                            \
+    case ::dk::RedOp::kMax: {                                                    \
+      using Op = ::dk::kernels::MaxOp;                                           \
+      __VA_ARGS__;                                                               \
+      break;                                                                     \
+    }                                                                            \
+    case ::dk::RedOp::kMin: {                                                    \
+      using Op = ::dk::kernels::MinOp;                                           \
+      __VA_ARGS__;                                                               \
+      break;                                                                     \
+    }                                                                            \
+    default:                                                                     \
+      return ::dk::InvalidArgument("unsupported reduce op " + std::to_string((int)(op))); \
+  }
+
+}  // namespace dk::kernels

@@ -1,0 +1,36 @@
+"""``dist_kernels.build_info()`` and ``python -m dist_kernels.info``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict
+
+from . import _C
+from ._version import __version__
+
+
+def build_info() -> Dict[str, Any]:
+    """What the extension was compiled with and what it finds on this machine.
+
+    Keys: ``version``, ``cuda_compiled``, ``cuda_runtime_version``, ``cuda_archs``,
+    ``device_count`` (0 without a GPU or driver; never raises), ``nccl_library`` (the path
+    that would be loaded, or None) and ``nccl_version`` (or None).
+    """
+    info: Dict[str, Any] = {"version": __version__}
+    info.update(_C.build_info())
+    info["nccl_library"] = None
+    info["nccl_version"] = None
+    try:
+        from . import _nccl
+    except ImportError:
+        return info
+    info.update(_nccl.describe())
+    return info
+
+
+def main() -> None:
+    print(json.dumps(build_info(), indent=2, sort_keys=False))
+
+
+if __name__ == "__main__":
+    main()
