@@ -31,8 +31,8 @@ py::dict buildInfo() {
 #if DK_WITH_CUDA
   int runtime = 0;
   if (cudaRuntimeGetVersion(&runtime) == cudaSuccess) {
-    info["cuda_runtime_version"] = std::to_string(runtime / 1000) + "." +
-                                   std::to_string((runtime % 1000) / 10);
+    info["cuda_runtime_version"] =
+        std::to_string(runtime / 1000) + "." + std::to_string((runtime % 1000) / 10);
   } else {
     cudaGetLastError();
     info["cuda_runtime_version"] = py::none();

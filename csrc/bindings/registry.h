@@ -13,8 +13,7 @@ int registerBinder(const char* name, BindFn fn);
 
 }  // namespace dk::bindings
 
-#define DK_REGISTER_BINDINGS(name)                                 \
-  static void dk_bind_##name(pybind11::module_& m);                \
-  static const int dk_registered_##name =                          \
-      ::dk::bindings::registerBinder(#name, &dk_bind_##name);      \
+#define DK_REGISTER_BINDINGS(name)                                                                \
+  static void dk_bind_##name(pybind11::module_& m);                                               \
+  static const int dk_registered_##name = ::dk::bindings::registerBinder(#name, &dk_bind_##name); \
   static void dk_bind_##name(pybind11::module_& m)

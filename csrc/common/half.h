@@ -60,8 +60,7 @@ DK_HOST_DEVICE DK_INLINE float halfToFloat(Half h) {
   const uint32_t two_w = w + w;
   const float normalized = bitsFloat((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
   const float denormalized = bitsFloat((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t magnitude =
-      two_w < (1u << 27) ? floatBits(denormalized) : floatBits(normalized);
+  const uint32_t magnitude = two_w < (1u << 27) ? floatBits(denormalized) : floatBits(normalized);
   return bitsFloat(sign | magnitude);
 #endif
 }

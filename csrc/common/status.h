@@ -38,7 +38,9 @@ class Status {
   std::string message_;
 };
 
-inline Status InvalidArgument(std::string m) { return Status(Code::kInvalidArgument, std::move(m)); }
+inline Status InvalidArgument(std::string m) {
+  return Status(Code::kInvalidArgument, std::move(m));
+}
 inline Status TypeError(std::string m) { return Status(Code::kTypeError, std::move(m)); }
 inline Status Unsupported(std::string m) { return Status(Code::kUnsupported, std::move(m)); }
 inline Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
@@ -51,14 +53,14 @@ inline Status SystemError(const std::string& what) {
 }  // namespace dk
 
 // Propagates a non-OK Status to the caller.
-#define DK_RETURN_IF_ERROR(expr)            \
-  do {                                      \
-    ::dk::Status dk_status_ = (expr);       \
+#define DK_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::dk::Status dk_status_ = (expr);        \
     if (!dk_status_.ok()) return dk_status_; \
   } while (0)
 
 // Checks a POSIX call that returns -1 (or a negative value) and sets errno on failure.
-#define DK_CHECK_SYS(call)                                         \
-  do {                                                             \
-    if ((call) < 0) return ::dk::SystemError(#call);               \
+#define DK_CHECK_SYS(call)                           \
+  do {                                               \
+    if ((call) < 0) return ::dk::SystemError(#call); \
   } while (0)

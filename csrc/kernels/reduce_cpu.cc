@@ -35,25 +35,24 @@ void divideLoop(T* dst, const T* src, size_t count, int64_t divisor) {
 }  // namespace
 
 Status reduceCpu(void* dst, const void* a, const void* b, size_t count, DType dtype, RedOp op) {
-  DK_DISPATCH_DTYPE(dtype, DK_DISPATCH_REDOP(op, reduceLoop<T, Op>(static_cast<T*>(dst),
-                                                                    static_cast<const T*>(a),
-                                                                    static_cast<const T*>(b),
-                                                                    count)));
+  DK_DISPATCH_DTYPE(
+      dtype, DK_DISPATCH_REDOP(op, reduceLoop<T, Op>(static_cast<T*>(dst), static_cast<const T*>(a),
+                                                     static_cast<const T*>(b), count)));
   return Status::Ok();
 }
 
 Status reduceMultiCpu(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                       RedOp op) {
   if (nsrcs < 1) return InvalidArgument("reduceMulti needs at least one source");
-  DK_DISPATCH_DTYPE(dtype, DK_DISPATCH_REDOP(op, reduceMultiLoop<T, Op>(static_cast<T*>(dst),
-                                                                         srcs, nsrcs, count)));
+  DK_DISPATCH_DTYPE(dtype, DK_DISPATCH_REDOP(op, reduceMultiLoop<T, Op>(static_cast<T*>(dst), srcs,
+                                                                        nsrcs, count)));
   return Status::Ok();
 }
 
 Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
   if (divisor == 0) return InvalidArgument("divide by zero");
-  DK_DISPATCH_DTYPE(dtype, divideLoop<T>(static_cast<T*>(dst), static_cast<const T*>(src), count,
-                                         divisor));
+  DK_DISPATCH_DTYPE(
+      dtype, divideLoop<T>(static_cast<T*>(dst), static_cast<const T*>(src), count, divisor));
   return Status::Ok();
 }
 

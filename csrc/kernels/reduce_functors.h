@@ -82,30 +82,30 @@ struct MinOp {
 
 // Calls fn(FunctorInstance) for a runtime RedOp; AVG reduces as SUM (the caller divides once
 // at the end so that every rank divides the same fully reduced value).
-#define DK_DISPATCH_REDOP(op, ...)                                               \
-  switch (op) {                                                                  \
-    case ::dk::RedOp::kSum:                                                      \
-    case ::dk::RedOp::kAvg: {                                                    \
-      using Op = ::dk::kernels::SumOp;                                           \
-      __VA_ARGS__;                                                               \
-      break;                                                                     \
-    }                                                                            \
-    case ::dk::RedOp::kProd: {                                                   \
-      using Op = ::dk::kernels::ProdOp;                                          \
-      __VA_ARGS__;                                                               \
-      break;                                                                     \
-    }                                                                            \
-    case ::dk::RedOp::kMax: {                                                    \
-      using Op = ::dk::kernels::MaxOp;                                           \
-      __VA_ARGS__;                                                               \
-      break;                                                                     \
-    }                                                                            \
-    case ::dk::RedOp::kMin: {                                                    \
-      using Op = ::dk::kernels::MinOp;                                           \
-      __VA_ARGS__;                                                               \
-      break;                                                                     \
-    }                                                                            \
-    default:                                                                     \
+#define DK_DISPATCH_REDOP(op, ...)                                                        \
+  switch (op) {                                                                           \
+    case ::dk::RedOp::kSum:                                                               \
+    case ::dk::RedOp::kAvg: {                                                             \
+      using Op = ::dk::kernels::SumOp;                                                    \
+      __VA_ARGS__;                                                                        \
+      break;                                                                              \
+    }                                                                                     \
+    case ::dk::RedOp::kProd: {                                                            \
+      using Op = ::dk::kernels::ProdOp;                                                   \
+      __VA_ARGS__;                                                                        \
+      break;                                                                              \
+    }                                                                                     \
+    case ::dk::RedOp::kMax: {                                                             \
+      using Op = ::dk::kernels::MaxOp;                                                    \
+      __VA_ARGS__;                                                                        \
+      break;                                                                              \
+    }                                                                                     \
+    case ::dk::RedOp::kMin: {                                                             \
+      using Op = ::dk::kernels::MinOp;                                                    \
+      __VA_ARGS__;                                                                        \
+      break;                                                                              \
+    }                                                                                     \
+    default:                                                                              \
       return ::dk::InvalidArgument("unsupported reduce op " + std::to_string((int)(op))); \
   }
 
