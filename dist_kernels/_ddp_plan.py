@@ -1,0 +1,201 @@
+"""Pure planning for the DDP engine: bucket order, cross-rank fingerprints, model descriptions.
+
+Nothing here communicates or touches gradients; every function is data in, data out, so the
+unit tests check it without ranks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+#: Bucket status slots: the last bucket launched in a backward carries these two trailing
+#: elements, summed by its all-reduce like the gradients, so they cost no extra collective.
+#: FOUND_INF: this rank saw an inf/NaN gradient. ERROR: this rank's backward was incomplete
+#: (a parameter without a gradient): peers raise instead of unpacking garbage.
+FOUND_INF_SLOT = 0
+ERROR_SLOT = 1
+STATUS_SLOTS = 2
+
+#: Fingerprint fields exchanged under DK_DEBUG=1 before every bucket all-reduce.
+FINGERPRINT_FIELDS = ("sequence", "bucket", "numel", "dtype", "params", "layout", "status")
+STATUS_OK = 0
+STATUS_INCOMPLETE = 1
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each gradient of one bucket lives in the bucket's flat wire buffer.
+
+    ``offsets`` and ``numel`` count elements of ``dtype`` (the wire dtype); every offset is
+    aligned to 16 bytes. ``numel`` includes trailing padding and, for the last bucket, the
+    :data:`STATUS_SLOTS` status elements at ``status_offset``.
+    """
+
+    index: int
+    param_indices: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    status_offset: Optional[int] = None
+
+    def describe(self) -> str:
+        """One line: ``bucket 0: 3 params, 1024 x bfloat16 (2.0 KiB)``."""
+        nbytes = self.numel * _itemsize(self.dtype)
+        dtype = str(self.dtype).replace("torch.", "")
+        status = ", status slots" if self.status_offset is not None else ""
+        return (
+            f"bucket {self.index}: {len(self.param_indices)} params, {self.numel} x {dtype} "
+            f"({nbytes / 1024:.1f} KiB){status}"
+        )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _align(numel: int, dtype: torch.dtype, alignment_bytes: int = 16) -> int:
+    per = max(1, alignment_bytes // _itemsize(dtype))
+    return (numel + per - 1) // per * per
+
+
+def plan_layouts(
+    order: Sequence[int],
+    sizes: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    *,
+    wire_dtype: Optional[torch.dtype],
+    bucket_cap_bytes: int,
+    first_bucket_bytes: int,
+) -> List[BucketLayout]:
+    """Assigns parameters to buckets in ``order`` (the order their gradients become ready).
+
+    A bucket holds one wire dtype (``wire_dtype``, or the parameter's dtype when None) and
+    closes when adding the next parameter would pass the cap; the first bucket closes at
+    ``first_bucket_bytes`` so the first all-reduce starts early in backward. A parameter is
+    never split (one larger than the cap gets a bucket of its own). Offsets are 16-byte
+    aligned. The last bucket (launched last) gets the status slots.
+
+    Invariant: every parameter index in ``order`` appears in exactly one bucket, and buckets
+    are numbered in launch order.
+    """
+    open_buckets: Dict[torch.dtype, List[int]] = {}
+    open_bytes: Dict[torch.dtype, int] = {}
+    closed: List[Tuple[torch.dtype, List[int]]] = []
+    for index in order:
+        dtype = wire_dtype or dtypes[index]
+        nbytes = _align(sizes[index], dtype) * _itemsize(dtype)
+        cap = first_bucket_bytes if not closed else bucket_cap_bytes
+        members = open_buckets.setdefault(dtype, [])
+        if members and open_bytes[dtype] + nbytes > cap:
+            closed.append((dtype, members))
+            members = open_buckets[dtype] = []
+            open_bytes[dtype] = 0
+        members.append(index)
+        open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
+    closed.extend((d, m) for d, m in open_buckets.items() if m)
+    layouts = [
+        _layout(i, dtype, members, sizes, status=(i == len(closed) - 1))
+        for i, (dtype, members) in enumerate(closed)
+    ]
+    return layouts
+
+
+def _layout(
+    index: int, dtype: torch.dtype, members: List[int], sizes: Sequence[int], status: bool
+) -> BucketLayout:
+    offsets, cursor = [], 0
+    for member in members:
+        offsets.append(cursor)
+        cursor += _align(sizes[member], dtype)
+    status_offset = cursor if status else None
+    numel = _align(cursor + (STATUS_SLOTS if status else 0), dtype)
+    return BucketLayout(
+        index=index,
+        param_indices=tuple(members),
+        offsets=tuple(offsets),
+        sizes=tuple(sizes[m] for m in members),
+        numel=numel,
+        dtype=dtype,
+        status_offset=status_offset,
+    )
+
+
+def rebuilt_order(ready_order: Sequence[int], num_params: int) -> List[int]:
+    """The bucket order for later iterations: gradients in the order they became ready.
+
+    Parameters never observed (unused in the first iteration) follow in reverse registration
+    order, the order autograd usually produces for them. Duplicates keep their first position.
+    """
+    seen = set()
+    order = []
+    for index in ready_order:
+        if not 0 <= index < num_params:
+            raise ValueError(f"ready_order: index {index} outside [0, {num_params})")
+        if index not in seen:
+            seen.add(index)
+            order.append(index)
+    order.extend(i for i in reversed(range(num_params)) if i not in seen)
+    return order
+
+
+def layout_signature(layouts: Sequence[BucketLayout]) -> int:
+    """A 31-bit checksum of every bucket's members and offsets (fingerprint ``layout``)."""
+    text = ";".join(f"{b.param_indices}{b.offsets}{b.numel}{b.dtype}" for b in layouts)
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def fingerprint(
+    sequence: int, bucket: BucketLayout, dtype_code: int, layout: int, status: int
+) -> List[int]:
+    """The integers all ranks compare before one bucket's all-reduce (DK_DEBUG=1)."""
+    return [sequence, bucket.index, bucket.numel, dtype_code, len(bucket.param_indices), layout,
+            status]  # fmt: skip
+
+
+def fingerprint_mismatch(per_rank: Sequence[Sequence[int]]) -> Optional[str]:
+    """None when every rank sent the same fingerprint, else a message naming ranks and buckets.
+
+    ``per_rank[r]`` is rank r's :func:`fingerprint`. Ranks are grouped by what they sent, so
+    the message reads "rank 0: bucket 3 ...; ranks 1, 2: bucket 2 ...".
+    """
+    groups: Dict[Tuple[int, ...], List[int]] = {}
+    for rank, fields in enumerate(per_rank):
+        groups.setdefault(tuple(int(f) for f in fields), []).append(rank)
+    if len(groups) == 1:
+        return None
+    parts = []
+    for fields, ranks in groups.items():
+        who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+        named = dict(zip(FINGERPRINT_FIELDS, fields))
+        state = "incomplete backward" if named["status"] == STATUS_INCOMPLETE else "ready"
+        parts.append(
+            f"{who}: all-reduce #{named['sequence']} of bucket {named['bucket']} "
+            f"({named['numel']} elements, dtype code {named['dtype']}, {named['params']} params, "
+            f"layout {named['layout']:#x}, {state})"
+        )
+    return "DDP bucket fingerprints differ across ranks: " + "; ".join(parts)
+
+
+def describe_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> List[str]:
+    """``name shape dtype`` lines that must agree across ranks before parameters are broadcast."""
+    return [f"{name} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for name, t in named]
+
+
+def first_description_mismatch(per_rank: Sequence[Sequence[str]]) -> Optional[str]:
+    """None when all ranks describe the same model, else the first differing entry and ranks."""
+    longest = max(len(d) for d in per_rank)
+    for position in range(longest):
+        entries = [d[position] if position < len(d) else "<missing>" for d in per_rank]
+        if len(set(entries)) > 1:
+            differing = [r for r, e in enumerate(entries) if e != entries[0]]
+            shown = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
+            return (
+                f"DistributedDataParallel: models differ across ranks at entry {position} "
+                f"(ranks {differing} differ from rank 0): {shown}"
+            )
+    return None

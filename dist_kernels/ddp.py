@@ -1,0 +1,496 @@
+"""DistributedDataParallel: bucketed gradient all-reduce overlapped with backward.
+
+Drop-in for ``torch.nn.parallel.DistributedDataParallel`` where the options mean the same::
+
+    model = dk.DDP(module, bucket_cap_mb=25, grad_dtype=torch.bfloat16)
+    loss = model(x).sum(); loss.backward()        # .grad now holds the mean over ranks
+    with model.no_sync(): model(x2).sum().backward()   # accumulate locally
+
+How one backward runs (details in docs/ddp.md):
+
+1. A post-accumulate-grad hook marks each parameter ready. When a bucket's last gradient is
+   ready (and every earlier bucket has been launched, so all ranks issue collectives in the same
+   order), its gradients are packed into the bucket (cast to the wire dtype and pre-divided in
+   one pass) and its all-reduce starts asynchronously, overlapping the rest of backward.
+2. A callback queued on the autograd engine runs when backward ends: it launches what is left
+   (parameters without gradients under ``find_unused_parameters``), waits, and unpacks every
+   bucket into ``.grad`` (cast back and post-scaled in one pass).
+3. After the first synchronised backward the buckets are re-planned in the order gradients
+   actually became ready on rank 0, broadcast so that all ranks agree.
+
+The last bucket carries two status elements summed by its own all-reduce: "found inf" (for loss
+scaling, so skipping a step costs no extra collective) and "incomplete backward" (a rank had a
+parameter without a gradient: every rank raises instead of one hanging).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from . import _ddp_plan as plan
+from ._dtypes import DTYPE_CODES, ReduceOp
+
+__all__ = ["DistributedDataParallel", "DDP"]
+
+_WIRE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
+_MB = 1024 * 1024
+
+
+def _default_comm() -> Any:
+    try:
+        from .communicator import Communicator
+    except ImportError:  # the Communicator is not built yet: torch.distributed stand-in
+        from ._ddp_shims import TorchDistComm
+
+        return TorchDistComm()
+    return Communicator()
+
+
+def _kernels() -> Tuple[Any, Any]:
+    try:
+        from .bucketing import pack, unpack
+    except ImportError:
+        from ._ddp_shims import pack, unpack
+    return pack, unpack
+
+
+class _BackwardPass:
+    """Bookkeeping of one synchronised backward."""
+
+    def __init__(self, layouts: Sequence[plan.BucketLayout], num_params: int) -> None:
+        self.pending = [len(b.param_indices) for b in layouts]
+        self.ready = [False] * num_params
+        self.used = [False] * num_params
+        self.ready_order: List[int] = []
+        self.next_launch = 0
+        self.works: List[Any] = [None] * len(layouts)
+        self.found_inf = torch.zeros(1, dtype=torch.float32)
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism over a dist_kernels Communicator, with torch DDP's options.
+
+    Args:
+        module: the model; identical structure on every rank (checked at construction).
+        comm: a :class:`dist_kernels.Communicator`; default: a new one over the default group.
+        bucket_cap_mb: bucket size cap in MiB (torch: 25).
+        first_bucket_mb: cap of the first bucket, so communication starts early in backward.
+        grad_dtype: dtype on the wire (``torch.bfloat16``/``torch.float16``), reduced with FP32
+            accumulation; None keeps each parameter's dtype.
+        algorithm: all-reduce algorithm passed to the Communicator ("auto", "ring", "tree").
+        gradient_predivide_factor: divide gradients by this before the all-reduce and by
+            ``world_size / factor`` after (None: divide by ``world_size`` before, as torch does).
+        find_unused_parameters: parameters that get no gradient in a backward are treated as
+            ready with a zero gradient; ones unused on every rank keep ``.grad`` untouched.
+        broadcast_buffers: broadcast buffers from rank 0 before every forward.
+        loss_scaler: a :class:`dist_kernels.LossScaler`; its found-inf flag then travels in the
+            last bucket's all-reduce, and gradients are unscaled while they are unpacked.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Any = None,
+        *,
+        bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1,
+        grad_dtype: Optional[torch.dtype] = None,
+        algorithm: str = "auto",
+        gradient_predivide_factor: Optional[float] = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        loss_scaler: Any = None,
+    ) -> None:
+        super().__init__()
+        _check_options(
+            module, bucket_cap_mb, first_bucket_mb, grad_dtype, gradient_predivide_factor
+        )
+        self.module = module
+        self.comm = comm if comm is not None else _default_comm()
+        self.world_size = self.comm.world_size
+        self.rank = self.comm.rank
+        self.grad_dtype = grad_dtype
+        self.algorithm = algorithm
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.loss_scaler = loss_scaler
+        self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
+        self._first_bucket_bytes = int(first_bucket_mb * _MB)
+        factor = float(gradient_predivide_factor or self.world_size)
+        self._pre_scale, self._post_scale = 1.0 / factor, factor / self.world_size
+        self._debug = os.environ.get("DK_DEBUG", "0") not in ("", "0")
+        self._pack, self._unpack = _kernels()
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._module_buffers = [b for _, b in module.named_buffers()]
+        self._check_models_agree()
+        self._broadcast_state(list(module.parameters()) + self._module_buffers)
+        self._buffer_flat = self._alloc_bytes(self._module_buffers)
+
+        self._require_backward_grad_sync = True
+        self._armed = False
+        self._unused_at_forward: List[int] = []
+        self._pass: Optional[_BackwardPass] = None
+        self._sequence = 0
+        self._rebuilt = False
+        #: True when the last synchronised backward found an inf/NaN gradient on any rank.
+        self.found_inf = False
+        self._used_mask = self.comm.empty((max(1, len(self._params)),), torch.float32)
+        self._set_layouts(list(reversed(range(len(self._params)))))
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self._params)
+        ]
+
+    # ----------------------------------------------------------------- construction
+
+    def _check_models_agree(self) -> None:
+        """Raises ValueError on every rank when parameter/buffer names or shapes differ."""
+        if self.world_size == 1:
+            return
+        entries = plan.describe_parameters(list(self.module.named_parameters()))
+        entries += [
+            "buffer " + e for e in plan.describe_parameters(list(self.module.named_buffers()))
+        ]
+        per_rank = self._all_gather_bytes("\n".join(entries).encode())
+        message = plan.first_description_mismatch([b.decode().split("\n") for b in per_rank])
+        if message:
+            raise ValueError(f"[rank {self.rank}] {message}")
+
+    def _all_gather_bytes(self, data: bytes) -> List[bytes]:
+        lengths = torch.zeros(self.world_size, dtype=torch.int64)
+        self.comm.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64))
+        longest = int(lengths.max())
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.zeros(self.world_size * longest, dtype=torch.uint8)
+        self.comm.all_gather(out, mine)
+        chunks = out.view(self.world_size, longest)
+        return [bytes(chunks[r, : int(lengths[r])].tolist()) for r in range(self.world_size)]
+
+    def _alloc_bytes(self, tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if self.world_size == 1 or total == 0:
+            return None
+        return self.comm.empty((total,), torch.uint8)
+
+    def _broadcast_state(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copies rank 0's values of ``tensors`` to every rank: one byte-wise broadcast."""
+        flat = self._alloc_bytes(tensors)
+        if flat is not None:
+            _broadcast_bytes(self.comm, flat, tensors)
+
+    def _set_layouts(self, order: Sequence[int]) -> None:
+        """Plans buckets in ``order`` and allocates them in registered memory (collective)."""
+        layouts = plan.plan_layouts(
+            order,
+            [p.numel() for p in self._params],
+            [p.dtype for p in self._params],
+            wire_dtype=self.grad_dtype,
+            bucket_cap_bytes=self._bucket_cap_bytes,
+            first_bucket_bytes=self._first_bucket_bytes,
+        )
+        self._layouts = layouts
+        self._layout_id = plan.layout_signature(layouts)
+        self._bucket_of = {i: b.index for b in layouts for i in b.param_indices}
+        self._buckets = [self.comm.empty((b.numel,), b.dtype) for b in layouts]
+        for bucket in self._buckets:
+            bucket.zero_()
+
+    @property
+    def bucket_layouts(self) -> List[plan.BucketLayout]:
+        """The current bucket plan, in launch order."""
+        return list(self._layouts)
+
+    def describe_buckets(self) -> str:
+        """The bucket plan, one bucket a line, with parameter names."""
+        lines = []
+        for b in self._layouts:
+            names = ", ".join(self._names[i] for i in b.param_indices)
+            lines.append(f"{b.describe()}: {names}")
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------- forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._armed = torch.is_grad_enabled() and self._require_backward_grad_sync
+        if self.broadcast_buffers and self._buffer_flat is not None:
+            _broadcast_bytes(self.comm, self._buffer_flat, self._module_buffers)
+        output = self.module(*args, **kwargs)
+        if self._armed and self.find_unused_parameters:
+            self._unused_at_forward = self._unused_in_graph(output)
+        return output
+
+    def _unused_in_graph(self, output: Any) -> List[int]:
+        """Parameters the autograd graph of ``output`` cannot reach (torch DDP's traversal)."""
+        reached = set()
+        stack = [t.grad_fn for t in tree_leaves(output) if torch.is_tensor(t) and t.grad_fn]
+        reached.update(id(t) for t in tree_leaves(output) if torch.is_tensor(t) and t.is_leaf)
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                reached.add(id(variable))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return [i for i, p in enumerate(self._params) if id(p) not in reached]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forwards run inside accumulate gradients locally, without comms."""
+        previous = self._require_backward_grad_sync
+        self._require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self._require_backward_grad_sync = previous
+
+    # ----------------------------------------------------------------- backward
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self._armed:
+                return
+            try:
+                if self._pass is None:
+                    self._start_pass()
+                self._mark_ready(index, used=True)
+            except BaseException:
+                self._pass = None
+                self._armed = False
+                raise
+
+        return hook
+
+    def _start_pass(self) -> None:
+        self._pass = _BackwardPass(self._layouts, len(self._params))
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        for index in self._unused_at_forward:
+            self._mark_ready(index, used=False)
+
+    def _mark_ready(self, index: int, used: bool) -> None:
+        state = self._pass
+        if state.ready[index]:
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel: parameter '{self._names[index]}' "
+                "received a gradient twice in one backward (reentrant checkpointing or a "
+                "second backward through the same forward); use no_sync() for the extra passes"
+            )
+        state.ready[index] = True
+        state.used[index] = used
+        if used:
+            state.ready_order.append(index)
+        state.pending[self._bucket_of[index]] -= 1
+        while state.next_launch < len(self._layouts) and state.pending[state.next_launch] == 0:
+            self._launch(state.next_launch, plan.STATUS_OK)
+            state.next_launch += 1
+
+    def _launch(self, bucket_index: int, status: int) -> None:
+        """Packs one bucket and starts its all-reduce asynchronously."""
+        layout, bucket, state = self._layouts[bucket_index], self._buckets[bucket_index], self._pass
+        grads, offsets = [], []
+        for index, offset, size in zip(layout.param_indices, layout.offsets, layout.sizes):
+            grad = self._params[index].grad
+            if grad is None:
+                bucket[offset : offset + size].zero_()
+            else:
+                grads.append(grad)
+                offsets.append(offset)
+        if grads:
+            self._pack(grads, bucket, offsets, self._pre_scale, state.found_inf)
+        if layout.status_offset is not None:
+            slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
+            slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
+            slots[plan.ERROR_SLOT] = float(status != plan.STATUS_OK)
+        if self._debug:
+            self._check_fingerprint(layout, status)
+        self._sequence += 1
+        state.works[bucket_index] = self.comm.all_reduce(
+            bucket, op=ReduceOp.SUM, algorithm=self.algorithm, async_op=True
+        )
+
+    def _check_fingerprint(self, layout: plan.BucketLayout, status: int) -> None:
+        """DK_DEBUG=1: all ranks compare what they are about to all-reduce; raise on mismatch."""
+        mine = plan.fingerprint(
+            self._sequence, layout, DTYPE_CODES[layout.dtype], self._layout_id, status
+        )
+        out = torch.zeros(self.world_size * len(mine), dtype=torch.int64)
+        self.comm.all_gather(out, torch.tensor(mine, dtype=torch.int64))
+        message = plan.fingerprint_mismatch(out.view(self.world_size, -1).tolist())
+        if message:
+            raise RuntimeError(f"[rank {self.rank}] {message}{self._missing_note()}")
+
+    def _missing_note(self) -> str:
+        missing = self._missing_params()
+        if not missing:
+            return ""
+        return f". This rank got no gradient for: {', '.join(missing)}"
+
+    def _missing_params(self) -> List[str]:
+        if self._pass is None:
+            return []
+        return [self._names[i] for i, ready in enumerate(self._pass.ready) if not ready]
+
+    def _finish_backward(self) -> None:
+        """End of backward: launch the rest, wait, check the status slots, unpack into .grad."""
+        state = self._pass
+        try:
+            local_error = self._launch_remaining(state)
+            used_work = self._reduce_used_mask(state)
+            for work in state.works:
+                work.wait()
+            status = self._read_status()
+            if local_error or status[plan.ERROR_SLOT] > 0:
+                raise RuntimeError(local_error or self._peer_error(status[plan.ERROR_SLOT]))
+            if used_work is not None:
+                used_work.wait()
+            self._unpack_all(status[plan.FOUND_INF_SLOT] > 0)
+            if not self._rebuilt:
+                self._rebuild(state.ready_order)
+        finally:
+            self._pass = None
+            self._armed = False
+
+    def _launch_remaining(self, state: _BackwardPass) -> Optional[str]:
+        """Marks gradient-less parameters ready, or launches the rest flagged as an error."""
+        missing = [i for i, ready in enumerate(state.ready) if not ready]
+        if not missing:
+            return None
+        if self.find_unused_parameters:
+            for index in missing:
+                self._mark_ready(index, used=False)
+            return None
+        names = ", ".join(repr(self._names[i]) for i in missing)
+        # Peers may be waiting on these buckets: send them, flagged, so every rank raises.
+        for bucket_index in range(state.next_launch, len(self._layouts)):
+            self._launch(bucket_index, plan.STATUS_INCOMPLETE)
+        state.next_launch = len(self._layouts)
+        return (
+            f"[rank {self.rank}] DistributedDataParallel: these parameters received no gradient "
+            f"in this backward: {names}. Either make every parameter take part in the loss, "
+            "or construct with find_unused_parameters=True."
+        )
+
+    def _reduce_used_mask(self, state: _BackwardPass) -> Any:
+        if not self.find_unused_parameters:
+            return None
+        self._used_mask[: len(state.used)].copy_(torch.tensor(state.used, dtype=torch.float32))
+        return self.comm.all_reduce(self._used_mask, op=ReduceOp.SUM, async_op=True)
+
+    def _read_status(self) -> List[float]:
+        last = self._layouts[-1] if self._layouts else None
+        if last is None:
+            return [0.0] * plan.STATUS_SLOTS
+        slots = self._buckets[-1][last.status_offset : last.status_offset + plan.STATUS_SLOTS]
+        return slots.float().tolist()
+
+    def _peer_error(self, count: float) -> str:
+        return (
+            f"[rank {self.rank}] DistributedDataParallel: {int(round(count))} other rank(s) "
+            "had parameters without a gradient in this backward (their error names them); "
+            "construct with find_unused_parameters=True if that is intended."
+        )
+
+    def _unpack_all(self, found_inf: bool) -> None:
+        """Buckets back into .grad: cast, post-scale (and unscale), overwrite."""
+        scale = self._post_scale
+        if self.loss_scaler is not None and _scaler_enabled(self.loss_scaler):
+            scale /= float(self.loss_scaler.get_scale())
+        globally_used = self._used_mask.tolist() if self.find_unused_parameters else None
+        for layout, bucket in zip(self._layouts, self._buckets):
+            grads, offsets = [], []
+            for index, offset in zip(layout.param_indices, layout.offsets):
+                param = self._params[index]
+                if globally_used is not None and globally_used[index] == 0:
+                    continue
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                grads.append(param.grad)
+                offsets.append(offset)
+            if grads:
+                self._unpack(bucket, grads, offsets, scale)
+        self.found_inf = found_inf
+
+    def _rebuild(self, ready_order: Sequence[int]) -> None:
+        """Re-plans buckets in rank 0's observed gradient-ready order (collective)."""
+        self._rebuilt = True
+        order = torch.tensor(plan.rebuilt_order(ready_order, len(self._params)), dtype=torch.int64)
+        if self.world_size > 1 and order.numel():
+            self.comm.broadcast(order, 0)
+        if order.tolist() != self._planned_order():
+            self._set_layouts(order.tolist())
+
+    def _planned_order(self) -> List[int]:
+        return [i for b in self._layouts for i in b.param_indices]
+
+
+DDP = DistributedDataParallel
+
+
+def _check_options(
+    module: nn.Module,
+    bucket_cap_mb: float,
+    first_bucket_mb: float,
+    grad_dtype: Optional[torch.dtype],
+    gradient_predivide_factor: Optional[float],
+) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+        raise ValueError(
+            f"bucket_cap_mb ({bucket_cap_mb}) and first_bucket_mb ({first_bucket_mb}) must be > 0"
+        )
+    if grad_dtype not in _WIRE_DTYPES:
+        raise TypeError(
+            f"grad_dtype: expected None, float32, float16 or bfloat16, got {grad_dtype}"
+        )
+    if gradient_predivide_factor is not None and gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if any(p.is_sparse for p in module.parameters()):
+        raise TypeError("module: sparse parameters are not supported")
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _broadcast_bytes(comm: Any, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Rank 0's bytes of ``tensors`` to every rank through one registered byte buffer."""
+    views: List[Tuple[torch.Tensor, int, int]] = []
+    offset = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        views.append((t, offset, nbytes))
+        offset += nbytes
+    if comm.rank == 0:
+        for t, start, nbytes in views:
+            flat[start : start + nbytes].copy_(_as_bytes(t.detach()))
+    comm.broadcast(flat, 0)
+    if comm.rank != 0:
+        with torch.no_grad():
+            for t, start, nbytes in views:
+                _copy_bytes_into(t, flat[start : start + nbytes])
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _copy_bytes_into(t: torch.Tensor, data: torch.Tensor) -> None:
+    if t.is_contiguous():
+        t.reshape(-1).view(torch.uint8).copy_(data)
+    else:
+        t.copy_(data.view(t.dtype).view(t.shape))
