@@ -75,8 +75,9 @@ def plan_layouts(
     """Assigns parameters to buckets in ``order`` (the order their gradients become ready).
 
     A bucket holds one wire dtype (``wire_dtype``, or the parameter's dtype when None) and
-    closes when adding the next parameter would pass the cap; the first bucket closes at
-    ``first_bucket_bytes`` so the first all-reduce starts early in backward. A parameter is
+    closes when adding the next parameter would pass the cap; buckets opened before any bucket
+    closed (the first one, or the first of each dtype) close at ``first_bucket_bytes`` instead,
+    so the first all-reduce starts early in backward. A parameter is
     never split (one larger than the cap gets a bucket of its own). Offsets are 16-byte
     aligned. The last bucket (launched last) gets the status slots.
 
@@ -85,18 +86,20 @@ def plan_layouts(
     """
     open_buckets: Dict[torch.dtype, List[int]] = {}
     open_bytes: Dict[torch.dtype, int] = {}
+    open_cap: Dict[torch.dtype, int] = {}
     closed: List[Tuple[torch.dtype, List[int]]] = []
     for index in order:
         dtype = wire_dtype or dtypes[index]
         nbytes = _align(sizes[index], dtype) * _itemsize(dtype)
-        cap = first_bucket_bytes if not closed else bucket_cap_bytes
         members = open_buckets.setdefault(dtype, [])
-        if members and open_bytes[dtype] + nbytes > cap:
+        if members and open_bytes[dtype] + nbytes > open_cap[dtype]:
             closed.append((dtype, members))
             members = open_buckets[dtype] = []
+        if not members:
             open_bytes[dtype] = 0
+            open_cap[dtype] = first_bucket_bytes if not closed else bucket_cap_bytes
         members.append(index)
-        open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
+        open_bytes[dtype] += nbytes
     closed.extend((d, m) for d, m in open_buckets.items() if m)
     layouts = [
         _layout(i, dtype, members, sizes, status=(i == len(closed) - 1))

@@ -330,7 +330,8 @@ class DistributedDataParallel(nn.Module):
         self.comm.all_gather(out, torch.tensor(mine, dtype=torch.int64))
         message = plan.fingerprint_mismatch(out.view(self.world_size, -1).tolist())
         if message:
-            raise RuntimeError(f"[rank {self.rank}] {message}{self._missing_note()}")
+            note = self._missing_note() if status != plan.STATUS_OK else ""
+            raise RuntimeError(f"[rank {self.rank}] {message}{note}")
 
     def _missing_note(self) -> str:
         missing = self._missing_params()

@@ -1,0 +1,341 @@
+"""DistributedDataParallel on 2 and 4 CPU ranks against a single process and torch DDP (gloo).
+
+Every rank builds the same model from the same seed. The single-process reference trains on the
+concatenation of all ranks' batches (each rank can compute it locally: the data come from a seeded
+generator), so averaging gradients over ranks must reproduce it up to rounding. Many checks run
+inside one ``run_ranks`` call per world size to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Callable, Dict, List
+
+import pytest
+import torch
+import torch.nn as nn
+from mp_pool import run_ranks
+
+SEED = 1234
+STEPS = 4
+PER_RANK = 4  # samples per rank per step
+FP32_RTOL = 1e-5
+#: Wire-dtype tolerance, relative to the largest parameter, after STEPS SGD steps (docs/ddp.md).
+#: Each gradient is rounded twice (pack, result): up to 2^-8 relative for BF16, 2^-11 for FP16.
+#: Measured on 2 ranks: 3.3e-5 (BF16) and 3.5e-6 (FP16); the bounds leave about 15x margin.
+WIRE_RTOL = {torch.bfloat16: 5e-4, torch.float16: 6e-5}
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+    def __init__(self, batch_norm: bool = False, extra: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32) if batch_norm else nn.Identity()
+        self.fc2 = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+        self.unused = nn.Linear(4, 4) if extra else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.fc1(x)))
+        return self.head(torch.relu(self.fc2(h)))
+
+
+class Branchy(nn.Module):
+    """``skip_b`` on a rank leaves ``b`` without a gradient there (rank-dependent use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 4)
+        self.never = nn.Linear(16, 4)
+        self.skip_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x)
+        return out if self.skip_b else out + self.b(x)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, two encoder layers and a head; ``tied`` shares the embedding with the head."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def _batches(kind: str, world_size: int, steps: int, per_rank: int) -> List[tuple]:
+    """Global batches (all ranks' samples, rank-major), identical on every rank."""
+    gen = torch.Generator().manual_seed(SEED + 1)
+    n = world_size * per_rank
+    if kind == "tokens":
+        return [
+            (
+                torch.randint(0, 50, (n, 6), generator=gen),
+                torch.randint(0, 50, (n, 6), generator=gen),
+            )
+            for _ in range(steps)
+        ]
+    return [
+        (torch.randn(n, 16, generator=gen), torch.randn(n, 4, generator=gen)) for _ in range(steps)
+    ]
+
+
+def _loss(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if kind == "tokens":
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return nn.functional.mse_loss(out, target)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _train(model: nn.Module, kind: str, batches, shard: slice, micro: int = 1) -> nn.Module:
+    """SGD with momentum; ``micro`` > 1 splits each step's shard into micro-batches (no_sync)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        x, y = x[shard], y[shard]
+        chunks = list(zip(x.chunk(micro), y.chunk(micro)))
+        for i, (xc, yc) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else _nullcontext()
+            with ctx:
+                (_loss(kind, model(xc), yc) / len(chunks)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    inner = getattr(model, "module", model)
+    return {n: p.detach().clone() for n, p in inner.named_parameters()}
+
+
+def _digest(params: Dict[str, torch.Tensor]) -> str:
+    """Hash of the parameters' bytes: ranks must end bitwise identical."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(params[name].numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    scale = max(t.abs().max().item() for t in b.values())
+    return max((a[k] - b[k]).abs().max().item() for k in a) / scale
+
+
+def _run_case(make: Callable[[], nn.Module], kind: str, micro: int = 1, **ddp_kwargs) -> dict:
+    """Trains our DDP, torch DDP and the single-process reference from the same start."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    base = make()
+    batches = _batches(kind, world, STEPS, PER_RANK * micro)
+    n = PER_RANK * micro
+    shard = slice(rank * n, (rank + 1) * n)
+    ours = _train(dk.DDP(copy.deepcopy(base), **ddp_kwargs), kind, batches, shard, micro)
+    torch_kwargs = {"find_unused_parameters": ddp_kwargs.get("find_unused_parameters", False)}
+    theirs = _train(
+        nn.parallel.DistributedDataParallel(copy.deepcopy(base), **torch_kwargs),
+        kind,
+        batches,
+        shard,
+        micro,
+    )
+    single = _train(copy.deepcopy(base), kind, batches, slice(None))
+    result = {
+        "vs_single": _rel_diff(_params(ours), _params(single)),
+        "vs_torch": _rel_diff(_params(ours), _params(theirs)),
+        "torch_vs_single": _rel_diff(_params(theirs), _params(single)),
+        "keys_match": list(ours.state_dict()) == list(theirs.state_dict()),
+        "digest": _digest(_params(ours)),
+    }
+    return result
+
+
+def _fp32_cases() -> Dict[str, dict]:
+    return {
+        "mlp": _run_case(MLP, "dense", bucket_cap_mb=0.004, first_bucket_mb=0.001),
+        "mlp_predivide": _run_case(MLP, "dense", gradient_predivide_factor=2.0),
+        "transformer": _run_case(TinyTransformer, "tokens", bucket_cap_mb=0.02),
+        "tied": _run_case(lambda: TinyTransformer(tied=True), "tokens", bucket_cap_mb=0.02),
+        "no_sync": _run_case(MLP, "dense", micro=3, bucket_cap_mb=0.004),
+        "unused": _run_case(lambda: MLP(extra=True), "dense", find_unused_parameters=True),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_matches_single_process_and_torch_ddp(world_size):
+    print(f"seed {SEED}")
+    results = run_ranks(world_size, _fp32_cases, timeout=180)
+    for name, case in results[0].items():
+        print(f"world {world_size} {name}: {case}")
+        assert case["vs_single"] < FP32_RTOL, (name, case)
+        assert case["vs_torch"] < FP32_RTOL, (name, case)
+        assert case["keys_match"], name
+    for name in results[0]:
+        assert len({r[name]["digest"] for r in results}) == 1, f"{name}: ranks differ"
+
+
+def _wire_cases() -> Dict[str, float]:
+    """Relative difference of BF16/FP16-wire training from the FP32-wire run."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    base = TinyTransformer()
+    batches = _batches("tokens", world, STEPS, PER_RANK)
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    runs = {}
+    for dtype in (None, torch.bfloat16, torch.float16):
+        model = dk.DDP(copy.deepcopy(base), grad_dtype=dtype, bucket_cap_mb=0.02)
+        runs[dtype] = _params(_train(model, "tokens", batches, shard))
+    return {str(d): _rel_diff(runs[d], runs[None]) for d in (torch.bfloat16, torch.float16)}
+
+
+def test_low_precision_wire_within_tolerance():
+    results = run_ranks(2, _wire_cases, timeout=120)
+    print(f"seed {SEED}: relative difference from the FP32 wire: {results[0]}")
+    for dtype, tol in WIRE_RTOL.items():
+        diff = results[0][str(dtype)]
+        assert 0 < diff < tol, (dtype, diff)
+
+
+def _structure_cases() -> dict:
+    """Buffers (BatchNorm, broadcast from rank 0), rank-dependent use, untouched unused grads."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    out = {}
+    # BatchNorm: per-rank batch statistics, running stats broadcast from rank 0 as torch does.
+    base = MLP(batch_norm=True)
+    batches = _batches("dense", world, STEPS, PER_RANK)
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    ours = _train(dk.DDP(copy.deepcopy(base)), "dense", batches, shard)
+    theirs = _train(
+        nn.parallel.DistributedDataParallel(copy.deepcopy(base)), "dense", batches, shard
+    )
+    out["bn_params"] = _rel_diff(_params(ours), _params(theirs))
+    # Buffers after one more forward (which broadcasts rank 0's running stats first).
+    ours(batches[0][0][shard])
+    theirs(batches[0][0][shard])
+    out["bn_buffers"] = max(
+        (a - b).abs().max().item() for a, b in zip(ours.module.buffers(), theirs.module.buffers())
+    )
+    # Rank-dependent use: b has no gradient on rank 1 but does on the others.
+    base = Branchy()
+    models = [
+        dk.DDP(copy.deepcopy(base), find_unused_parameters=True),
+        nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True),
+    ]
+    grads = []
+    for model in models:
+        model.module.skip_b = rank == 1
+        model(batches[0][0][shard]).sum().backward()
+        grads.append({n: p.grad for n, p in model.module.named_parameters()})
+    out["branchy_none"] = sorted(n for n, g in grads[0].items() if g is None)
+    out["branchy_torch_none"] = sorted(n for n, g in grads[1].items() if g is None)
+    out["branchy_diff"] = max(
+        (grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0] if grads[0][n] is not None
+    )
+    # Found-inf: an inf input on the last rank only; every rank learns it from the bucket.
+    model = dk.DDP(MLP())
+    x = batches[0][0][shard].clone()
+    if rank == world - 1:
+        x[0, 0] = float("inf")
+    model(x).sum().backward()
+    out["found_inf"] = model.found_inf
+    model.zero_grad()
+    model(batches[0][0][shard]).sum().backward()
+    out["found_inf_after_clean_step"] = model.found_inf
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_buffers_rank_dependent_use_and_found_inf(world_size):
+    results = run_ranks(world_size, _structure_cases, timeout=120)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+        assert r["bn_params"] < FP32_RTOL and r["bn_buffers"] < 1e-6
+        assert r["branchy_none"] == r["branchy_torch_none"] == ["never.bias", "never.weight"]
+        assert r["branchy_diff"] < 1e-6
+        assert r["found_inf"] is True and r["found_inf_after_clean_step"] is False
+
+
+def _error_cases() -> Dict[str, str]:
+    """Each error case returns the message it raised (or "no error"), then a clean step runs."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank = dist.get_rank()
+    out = {}
+    torch.manual_seed(SEED)
+    try:  # rank 1 has a wider layer
+        dk.DDP(nn.Sequential(nn.Linear(16, 8), nn.Linear(8 + (rank == 1), 4)))
+        out["mismatched_model"] = "no error"
+    except ValueError as e:
+        out["mismatched_model"] = str(e)
+    x = torch.randn(4, 16)
+    for name in ("unused_everywhere", "unused_on_rank1"):
+        module = Branchy()
+        if name == "unused_on_rank1":
+            module.never = None
+            module.skip_b = rank == 1
+        model = dk.DDP(module, bucket_cap_mb=0.0005, first_bucket_mb=0.0002)
+        try:
+            model(x).sum().backward()
+            out[name] = "no error"
+        except RuntimeError as e:
+            out[name] = str(e)
+    # The ranks are still in step: a clean step after the errors works.
+    model = dk.DDP(MLP())
+    model(x).sum().backward()
+    out["clean_after"] = "ok"
+    return out
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_errors_raise_on_every_rank_instead_of_hanging(debug):
+    results = run_ranks(2, _error_cases, timeout=60, env={"DK_DEBUG": debug})
+    for rank, r in enumerate(results):
+        print(f"DK_DEBUG={debug} rank {rank}: {r}")
+        assert "rank 1: 1.weight (4, 9)" in r["mismatched_model"], r
+        assert "'never.weight'" in r["unused_everywhere"], r
+        assert r["clean_after"] == "ok"
+    if debug == "1":
+        for r in results:
+            assert (
+                "fingerprints differ" in r["unused_on_rank1"] and "rank 1:" in r["unused_on_rank1"]
+            )
+    else:
+        assert "other rank(s) had parameters without a gradient" in results[0]["unused_on_rank1"]
+    assert "b.weight" in results[1]["unused_on_rank1"]
