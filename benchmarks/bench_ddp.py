@@ -1,0 +1,243 @@
+"""DDP training-step benchmark: dist_kernels DDP against torch DDP (Gloo), 1 and 2 CPU ranks.
+
+    python benchmarks/bench_ddp.py [--nproc 1 2] [--grad-dtype bf16] [--steps 6] [--rounds 3]
+
+Spawns its own ranks (gloo process group through a TCPStore on localhost, one torch thread per
+rank). Each rank trains a ~20M-parameter transformer; both engines run in the same processes,
+alternating in rounds so that machine noise hits both alike. Per engine and world size it prints:
+
+- step time (median over rounds of the mean of ``--steps`` steps: forward, backward, SGD step),
+- samples/s over all ranks, and scaling efficiency = samples/s(n) / (n * samples/s(1)),
+- hidden fraction of all-reduce time: 1 - (T_step - T_local) / T_allreduce, where T_local is the
+  same step under ``no_sync()`` (no communication) and T_allreduce is the time of all-reducing
+  the engine's buckets back to back with nothing else running. 1 = communication fully hidden
+  behind backward, 0 = fully exposed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Transformer(nn.Module):
+    """GPT-style: embedding (tied with the head), pre-norm encoder layers."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        layer = nn.TransformerEncoderLayer(
+            dim, dim // 64, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.norm(self.blocks(h)))
+
+
+def _make_model(args) -> nn.Module:
+    torch.manual_seed(0)
+    return Transformer(args.vocab, args.dim, args.layers, args.seq)
+
+
+def _step(model, opt, tokens, sync: bool = True) -> None:
+    ctx = model.no_sync() if not sync else _Null()
+    with ctx:
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _time_steps(model, opt, batches, steps: int, sync: bool) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        _step(model, opt, batches[i % len(batches)], sync)
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def _time_allreduce(buffers: List[torch.Tensor], reduce, repeats: int = 3) -> float:
+    """Back-to-back all-reduce of every bucket (nothing else running), best of ``repeats``."""
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for buf in buffers:
+            reduce(buf)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _engines(args, world: int):
+    """(name, model, all-reduce buffers, reduce function) for our DDP and torch DDP."""
+    import dist_kernels as dk
+
+    ours = dk.DDP(
+        _make_model(args), grad_dtype=DTYPES[args.grad_dtype], bucket_cap_mb=args.bucket_mb
+    )
+    theirs = nn.parallel.DistributedDataParallel(_make_model(args), bucket_cap_mb=args.bucket_mb)
+    flat = torch.cat([p.detach().reshape(-1) for p in theirs.parameters()])
+    chunk = int(args.bucket_mb * 2**20 // 4)
+    torch_buckets = [c.clone() for c in flat.split(chunk)]
+    return [
+        ("dist_kernels", ours, None, lambda b: ours.comm.all_reduce(b)),
+        ("torch+gloo", theirs, torch_buckets, lambda b: dist.all_reduce(b)),
+    ]
+
+
+def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=(rank == 0), timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)]
+    results: Dict[str, Dict[str, List[float]]] = {}
+    engines = _engines(args, world)
+    for _name, model, _, _ in engines:  # warm-up (and the first-iteration bucket rebuild)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        for _ in range(2):
+            _step(model, opt, batches[0])
+    for _ in range(args.rounds):
+        for name, model, buffers, reduce in engines:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+            r = results.setdefault(name, {"step": [], "local": [], "allreduce": []})
+            r["step"].append(_time_steps(model, opt, batches, args.steps, sync=True))
+            r["local"].append(_time_steps(model, opt, batches, args.steps, sync=False))
+            if world > 1:
+                bufs = buffers if buffers is not None else model._buckets
+                r["allreduce"].append(_time_allreduce(bufs, reduce))
+    if rank == 0:
+        nparams = sum(p.numel() for p in engines[0][1].parameters())
+        queue.put((world, nparams, results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_world(world: int, args) -> tuple:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, args, queue)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=1800)
+    for p in procs:
+        p.join()
+    return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summarise(args, runs) -> List[dict]:
+    rows = []
+    base = {}
+    for world, nparams, results in runs:
+        for name, r in results.items():
+            step = statistics.median(r["step"])
+            local = statistics.median(r["local"])
+            samples = world * args.batch / step
+            if world == 1:
+                base[name] = samples
+            row = {
+                "engine": name,
+                "world": world,
+                "params_M": nparams / 1e6,
+                "step_ms": step * 1e3,
+                "local_ms": local * 1e3,
+                "samples_per_s": samples,
+                "scaling": samples / (world * base[name]) if name in base else None,
+            }
+            if r["allreduce"]:
+                comm = statistics.median(r["allreduce"])
+                row["allreduce_ms"] = comm * 1e3
+                row["hidden"] = min(1.0, max(0.0, 1 - (step - local) / comm))
+            rows.append(row)
+    return rows
+
+
+def _print(rows: List[dict], args) -> None:
+    print(
+        f"# bench_ddp: {rows[0]['params_M']:.1f}M-parameter transformer, batch {args.batch} x "
+        f"seq {args.seq} per rank, grad dtype {args.grad_dtype}, bucket {args.bucket_mb} MiB, "
+        f"{args.rounds} rounds x {args.steps} steps (median); machine shared, timings noisy"
+    )
+    header = f"{'engine':>13} {'ranks':>5} {'step ms':>9} {'no-comm ms':>10} {'samples/s':>9} "
+    header += f"{'scaling':>7} {'allred ms':>9} {'hidden':>6}"
+    print(header)
+    for r in rows:
+        scaling = f"{r['scaling']:.2f}" if r["scaling"] is not None else "-"
+        comm = f"{r['allreduce_ms']:.1f}" if "allreduce_ms" in r else "-"
+        hidden = f"{r['hidden']:.2f}" if "hidden" in r else "-"
+        print(
+            f"{r['engine']:>13} {r['world']:>5} {r['step_ms']:>9.1f} {r['local_ms']:>10.1f} "
+            f"{r['samples_per_s']:>9.2f} {scaling:>7} {comm:>9} {hidden:>6}"
+        )
+    for world in sorted({r["world"] for r in rows}):
+        by = {r["engine"]: r for r in rows if r["world"] == world}
+        if len(by) == 2:
+            ratio = by["dist_kernels"]["step_ms"] / by["torch+gloo"]["step_ms"]
+            print(f"{world} ranks: step time dist_kernels / torch+gloo = {ratio:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--grad-dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args()
+    runs = [_run_world(n, args) for n in args.nproc]
+    rows = _summarise(args, runs)
+    _print(rows, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
