@@ -42,14 +42,19 @@ _WIRE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 _MB = 1024 * 1024
 
 
-def _default_comm() -> Any:
+def _default_comm(module: nn.Module) -> Any:
+    """The default communicator if ``dk.init()`` ran, else a new one on the module's device."""
     try:
-        from .communicator import Communicator
+        from . import communicator
     except ImportError:  # the Communicator is not built yet: torch.distributed stand-in
         from ._ddp_shims import TorchDistComm
 
         return TorchDistComm()
-    return Communicator()
+    try:
+        return communicator.get_default_communicator()
+    except RuntimeError:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        return communicator.Communicator(device="cuda" if device.type == "cuda" else "cpu")
 
 
 def _kernels() -> Tuple[Any, Any]:
@@ -112,7 +117,7 @@ class DistributedDataParallel(nn.Module):
             module, bucket_cap_mb, first_bucket_mb, grad_dtype, gradient_predivide_factor
         )
         self.module = module
-        self.comm = comm if comm is not None else _default_comm()
+        self.comm = comm if comm is not None else _default_comm(module)
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
         self.grad_dtype = grad_dtype
@@ -300,15 +305,14 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket_index: int, status: int) -> None:
         """Packs one bucket and starts its all-reduce asynchronously."""
         layout, bucket, state = self._layouts[bucket_index], self._buckets[bucket_index], self._pass
-        grads, offsets = [], []
+        present = []
         for index, offset, size in zip(layout.param_indices, layout.offsets, layout.sizes):
             grad = self._params[index].grad
             if grad is None:
                 bucket[offset : offset + size].zero_()
             else:
-                grads.append(grad)
-                offsets.append(offset)
-        if grads:
+                present.append((grad.contiguous(), offset))
+        for grads, offsets in _by_dtype(present):
             self._pack(grads, bucket, offsets, self._pre_scale, state.found_inf)
         if layout.status_offset is not None:
             slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
@@ -411,17 +415,22 @@ class DistributedDataParallel(nn.Module):
             scale /= float(self.loss_scaler.get_scale())
         globally_used = self._used_mask.tolist() if self.find_unused_parameters else None
         for layout, bucket in zip(self._layouts, self._buckets):
-            grads, offsets = [], []
+            targets, strided = [], []
             for index, offset in zip(layout.param_indices, layout.offsets):
                 param = self._params[index]
                 if globally_used is not None and globally_used[index] == 0:
                     continue
                 if param.grad is None:
-                    param.grad = torch.empty_like(param)
-                grads.append(param.grad)
-                offsets.append(offset)
-            if grads:
+                    param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
+                grad = param.grad
+                if not grad.is_contiguous():  # unpack into a dense copy, then scatter
+                    strided.append((grad, grad.contiguous()))
+                    grad = strided[-1][1]
+                targets.append((grad, offset))
+            for grads, offsets in _by_dtype(targets):
                 self._unpack(bucket, grads, offsets, scale)
+            for grad, dense in strided:
+                grad.copy_(dense)
         self.found_inf = found_inf
 
     def _rebuild(self, ready_order: Sequence[int]) -> None:
@@ -461,6 +470,18 @@ def _check_options(
         raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if any(p.is_sparse for p in module.parameters()):
         raise TypeError("module: sparse parameters are not supported")
+
+
+def _by_dtype(
+    pairs: Sequence[Tuple[torch.Tensor, int]],
+) -> List[Tuple[List[torch.Tensor], List[int]]]:
+    """(tensors, offsets) groups of one dtype each: the fused kernels take one input dtype."""
+    groups: dict = {}
+    for tensor, offset in pairs:
+        grads, offsets = groups.setdefault(tensor.dtype, ([], []))
+        grads.append(tensor)
+        offsets.append(offset)
+    return list(groups.values())
 
 
 def _scaler_enabled(scaler: Any) -> bool:
