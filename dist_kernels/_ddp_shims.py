@@ -21,7 +21,10 @@ class TorchDistComm:
         self.world_size = dist.get_world_size(group)
 
     def all_reduce(self, t, op=None, algorithm="auto", async_op=False):
-        return dist.all_reduce(t, group=self.group, async_op=async_op)
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        average = op is not None and int(op) == 4  # ReduceOp.AVG: gloo lacks it
+        done = _Averaged(work, t, self.world_size if average else 1)
+        return done if async_op else done.wait()
 
     def broadcast(self, t, src, async_op=False):
         return dist.broadcast(t, src, group=self.group, async_op=async_op)
@@ -34,6 +37,19 @@ class TorchDistComm:
 
     def empty(self, shape, dtype=torch.float32):
         return torch.empty(shape, dtype=dtype)
+
+
+class _Averaged:
+    """Work whose wait() divides the summed tensor by the number of ranks."""
+
+    def __init__(self, work, tensor, divisor: int) -> None:
+        self.work, self.tensor, self.divisor = work, tensor, divisor
+
+    def wait(self):
+        self.work.wait()
+        if self.divisor != 1:
+            self.tensor.div_(self.divisor)
+            self.divisor = 1
 
 
 def pack(
@@ -61,3 +77,11 @@ def unpack(
     for grad, offset in zip(grads, offsets):
         view = bucket[offset : offset + grad.numel()].view(grad.shape)
         grad.copy_(view.to(torch.float32).mul_(scale) if scale != 1.0 else view)
+
+
+def unscale_(tensors: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.Tensor) -> None:
+    """t *= inv_scale for each tensor; found_inf = 1 if any value is not finite."""
+    for t in tensors:
+        t.mul_(inv_scale)
+        if not torch.isfinite(t).all():
+            found_inf.fill_(1)

@@ -25,6 +25,7 @@ parameter without a gradient: every rank raises instead of one hanging).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -57,12 +58,26 @@ def _default_comm(module: nn.Module) -> Any:
         return communicator.Communicator(device="cuda" if device.type == "cuda" else "cpu")
 
 
-def _kernels() -> Tuple[Any, Any]:
+def _kernels() -> Tuple[Any, Any, Any]:
     try:
-        from .bucketing import pack, unpack
+        from .bucketing import pack, unpack, unscale_
     except ImportError:
-        from ._ddp_shims import pack, unpack
-    return pack, unpack
+        from ._ddp_shims import pack, unpack, unscale_
+    return pack, unpack, unscale_
+
+
+def _mark_unscaled(scaler: Any, found_inf: torch.Tensor) -> None:
+    """Records in a LossScaler that this step's gradients are unscaled, with ``found_inf``.
+
+    Private shim: LossScaler has no public hook for an engine that unscales for it, so every
+    optimizer's per-step state starts as "unscaled" until the scaler's next update().
+    """
+    from .loss_scaler import _Stage
+
+    def unscaled() -> dict:
+        return {"stage": _Stage.UNSCALED, "found_inf": found_inf}
+
+    scaler._per_optimizer_states = collections.defaultdict(unscaled)
 
 
 class _BackwardPass:
@@ -127,10 +142,21 @@ class DistributedDataParallel(nn.Module):
         self.loss_scaler = loss_scaler
         self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
         self._first_bucket_bytes = int(first_bucket_mb * _MB)
+        # Same wire dtype as the parameters and no pre-division: the all-reduce averages
+        # (ReduceOp.AVG) and contiguous parameters' .grad become views of the registered buckets,
+        # so gradients are neither packed nor unpacked. Otherwise pack pre-divides (keeping FP16
+        # partial sums in range) and unpack post-scales.
+        self._grad_views = gradient_predivide_factor is None and all(
+            grad_dtype in (None, p.dtype) for p in module.parameters() if p.requires_grad
+        )
         factor = float(gradient_predivide_factor or self.world_size)
-        self._pre_scale, self._post_scale = 1.0 / factor, factor / self.world_size
+        if self._grad_views:
+            self._op, self._pre_scale, self._post_scale = ReduceOp.AVG, 1.0, 1.0
+        else:
+            self._op, self._pre_scale = ReduceOp.SUM, 1.0 / factor
+            self._post_scale = factor / self.world_size
         self._debug = os.environ.get("DK_DEBUG", "0") not in ("", "0")
-        self._pack, self._unpack = _kernels()
+        self._pack, self._unpack, self._unscale = _kernels()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
@@ -147,8 +173,9 @@ class DistributedDataParallel(nn.Module):
         self._pass: Optional[_BackwardPass] = None
         self._sequence = 0
         self._rebuilt = False
-        #: True when the last synchronised backward found an inf/NaN gradient on any rank.
-        self.found_inf = False
+        #: Whether the last synchronised backward had an inf/NaN gradient on any rank; None when
+        #: not checked (FP32 bucket views without a loss_scaler skip the check: no extra pass).
+        self.found_inf: Optional[bool] = None
         self._used_mask = self.comm.empty((max(1, len(self._params)),), torch.float32)
         self._set_layouts(list(reversed(range(len(self._params)))))
         self._hook_handles = [
@@ -210,6 +237,27 @@ class DistributedDataParallel(nn.Module):
         self._buckets = [self.comm.empty((b.numel,), b.dtype) for b in layouts]
         for bucket in self._buckets:
             bucket.zero_()
+        self._views: List[Optional[torch.Tensor]] = [None] * len(self._params)
+        for b, bucket in zip(layouts, self._buckets):
+            for index, offset, size in zip(b.param_indices, b.offsets, b.sizes):
+                param = self._params[index]
+                if self._grad_views and param.is_contiguous():
+                    self._views[index] = bucket[offset : offset + size].view(param.shape)
+        self._attach_views(self._params_with_grad())
+
+    def _params_with_grad(self) -> List[int]:
+        return [i for i, p in enumerate(self._params) if p.grad is not None]
+
+    def _attach_views(self, indices: Sequence[int]) -> None:
+        """Points .grad of these parameters at their bucket views (copying current values)."""
+        with torch.no_grad():
+            for index in indices:
+                view, param = self._views[index], self._params[index]
+                if view is None or _is_view(param.grad, view):
+                    continue
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                param.grad = view
 
     @property
     def bucket_layouts(self) -> List[plan.BucketLayout]:
@@ -307,9 +355,12 @@ class DistributedDataParallel(nn.Module):
         layout, bucket, state = self._layouts[bucket_index], self._buckets[bucket_index], self._pass
         present = []
         for index, offset, size in zip(layout.param_indices, layout.offsets, layout.sizes):
-            grad = self._params[index].grad
+            grad, view = self._params[index].grad, self._views[index]
             if grad is None:
                 bucket[offset : offset + size].zero_()
+            elif view is not None:  # already in the bucket unless .grad was replaced
+                if not _is_view(grad, view):
+                    view.copy_(grad)
             else:
                 present.append((grad.contiguous(), offset))
         for grads, offsets in _by_dtype(present):
@@ -322,7 +373,7 @@ class DistributedDataParallel(nn.Module):
             self._check_fingerprint(layout, status)
         self._sequence += 1
         state.works[bucket_index] = self.comm.all_reduce(
-            bucket, op=ReduceOp.SUM, algorithm=self.algorithm, async_op=True
+            bucket, op=self._op, algorithm=self.algorithm, async_op=True
         )
 
     def _check_fingerprint(self, layout: plan.BucketLayout, status: int) -> None:
@@ -399,7 +450,8 @@ class DistributedDataParallel(nn.Module):
         if last is None:
             return [0.0] * plan.STATUS_SLOTS
         slots = self._buckets[-1][last.status_offset : last.status_offset + plan.STATUS_SLOTS]
-        return slots.float().tolist()
+        count = self.world_size if self._op == ReduceOp.AVG else 1  # slots count ranks
+        return (slots.float() * count).tolist()
 
     def _peer_error(self, count: float) -> str:
         return (
@@ -410,15 +462,18 @@ class DistributedDataParallel(nn.Module):
 
     def _unpack_all(self, found_inf: bool) -> None:
         """Buckets back into .grad: cast, post-scale (and unscale), overwrite."""
-        scale = self._post_scale
-        if self.loss_scaler is not None and _scaler_enabled(self.loss_scaler):
-            scale /= float(self.loss_scaler.get_scale())
+        scale, inv_scale = self._post_scale, self._inv_loss_scale()
+        if inv_scale is not None:
+            scale *= inv_scale
         globally_used = self._used_mask.tolist() if self.find_unused_parameters else None
         for layout, bucket in zip(self._layouts, self._buckets):
             targets, strided = [], []
             for index, offset in zip(layout.param_indices, layout.offsets):
                 param = self._params[index]
                 if globally_used is not None and globally_used[index] == 0:
+                    continue
+                if self._views[index] is not None:  # the view holds the result: point at it
+                    param.grad = self._views[index]
                     continue
                 if param.grad is None:
                     param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
@@ -431,7 +486,31 @@ class DistributedDataParallel(nn.Module):
                 self._unpack(bucket, grads, offsets, scale)
             for grad, dense in strided:
                 grad.copy_(dense)
-        self.found_inf = found_inf
+        self.found_inf = found_inf if not self._grad_views else None
+        if inv_scale is not None:
+            self.found_inf = self._finish_loss_scaling(inv_scale, found_inf)
+
+    def _inv_loss_scale(self) -> Optional[float]:
+        scaler = self.loss_scaler
+        if scaler is None or not _scaler_enabled(scaler):
+            return None
+        return 1.0 / float(scaler.get_scale())
+
+    def _finish_loss_scaling(self, inv_scale: float, found_inf: bool) -> bool:
+        """Unscales the bucket views (one pass that also checks for inf/NaN) and tells the scaler.
+
+        The reduced gradients are identical on every rank, so the check agrees everywhere
+        without a collective; in pack mode the flag already came through the status slot.
+        """
+        flag = torch.tensor([float(found_inf)], dtype=torch.float32)
+        if self._grad_views:
+            regions = [
+                bucket[: layout.status_offset if layout.status_offset is not None else None]
+                for layout, bucket in zip(self._layouts, self._buckets)
+            ]
+            self._unscale(regions, inv_scale, flag)
+        _mark_unscaled(self.loss_scaler, flag)
+        return bool(flag.item() > 0)
 
     def _rebuild(self, ready_order: Sequence[int]) -> None:
         """Re-plans buckets in rank 0's observed gradient-ready order (collective)."""
@@ -470,6 +549,10 @@ def _check_options(
         raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if any(p.is_sparse for p in module.parameters()):
         raise TypeError("module: sparse parameters are not supported")
+
+
+def _is_view(grad: Optional[torch.Tensor], view: torch.Tensor) -> bool:
+    return grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
 
 
 def _by_dtype(

@@ -101,7 +101,9 @@ def _loss(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- training
 
 
-def _train(model: nn.Module, kind: str, batches, shard: slice, micro: int = 1) -> nn.Module:
+def _train(
+    model: nn.Module, kind: str, batches, shard: slice, micro: int = 1, set_to_none: bool = True
+) -> nn.Module:
     """SGD with momentum; ``micro`` > 1 splits each step's shard into micro-batches (no_sync)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in batches:
@@ -113,7 +115,7 @@ def _train(model: nn.Module, kind: str, batches, shard: slice, micro: int = 1) -
             with ctx:
                 (_loss(kind, model(xc), yc) / len(chunks)).backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     return model
 
 
@@ -144,7 +146,9 @@ def _rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a) / scale
 
 
-def _run_case(make: Callable[[], nn.Module], kind: str, micro: int = 1, **ddp_kwargs) -> dict:
+def _run_case(
+    make: Callable[[], nn.Module], kind: str, micro: int = 1, set_to_none: bool = True, **ddp_kwargs
+) -> dict:
     """Trains our DDP, torch DDP and the single-process reference from the same start."""
     import torch.distributed as dist
 
@@ -156,7 +160,8 @@ def _run_case(make: Callable[[], nn.Module], kind: str, micro: int = 1, **ddp_kw
     batches = _batches(kind, world, STEPS, PER_RANK * micro)
     n = PER_RANK * micro
     shard = slice(rank * n, (rank + 1) * n)
-    ours = _train(dk.DDP(copy.deepcopy(base), **ddp_kwargs), kind, batches, shard, micro)
+    ours = dk.DDP(copy.deepcopy(base), **ddp_kwargs)
+    _train(ours, kind, batches, shard, micro, set_to_none)
     torch_kwargs = {"find_unused_parameters": ddp_kwargs.get("find_unused_parameters", False)}
     theirs = _train(
         nn.parallel.DistributedDataParallel(copy.deepcopy(base), **torch_kwargs),
@@ -164,8 +169,9 @@ def _run_case(make: Callable[[], nn.Module], kind: str, micro: int = 1, **ddp_kw
         batches,
         shard,
         micro,
+        set_to_none,
     )
-    single = _train(copy.deepcopy(base), kind, batches, slice(None))
+    single = _train(copy.deepcopy(base), kind, batches, slice(None), 1, set_to_none)
     result = {
         "vs_single": _rel_diff(_params(ours), _params(single)),
         "vs_torch": _rel_diff(_params(ours), _params(theirs)),
@@ -180,6 +186,7 @@ def _fp32_cases() -> Dict[str, dict]:
     return {
         "mlp": _run_case(MLP, "dense", bucket_cap_mb=0.004, first_bucket_mb=0.001),
         "mlp_predivide": _run_case(MLP, "dense", gradient_predivide_factor=2.0),
+        "mlp_grads_kept": _run_case(MLP, "dense", set_to_none=False, bucket_cap_mb=0.004),
         "transformer": _run_case(TinyTransformer, "tokens", bucket_cap_mb=0.02),
         "tied": _run_case(lambda: TinyTransformer(tied=True), "tokens", bucket_cap_mb=0.02),
         "no_sync": _run_case(MLP, "dense", micro=3, bucket_cap_mb=0.004),
@@ -267,7 +274,7 @@ def _structure_cases() -> dict:
         (grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0] if grads[0][n] is not None
     )
     # Found-inf: an inf input on the last rank only; every rank learns it from the bucket.
-    model = dk.DDP(MLP())
+    model = dk.DDP(MLP(), grad_dtype=torch.bfloat16)  # packing checks for inf/NaN for free
     x = batches[0][0][shard].clone()
     if rank == world - 1:
         x[0, 0] = float("inf")
