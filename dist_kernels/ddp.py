@@ -43,19 +43,19 @@ _WIRE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 _MB = 1024 * 1024
 
 
-def _default_comm(module: nn.Module) -> Any:
-    """The default communicator if ``dk.init()`` ran, else a new one on the module's device."""
+def _default_comm(module: nn.Module) -> Tuple[Any, bool]:
+    """(communicator, created here): the default one if ``dk.init()`` ran, else a new one."""
     try:
         from . import communicator
     except ImportError:  # the Communicator is not built yet: torch.distributed stand-in
         from ._ddp_shims import TorchDistComm
 
-        return TorchDistComm()
+        return TorchDistComm(), True
     try:
-        return communicator.get_default_communicator()
+        return communicator.get_default_communicator(), False
     except RuntimeError:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        return communicator.Communicator(device="cuda" if device.type == "cuda" else "cpu")
+        return communicator.Communicator(device="cuda" if device.type == "cuda" else "cpu"), True
 
 
 def _kernels() -> Tuple[Any, Any, Any]:
@@ -132,7 +132,7 @@ class DistributedDataParallel(nn.Module):
             module, bucket_cap_mb, first_bucket_mb, grad_dtype, gradient_predivide_factor
         )
         self.module = module
-        self.comm = comm if comm is not None else _default_comm(module)
+        self.comm, self._owns_comm = (comm, False) if comm is not None else _default_comm(module)
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
         self.grad_dtype = grad_dtype
@@ -258,6 +258,20 @@ class DistributedDataParallel(nn.Module):
                 if param.grad is not None:
                     view.copy_(param.grad)
                 param.grad = view
+
+    def close(self) -> None:
+        """Removes the gradient hooks; closes the Communicator if this engine created it.
+
+        ``.grad`` tensors that are bucket views are copied out first, so they stay valid.
+        """
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        for param, view in zip(self._params, self._views):
+            if view is not None and _is_view(param.grad, view):
+                param.grad = view.clone()
+        if self._owns_comm and hasattr(self.comm, "close"):
+            self.comm.close()
 
     @property
     def bucket_layouts(self) -> List[plan.BucketLayout]:

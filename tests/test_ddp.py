@@ -27,6 +27,16 @@ FP32_RTOL = 1e-5
 WIRE_RTOL = {torch.bfloat16: 5e-4, torch.float16: 6e-5}
 
 
+def _init_comm() -> None:
+    """One default Communicator per test call on each rank, shared by every DDP it builds."""
+    import dist_kernels as dk
+
+    try:
+        dk.init(device="cpu")
+    except ImportError:  # no Communicator in this build: DDP falls back to torch.distributed
+        pass
+
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -183,6 +193,7 @@ def _run_case(
 
 
 def _fp32_cases() -> Dict[str, dict]:
+    _init_comm()
     return {
         "mlp": _run_case(MLP, "dense", bucket_cap_mb=0.004, first_bucket_mb=0.001),
         "mlp_predivide": _run_case(MLP, "dense", gradient_predivide_factor=2.0),
@@ -209,6 +220,7 @@ def test_matches_single_process_and_torch_ddp(world_size):
 
 def _wire_cases() -> Dict[str, float]:
     """Relative difference of BF16/FP16-wire training from the FP32-wire run."""
+    _init_comm()
     import torch.distributed as dist
 
     import dist_kernels as dk
@@ -235,6 +247,7 @@ def test_low_precision_wire_within_tolerance():
 
 def _structure_cases() -> dict:
     """Buffers (BatchNorm, broadcast from rank 0), rank-dependent use, untouched unused grads."""
+    _init_comm()
     import torch.distributed as dist
 
     import dist_kernels as dk
@@ -299,6 +312,7 @@ def test_buffers_rank_dependent_use_and_found_inf(world_size):
 
 def _error_cases() -> Dict[str, str]:
     """Each error case returns the message it raised (or "no error"), then a clean step runs."""
+    _init_comm()
     import torch.distributed as dist
 
     import dist_kernels as dk
@@ -363,6 +377,7 @@ class Mixed(nn.Module):
 
 def _mixed_grads() -> Dict[str, float]:
     """Gradients after one backward equal the single-process gradients of the full batch."""
+    _init_comm()
     import torch.distributed as dist
 
     import dist_kernels as dk
