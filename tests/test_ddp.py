@@ -410,3 +410,49 @@ def test_mixed_dtypes_and_strided_parameters():
         else:  # BF16 parameters and wire: 2^-8 relative rounding, twice
             tol = 1e-6 if key.startswith("None") and "b16" not in key else 1e-2
             assert value < tol, (key, value)
+
+
+class Reordered(nn.Module):
+    """Registered in the reverse of the order it is used: reverse registration order is wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = nn.Linear(8, 4)
+        self.early = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(torch.relu(self.early(x)))
+
+
+def _rebuild_case() -> dict:
+    """Bucket order before and after the first iteration, and which parameter came ready first."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    torch.manual_seed(SEED)
+    model = dk.DDP(Reordered(), bucket_cap_mb=0.0002, first_bucket_mb=0.0002)
+    names = [n for n, _ in model.module.named_parameters()]
+    order = [[names[i] for b in model.bucket_layouts for i in b.param_indices]]
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        model(x).sum().backward()
+        order.append([names[i] for b in model.bucket_layouts for i in b.param_indices])
+    return {"orders": order, "buckets": len(model.bucket_layouts)}
+
+
+def test_buckets_rebuilt_in_gradient_ready_order():
+    results = run_ranks(2, _rebuild_case, timeout=60)
+    print(results[0])
+    before, after_first, after_second = results[0]["orders"]
+    assert before == ["early.bias", "early.weight", "late.bias", "late.weight"]
+    # Autograd produces the output layer's gradients first.
+    assert after_first[:2] == ["late.bias", "late.weight"] or after_first[:2] == [
+        "late.weight",
+        "late.bias",
+    ]
+    assert set(after_first[2:]) == {"early.bias", "early.weight"}
+    assert after_second == after_first  # rebuilt once
+    assert results[1]["orders"] == results[0]["orders"]
+    assert results[0]["buckets"] > 1  # several buckets, so their order matters
