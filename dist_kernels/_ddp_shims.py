@@ -72,11 +72,14 @@ def unpack(
     grads: List[torch.Tensor],
     offsets: Sequence[int],
     scale: float,
+    flag: torch.Tensor,
 ) -> None:
-    """grad = bucket[offset:offset+numel] * scale, cast to the grad's dtype, for each grad."""
+    """grad = bucket[offset:offset+numel] * scale, cast to the grad's dtype; flag on inf/NaN."""
     for grad, offset in zip(grads, offsets):
         view = bucket[offset : offset + grad.numel()].view(grad.shape)
         grad.copy_(view.to(torch.float32).mul_(scale) if scale != 1.0 else view)
+        if not torch.isfinite(grad).all():
+            flag.fill_(1)
 
 
 def unscale_(tensors: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.Tensor) -> None:

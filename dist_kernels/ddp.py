@@ -479,6 +479,9 @@ class DistributedDataParallel(nn.Module):
         scale, inv_scale = self._post_scale, self._inv_loss_scale()
         if inv_scale is not None:
             scale *= inv_scale
+        # Inf/NaN in what is written (e.g. an FP16 sum that overflowed although every rank's
+        # inputs were finite); identical on every rank since the reduced buckets are.
+        written_inf = torch.zeros(1, dtype=torch.float32)
         globally_used = self._used_mask.tolist() if self.find_unused_parameters else None
         for layout, bucket in zip(self._layouts, self._buckets):
             targets, strided = [], []
@@ -497,9 +500,10 @@ class DistributedDataParallel(nn.Module):
                     grad = strided[-1][1]
                 targets.append((grad, offset))
             for grads, offsets in _by_dtype(targets):
-                self._unpack(bucket, grads, offsets, scale)
+                self._unpack(bucket, grads, offsets, scale, written_inf)
             for grad, dense in strided:
                 grad.copy_(dense)
+        found_inf = found_inf or bool(written_inf.item() > 0)
         self.found_inf = found_inf if not self._grad_views else None
         if inv_scale is not None:
             self.found_inf = self._finish_loss_scaling(inv_scale, found_inf)
