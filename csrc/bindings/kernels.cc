@@ -73,8 +73,8 @@ void reduce(uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, int
 #endif
                 return parallel ? kernels::reduceMultiCpuParallel(asPointer(dst), src_ptrs.data(),
                                                                   n, count, dt, rop)
-                                : kernels::reduceMultiCpu(asPointer(dst), src_ptrs.data(), n,
-                                                          count, dt, rop);
+                                : kernels::reduceMultiCpu(asPointer(dst), src_ptrs.data(), n, count,
+                                                          dt, rop);
               }),
         "reduce_");
 }
@@ -91,10 +91,10 @@ void divide(uintptr_t dst, uintptr_t src, size_t count, int dtype, int64_t divis
                                              asPointer(stream));
                 }
 #endif
-                return parallel ? kernels::divideCpuParallel(asPointer(dst), asPointer(src),
-                                                             count, dt, divisor)
-                                : kernels::divideCpu(asPointer(dst), asPointer(src), count, dt,
-                                                     divisor);
+                return parallel
+                           ? kernels::divideCpuParallel(asPointer(dst), asPointer(src), count, dt,
+                                                        divisor)
+                           : kernels::divideCpu(asPointer(dst), asPointer(src), count, dt, divisor);
               }),
         "divide_");
 }
@@ -113,8 +113,8 @@ void castScale(uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, size_
                                                 scale, asPointer(stream));
                 }
 #endif
-                return parallel ? kernels::castScaleCpuParallel(asPointer(dst), dd,
-                                                                asPointer(src), sd, count, scale)
+                return parallel ? kernels::castScaleCpuParallel(asPointer(dst), dd, asPointer(src),
+                                                                sd, count, scale)
                                 : kernels::castScaleCpu(asPointer(dst), dd, asPointer(src), sd,
                                                         count, scale);
               }),

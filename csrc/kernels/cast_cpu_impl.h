@@ -12,19 +12,28 @@
 #include <cstddef>
 #include <string>
 
-
 #include "common/dtype.h"
 #include "common/half.h"
+#include "kernels/cpu_widen_impl.h"
 #include "kernels/reduce_cpu_isa.h"
 
 namespace dk::kernels::DK_CPU_ISA_NS {
 
 namespace {
 
+// Elements per staged block: 2 x 4 KiB of FP32 stays in L1.
+constexpr size_t kCastBlock = 1024;
+
+// Widen a block of src into FP32, scale it, narrow it into dst (one rounding).
 template <typename D, typename S>
 void castScaleLoop(D* dst, const S* src, size_t count, float scale) {
-#pragma GCC ivdep
-  for (size_t i = 0; i < count; ++i) dst[i] = store<D>(static_cast<float>(load(src[i])) * scale);
+  float x[kCastBlock];
+  for (size_t begin = 0; begin < count; begin += kCastBlock) {
+    const size_t n = count - begin < kCastBlock ? count - begin : kCastBlock;
+    widen(x, src + begin, n);
+    for (size_t j = 0; j < n; ++j) x[j] *= scale;
+    narrow(dst + begin, x, n);
+  }
 }
 
 template <typename D>
@@ -56,8 +65,7 @@ Status castScale(void* dst, DType dst_dtype, const void* src, DType src_dtype, s
     case DType::kBFloat16:
       return castScaleFrom(static_cast<BFloat16*>(dst), src, src_dtype, count, scale);
     default:
-      return TypeError(std::string("cast: unsupported destination dtype ") +
-                       dtypeName(dst_dtype));
+      return TypeError(std::string("cast: unsupported destination dtype ") + dtypeName(dst_dtype));
   }
 }
 

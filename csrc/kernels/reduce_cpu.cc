@@ -16,8 +16,7 @@ Status checkDTypeAndOp(DType dtype, RedOp op) {
     return TypeError("reduce: unsupported dtype code " + std::to_string(static_cast<int>(dtype)));
   }
   if (!isValidRedOp(static_cast<int>(op))) {
-    return InvalidArgument("reduce: unsupported reduce op " +
-                           std::to_string(static_cast<int>(op)));
+    return InvalidArgument("reduce: unsupported reduce op " + std::to_string(static_cast<int>(op)));
   }
   return Status::Ok();
 }

@@ -55,12 +55,11 @@ Status castScaleCpuParallel(void* dst, DType dst_dtype, const void* src, DType s
   const size_t dst_size = dtypeSize(dst_dtype);
   const size_t src_size = dtypeSize(src_dtype);
   const bool split = count * (dst_size + src_size) >= kParallelMinBytes;
-  return cpuParallelSlices(
-      count, dst_size, split, [&](size_t begin, size_t end) {
-        void* slice_dst = const_cast<char*>(byteOffset(dst, begin, dst_size));
-        return castScaleCpu(slice_dst, dst_dtype, byteOffset(src, begin, src_size), src_dtype,
-                            end - begin, scale);
-      });
+  return cpuParallelSlices(count, dst_size, split, [&](size_t begin, size_t end) {
+    void* slice_dst = const_cast<char*>(byteOffset(dst, begin, dst_size));
+    return castScaleCpu(slice_dst, dst_dtype, byteOffset(src, begin, src_size), src_dtype,
+                        end - begin, scale);
+  });
 }
 
 }  // namespace dk::kernels
