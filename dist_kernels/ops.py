@@ -97,7 +97,9 @@ def _divide(dst: torch.Tensor, divisor: int, code: int, device: int, stream: int
 
 
 def divide_(dst: torch.Tensor, divisor: int) -> torch.Tensor:
-    """In place: ``dst = dst / divisor`` (AVG's last step); integers truncate toward zero.
+    """In place: ``dst = dst / divisor`` for a positive int (AVG's last step).
+
+    Integers truncate toward zero.
 
     float16 / bfloat16 divide in float32 and round once. Returns ``dst``.
     """
@@ -105,8 +107,8 @@ def divide_(dst: torch.Tensor, divisor: int) -> torch.Tensor:
     code = dtype_code(dst.dtype, "dst")
     if isinstance(divisor, bool) or not isinstance(divisor, int):
         raise TypeError(f"divisor: expected an int, got {type(divisor).__name__}")
-    if divisor == 0:
-        raise ValueError("divisor: must not be 0")
+    if divisor < 1:
+        raise ValueError(f"divisor: must be a positive int, got {divisor}")
     device, stream = _device_and_stream(dst)
     _divide(dst, divisor, code, device, stream)
     return dst
