@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
@@ -13,60 +14,74 @@ namespace dk::kernels {
 
 namespace {
 
+// Work sharing: a job is split into more parts than threads, and the caller and the workers
+// take parts from one atomic counter. A worker the OS has not scheduled (the machine is shared)
+// then costs nothing: the caller takes its parts instead of waiting for it. Measured on the
+// shared 2-core VM under load (load average 8): a static one-slice-per-thread split made a
+// 16 MiB fp32 sum 2.4x slower than serial; with work sharing it stays within a few percent.
 class ThreadPool {
  public:
   explicit ThreadPool(int threads) : threads_(threads) {
     for (int worker = 1; worker < threads_; ++worker) {
-      std::thread([this, worker] { workerLoop(worker); }).detach();
+      std::thread([this] { workerLoop(); }).detach();
     }
   }
   int threads() const { return threads_; }
 
   // Returns false (running nothing) if another caller holds the pool.
   bool tryRun(int parts, const std::function<void(int)>& fn) {
-    std::unique_lock<std::mutex> job(job_mutex_, std::try_to_lock);
-    if (!job.owns_lock()) return false;
+    std::unique_lock<std::mutex> job_lock(job_mutex_, std::try_to_lock);
+    if (!job_lock.owns_lock()) return false;
+    Job job{&fn, parts};
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn;
-      parts_ = parts;
-      pending_ = parts - 1;
+      job_ = &job;
       ++generation_;
     }
     wake_.notify_all();
-    fn(0);
+    job.runParts();
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return pending_ == 0; });
-    fn_ = nullptr;
+    job_ = nullptr;  // no worker joins from here on
+    left_.wait(lock, [this] { return active_ == 0; });
     return true;
   }
 
  private:
-  // Workers live for the process (the pool is never destroyed: joining at interpreter exit could
-  // deadlock), so the loop has no exit.
-  void workerLoop(int worker) {
+  struct Job {
+    const std::function<void(int)>* fn;
+    int parts;
+    std::atomic<int> next{0};
+    void runParts() {
+      for (int part = next.fetch_add(1); part < parts; part = next.fetch_add(1)) (*fn)(part);
+    }
+  };
+
+  // Invariant: a worker touches a Job only between joining (job_ set, under mutex_) and leaving
+  // (active_ decremented); the caller returns only when active_ is 0 after clearing job_, so
+  // every part has finished and the Job on its stack is no longer referenced. Workers live for
+  // the process (joining them at interpreter exit could deadlock), so the loop has no exit.
+  void workerLoop() {
     unsigned long seen = 0;
     for (;;) {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return generation_ != seen; });
+      wake_.wait(lock, [&] { return generation_ != seen && job_ != nullptr; });
       seen = generation_;
-      if (worker >= parts_) continue;
-      const std::function<void(int)>* fn = fn_;
+      Job* job = job_;
+      ++active_;
       lock.unlock();
-      (*fn)(worker);
+      job->runParts();
       lock.lock();
-      if (--pending_ == 0) done_.notify_one();
+      if (--active_ == 0) left_.notify_all();
     }
   }
 
   const int threads_;
   std::mutex job_mutex_;  // held by the caller for a whole job
-  std::mutex mutex_;      // guards the fields below
+  std::mutex mutex_;      // guards job_, active_ and generation_
   std::condition_variable wake_;
-  std::condition_variable done_;
-  const std::function<void(int)>* fn_ = nullptr;
-  int parts_ = 0;
-  int pending_ = 0;
+  std::condition_variable left_;
+  Job* job_ = nullptr;
+  int active_ = 0;
   unsigned long generation_ = 0;
 };
 
@@ -92,6 +107,9 @@ ThreadPool& processPool() {
 }
 
 constexpr size_t kCacheLine = 64;
+// Enough parts that a descheduled thread's share is small, few enough that taking a part (one
+// atomic add) stays negligible against a part's work.
+constexpr size_t kPartsPerThread = 8;
 
 }  // namespace
 
@@ -107,10 +125,10 @@ Status cpuParallelSlices(size_t count, size_t dst_element_bytes, bool split,
                          const std::function<Status(size_t, size_t)>& slice) {
   const int threads = split ? cpuPoolThreads() : 1;
   if (threads <= 1) return slice(0, count);
-  // Slice length: a multiple of one cache line's worth of elements.
+  // kPartsPerThread parts per thread, each a multiple of one cache line of the destination.
   const size_t line = dst_element_bytes >= kCacheLine ? 1 : kCacheLine / dst_element_bytes;
-  const size_t per_thread = (count + threads - 1) / threads;
-  const size_t length = (per_thread + line - 1) / line * line;
+  const size_t per_part = (count + threads * kPartsPerThread - 1) / (threads * kPartsPerThread);
+  const size_t length = (per_part + line - 1) / line * line;
   const int parts = static_cast<int>((count + length - 1) / length);
   std::vector<Status> results(parts);
   cpuPoolRun(parts, [&](int part) {

@@ -17,11 +17,11 @@ namespace dk::kernels {
 // Number of threads a parallel call may use, the caller included.
 int cpuPoolThreads();
 
-// Runs fn(part) for part in [0, parts) on the pool (the caller runs part 0) and returns after all
-// parts finish. parts must be <= cpuPoolThreads().
+// Runs fn(part) for every part in [0, parts), shared among the caller and the pool's threads,
+// and returns after all parts finish. Any number of parts; each runs exactly once.
 void cpuPoolRun(int parts, const std::function<void(int part)>& fn);
 
-// Splits [0, count) into at most cpuPoolThreads() slices whose boundaries fall on 64-byte
+// Splits [0, count) into a few slices per pool thread whose boundaries fall on 64-byte
 // multiples of the destination (no two threads write one cache line) and runs slice(begin, end)
 // for each; the first non-OK Status wins. With split false it runs one slice on the caller.
 Status cpuParallelSlices(size_t count, size_t dst_element_bytes, bool split,
