@@ -8,6 +8,8 @@ with a printed seed (set ``DK_TEST_SEED`` to replay one).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -288,3 +290,63 @@ def test_torch_distributed_reduce_op_is_accepted():
     x = torch.ones(4)
     ops.reduce_(x, torch.full((4,), 3.0), op=dist.ReduceOp.MAX)
     assert torch.equal(x, torch.full((4,), 3.0))
+
+
+def test_environment_chooses_isa_and_threads():
+    code = "from dist_kernels import ops, _C; print(ops.cpu_isa(), _C.kernels_cpu_threads())"
+    env = dict(os.environ, DK_CPU_ISA="baseline", DK_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["baseline", "1"]
+
+
+def _cuda_ready() -> bool:
+    import dist_kernels
+
+    return torch.cuda.is_available() and dist_kernels.build_info()["cuda_compiled"]
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and a CUDA build")
+
+
+def _same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal where not NaN, NaN where NaN (payloads may differ)."""
+    if not got.dtype.is_floating_point:
+        return torch.equal(got, want)
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_reduce_matches_cpu_kernels(dtype, op):
+    """The CUDA kernels share the CPU kernels' functors: results agree bit for bit."""
+    for n, nsrcs in ((0, 2), (1, 2), (7, 3), (4099, 2), (2**20 + 5, 3)):
+        gen = _gen(9, n)
+        inputs = [_random(dtype, n, gen) for _ in range(nsrcs)]
+        on_cpu = ops.reduce_(inputs[0].clone(), *inputs[1:], op=op)
+        on_gpu = ops.reduce_(*(x.cuda() for x in inputs), op=op).cpu()
+        assert _same_values(on_gpu, on_cpu), f"{dtype} {op.name} n={n} (seed {SEED})"
+
+
+@pytest.mark.parametrize("dst_dtype", CAST_DTYPES, ids=str)
+@pytest.mark.parametrize("src_dtype", CAST_DTYPES, ids=str)
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_cast_is_bit_exact(src_dtype, dst_dtype):
+    src = _cast_sources(src_dtype, _gen(10)).cuda()
+    for offset in (0, 1):  # aligned (vector path) and misaligned (scalar path)
+        view = src[offset:]
+        dst = torch.empty(view.shape, dtype=dst_dtype, device="cuda")
+        ops.cast_(dst, view, 0.75)
+        assert _same_bits(dst.cpu(), (view.cpu().float() * 0.75).to(dst_dtype))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_rejects_mixed_devices():
+    with pytest.raises(ValueError, match=r"srcs\[0\]"):
+        ops.reduce_(torch.zeros(4, device="cuda"), torch.zeros(4))
