@@ -64,7 +64,7 @@ def _step(model, opt, tokens, sync: bool = True) -> None:
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
     opt.step()
-    opt.zero_grad(set_to_none=False)
+    opt.zero_grad()
 
 
 class _Null:
