@@ -108,7 +108,8 @@ def _engines(args, world: int):
     chunk = int(args.bucket_mb * 2**20 // 4)
     torch_buckets = [c.clone() for c in flat.split(chunk)]
     return [
-        ("dist_kernels", ours, None, lambda b: ours.comm.all_reduce(b)),
+        # the engine's own op: AVG for FP32 bucket views, SUM after a pre-dividing pack
+        ("dist_kernels", ours, None, lambda b: ours.comm.all_reduce(b, op=ours._op)),
         ("torch+gloo", theirs, torch_buckets, lambda b: dist.all_reduce(b)),
     ]
 
