@@ -296,6 +296,15 @@ def _structure_cases() -> dict:
     model.zero_grad()
     model(batches[0][0][shard]).sum().backward()
     out["found_inf_after_clean_step"] = model.found_inf
+    # Construction broadcasts rank 0's parameters and buffers: seed each rank differently.
+    torch.manual_seed(SEED + rank)
+    module = MLP(batch_norm=True)
+    module.norm.running_mean.fill_(rank)
+    torch.manual_seed(SEED)
+    rank0 = MLP(batch_norm=True)
+    dk.DDP(module)
+    out["broadcast_params"] = _digest(_params(module)) == _digest(_params(rank0))
+    out["broadcast_buffers"] = bool((module.norm.running_mean == 0).all())
     return out
 
 
@@ -308,6 +317,7 @@ def test_buffers_rank_dependent_use_and_found_inf(world_size):
         assert r["branchy_none"] == r["branchy_torch_none"] == ["never.bias", "never.weight"]
         assert r["branchy_diff"] < 1e-6
         assert r["found_inf"] is True and r["found_inf_after_clean_step"] is False
+        assert r["broadcast_params"] and r["broadcast_buffers"]
 
 
 def _error_cases() -> Dict[str, str]:
