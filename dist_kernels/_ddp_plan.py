@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -126,6 +126,31 @@ def _layout(
         dtype=dtype,
         status_offset=status_offset,
     )
+
+
+def layouts_from_plan(buckets: Sequence[Any]) -> List[BucketLayout]:
+    """:class:`BucketLayout` s from the buckets of ``dist_kernels.bucketing.plan_buckets``.
+
+    Adds the :data:`STATUS_SLOTS` status elements after the last bucket's slots (re-aligned to
+    16 bytes), which is what the engine allocates.
+    """
+    layouts = []
+    for position, bucket in enumerate(buckets):
+        last = position == len(buckets) - 1
+        status_offset = _align(bucket.numel, bucket.dtype) if last else None
+        numel = _align(status_offset + STATUS_SLOTS, bucket.dtype) if last else bucket.numel
+        layouts.append(
+            BucketLayout(
+                index=bucket.index,
+                param_indices=tuple(bucket.param_indices),
+                offsets=tuple(bucket.offsets),
+                sizes=tuple(bucket.counts),
+                numel=numel,
+                dtype=bucket.dtype,
+                status_offset=status_offset,
+            )
+        )
+    return layouts
 
 
 def rebuilt_order(ready_order: Sequence[int], num_params: int) -> List[int]:

@@ -223,14 +223,7 @@ class DistributedDataParallel(nn.Module):
 
     def _set_layouts(self, order: Sequence[int]) -> None:
         """Plans buckets in ``order`` and allocates them in registered memory (collective)."""
-        layouts = plan.plan_layouts(
-            order,
-            [p.numel() for p in self._params],
-            [p.dtype for p in self._params],
-            wire_dtype=self.grad_dtype,
-            bucket_cap_bytes=self._bucket_cap_bytes,
-            first_bucket_bytes=self._first_bucket_bytes,
-        )
+        layouts = self._plan(order)
         self._layouts = layouts
         self._layout_id = plan.layout_signature(layouts)
         self._bucket_of = {i: b.index for b in layouts for i in b.param_indices}
@@ -244,6 +237,28 @@ class DistributedDataParallel(nn.Module):
                 if self._grad_views and param.is_contiguous():
                     self._views[index] = bucket[offset : offset + size].view(param.shape)
         self._attach_views(self._params_with_grad())
+
+    def _plan(self, order: Sequence[int]) -> List[plan.BucketLayout]:
+        try:
+            from .bucketing import plan_buckets
+        except ImportError:  # bucketing not built yet
+            return plan.plan_layouts(
+                order,
+                [p.numel() for p in self._params],
+                [p.dtype for p in self._params],
+                wire_dtype=self.grad_dtype,
+                bucket_cap_bytes=self._bucket_cap_bytes,
+                first_bucket_bytes=self._first_bucket_bytes,
+            )
+        #: The bucket plan (printable), in launch order.
+        self.bucket_plan = plan_buckets(
+            list(zip(self._names, self._params)),
+            cap_bytes=self._bucket_cap_bytes,
+            dtype=self.grad_dtype,
+            first_bucket_bytes=self._first_bucket_bytes,
+            order=list(order),
+        )
+        return plan.layouts_from_plan(self.bucket_plan.buckets)
 
     def _params_with_grad(self) -> List[int]:
         return [i for i, p in enumerate(self._params) if p.grad is not None]
