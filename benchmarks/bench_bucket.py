@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--mib", type=int, default=64, help="total FP32 gradient size")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="dk CPU threads")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads")
     return parser
 
 
@@ -157,6 +158,8 @@ def run(args: Optional[argparse.Namespace] = None) -> List[Dict]:
     if args is None:
         args = add_arguments(argparse.ArgumentParser()).parse_args([])
     measure = _timer(args.device, args.repeats)
+    if getattr(args, "torch_threads", None):
+        torch.set_num_threads(args.torch_threads)
     rows = []
     for num in args.tensors:
         grads, offsets, flat = _setup(num, args.mib << 20, args.device)

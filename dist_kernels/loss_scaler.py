@@ -25,6 +25,7 @@ The scale update stays on the scale's device (tensor operations, no ``.item()``)
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Literal, Optional, Union
@@ -48,13 +49,14 @@ def _fresh_optimizer_state() -> Dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf": None}
 
 
-def _extension_handles(device: torch.device) -> bool:
-    """Whether the compiled kernels can unscale tensors on ``device``."""
+@functools.cache
+def _extension_handles(device_type: str) -> bool:
+    """Whether the compiled kernels can unscale tensors on this kind of device."""
     try:
         from . import _C
     except ImportError:
         return False
-    return device.type == "cpu" or (device.type == "cuda" and _C.build_info()["cuda_compiled"])
+    return device_type == "cpu" or (device_type == "cuda" and _C.build_info()["cuda_compiled"])
 
 
 class LossScaler:
@@ -344,7 +346,7 @@ class LossScaler:
             device_inv = inv_scale.to(device, non_blocking=True)
             fused = [g for g in grads if g.is_contiguous()]
             strided = [g for g in grads if not g.is_contiguous()]
-            if fused and _extension_handles(device):
+            if fused and _extension_handles(device.type):
                 bucketing.unscale_(fused, device_inv, found)
             elif fused:
                 strided = grads

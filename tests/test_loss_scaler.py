@@ -267,3 +267,21 @@ def test_fp16_training_follows_fp32():
     assert tail32 < 0.7 * fp32[0], "the reference run did not learn"
     assert abs(tail16 - tail32) <= 0.05 * tail32, (tail16, tail32)
     assert scaler.skipped_steps > 0  # the scaler had to back off from 2^16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_trajectory_matches_cpu():
+    """On the device the policy runs as tensor ops; it must give the CPU run's trajectory."""
+    events = _events(SEED + 11, steps=40, p_overflow=0.4)
+    traces = []
+    for device in ("cpu", "cuda"):
+        scaler = LossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2, min_scale=0.0)
+        param = torch.nn.Parameter(torch.ones(8, dtype=torch.float16, device=device))
+        opt = torch.optim.SGD([param], lr=0.1)
+        trace = []
+        for overflow in events:
+            _run_step(scaler, opt, param, overflow)
+            trace.append((scaler.get_scale(), param.float().sum().item()))
+        traces.append(trace)
+    assert traces[0] == traces[1]

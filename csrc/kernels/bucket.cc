@@ -13,6 +13,13 @@ namespace dk::kernels {
 
 namespace {
 
+#if DK_WITH_CUDA
+Status cudaCheck(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status(Code::kCudaError, std::string(what) + ": " + cudaGetErrorString(err));
+}
+#endif
+
 Status checkSlices(const BucketLayout& layout) {
   std::vector<int64_t> order(layout.num_tensors);
   std::iota(order.begin(), order.end(), 0);
@@ -60,13 +67,14 @@ Status castScaleMulti(const std::vector<TensorSegment>& segments, const CastScal
                              num_threads);
   }
 #if DK_WITH_CUDA
-  int current = 0;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
-  if (err != cudaSuccess) {
-    return Status(Code::kCudaError, std::string("cudaSetDevice: ") + cudaGetErrorString(err));
-  }
-  return castScaleMultiCuda(segments.data(), static_cast<int64_t>(segments.size()), args, stream);
+  // Launch on the tensors' device, then give the caller's thread its current device back.
+  int previous = 0;
+  DK_RETURN_IF_ERROR(cudaCheck(cudaGetDevice(&previous), "cudaGetDevice"));
+  if (previous != device) DK_RETURN_IF_ERROR(cudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+  const Status status =
+      castScaleMultiCuda(segments.data(), static_cast<int64_t>(segments.size()), args, stream);
+  if (previous != device) DK_RETURN_IF_ERROR(cudaCheck(cudaSetDevice(previous), "cudaSetDevice"));
+  return status;
 #else
   return Unsupported("CUDA tensors need a CUDA build of dist_kernels (build_info() says none)");
 #endif
