@@ -43,12 +43,13 @@ CastScaleRangeFn& activeRangeFn() {
   return fn;
 }
 
-// Below this many elements per thread a thread costs more to start (~30 us measured for
-// std::thread create + join here) than it saves; 1M float32 elements take ~0.4 ms.
+// Below this many elements per thread a thread is not worth starting: std::thread create + join
+// costs tens of microseconds, while 1M float32 elements take about 0.5 ms on one core here
+// (measured: 64 MiB of float32 packed into bfloat16 in 8.7 ms by the AVX-512 path).
 constexpr int64_t kMinElementsPerThread = int64_t{1} << 20;
 
-// Runs `ranges` on threads (the first on the caller); returns false if a thread failed to start,
-// after running that range inline.
+// Runs `ranges` on threads (the first on the calling thread); a range whose thread fails to
+// start runs inline instead.
 void runRanges(const TensorSegment* segments, int64_t num_segments, const int64_t* starts,
                const std::vector<CpuRange>& ranges, const CastScaleArgs& args, float scale,
                std::vector<CpuRangeResult>& results, std::vector<Status>& statuses) {
