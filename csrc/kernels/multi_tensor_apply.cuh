@@ -24,7 +24,9 @@ namespace dk::kernels {
 // 36 * (8 + 8 + 8 + 4) + 320 * (1 + 4) + 8 = 2616 bytes.
 constexpr int kMaxTableSegments = 36;
 constexpr int kMaxTableBlocks = 320;
-// 64 Ki elements per block: a 64 MiB float32 bucket is 256 blocks, one launch.
+// 64 Ki elements per block (apex's chunk size): a 64 MiB float32 bucket is 256 blocks, one
+// launch. Not tuned on a device yet (no GPU in the session that wrote this): the device check's
+// bench_bucket.py --device cuda run reports the fraction of copy bandwidth to tune against.
 constexpr int64_t kChunk = 65536;
 constexpr int kBlockThreads = 512;
 
