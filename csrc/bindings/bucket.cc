@@ -4,7 +4,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <string>
 #include <vector>
 
 #include "bindings/errors.h"
@@ -104,13 +103,6 @@ void unscaleInPlace(const std::vector<uintptr_t>& tensors, const std::vector<int
   runChecked(segments, args, device, stream, num_threads, "unscale_");
 }
 
-std::string cpuIsa(const std::string& name) {
-  if (!name.empty()) {
-    dk::bindings::check(dk::kernels::setMultiTensorCpuIsa(name.c_str()), "multi_tensor_cpu_isa");
-  }
-  return dk::kernels::multiTensorCpuIsa();
-}
-
 }  // namespace
 
 DK_REGISTER_BINDINGS(bucket) {
@@ -119,6 +111,4 @@ DK_REGISTER_BINDINGS(bucket) {
         "Casts and scales a flat bucket back into tensors, overwriting or accumulating.");
   m.def("multi_tensor_unscale", &unscaleInPlace,
         "Multiplies tensors in place by a scale and flags non-finite results.");
-  m.def("multi_tensor_cpu_isa", &cpuIsa, py::arg("name") = "",
-        "Returns (and with a name, sets) the CPU instruction set of the multi-tensor kernels.");
 }

@@ -52,16 +52,11 @@ struct CastScaleArgs {
 Status validateCastScaleArgs(const TensorSegment* segments, int64_t num_segments,
                              const CastScaleArgs& args);
 
-// Runs on the calling thread; `num_threads` > 1 splits the elements into contiguous ranges run
-// by that many threads (for big standalone calls; engines give each rank one core).
+// Runs on the calling thread; `num_threads` > 1 splits the elements into up to that many
+// contiguous ranges run on the shared CPU pool (cpu_thread_pool.h) for big standalone calls
+// (engines give each rank one core). The instruction set follows cpu_isa.h.
 Status castScaleMultiCpu(const TensorSegment* segments, int64_t num_segments,
                          const CastScaleArgs& args, int num_threads = 1);
-
-// CPU instruction-set level of the vector path: "baseline" (the scalar functor loop, any
-// x86-64) or "avx512". Chosen once from the CPU (DK_CPU_ISA=baseline forces the former);
-// tests force each level with setMultiTensorCpuIsa.
-const char* multiTensorCpuIsa();
-Status setMultiTensorCpuIsa(const char* name);
 
 #if DK_WITH_CUDA
 // The same on device memory: one kernel launch per table of segments (multi_tensor_apply.cuh),

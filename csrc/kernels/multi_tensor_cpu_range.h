@@ -1,5 +1,6 @@
 // CPU cast-and-scale over one contiguous range of the concatenated segments. Each
-// instruction-set build (multi_tensor_cpu.cc baseline, multi_tensor_cpu_avx512.cc) includes
+// instruction-set build (multi_tensor_cpu.cc baseline, multi_tensor_cpu_avx2.cc,
+// multi_tensor_cpu_avx512.cc) includes
 // this file with its own element loop (`Piece`), so the dispatch and the walk over segments
 // exist once. Everything here has internal linkage: an ISA build must not lend a
 // vector-instruction copy of a shared inline function to the baseline build.
@@ -10,6 +11,7 @@
 
 #include "kernels/multi_tensor.h"
 #include "kernels/multi_tensor_dispatch.h"
+#include "kernels/multi_tensor_functors.h"
 
 namespace dk::kernels {
 
@@ -36,6 +38,12 @@ Status castScaleRange(const TensorSegment* segments, int64_t num_segments, const
                       CpuRangeResult* result);
 }  // namespace baseline
 
+namespace avx2 {
+Status castScaleRange(const TensorSegment* segments, int64_t num_segments, const int64_t* starts,
+                      CpuRange range, const CastScaleArgs& args, float scale,
+                      CpuRangeResult* result);
+}  // namespace avx2
+
 namespace avx512 {
 Status castScaleRange(const TensorSegment* segments, int64_t num_segments, const int64_t* starts,
                       CpuRange range, const CastScaleArgs& args, float scale,
@@ -43,6 +51,20 @@ Status castScaleRange(const TensorSegment* segments, int64_t num_segments, const
 }  // namespace avx512
 
 namespace {
+
+// The shared functor, one element at a time: the baseline build, and the AVX2 build where the
+// compiler vectorises what it can of it.
+template <typename Src, typename Dst, bool kAccumulate, typename SumT>
+struct ScalarPiece {
+  static void run(const Src* src, Dst* dst, int64_t count, float scale, bool& nonfinite,
+                  SumT& sum) {
+    const CastScaleOp<Src, Dst, kAccumulate> op{scale};
+    for (int64_t i = 0; i < count; ++i) {
+      dst[i] = op(src[i], kAccumulate ? dst[i] : Dst{}, nonfinite);
+      if constexpr (!std::is_same<SumT, NoSum>::value) addSquare(sum, load(dst[i]));
+    }
+  }
+};
 
 // First segment whose elements reach past `begin` (segments are sorted by start).
 int64_t firstSegmentAt(const int64_t* starts, int64_t num_segments, int64_t begin) {
