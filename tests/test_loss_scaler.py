@@ -285,3 +285,37 @@ def test_cuda_trajectory_matches_cpu():
             trace.append((scaler.get_scale(), param.float().sum().item()))
         traces.append(trace)
     assert traces[0] == traces[1]
+
+
+def _two_rank_overflow(overflow_ranks_per_step):
+    """Runs on every rank: LossScaler over a real Communicator; rank r overflows at step s when
+    r is in overflow_ranks_per_step[s]. Returns (scales, parameter sums, skipped steps)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    scales, sums = [], []
+    with dk.Communicator() as comm:
+        scaler = LossScaler(init_scale=8.0, growth_interval=2, comm=comm)
+        param = _param(torch.float16)
+        opt = torch.optim.SGD([param], lr=0.5)
+        for overflow_ranks in overflow_ranks_per_step:
+            _run_step(scaler, opt, param, overflow=rank in overflow_ranks)
+            scales.append(scaler.get_scale())
+            sums.append(param.float().sum().item())
+    return scales, sums, scaler.skipped_steps
+
+
+def test_overflow_on_one_rank_skips_every_rank():
+    from mp_pool import run_ranks, shm_leaks
+
+    schedule = [(), (1,), (), (0, 1), (0,), (), ()]
+    results = run_ranks(2, _two_rank_overflow, schedule, timeout=120)
+    assert results[0] == results[1], results  # replicas stay identical
+    scales, sums, skipped = results[0]
+    assert skipped == 3
+    # Steps with an overflow anywhere leave the parameters alone on both ranks.
+    for step, overflow_ranks in enumerate(schedule):
+        before = sums[step - 1] if step else 8.0
+        assert (sums[step] == before) == bool(overflow_ranks), (step, sums)
+    assert scales == _reference_policy([bool(o) for o in schedule], 8.0, 2.0, 0.5, 2, 1, 1.0)
+    assert shm_leaks() == []
