@@ -154,28 +154,65 @@ def _copy_bandwidth(grads, measure) -> float:
 
 
 def run(args: Optional[argparse.Namespace] = None) -> List[Dict]:
-    """Runs every case; returns one row per (op, tensors, impl)."""
+    """Runs every case; returns one row (a dict) per (op, tensors, impl)."""
     if args is None:
         args = add_arguments(argparse.ArgumentParser()).parse_args([])
-    measure = _timer(args.device, args.repeats)
     if getattr(args, "torch_threads", None):
         torch.set_num_threads(args.torch_threads)
+    return measure_cases(args.device, args.tensors, args.mib << 20, args.repeats, args.threads)
+
+
+def measure_cases(
+    device: str, tensor_counts, total_bytes: int, repeats: int, threads: Optional[int] = None
+) -> List[Dict]:
+    """The benchmark proper: FP32 gradients of ``total_bytes`` split into each tensor count."""
+    measure = _timer(device, repeats)
     rows = []
-    for num in args.tensors:
-        grads, offsets, flat = _setup(num, args.mib << 20, args.device)
-        copy_gbps = _copy_bandwidth(grads, measure) if args.device == "cuda" else None
+    for num in tensor_counts:
+        grads, offsets, flat = _setup(num, total_bytes, device)
+        copy_gbps = _copy_bandwidth(grads, measure) if device == "cuda" else None
         for op, cases in (("pack", _pack_cases), ("unpack", _unpack_cases),
                           ("unscale", _unscale_cases)):  # fmt: skip
-            nbytes, ok, impls = cases(grads, offsets, flat, args.threads)
+            nbytes, ok, impls = cases(grads, offsets, flat, threads)
             seconds = {name: measure(fn) for name, fn in impls.items()}
             for name, t in seconds.items():
                 gbps = nbytes / t / 1e9
                 rows.append({
-                    "op": op, "device": args.device, "tensors": num, "bytes": nbytes,
+                    "op": op, "device": device, "tensors": num, "bytes": nbytes,
                     "impl": name, "time_us": t * 1e6, "gbps": gbps,
                     "speedup_vs_eager": seconds["eager"] / t, "correct": ok,
                     "copy_fraction": gbps / copy_gbps if copy_gbps else None,
                 })  # fmt: skip
+    return rows
+
+
+_BASELINES = {
+    "pack": "cat(.to(bf16)).mul_()",
+    "unpack": "copy_+mul_+isfinite",
+    "unscale": "_amp_foreach_..._unscale_",
+}
+
+
+def bucket_rows(device: str, sizes, repeats: int) -> list:
+    """A section for benchmarks/bench_kernels.py: ``SECTIONS.append(bucket_rows)``.
+
+    Each size is the total FP32 gradient bytes, split into 1, 100 and 1000 tensors.
+    """
+    from bench_kernels import Row  # benchmarks/ is on sys.path when bench_kernels runs
+
+    rows = []
+    for size in sizes:
+        results = measure_cases(device, [1, 100, 1000], size, repeats)
+        by_key = {(r["op"], r["tensors"], r["impl"]): r for r in results}
+        for (op, num, impl), r in by_key.items():
+            if impl != "dk":
+                continue
+            if not r["correct"]:
+                raise RuntimeError(f"bench_bucket: {op} with {num} tensors gave wrong results")
+            eager = by_key[(op, num, "eager")]
+            case = f"{op} {num} tensors" + (" fp32<->bf16 x scale" if op != "unscale" else "")
+            rows.append(Row("bucket", case, size, r["bytes"], r["time_us"] / 1e6,
+                            _BASELINES[op], eager["time_us"] / 1e6))  # fmt: skip
     return rows
 
 
