@@ -35,7 +35,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from . import _ddp_plan as plan
+from . import communicator
 from ._dtypes import DTYPE_CODES, ReduceOp
+from .bucketing import pack, plan_buckets, unpack, unscale_
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -46,24 +48,10 @@ _MB = 1024 * 1024
 def _default_comm(module: nn.Module) -> Tuple[Any, bool]:
     """(communicator, created here): the default one if ``dk.init()`` ran, else a new one."""
     try:
-        from . import communicator
-    except ImportError:  # the Communicator is not built yet: torch.distributed stand-in
-        from ._ddp_shims import TorchDistComm
-
-        return TorchDistComm(), True
-    try:
         return communicator.get_default_communicator(), False
     except RuntimeError:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         return communicator.Communicator(device="cuda" if device.type == "cuda" else "cpu"), True
-
-
-def _kernels() -> Tuple[Any, Any, Any]:
-    try:
-        from .bucketing import pack, unpack, unscale_
-    except ImportError:
-        from ._ddp_shims import pack, unpack, unscale_
-    return pack, unpack, unscale_
 
 
 def _mark_unscaled(scaler: Any, found_inf: torch.Tensor) -> None:
@@ -74,8 +62,10 @@ def _mark_unscaled(scaler: Any, found_inf: torch.Tensor) -> None:
     """
     from .loss_scaler import _Stage
 
+    flag = found_inf.reshape(())  # the scaler keeps a 0-dim float32 flag
+
     def unscaled() -> dict:
-        return {"stage": _Stage.UNSCALED, "found_inf": found_inf}
+        return {"stage": _Stage.UNSCALED, "found_inf": flag}
 
     scaler._per_optimizer_states = collections.defaultdict(unscaled)
 
@@ -156,7 +146,6 @@ class DistributedDataParallel(nn.Module):
             self._op, self._pre_scale = ReduceOp.SUM, 1.0 / factor
             self._post_scale = factor / self.world_size
         self._debug = os.environ.get("DK_DEBUG", "0") not in ("", "0")
-        self._pack, self._unpack, self._unscale = _kernels()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
@@ -239,17 +228,6 @@ class DistributedDataParallel(nn.Module):
         self._attach_views(self._params_with_grad())
 
     def _plan(self, order: Sequence[int]) -> List[plan.BucketLayout]:
-        try:
-            from .bucketing import plan_buckets
-        except ImportError:  # bucketing not built yet
-            return plan.plan_layouts(
-                order,
-                [p.numel() for p in self._params],
-                [p.dtype for p in self._params],
-                wire_dtype=self.grad_dtype,
-                bucket_cap_bytes=self._bucket_cap_bytes,
-                first_bucket_bytes=self._first_bucket_bytes,
-            )
         #: The bucket plan (printable), in launch order.
         self.bucket_plan = plan_buckets(
             list(zip(self._names, self._params)),
@@ -393,7 +371,7 @@ class DistributedDataParallel(nn.Module):
             else:
                 present.append((grad.contiguous(), offset))
         for grads, offsets in _by_dtype(present):
-            self._pack(grads, bucket, offsets, self._pre_scale, state.found_inf)
+            pack(grads, bucket, offsets, self._pre_scale, state.found_inf)
         if layout.status_offset is not None:
             slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
             slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
@@ -515,7 +493,7 @@ class DistributedDataParallel(nn.Module):
                     grad = strided[-1][1]
                 targets.append((grad, offset))
             for grads, offsets in _by_dtype(targets):
-                self._unpack(bucket, grads, offsets, scale, written_inf)
+                unpack(bucket, grads, offsets, scale, written_inf)
             for grad, dense in strided:
                 grad.copy_(dense)
         found_inf = found_inf or bool(written_inf.item() > 0)
@@ -541,7 +519,7 @@ class DistributedDataParallel(nn.Module):
                 bucket[: layout.status_offset if layout.status_offset is not None else None]
                 for layout, bucket in zip(self._layouts, self._buckets)
             ]
-            self._unscale(regions, inv_scale, flag)
+            unscale_(regions, inv_scale, flag)
         _mark_unscaled(self.loss_scaler, flag)
         return bool(flag.item() > 0)
 

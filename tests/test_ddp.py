@@ -466,3 +466,57 @@ def test_buckets_rebuilt_in_gradient_ready_order():
     assert after_second == after_first  # rebuilt once
     assert results[1]["orders"] == results[0]["orders"]
     assert results[0]["buckets"] > 1  # several buckets, so their order matters
+
+
+def _scaler_cases() -> dict:
+    """dk.LossScaler with DDP: an inf on the last rank at step 1 skips that step on every rank."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    base = MLP()
+    batches = _batches("dense", world, STEPS, PER_RANK)
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    out = {}
+    for wire in (None, torch.bfloat16):
+        runs = []
+        for engine in ("ddp", "single"):
+            scaler = dk.LossScaler(init_scale=2.0**8, growth_interval=2)
+            model = copy.deepcopy(base)
+            if engine == "ddp":
+                model = dk.DDP(model, grad_dtype=wire, loss_scaler=scaler)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            flags = []
+            for step, (x, y) in enumerate(batches):
+                x = x.clone()
+                if step == 1:  # the first sample of the last rank
+                    x[(world - 1) * PER_RANK, 0] = float("inf")
+                x, y = (x[shard], y[shard]) if engine == "ddp" else (x, y)
+                scaler.scale(_loss("dense", model(x), y)).backward()
+                flags.append(getattr(model, "found_inf", None))
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            runs.append((_params(model), scaler.skipped_steps, scaler.get_scale(), flags))
+        (ours, skipped, scale, flags), (single, ref_skipped, ref_scale, _) = runs
+        out[str(wire)] = {
+            "vs_single": _rel_diff(ours, single),
+            "skipped": (skipped, ref_skipped),
+            "scale": (scale, ref_scale),
+            "found_inf": flags,
+        }
+    return out
+
+
+def test_loss_scaler_skips_overflowing_steps_on_every_rank():
+    results = run_ranks(2, _scaler_cases, timeout=120)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+        for wire, case in r.items():
+            tol = FP32_RTOL if wire == "None" else WIRE_RTOL[torch.bfloat16]
+            assert case["vs_single"] < tol, (wire, case)
+            assert case["skipped"] == (1, 1) and case["scale"][0] == case["scale"][1], case
+            assert case["found_inf"] == [False, True, False, False], case
