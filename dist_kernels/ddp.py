@@ -10,11 +10,13 @@ How one backward runs (details in docs/ddp.md):
 
 1. A post-accumulate-grad hook marks each parameter ready. When a bucket's last gradient is
    ready (and every earlier bucket has been launched, so all ranks issue collectives in the same
-   order), its gradients are packed into the bucket (cast to the wire dtype and pre-divided in
-   one pass) and its all-reduce starts asynchronously, overlapping the rest of backward.
+   order), its all-reduce starts asynchronously, overlapping the rest of backward. With a
+   low-precision wire the gradients are first packed into the bucket (cast and pre-divided in
+   one pass); with the parameters' own dtype ``.grad`` is a view of the bucket and the
+   all-reduce averages in place, so nothing is packed.
 2. A callback queued on the autograd engine runs when backward ends: it launches what is left
-   (parameters without gradients under ``find_unused_parameters``), waits, and unpacks every
-   bucket into ``.grad`` (cast back and post-scaled in one pass).
+   (parameters without gradients under ``find_unused_parameters``), waits, and unpacks packed
+   buckets into ``.grad`` (cast back and post-scaled in one pass) or points ``.grad`` at views.
 3. After the first synchronised backward the buckets are re-planned in the order gradients
    actually became ready on rank 0, broadcast so that all ranks agree.
 
@@ -73,14 +75,17 @@ def _mark_unscaled(scaler: Any, found_inf: torch.Tensor) -> None:
 class _BackwardPass:
     """Bookkeeping of one synchronised backward."""
 
-    def __init__(self, layouts: Sequence[plan.BucketLayout], num_params: int) -> None:
+    def __init__(
+        self, layouts: Sequence[plan.BucketLayout], num_params: int, device: torch.device
+    ) -> None:
         self.pending = [len(b.param_indices) for b in layouts]
         self.ready = [False] * num_params
         self.used = [False] * num_params
         self.ready_order: List[int] = []
         self.next_launch = 0
         self.works: List[Any] = [None] * len(layouts)
-        self.found_inf = torch.zeros(1, dtype=torch.float32)
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self.pre_scale = 1.0
 
 
 class DistributedDataParallel(nn.Module):
@@ -88,7 +93,8 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model; identical structure on every rank (checked at construction).
-        comm: a :class:`dist_kernels.Communicator`; default: a new one over the default group.
+        comm: a :class:`dist_kernels.Communicator`; default: the one ``dk.init()`` made, else
+            a new one over the default group (closed by :meth:`close`).
         bucket_cap_mb: bucket size cap in MiB (torch: 25).
         first_bucket_mb: cap of the first bucket, so communication starts early in backward.
         grad_dtype: dtype on the wire (``torch.bfloat16``/``torch.float16``), reduced with FP32
@@ -99,8 +105,10 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: parameters that get no gradient in a backward are treated as
             ready with a zero gradient; ones unused on every rank keep ``.grad`` untouched.
         broadcast_buffers: broadcast buffers from rank 0 before every forward.
-        loss_scaler: a :class:`dist_kernels.LossScaler`; its found-inf flag then travels in the
-            last bucket's all-reduce, and gradients are unscaled while they are unpacked.
+        loss_scaler: a :class:`dist_kernels.LossScaler` (built without ``comm``): gradients are
+            unscaled during the end of backward and the scaler learns whether any rank had an
+            inf/NaN from the last bucket's all-reduce; call ``scaler.step`` and ``update`` as
+            usual but not ``scaler.unscale_`` (the gradients already are).
     """
 
     def __init__(
@@ -123,6 +131,7 @@ class DistributedDataParallel(nn.Module):
         )
         self.module = module
         self.comm, self._owns_comm = (comm, False) if comm is not None else _default_comm(module)
+        self._device = torch.device(getattr(self.comm, "device", "cpu"))
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
         self.grad_dtype = grad_dtype
@@ -132,19 +141,18 @@ class DistributedDataParallel(nn.Module):
         self.loss_scaler = loss_scaler
         self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
         self._first_bucket_bytes = int(first_bucket_mb * _MB)
-        # Same wire dtype as the parameters and no pre-division: the all-reduce averages
-        # (ReduceOp.AVG) and contiguous parameters' .grad become views of the registered buckets,
-        # so gradients are neither packed nor unpacked. Otherwise pack pre-divides (keeping FP16
-        # partial sums in range) and unpack post-scales.
-        self._grad_views = gradient_predivide_factor is None and all(
-            grad_dtype in (None, p.dtype) for p in module.parameters() if p.requires_grad
-        )
+        # Gradients are multiplied by 1 / factor on their way into the bucket (fused with the
+        # copy or cast, so FP16 partial sums stay in range), summed, and by factor / world_size
+        # on the way out. When that is 1 and the wire dtype is the parameters' own (FP32 or
+        # BF16), contiguous parameters' .grad become views of the registered buckets and nothing
+        # is copied out; the inverse loss scale then joins the pre-scale too.
         factor = float(gradient_predivide_factor or self.world_size)
-        if self._grad_views:
-            self._op, self._pre_scale, self._post_scale = ReduceOp.AVG, 1.0, 1.0
-        else:
-            self._op, self._pre_scale = ReduceOp.SUM, 1.0 / factor
-            self._post_scale = factor / self.world_size
+        self._pre_scale, self._post_scale = 1.0 / factor, factor / self.world_size
+        self._grad_views = self._post_scale == 1.0 and all(
+            grad_dtype in (None, p.dtype) and p.dtype != torch.float16
+            for p in module.parameters()
+            if p.requires_grad
+        )
         self._debug = os.environ.get("DK_DEBUG", "0") not in ("", "0")
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -162,9 +170,8 @@ class DistributedDataParallel(nn.Module):
         self._pass: Optional[_BackwardPass] = None
         self._sequence = 0
         self._rebuilt = False
-        #: Whether the last synchronised backward had an inf/NaN gradient on any rank; None when
-        #: not checked (FP32 bucket views without a loss_scaler skip the check: no extra pass).
-        self.found_inf: Optional[bool] = None
+        #: Whether the last synchronised backward had an inf/NaN gradient on any rank.
+        self.found_inf = False
         self._used_mask = self.comm.empty((max(1, len(self._params)),), torch.float32)
         self._set_layouts(list(reversed(range(len(self._params)))))
         self._hook_handles = [
@@ -188,14 +195,16 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"[rank {self.rank}] {message}")
 
     def _all_gather_bytes(self, data: bytes) -> List[bytes]:
-        lengths = torch.zeros(self.world_size, dtype=torch.int64)
-        self.comm.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64))
+        dev = self._device
+        lengths = torch.zeros(self.world_size, dtype=torch.int64, device=dev)
+        self.comm.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=dev))
         longest = int(lengths.max())
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.zeros(self.world_size * longest, dtype=torch.uint8)
+        mine = mine.to(dev)
+        out = torch.zeros(self.world_size * longest, dtype=torch.uint8, device=dev)
         self.comm.all_gather(out, mine)
-        chunks = out.view(self.world_size, longest)
+        chunks = out.view(self.world_size, longest).cpu()
         return [bytes(chunks[r, : int(lengths[r])].tolist()) for r in range(self.world_size)]
 
     def _alloc_bytes(self, tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -335,7 +344,11 @@ class DistributedDataParallel(nn.Module):
         return hook
 
     def _start_pass(self) -> None:
-        self._pass = _BackwardPass(self._layouts, len(self._params))
+        self._pass = _BackwardPass(self._layouts, len(self._params), self._device)
+        inv_loss_scale = self._inv_loss_scale()
+        self._pass.pre_scale = self._pre_scale
+        if self._grad_views and inv_loss_scale is not None:
+            self._pass.pre_scale *= inv_loss_scale
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         for index in self._unused_at_forward:
             self._mark_ready(index, used=False)
@@ -360,18 +373,20 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket_index: int, status: int) -> None:
         """Packs one bucket and starts its all-reduce asynchronously."""
         layout, bucket, state = self._layouts[bucket_index], self._buckets[bucket_index], self._pass
-        present = []
+        present, in_place = [], []
         for index, offset, size in zip(layout.param_indices, layout.offsets, layout.sizes):
             grad, view = self._params[index].grad, self._views[index]
             if grad is None:
                 bucket[offset : offset + size].zero_()
-            elif view is not None:  # already in the bucket unless .grad was replaced
-                if not _is_view(grad, view):
-                    view.copy_(grad)
+            elif view is not None and _is_view(grad, view):  # accumulated in the bucket
+                in_place.append(grad)
             else:
                 present.append((grad.contiguous(), offset))
+        # One pass each: scale (and cast) into the bucket, or scale in place; flag inf/NaN.
         for grads, offsets in _by_dtype(present):
-            pack(grads, bucket, offsets, self._pre_scale, state.found_inf)
+            pack(grads, bucket, offsets, state.pre_scale, state.found_inf)
+        if in_place:
+            unscale_(in_place, state.pre_scale, state.found_inf)
         if layout.status_offset is not None:
             slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
             slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
@@ -380,7 +395,7 @@ class DistributedDataParallel(nn.Module):
             self._check_fingerprint(layout, status)
         self._sequence += 1
         state.works[bucket_index] = self.comm.all_reduce(
-            bucket, op=self._op, algorithm=self.algorithm, async_op=True
+            bucket, op=ReduceOp.SUM, algorithm=self.algorithm, async_op=True
         )
 
     def _check_fingerprint(self, layout: plan.BucketLayout, status: int) -> None:
@@ -388,8 +403,8 @@ class DistributedDataParallel(nn.Module):
         mine = plan.fingerprint(
             self._sequence, layout, DTYPE_CODES[layout.dtype], self._layout_id, status
         )
-        out = torch.zeros(self.world_size * len(mine), dtype=torch.int64)
-        self.comm.all_gather(out, torch.tensor(mine, dtype=torch.int64))
+        out = torch.zeros(self.world_size * len(mine), dtype=torch.int64, device=self._device)
+        self.comm.all_gather(out, torch.tensor(mine, dtype=torch.int64, device=self._device))
         message = plan.fingerprint_mismatch(out.view(self.world_size, -1).tolist())
         if message:
             note = self._missing_note() if status != plan.STATUS_OK else ""
@@ -457,8 +472,7 @@ class DistributedDataParallel(nn.Module):
         if last is None:
             return [0.0] * plan.STATUS_SLOTS
         slots = self._buckets[-1][last.status_offset : last.status_offset + plan.STATUS_SLOTS]
-        count = self.world_size if self._op == ReduceOp.AVG else 1  # slots count ranks
-        return (slots.float() * count).tolist()
+        return slots.float().tolist()
 
     def _peer_error(self, count: float) -> str:
         return (
@@ -470,11 +484,11 @@ class DistributedDataParallel(nn.Module):
     def _unpack_all(self, found_inf: bool) -> None:
         """Buckets back into .grad: cast, post-scale (and unscale), overwrite."""
         scale, inv_scale = self._post_scale, self._inv_loss_scale()
-        if inv_scale is not None:
+        if inv_scale is not None and not self._grad_views:  # else folded into the pre-scale
             scale *= inv_scale
         # Inf/NaN in what is written (e.g. an FP16 sum that overflowed although every rank's
         # inputs were finite); identical on every rank since the reduced buckets are.
-        written_inf = torch.zeros(1, dtype=torch.float32)
+        written_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
         globally_used = self._used_mask.tolist() if self.find_unused_parameters else None
         for layout, bucket in zip(self._layouts, self._buckets):
             targets, strided = [], []
@@ -496,10 +510,10 @@ class DistributedDataParallel(nn.Module):
                 unpack(bucket, grads, offsets, scale, written_inf)
             for grad, dense in strided:
                 grad.copy_(dense)
-        found_inf = found_inf or bool(written_inf.item() > 0)
-        self.found_inf = found_inf if not self._grad_views else None
+        self.found_inf = found_inf or bool(written_inf.item() > 0)
         if inv_scale is not None:
-            self.found_inf = self._finish_loss_scaling(inv_scale, found_inf)
+            flag = torch.tensor(float(self.found_inf), device=self._device)
+            _mark_unscaled(self.loss_scaler, flag)
 
     def _inv_loss_scale(self) -> Optional[float]:
         scaler = self.loss_scaler
@@ -507,26 +521,11 @@ class DistributedDataParallel(nn.Module):
             return None
         return 1.0 / float(scaler.get_scale())
 
-    def _finish_loss_scaling(self, inv_scale: float, found_inf: bool) -> bool:
-        """Unscales the bucket views (one pass that also checks for inf/NaN) and tells the scaler.
-
-        The reduced gradients are identical on every rank, so the check agrees everywhere
-        without a collective; in pack mode the flag already came through the status slot.
-        """
-        flag = torch.tensor([float(found_inf)], dtype=torch.float32)
-        if self._grad_views:
-            regions = [
-                bucket[: layout.status_offset if layout.status_offset is not None else None]
-                for layout, bucket in zip(self._layouts, self._buckets)
-            ]
-            unscale_(regions, inv_scale, flag)
-        _mark_unscaled(self.loss_scaler, flag)
-        return bool(flag.item() > 0)
-
     def _rebuild(self, ready_order: Sequence[int]) -> None:
         """Re-plans buckets in rank 0's observed gradient-ready order (collective)."""
         self._rebuilt = True
-        order = torch.tensor(plan.rebuilt_order(ready_order, len(self._params)), dtype=torch.int64)
+        order = plan.rebuilt_order(ready_order, len(self._params))
+        order = torch.tensor(order, dtype=torch.int64, device=self._device)
         if self.world_size > 1 and order.numel():
             self.comm.broadcast(order, 0)
         if order.tolist() != self._planned_order():

@@ -201,6 +201,8 @@ def _fp32_cases() -> Dict[str, dict]:
         "transformer": _run_case(TinyTransformer, "tokens", bucket_cap_mb=0.02),
         "tied": _run_case(lambda: TinyTransformer(tied=True), "tokens", bucket_cap_mb=0.02),
         "no_sync": _run_case(MLP, "dense", micro=3, bucket_cap_mb=0.004),
+        "no_sync_grads_kept": _run_case(MLP, "dense", micro=3, set_to_none=False),
+        "no_sync_packed": _run_case(MLP, "dense", micro=2, gradient_predivide_factor=1.0),
         "unused": _run_case(lambda: MLP(extra=True), "dense", find_unused_parameters=True),
     }
 
@@ -286,16 +288,20 @@ def _structure_cases() -> dict:
     out["branchy_diff"] = max(
         (grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0] if grads[0][n] is not None
     )
-    # Found-inf: an inf input on the last rank only; every rank learns it from the bucket.
-    model = dk.DDP(MLP(), grad_dtype=torch.bfloat16)  # packing checks for inf/NaN for free
+    # Found-inf: an inf input on the last rank only; every rank learns it from the bucket
+    # (the pre-scaling pass checks for inf/NaN), with bucket views and with a BF16 wire, also
+    # when the gradients already sit in the bucket (zero_grad(set_to_none=False)).
     x = batches[0][0][shard].clone()
     if rank == world - 1:
         x[0, 0] = float("inf")
-    model(x).sum().backward()
-    out["found_inf"] = model.found_inf
-    model.zero_grad()
-    model(batches[0][0][shard]).sum().backward()
-    out["found_inf_after_clean_step"] = model.found_inf
+    flags = []
+    for wire in (None, torch.bfloat16):
+        model = dk.DDP(MLP(), grad_dtype=wire)
+        for step_input in (x, batches[0][0][shard], x, batches[0][0][shard]):
+            model(step_input).sum().backward()
+            flags.append(model.found_inf)
+            model.zero_grad(set_to_none=False)
+    out["found_inf"] = flags
     # Construction broadcasts rank 0's parameters and buffers: seed each rank differently.
     torch.manual_seed(SEED + rank)
     module = MLP(batch_norm=True)
@@ -316,7 +322,7 @@ def test_buffers_rank_dependent_use_and_found_inf(world_size):
         assert r["bn_params"] < FP32_RTOL and r["bn_buffers"] < 1e-6
         assert r["branchy_none"] == r["branchy_torch_none"] == ["never.bias", "never.weight"]
         assert r["branchy_diff"] < 1e-6
-        assert r["found_inf"] is True and r["found_inf_after_clean_step"] is False
+        assert r["found_inf"] == [True, False] * 4, r["found_inf"]
         assert r["broadcast_params"] and r["broadcast_buffers"]
 
 
