@@ -10,13 +10,13 @@ How one backward runs (details in docs/ddp.md):
 
 1. A post-accumulate-grad hook marks each parameter ready. When a bucket's last gradient is
    ready (and every earlier bucket has been launched, so all ranks issue collectives in the same
-   order), its all-reduce starts asynchronously, overlapping the rest of backward. With a
-   low-precision wire the gradients are first packed into the bucket (cast and pre-divided in
-   one pass); with the parameters' own dtype ``.grad`` is a view of the bucket and the
-   all-reduce averages in place, so nothing is packed.
+   order), its gradients are brought into the bucket multiplied by 1 / world_size (cast to a
+   low-precision wire dtype, or, when ``.grad`` already is a view of the bucket, scaled in
+   place; one fused pass that also flags inf/NaN) and its all-reduce starts asynchronously,
+   overlapping the rest of backward.
 2. A callback queued on the autograd engine runs when backward ends: it launches what is left
-   (parameters without gradients under ``find_unused_parameters``), waits, and unpacks packed
-   buckets into ``.grad`` (cast back and post-scaled in one pass) or points ``.grad`` at views.
+   (parameters without gradients under ``find_unused_parameters``), waits, and points ``.grad``
+   at its bucket view (same dtype on the wire) or unpacks into it (cast back, one pass).
 3. After the first synchronised backward the buckets are re-planned in the order gradients
    actually became ready on rank 0, broadcast so that all ranks agree.
 
