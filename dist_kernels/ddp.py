@@ -424,6 +424,8 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward: launch the rest, wait, check the status slots, unpack into .grad."""
         state = self._pass
+        if state is None:  # a hook raised and abandoned this backward
+            return
         try:
             local_error = self._launch_remaining(state)
             used_work = self._reduce_used_mask(state)
