@@ -108,8 +108,7 @@ def _engines(args, world: int):
     chunk = int(args.bucket_mb * 2**20 // 4)
     torch_buckets = [c.clone() for c in flat.split(chunk)]
     return [
-        # the engine's own op: AVG for FP32 bucket views, SUM after a pre-dividing pack
-        ("dist_kernels", ours, None, lambda b: ours.comm.all_reduce(b, op=ours._op)),
+        ("dist_kernels", ours, None, lambda b: ours.comm.all_reduce(b)),
         ("torch+gloo", theirs, torch_buckets, lambda b: dist.all_reduce(b)),
     ]
 
@@ -135,7 +134,7 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
             r["step"].append(_time_steps(model, opt, batches, args.steps, sync=True))
             r["local"].append(_time_steps(model, opt, batches, args.steps, sync=False))
             if world > 1:
-                bufs = buffers if buffers is not None else model._buckets
+                bufs = buffers if buffers is not None else model.buckets
                 r["allreduce"].append(_time_allreduce(bufs, reduce))
     if rank == 0:
         nparams = sum(p.numel() for p in engines[0][1].parameters())
@@ -222,10 +221,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--grad-dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=5)

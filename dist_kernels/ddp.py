@@ -276,6 +276,11 @@ class DistributedDataParallel(nn.Module):
             self.comm.close()
 
     @property
+    def buckets(self) -> List[torch.Tensor]:
+        """The registered bucket tensors, in launch order (the last carries the status slots)."""
+        return list(self._buckets)
+
+    @property
     def bucket_layouts(self) -> List[plan.BucketLayout]:
         """The current bucket plan, in launch order."""
         return list(self._layouts)
