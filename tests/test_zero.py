@@ -1,0 +1,249 @@
+"""ShardedOptimizer (ZeRO 1 and 2) on 1-4 CPU ranks against single-process training.
+
+Every rank trains its slice of a global batch with the sharded optimizer and, in the same
+process, trains a plain copy of the model on the whole batch with the unsharded optimizer (the
+reference); averaged gradients of equal slices equal the whole batch's, so the parameters must
+agree to FP32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mp_pool import run_ranks  # noqa: E402
+
+SEED = 2024
+STEPS = 6
+ALIGN_BYTES = 16
+
+
+class GlooComm:
+    """A torch.distributed (gloo) stand-in with the Communicator's interface, for the tests
+    while the shared-memory Communicator is not available; FP16/BF16 reduce in FP32."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    class _Done:
+        def wait(self) -> None:
+            pass
+
+        def is_completed(self) -> bool:
+            return True
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def _op(self, op):
+        name = getattr(op, "name", str(op)).upper()
+        return {
+            "SUM": self.dist.ReduceOp.SUM,
+            "MAX": self.dist.ReduceOp.MAX,
+            "MIN": self.dist.ReduceOp.MIN,
+            "AVG": self.dist.ReduceOp.SUM,
+        }[name]
+
+    def all_reduce(self, t, op="sum", async_op=False):
+        acc = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t.clone()
+        self.dist.all_reduce(acc, op=self._op(op))
+        if getattr(op, "name", str(op)).upper() == "AVG":
+            acc /= self.world_size
+        t.copy_(acc)
+        return self._Done()
+
+    def reduce_scatter(self, out, inp, op="sum", async_op=False):
+        assert inp.numel() == self.world_size * out.numel()
+        full = inp.clone()
+        self.all_reduce(full, op)
+        out.copy_(full.view(self.world_size, -1)[self.rank])
+        return self._Done()
+
+    def all_gather(self, out, inp, async_op=False):
+        self.dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), inp.contiguous())
+        return self._Done()
+
+    def broadcast(self, t, src, async_op=False):
+        self.dist.broadcast(t, src)
+        return self._Done()
+
+    def barrier(self):
+        self.dist.barrier()
+
+
+def make_comm():
+    """dk's Communicator when it is built, the gloo stand-in otherwise."""
+    try:
+        import dist_kernels as dk
+
+        return dk.Communicator()
+    except (ImportError, AttributeError):
+        return GlooComm()
+
+
+def make_model(seed=SEED, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(13, 37),
+        torch.nn.Tanh(),
+        torch.nn.Linear(37, 11),
+        torch.nn.Tanh(),
+        torch.nn.Linear(11, 5),
+    )
+    return model.to(dtype)
+
+
+def batch(step, world_size, rank=None, per_rank=4):
+    g = torch.Generator().manual_seed(SEED + step)
+    x = torch.randn(world_size * per_rank, 13, generator=g)
+    y = torch.randn(world_size * per_rank, 5, generator=g)
+    if rank is None:
+        return x, y
+    return x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+
+
+def optimizer_spec(name):
+    from dist_kernels.optim import FusedAdamW
+
+    return {
+        "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+        "sgd": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9}),
+        "fused": (FusedAdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    }[name]
+
+
+def train_step(model, opt, step, world_size, rank, clip=None):
+    x, y = batch(step, world_size, rank)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    if clip is not None:
+        opt.clip_grad_norm_(clip)
+    opt.step()
+    opt.zero_grad()
+
+
+def reference_run(opt_name, world_size, steps, clip=None):
+    model = make_model()
+    cls, kwargs = optimizer_spec(opt_name)
+    opt = cls(model.parameters(), **kwargs)
+    for step in range(steps):
+        x, y = batch(step, world_size)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def max_rel_diff(model, ref):
+    return max(
+        ((p - r).abs().max() / r.abs().max()).item()
+        for p, r in zip(model.parameters(), ref.parameters())
+    )
+
+
+def state_bytes_of(opt):
+    return sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.numel() > 1
+    )
+
+
+def _equivalence_cases(cases):
+    """Runs on every rank: one result line per (stage, optimizer, options) case."""
+    import dist_kernels as dk
+
+    comm = make_comm()
+    results = []
+    for stage, opt_name, options in cases:
+        model = make_model()
+        cls, kwargs = optimizer_spec(opt_name)
+        opt = dk.ShardedOptimizer(
+            model.parameters(),
+            cls,
+            comm,
+            stage=stage,
+            bucket_cap_mb=options.get("bucket_cap_mb", 0.0002),
+            overlap=options.get("overlap", True),
+            **kwargs,
+        )
+        full_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        grads_after_backward = None
+        for step in range(STEPS):
+            x, y = batch(step, comm.world_size, comm.rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if step == 0:
+                grads_after_backward = [p.grad is not None for p in model.parameters()]
+            if options.get("clip"):
+                opt.clip_grad_norm_(options["clip"])
+            opt.step()
+            opt.zero_grad()
+        ref, ref_opt = reference_run(opt_name, comm.world_size, STEPS, options.get("clip"))
+        results.append(
+            {
+                "case": (stage, opt_name, options),
+                "diff": max_rel_diff(model, ref),
+                "state_bytes": state_bytes_of(opt.optim),
+                "ref_state_bytes": state_bytes_of(ref_opt),
+                "grad_bytes": opt.gradient_bytes(),
+                "full_grad_bytes": full_grad_bytes,
+                "grads_after_backward": grads_after_backward,
+                "nparams": len(list(model.parameters())),
+            }
+        )
+        opt.close()
+    return results
+
+
+CASES = [
+    (1, "adamw", {}),
+    (2, "adamw", {}),
+    (1, "sgd", {}),
+    (2, "sgd", {}),
+    (1, "fused", {}),
+    (2, "fused", {}),
+    (2, "adamw", {"overlap": False, "bucket_cap_mb": 25}),
+    (2, "fused", {"clip": 0.05}),
+    (1, "sgd", {"clip": 0.05}),
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sharded_training_equals_single_process(world_size):
+    print(f"seed {SEED}, {STEPS} steps, world size {world_size}")
+    per_rank = run_ranks(world_size, _equivalence_cases, CASES, timeout=180)
+    for i, (stage, opt_name, options) in enumerate(CASES):
+        rows = [r[i] for r in per_rank]
+        diff = max(r["diff"] for r in rows)
+        sizes = [r["state_bytes"] for r in rows]
+        print(
+            f"stage {stage} {opt_name:6s} {options}: max rel diff {diff:.2e}, "
+            f"state bytes per rank {sizes} (unsharded {rows[0]['ref_state_bytes']})"
+        )
+        assert diff < 1e-5, f"case {CASES[i]}: max relative difference {diff:.3e}"
+        # equal shares: every rank within one alignment unit (per state tensor) of the mean
+        tensors_per_param = {"adamw": 2, "fused": 2, "sgd": 1}[opt_name]
+        total = sum(sizes)
+        for size in sizes:
+            assert abs(size - total / world_size) <= ALIGN_BYTES * tensors_per_param
+        # and the shards together are the unsharded state plus bounded alignment padding
+        padding = (rows[0]["nparams"] + world_size) * ALIGN_BYTES * tensors_per_param
+        assert rows[0]["ref_state_bytes"] <= total <= rows[0]["ref_state_bytes"] + padding
+        if stage == 2:
+            assert not any(any(r["grads_after_backward"]) for r in rows), ".grad kept in stage 2"
+            if options.get("bucket_cap_mb", 0.0002) < 0.01 and world_size > 1:
+                # shard + two staging buckets, far below one full gradient copy
+                assert all(r["grad_bytes"] < r["full_grad_bytes"] for r in rows)
+        else:
+            assert all(all(r["grads_after_backward"]) for r in rows)
+            assert all(r["grad_bytes"] >= r["full_grad_bytes"] for r in rows)
