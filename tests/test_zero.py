@@ -100,12 +100,17 @@ def make_model(seed=SEED, dtype=torch.float32):
     return model.to(dtype)
 
 
-def batch(step, world_size, rank=None, per_rank=4):
+GLOBAL_BATCH = 12  # divisible by every world size tested, so the global batch never changes
+
+
+def batch(step, world_size, rank=None):
+    """Rank ``rank``'s slice of step ``step``'s global batch (the whole batch for None)."""
     g = torch.Generator().manual_seed(SEED + step)
-    x = torch.randn(world_size * per_rank, 13, generator=g)
-    y = torch.randn(world_size * per_rank, 5, generator=g)
+    x = torch.randn(GLOBAL_BATCH, 13, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 5, generator=g)
     if rank is None:
         return x, y
+    per_rank = GLOBAL_BATCH // world_size
     return x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
 
 
