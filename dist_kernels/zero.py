@@ -17,9 +17,14 @@ master copy for 16-bit parameters). How one iteration runs:
    staging buffers (cast to ``grad_dtype`` on the way) and frees ``.grad`` at once: no full
    gradient buffer exists, only the FP32 gradient shard. A callback at the end of backward
    launches what is left and waits.
-2. ``step()``: optional unscale and global found-inf check (loss scaling: every rank skips
-   together), the local optimizer steps the shard, then every bucket is all-gathered back into
-   the flat parameter buffer, which the model's parameters view.
+2. ``step()``: the local optimizer steps the shard, then every bucket is all-gathered back
+   into the flat parameter buffer, which the model's parameters view.
+
+Loss scaling: ``dk.LossScaler(comm=opt.comm)`` used as ``torch.amp.GradScaler`` is
+(``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``) unscales the FP32 shard
+gradients (``opt.param_groups`` holds the shards) and all-reduces its found-inf flag, so an
+overflow on any rank's shard skips the step on every rank. Without ``comm`` the ranks would
+disagree and the next collective would hang.
 
 Reduce-scatters average (``ReduceOp.AVG``) with FP32 accumulation inside the collective; a 16-bit
 ``grad_dtype`` halves the bytes on the wire.
@@ -106,8 +111,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             bytes; accumulation stays FP32); None keeps each parameter's dtype.
         bucket_cap_mb: bucket size in MiB: the unit of one reduce-scatter and all-gather.
         overlap: launch reduce-scatters during backward (True) or all at the end of it.
-        loss_scaler: a :class:`dist_kernels.LossScaler`; ``step()`` then unscales the shards,
-            skips the step on every rank if any rank found inf/NaN, and updates the scaler.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, betas, momentum, ...).
     """
 
@@ -121,7 +124,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grad_dtype: Optional[torch.dtype] = None,
         bucket_cap_mb: float = 25,
         overlap: bool = True,
-        loss_scaler: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if stage not in (1, 2):
@@ -135,10 +137,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.comm = comm if comm is not None else _default_comm()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.stage, self.grad_dtype, self.overlap = stage, grad_dtype, overlap
-        self.loss_scaler = loss_scaler
-        #: True when the last ``step()`` was skipped because a gradient was inf/NaN on some rank.
-        self.found_inf = False
         groups = _param_groups(params)
+        for p in (p for g in groups for p in g["params"]):
+            _refuse_ddp(p)
         self.plan, self.flat_groups = self._build_flat_groups(groups, int(bucket_cap_mb * _MB))
         self._buckets = [
             (g, b) for g, fg in enumerate(self.flat_groups) for b in range(len(fg.plan.buckets))
@@ -277,6 +278,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         def hook(param: torch.Tensor) -> None:
             if not self._sync:
                 return
+            if self._pass is None:
+                _refuse_ddp(param)  # a DDP wrapped after us would reduce a second time
             state = self._begin_pass()
             if not self._callback_queued:
                 self._callback_queued = True
@@ -430,20 +433,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._pass is not None or not self._shard_grads_valid:
             self._finish_pass()
 
-    def unscale_(self, inv_scale: float) -> bool:
-        """Multiplies the shard gradients by ``inv_scale``; returns True on every rank when any
-        rank's shard holds an inf or NaN (one all-reduce)."""
-        self._reduced()
-        flag = torch.zeros(1, dtype=torch.float32)
-        for fg in self.flat_groups:
-            if inv_scale != 1.0:
-                fg.shard.grad.mul_(inv_scale)
-            if not torch.isfinite(fg.shard.grad).all():
-                flag.fill_(1.0)
-        if self.world_size > 1:
-            self.comm.all_reduce(flag, op=ReduceOp.MAX)
-        return bool(flag.item() > 0)
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scales the gradients so that their global norm is at most ``max_norm``; returns the
         norm before clipping. Each rank sums over its shard (every element owned once)."""
@@ -475,11 +464,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._reduced()
-        if self.loss_scaler is not None:
-            self.found_inf = self.unscale_(1.0 / float(self.loss_scaler.scale))
-            self.loss_scaler.update(self.found_inf)
-            if self.found_inf:
-                return loss
         self.optim.step()
         self._all_gather_params()
         return loss
@@ -610,3 +594,17 @@ def _bucket_bases(flat_groups: List[_FlatGroup]) -> List[int]:
         bases.append(total)
         total += len(fg.plan.buckets)
     return bases
+
+
+def _refuse_ddp(p: torch.Tensor) -> None:
+    """Raises if ``p`` belongs to a :class:`dist_kernels.DistributedDataParallel`."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    for hook in hooks.values():
+        if getattr(hook, "__qualname__", "").startswith("DistributedDataParallel."):
+            raise ValueError(
+                "params: these parameters belong to a dist_kernels.DistributedDataParallel. "
+                "ShardedOptimizer reduces (reduce-scatters) the gradients itself through its "
+                "own hooks, so DDP would reduce them a second time and hold full gradient "
+                "buckets: pass the plain module's parameters (model.module.parameters()) "
+                "and drop the DDP wrapper."
+            )
