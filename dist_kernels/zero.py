@@ -565,17 +565,23 @@ def _param_groups(params: Iterable[Any]) -> List[Dict[str, Any]]:
     seen = set()
     for gi, group in enumerate(groups):
         group = dict(group)
-        group["params"] = [p for p in group["params"]]
+        plist = group["params"]
+        plist = [plist] if isinstance(plist, torch.Tensor) else list(plist)
+        for p in plist:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params: group {gi} holds a {type(p).__name__}, not a tensor")
+        # frozen parameters get no gradient and must not be decayed: they are not sharded
+        group["params"] = [p for p in plist if p.requires_grad]
         groups[gi] = group
         for p in group["params"]:
-            if not isinstance(p, torch.Tensor) or not p.requires_grad:
-                raise TypeError(f"params: group {gi} holds a tensor that does not require grad")
             if p.dtype not in _FLOAT_DTYPES:
                 raise TypeError(f"params: unsupported dtype {p.dtype} (float32/16, bfloat16)")
             if id(p) in seen:
                 raise ValueError("params: a parameter appears twice")
             seen.add(id(p))
     groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("params: no parameter requires grad")
     devices = {p.device for g in groups for p in g["params"]}
     if len(devices) != 1:
         raise ValueError(
