@@ -606,7 +606,7 @@ def _refuse_ddp(p: torch.Tensor) -> None:
     """Raises if ``p`` belongs to a :class:`dist_kernels.DistributedDataParallel`."""
     hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
     for hook in hooks.values():
-        if getattr(hook, "__qualname__", "").startswith("DistributedDataParallel."):
+        if "DistributedDataParallel." in getattr(hook, "__qualname__", ""):
             raise ValueError(
                 "params: these parameters belong to a dist_kernels.DistributedDataParallel. "
                 "ShardedOptimizer reduces (reduce-scatters) the gradients itself through its "

@@ -299,3 +299,125 @@ def test_fp16_loss_scaler_overflow_skips_the_step_on_every_rank(stage):
         assert history[1][2] < history[0][2], "the scale backs off after the overflow"
         assert history[2][0] and history[2][1] == 1
     assert all(r == rows[0] for r in rows)
+
+
+# ------------------------------------------------------------------ in-process (one rank)
+
+
+class LocalComm:
+    """A one-rank communicator: collectives are copies (for the in-process tests)."""
+
+    rank, world_size, device = 0, 1, torch.device("cpu")
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def reduce_scatter(self, out, inp, op="sum", async_op=False):
+        out.copy_(inp)
+        return GlooComm._Done()
+
+    def all_reduce(self, t, op="sum", async_op=False):
+        return GlooComm._Done()
+
+
+def _micro_batches(model, opt, no_sync):
+    x, y = batch(0, 1)
+    for i in range(3):
+        ctx = opt.no_sync() if (no_sync and i < 2) else __import__("contextlib").nullcontext()
+        with ctx:
+            torch.nn.functional.mse_loss(model(x[i::3]), y[i::3], reduction="sum").backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("no_sync", [True, False])
+def test_gradient_accumulation_matches_torch(stage, no_sync):
+    import dist_kernels as dk
+
+    model, ref = make_model(), make_model()
+    opt = dk.ShardedOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        LocalComm(),
+        stage=stage,
+        bucket_cap_mb=0.0002,
+        lr=1e-2,
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        _micro_batches(model, opt, no_sync)
+        _micro_batches(ref, ref_opt, False)
+    diff = max_rel_diff(model, ref)
+    print(f"stage {stage}, no_sync {no_sync}: max rel diff {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_param_groups_frozen_params_and_lr_scheduler():
+    import dist_kernels as dk
+
+    def groups(model):
+        return [
+            {"params": model[0].parameters(), "lr": 1e-3},
+            {"params": list(model[2].parameters()) + list(model[4].parameters())},
+        ]
+
+    model, ref = make_model(), make_model()
+    for m in (model, ref):
+        m[2].bias.requires_grad_(False)
+    frozen = model[2].bias.detach().clone()
+    opt = dk.ShardedOptimizer(groups(model), torch.optim.AdamW, LocalComm(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    for step in range(3):
+        for m, o, s in ((model, opt, scheds[0]), (ref, ref_opt, scheds[1])):
+            x, y = batch(step, 1)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+            s.step()
+    assert torch.equal(model[2].bias, frozen)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    assert max_rel_diff(model, ref) < 1e-5
+    print(opt.describe())
+
+
+def test_refuses_ddp_wrapped_parameters():
+    import dist_kernels as dk
+
+    class DistributedDataParallel:  # registers its hooks the way dk's DDP does
+        def __init__(self, module):
+            for p in module.parameters():
+                p.register_post_accumulate_grad_hook(self._make_hook())
+
+        def _make_hook(self):
+            def hook(param):
+                pass
+
+            return hook
+
+    model = make_model()
+    DistributedDataParallel(model)
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        dk.ShardedOptimizer(model.parameters(), torch.optim.AdamW, LocalComm())
+    later = make_model()
+    opt = dk.ShardedOptimizer(later.parameters(), torch.optim.AdamW, LocalComm())
+    DistributedDataParallel(later)
+    x, y = batch(0, 1)
+    with pytest.raises(ValueError, match="model.module.parameters"):
+        torch.nn.functional.mse_loss(later(x), y).backward()
+    opt.close()
+
+
+def test_bad_arguments_name_the_argument():
+    import dist_kernels as dk
+
+    model = make_model()
+    with pytest.raises(ValueError, match="stage"):
+        dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), stage=3)
+    with pytest.raises(TypeError, match="grad_dtype"):
+        dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), grad_dtype=torch.int32)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="params"):
+        dk.ShardedOptimizer([], comm=LocalComm())
