@@ -208,8 +208,7 @@ def _hyper(group: Dict[str, Any], step: float, grad_scale: float) -> Any:
     hyper.beta2 = beta2
     hyper.one_minus_beta2 = 1 - beta2
     hyper.eps = group["eps"]
-    hyper.grad_scale = grad_scale
-    hyper.maximize = bool(group["maximize"])
+    hyper.grad_scale = -grad_scale if group["maximize"] else grad_scale
     hyper.amsgrad = bool(group["amsgrad"])
     return hyper
 

@@ -90,7 +90,6 @@ DK_REGISTER_BINDINGS(optim) {
       .def_readwrite("one_minus_beta2", &dk::kernels::AdamWHyper::one_minus_beta2)
       .def_readwrite("eps", &dk::kernels::AdamWHyper::eps)
       .def_readwrite("grad_scale", &dk::kernels::AdamWHyper::grad_scale)
-      .def_readwrite("maximize", &dk::kernels::AdamWHyper::maximize)
       .def_readwrite("amsgrad", &dk::kernels::AdamWHyper::amsgrad);
   m.def("adamw_step", &adamwStep, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("masters"), py::arg("counts"),

@@ -17,21 +17,21 @@ namespace {
 constexpr int kThreads = 256;
 constexpr size_t kMaxBlocks = 1024;
 
-template <typename P, typename G, bool kMaster>
+template <typename P, typename G, bool kMaster, bool kAmsgrad>
 __global__ void adamwKernel(AdamWTensor t, AdamWHyper h) {
   P* param = static_cast<P*>(t.param);
   const G* grad = static_cast<const G*>(t.grad);
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < t.count;
        i += stride) {
-    AdamWMoments s{t.exp_avg[i], t.exp_avg_sq[i], h.amsgrad ? t.max_exp_avg_sq[i] : 0.0f};
+    AdamWMoments<float> s{t.exp_avg[i], t.exp_avg_sq[i], kAmsgrad ? t.max_exp_avg_sq[i] : 0.0f};
     const float p = kMaster ? t.master[i] : load(param[i]);
-    const float updated = adamwUpdate(p, load(grad[i]), s, h);
+    const float updated = adamwUpdate<kAmsgrad>(p, load(grad[i]), s, h);
     if (kMaster) t.master[i] = updated;
     param[i] = store<P>(updated);
     t.exp_avg[i] = s.m;
     t.exp_avg_sq[i] = s.v;
-    if (h.amsgrad) t.max_exp_avg_sq[i] = s.vmax;
+    if (kAmsgrad) t.max_exp_avg_sq[i] = s.vmax;
   }
 }
 
@@ -39,10 +39,14 @@ template <typename P, typename G>
 Status launchAdamW(const AdamWTensor& t, const AdamWHyper& h, cudaStream_t stream) {
   if (t.count == 0) return Status::Ok();
   const size_t blocks = std::min(kMaxBlocks, (t.count + kThreads - 1) / kThreads);
-  if (t.master != nullptr) {
-    adamwKernel<P, G, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(t, h);
+  const unsigned grid = static_cast<unsigned>(blocks);
+  const bool master = t.master != nullptr;
+  if (h.amsgrad) {
+    master ? adamwKernel<P, G, true, true><<<grid, kThreads, 0, stream>>>(t, h)
+           : adamwKernel<P, G, false, true><<<grid, kThreads, 0, stream>>>(t, h);
   } else {
-    adamwKernel<P, G, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(t, h);
+    master ? adamwKernel<P, G, true, false><<<grid, kThreads, 0, stream>>>(t, h)
+           : adamwKernel<P, G, false, false><<<grid, kThreads, 0, stream>>>(t, h);
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
