@@ -51,9 +51,13 @@ _STAGING_SLOTS = 2  # stage 2: one bucket filling while the previous one is on t
 
 
 def _default_comm() -> Any:
-    from .communicator import get_default_communicator
+    """The default communicator (``dk.init()``), else a new one over the default group."""
+    from .communicator import Communicator, get_default_communicator
 
-    return get_default_communicator()
+    try:
+        return get_default_communicator()
+    except RuntimeError:
+        return Communicator()
 
 
 @dataclass
@@ -105,7 +109,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             same model on every rank. Their storage moves into flat buffers.
         optimizer_class: any ``torch.optim`` optimizer, run on this rank's shard;
             :class:`dist_kernels.optim.FusedAdamW` is the fast path (one kernel per buffer).
-        comm: a :class:`dist_kernels.Communicator`; default: the default communicator.
+        comm: a :class:`dist_kernels.Communicator`; default: the one ``dk.init()`` made, else a
+            new one over torch.distributed's default group.
         stage: 1 (optimizer state sharded, full gradients kept) or 2 (gradients sharded too).
         grad_dtype: reduce-scatter dtype (``torch.bfloat16`` / ``torch.float16`` halve the wire
             bytes; accumulation stays FP32); None keeps each parameter's dtype.

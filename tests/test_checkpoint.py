@@ -49,6 +49,7 @@ def _save_after(path, stage, opt_name, steps):
     _train(comm, model, opt, range(steps))
     ckpt.save(path, model=model, optimizer=opt, extra={"step": steps})
     opt.close()
+    comm.close()
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -60,6 +61,7 @@ def _load_and_continue(path, stage, opt_name, start, stop):
     _train(comm, model, opt, range(start, stop))
     ref, _ = reference_run(opt_name, comm.world_size, stop)
     opt.close()
+    comm.close()
     return {"extra": extra, "step": step, "diff": max_rel_diff(model, ref)}
 
 
@@ -104,6 +106,8 @@ def _save_twice_die_in_second(path):
         ckpt.save(path, model=model, optimizer=opt, extra="second")
     except Exception as e:  # noqa: BLE001 - the surviving rank sees its peer die
         return f"raised {type(e).__name__}"
+    finally:
+        comm.close()
     return "saved"
 
 
@@ -112,6 +116,7 @@ def _load_only(path):
     extra = ckpt.load(path, model=model, optimizer=opt)
     ref, _ = reference_run("fused", comm.world_size, 2)
     opt.close()
+    comm.close()
     return extra, max_rel_diff(model, ref)
 
 
@@ -188,6 +193,7 @@ def _mismatch(path):
     fresh_unchanged = all(torch.equal(p, q) for p, q in zip(fresh_model.parameters(), fresh_before))
     for o in (opt, other_opt, fresh_opt):
         o.close()
+    comm.close()
     return message, unchanged, corrupt, fresh_unchanged
 
 

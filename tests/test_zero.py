@@ -78,6 +78,9 @@ class GlooComm:
     def barrier(self):
         self.dist.barrier()
 
+    def close(self):
+        pass
+
 
 def make_comm():
     """dk's Communicator when it is built, the gloo stand-in otherwise."""
@@ -206,9 +209,11 @@ def _equivalence_cases(cases):
                 "full_grad_bytes": full_grad_bytes,
                 "grads_after_backward": grads_after_backward,
                 "nparams": len(list(model.parameters())),
+                "comm": type(comm).__name__,
             }
         )
         opt.close()
+    comm.close()
     return results
 
 
@@ -229,8 +234,8 @@ CASES = [
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_sharded_training_equals_single_process(world_size):
-    print(f"seed {SEED}, {STEPS} steps, world size {world_size}")
     per_rank = run_ranks(world_size, _equivalence_cases, CASES, timeout=180)
+    print(f"seed {SEED}, {STEPS} steps, world size {world_size}, on {per_rank[0][0]['comm']}")
     for i, (stage, opt_name, options) in enumerate(CASES):
         rows = [r[i] for r in per_rank]
         diff = max(r["diff"] for r in rows)
@@ -285,6 +290,7 @@ def _fp16_overflow_is_skipped_everywhere(stage):
         changed = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
         history.append((changed, scaler.skipped_steps, scaler.get_scale()))
     opt.close()
+    comm.close()
     return history
 
 
