@@ -6,7 +6,8 @@
 Configurations, each on a fresh copy of the same model, in one process per rank:
 
 * ``dk zero-1`` / ``dk zero-2``: :class:`dist_kernels.ShardedOptimizer` with FusedAdamW;
-* ``dk ddp + AdamW``: dist_kernels DDP with a full (unsharded) torch AdamW on every rank;
+* ``dk DDP + AdamW``: dist_kernels DDP with a full (unsharded) torch AdamW on every rank (torch
+  DDP on gloo stands in, labelled so, where dist_kernels.ddp is not available);
 * ``torch ZeRO (gloo)``: ``torch.distributed.optim.ZeroRedundancyOptimizer`` over torch DDP on
   gloo, the baseline every ratio is taken against.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
@@ -74,18 +76,12 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _comm() -> Tuple[Any, str]:
-    try:
-        import dist_kernels as dk
+    import dist_kernels as dk
 
-        return dk.Communicator(), "dk"
-    except (ImportError, AttributeError):
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../tests"))
-        from test_zero import GlooComm
-
-        return GlooComm(), "gloo stand-in"
+    return dk.Communicator(), "dk.Communicator (shared memory)"
 
 
-def _configs(args) -> List[Tuple[str, Callable]]:
+def _configs(args, comm) -> List[Tuple[str, Callable]]:
     from dist_kernels.optim import FusedAdamW
 
     kwargs = {"lr": 1e-4, "weight_decay": 0.01}
@@ -94,34 +90,36 @@ def _configs(args) -> List[Tuple[str, Callable]]:
         def build(model):
             import dist_kernels as dk
 
-            comm, _ = _comm()
             opt = dk.ShardedOptimizer(model.parameters(), FusedAdamW, comm, stage=stage, **kwargs)
-            return model, opt, lambda: _state_bytes(opt.optim), opt.gradient_bytes
+            master = opt.state_bytes()["master"]
+            return model, opt, lambda: _state_bytes(opt.optim), opt.gradient_bytes, master
 
         return build
 
+    has_dk_ddp = importlib.util.find_spec("dist_kernels.ddp") is not None
+
     def dk_ddp(model):
-        try:
+        if has_dk_ddp:
             import dist_kernels as dk
 
-            wrapped = dk.DistributedDataParallel(model)
-        except (ImportError, AttributeError):  # not merged: torch DDP stands in (labelled)
+            wrapped = dk.DistributedDataParallel(model, comm)
+        else:  # not built in this tree: torch DDP stands in, and the row says so
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), **kwargs)
-        return wrapped, opt, lambda: _state_bytes(opt), lambda: _grad_bytes(model)
+        return wrapped, opt, lambda: _state_bytes(opt), lambda: _grad_bytes(model), 0
 
     def torch_zero(model):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kwargs)
-        return wrapped, opt, lambda: _state_bytes(opt.optim), lambda: _grad_bytes(model)
+        return wrapped, opt, lambda: _state_bytes(opt.optim), lambda: _grad_bytes(model), 0
 
     return [
         ("torch ZeRO (gloo)", torch_zero),
         ("dk zero-1", sharded(1)),
         ("dk zero-2", sharded(2)),
-        ("dk ddp + AdamW", dk_ddp),
+        ("dk DDP + AdamW" if has_dk_ddp else "torch DDP + AdamW", dk_ddp),
     ]
 
 
@@ -132,7 +130,7 @@ def _grad_bytes(model: torch.nn.Module) -> int:
 def _run_config(build, args, rank, world_size) -> Dict[str, Any]:
     torch.manual_seed(0)
     model = Transformer(args.vocab, args.d_model, args.layers, args.heads, args.seq)
-    wrapped, opt, state_bytes, grad_bytes = build(model)
+    wrapped, opt, state_bytes, grad_bytes, master_bytes = build(model)
     g = torch.Generator().manual_seed(1 + rank)
     times, peak_grad = [], 0
     for step in range(args.warmup + args.steps):
@@ -151,6 +149,7 @@ def _run_config(build, args, rank, world_size) -> Dict[str, Any]:
     result = {
         "ms": 1e3 * statistics.median(times),
         "state": state_bytes(),
+        "master": master_bytes,
         "grad": peak_grad,
         "params": params,
     }
@@ -171,12 +170,13 @@ def _worker(rank: int, world_size: int, port: int, args) -> None:
             args.vocab, args.d_model, args.layers, args.heads, args.seq
         ).parameters()
     )
+    comm, comm_kind = _comm()
     rows = []
-    for name, build in _configs(args):
+    for name, build in _configs(args, comm):
         dist.barrier()
         rows.append((name, _run_config(build, args, rank, world_size)))
+    comm.close()
     if rank == 0:
-        _, comm_kind = _comm()
         print(
             f"# {world_size} CPU ranks, transformer {numel / 1e6:.1f}M params "
             f"(d={args.d_model}, layers={args.layers}, vocab={args.vocab}), batch {args.batch}"
@@ -186,13 +186,14 @@ def _worker(rank: int, world_size: int, port: int, args) -> None:
         base = rows[0][1]
         print(
             f"{'config':20s} {'step ms':>9s} {'vs torch':>9s} {'state MB/rank':>14s} "
-            f"{'grad MB/rank':>13s} {'max rel diff':>13s}"
+            f"{'master MB/rank':>15s} {'grad MB/rank':>13s} {'max rel diff':>13s}"
         )
         for name, r in rows:
             diff = ((r["params"] - base["params"]).abs().max() / base["params"].abs().max()).item()
             print(
                 f"{name:20s} {r['ms']:9.1f} {base['ms'] / r['ms']:8.2f}x "
-                f"{r['state'] / 1e6:14.1f} {r['grad'] / 1e6:13.1f} {diff:13.2e}"
+                f"{r['state'] / 1e6:14.1f} {r['master'] / 1e6:15.1f} {r['grad'] / 1e6:13.1f} "
+                f"{diff:13.2e}"
             )
     dist.barrier()
     dist.destroy_process_group()

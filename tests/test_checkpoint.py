@@ -31,7 +31,7 @@ def _engine(stage, opt_name, seed=SEED):
     model = make_model(seed)
     cls, kwargs = OPTIMIZERS[opt_name]
     opt = dk.ShardedOptimizer(
-        model.parameters(), cls, comm, stage=stage, bucket_cap_mb=0.0002, **kwargs
+        model.parameters(), cls, comm, stage=stage, bucket_cap_mb=0.001, **kwargs
     )
     return comm, model, opt
 
@@ -65,14 +65,14 @@ def _load_and_continue(path, stage, opt_name, start, stop):
     return {"extra": extra, "step": step, "diff": max_rel_diff(model, ref)}
 
 
-@pytest.mark.parametrize("opt_name", ["fused", "adamw"])
-def test_save_at_4_load_at_2_and_3_continues_like_an_uninterrupted_run(tmp_path, opt_name):
+def test_save_at_4_load_at_2_and_3_continues_like_an_uninterrupted_run(tmp_path):
+    opt_name = "adamw"  # torch's AdamW: the generic state path (FusedAdamW: the kill test)
     path = str(tmp_path / "ckpt")
     print(f"seed {SEED}: save at step {SAVE_AT} on 4 ranks (stage 2), continue to {TOTAL}")
     saved = run_ranks(4, _save_after, path, 2, opt_name, SAVE_AT, timeout=120)
     layout = json.load(open(os.path.join(path, json.load(open(f"{path}/manifest.json"))["layout"])))
     assert layout["world_size"] == 4 and layout["stage"] == 2 and layout["step"] == SAVE_AT
-    for world_size, stage in ((2, 1), (3, 2)):
+    for world_size, stage in ((3, 2), (2, 1)):
         rows = run_ranks(
             world_size, _load_and_continue, path, stage, opt_name, SAVE_AT, TOTAL, timeout=120
         )
