@@ -97,7 +97,7 @@ class _Pass:
     delivered: set = field(default_factory=set)  # (group, slot, bucket)
     deferred: List[_Piece] = field(default_factory=list)
     next_launch: int = 0
-    works: List[Tuple[Any, Callable[[], None]]] = field(default_factory=list)
+    works: List[Tuple[int, Any, Callable[[], None]]] = field(default_factory=list)  # in flight
     slot_owner: Dict[Tuple[int, int], Tuple[int, Any]] = field(default_factory=dict)
 
 
