@@ -163,3 +163,27 @@ def test_non_contiguous_param_is_updated():
     _run(FusedAdamW, [p], steps=5)
     _run(torch.optim.AdamW, [ref], steps=5)
     assert _max_rel([p], [ref]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_the_cpu_kernel(dtype):
+    """The CUDA kernel runs the same functor: its result equals the CPU kernel's to rounding."""
+    import dist_kernels
+
+    if not dist_kernels.build_info()["cuda_compiled"]:
+        pytest.skip("this build has no CUDA kernels")
+    cpu = _params(SHAPES, dtype)
+    gpu = [p.detach().cuda().requires_grad_() for p in cpu]
+    cpu_opt = FusedAdamW(cpu, weight_decay=0.1, amsgrad=True, master_weights=True)
+    gpu_opt = FusedAdamW(gpu, weight_decay=0.1, amsgrad=True, master_weights=True)
+    for step in range(20):
+        for p, q, g in zip(cpu, gpu, _grads(cpu, step)):
+            p.grad, q.grad = g, g.cuda()
+        cpu_opt.step()
+        gpu_opt.step()
+    torch.cuda.synchronize()
+    err = _max_rel([q.cpu().float() for q in gpu], [p.float() for p in cpu])
+    print(f"{dtype}: CUDA vs CPU max relative difference {err:.3e}")
+    assert err < 1e-5 if dtype == torch.float32 else err <= 2.0**-7
