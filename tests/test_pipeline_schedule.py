@@ -11,8 +11,8 @@ from dist_kernels.pipeline.schedules import (
     Kind,
     Schedule,
     ScheduleError,
-    build_schedule,
     bubble_formula,
+    build_schedule,
     schedule_table,
     simulate,
 )
@@ -175,8 +175,10 @@ def test_partition_by_parameter_count_is_optimal():
         assert [s.start for s in spans][0] == 0 and spans[-1].stop == len(model)
         assert all(s.stop > s.start for s in spans)
         best = min(
-            max(sum(p.numel() for layer in list(model)[a:b] for p in layer.parameters())
-                for a, b in zip((0, *cuts), (*cuts, len(model))))
+            max(
+                sum(p.numel() for layer in list(model)[a:b] for p in layer.parameters())
+                for a, b in zip((0, *cuts), (*cuts, len(model)))
+            )
             for cuts in _all_cuts(len(model), n_stages)
         )
         assert max(s.n_params for s in spans) == best

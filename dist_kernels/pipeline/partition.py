@@ -118,9 +118,7 @@ def plan_partition(
     names = [name for name, _ in model.named_children()]
     layers = list(model)
     return [
-        StageSpan(
-            s, a, b, sum(_param_count(x) for x in layers[a:b]), tuple(names[a:b])
-        )
+        StageSpan(s, a, b, sum(_param_count(x) for x in layers[a:b]), tuple(names[a:b]))
         for s, (a, b) in enumerate(zip(bounds, bounds[1:]))
     ]
 

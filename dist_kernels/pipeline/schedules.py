@@ -541,4 +541,3 @@ __all__ = [
     "schedule_table",
     "simulate",
 ]
-
