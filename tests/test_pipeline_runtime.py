@@ -1,5 +1,6 @@
 """Pipeline engine against single-process training: one process, then 2 and 4 ranks."""
 
+import copy
 import importlib.util
 
 import pytest
@@ -275,3 +276,108 @@ def _rank_mesh_errors():
 def test_mesh_layout_and_errors():
     for rank, (dp, pp, pp_rank, pp_ranks) in enumerate(run_ranks(4, _rank_mesh_errors)):
         assert (dp, pp, pp_rank, pp_ranks) == (1, 4, rank, [0, 1, 2, 3])
+
+
+class _Gate(nn.Module):
+    """Stage 0: a Linear, then its output with a boolean mask and integer ids (a tuple)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH).double()
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, h > 0, torch.arange(h.shape[0], dtype=torch.int16)
+
+
+class _Masked(nn.Module):
+    """Stage 1: takes the tuple apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH).double()
+
+    def forward(self, h, mask, ids):
+        return self.fc(h * mask) + ids.unsqueeze(1).double()
+
+
+def _rank_tuples_and_changing_shapes():
+    torch.manual_seed(SEED)
+    stages = [_Gate(), _Masked()]
+    reference = copy.deepcopy(stages)
+    batches = _batches(2, BATCH) + _batches(1, BATCH // 2)  # micro-batch shape changes
+    opt = torch.optim.SGD([p for s in reference for p in s.parameters()], lr=0.1)
+    ref_losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = sum(
+            nn.functional.mse_loss(reference[1](*reference[0](xm)), ym) / 2
+            for xm, ym in zip(x.chunk(2), y.chunk(2))
+        )
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    pipe = dk.Pipeline(
+        stages,
+        _make_comm(),
+        n_microbatches=2,
+        loss_fn=nn.functional.mse_loss,
+        print_partition=False,
+    )
+    losses = _train_pipeline(pipe, None, batches)
+    mine = pipe.rank
+    return _max_param_diff(reference[mine], stages[mine]), losses, ref_losses
+
+
+def test_tuple_activations_and_changing_shapes():
+    for rank, (diff, losses, ref_losses) in enumerate(
+        run_ranks(2, _rank_tuples_and_changing_shapes, timeout=120)
+    ):
+        print(f"rank {rank}: max parameter difference {diff:.1e}")
+        assert diff < 1e-12
+        assert losses == pytest.approx(ref_losses, abs=1e-12)
+
+
+class _FailOn(nn.Module):
+    """Identity that raises on one micro-batch (marked by a huge first element)."""
+
+    def forward(self, x):
+        if x[0, 0] > 1e5:
+            raise ValueError("injected failure")
+        return x
+
+
+def _rank_stage_failure():
+    import datetime
+
+    comm = dk.Communicator(timeout=datetime.timedelta(seconds=10))
+    model = nn.Sequential(nn.Identity(), nn.Identity(), _FailOn(), nn.Identity())
+    pipe = dk.Pipeline(
+        model,
+        comm,
+        n_microbatches=4,
+        loss_fn=nn.functional.mse_loss,
+        print_partition=False,
+        balance=[1, 1, 1, 1],
+    )
+    x, y = _batches(1, BATCH)[0]
+    x[2, 0] = 1e6  # micro-batch 1
+    try:
+        pipe.step(x, y)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.skipif(not HAVE_DK_COMM, reason="needs dk.Communicator (closing it wakes peers)")
+def test_failing_stage_makes_every_rank_raise():
+    results = run_ranks(4, _rank_stage_failure, timeout=90)
+    for rank, result in enumerate(results):
+        print(f"rank {rank}: {result}")
+        assert result is not None, f"rank {rank} did not raise"
+    name, message = results[2]
+    assert name == "PipelineError"
+    assert "stage 2" in message and "forward of stage 2, micro-batch 1" in message
+    assert "injected failure" in message
+    for rank in (0, 1, 3):
+        assert f"pipeline stage {rank}" in results[rank][1]

@@ -14,6 +14,7 @@ and close theirs in turn: every rank raises instead of hanging.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -111,6 +112,41 @@ class _SavedCounter:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+class _Aborted(Exception):
+    """Raised in a waiting thread when the other thread of the step failed first."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+class _Mailbox:
+    """Tensors handed between the compute thread and the transfer thread, by action key."""
+
+    def __init__(self) -> None:
+        self._items: Dict[Tuple[Kind, int, int], Tuple] = {}
+        self._ready = threading.Condition()
+        self._failure: Optional[BaseException] = None
+
+    def put(self, key: Tuple[Kind, int, int], value: Tuple) -> None:
+        with self._ready:
+            self._items[key] = value
+            self._ready.notify_all()
+
+    def take(self, key: Tuple[Kind, int, int]) -> Tuple:
+        with self._ready:
+            self._ready.wait_for(lambda: key in self._items or self._failure is not None)
+            if key in self._items:
+                return self._items.pop(key)
+            raise _Aborted(self._failure)
+
+    def fail(self, exc: BaseException) -> None:
+        with self._ready:
+            if self._failure is None:
+                self._failure = exc
+            self._ready.notify_all()
 
 
 class Pipeline:
@@ -228,8 +264,18 @@ class Pipeline:
         if self._failed:
             raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
         self._begin(inputs, targets)
+        transfers = [a for a in self.actions if not a.kind.is_compute]
+        mover = None
+        if transfers:
+            mover = threading.Thread(target=self._run_transfers, args=(transfers,), daemon=True)
+            mover.start()
         for action in self.actions:
-            self._execute(action)
+            if action.kind.is_compute:
+                self._execute(action)
+        if mover is not None:
+            mover.join()
+            if self._transfer_error is not None:
+                raise self._transfer_error
         loss = self._finish_loss()
         if self.dp_comm is not None and self.dp_comm.world_size > 1:
             self._guard(None, "gradient all-reduce across data-parallel replicas", self._dp_sync)
@@ -244,8 +290,9 @@ class Pipeline:
             raise ValueError(f"[rank {_global_rank()}] targets: required on the last stage")
         self.inputs = _split(inputs, m, "inputs") if first else None
         self.targets = _split(targets, m, "targets") if last else None
-        self.arrived: Dict[Tuple[int, int, int], Tuple] = {}  # (kind, stage, mb) -> tensors
-        self.outbox: Dict[Tuple[int, int, int], Tuple] = {}
+        self.arrived = _Mailbox()  # (RECV_*, stage, mb) -> (tensors, is_tuple)
+        self.outbox = _Mailbox()  # (SEND_*, stage, mb) -> (tensors, is_tuple)
+        self._transfer_error: Optional[BaseException] = None
         self.saved: Dict[Tuple[int, int], Tuple] = {}  # (stage, mb) -> forward state
         self.losses: List[torch.Tensor] = []
         self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
@@ -266,6 +313,8 @@ class Pipeline:
         """Runs ``fn``; on failure closes the communicators and raises naming ``what``."""
         try:
             return fn()
+        except _Aborted as aborted:  # the other thread failed first and said why
+            raise aborted.original from None
         except Exception as exc:
             stages = "/".join(str(s) for s in self.stages)
             stage = action.stage if action is not None else stages
@@ -274,8 +323,11 @@ class Pipeline:
                 f"{what} failed: {type(exc).__name__}: {exc}"
             )
             self._failed = message
+            error = _same_family(exc, message)
+            for box in (self.arrived, self.outbox):
+                box.fail(error)
             self._close_after_failure()
-            raise _same_family(exc, message) from exc
+            raise error from exc
 
     def _close_after_failure(self) -> None:
         for comm in (self.comm, self.dp_comm):
@@ -289,7 +341,7 @@ class Pipeline:
         if stage == 0:
             tensors, is_tuple = _as_tuple(self.inputs[mb], "inputs")
             return list(tensors), is_tuple
-        return self.arrived.pop((Kind.RECV_ACT, stage, mb))
+        return self.arrived.take((Kind.RECV_ACT, stage, mb))
 
     def _forward(self, a: Action) -> None:
         tensors, is_tuple = self._stage_inputs(a.stage, a.microbatch)
@@ -318,7 +370,7 @@ class Pipeline:
         if a.stage == self.n_stages - 1:
             roots, grads = list(outs), None
         else:
-            received, _ = self.arrived.pop((Kind.RECV_GRAD, a.stage, a.microbatch))
+            received, _ = self.arrived.take((Kind.RECV_GRAD, a.stage, a.microbatch))
             floating = [t for t in outs if t.is_floating_point()]
             pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
@@ -345,14 +397,27 @@ class Pipeline:
         detached = [t.detach() for t in tensors]
         if target in self.stages:
             recv_kind = Kind.RECV_ACT if kind is Kind.SEND_ACT else Kind.RECV_GRAD
-            self.arrived[(recv_kind, target, mb)] = (detached, is_tuple)
+            self.arrived.put((recv_kind, target, mb), (detached, is_tuple))
         else:
-            self.outbox[(kind, stage, mb)] = (detached, is_tuple)
+            self.outbox.put((kind, stage, mb), (detached, is_tuple))
 
     # ------------------------------------------------------------------ transfers
 
+    def _run_transfers(self, transfers: List[Action]) -> None:
+        """The transfer thread: this rank's sends and receives, in schedule order.
+
+        Running them beside the compute thread lets a receive wait while a stage computes and a
+        send leave as soon as its tensor exists, as non-blocking sends and receives would. The
+        two orders come from one validated list, so the split cannot deadlock.
+        """
+        try:
+            for action in transfers:
+                self._execute(action)
+        except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
+            self._transfer_error = exc
+
     def _send(self, a: Action) -> None:
-        tensors, is_tuple = self.outbox.pop((a.kind, a.stage, a.microbatch))
+        tensors, is_tuple = self.outbox.take((a.kind, a.stage, a.microbatch))
         wire_kind = ACTIVATION if a.kind is Kind.SEND_ACT else GRADIENT
         self.channels.send(tensors, is_tuple, a.peer, (wire_kind, a.stage, a.microbatch))
 
@@ -362,7 +427,7 @@ class Pipeline:
             tag = (ACTIVATION, a.stage - 1, a.microbatch)
         else:
             tag = (GRADIENT, a.stage + 1, a.microbatch)
-        self.arrived[(a.kind, a.stage, a.microbatch)] = self.channels.recv(a.peer, tag)
+        self.arrived.put((a.kind, a.stage, a.microbatch), self.channels.recv(a.peer, tag))
 
     # ------------------------------------------------------------------ after the step
 

@@ -1,15 +1,19 @@
 """How a tensor or a tuple of tensors crosses from one stage's rank to another's.
 
-Every transfer is, on one channel (a peer and a direction) and in schedule order::
+On one channel (a peer and a kind: activations or gradients) transfers follow schedule order,
+and each is normally ONE message of bytes::
 
-    header   int64[4]: kind (1 activation, 2 gradient), stage, micro-batch, metadata length
-    metadata int64[n] only when shapes or dtypes differ from the last transfer on the channel:
-             is_tuple, count, then per tensor: dtype code, ndim, shape...
-    payload  one message per tensor
+    | header int64[4]: kind, stage, micro-batch, metadata length (0 = unchanged) | payload |
+    payload: every tensor's bytes, each starting at a multiple of 16 bytes
 
-so shapes and dtypes are agreed once and re-agreed when they change, and a peer that runs a
-different schedule is caught at the header ("expected stage 2 micro-batch 3, got micro-batch 4")
-instead of corrupting data. Dtypes the communicator cannot carry go as their bytes (uint8).
+The receiver knows the message size from the metadata it has cached for the channel, so shapes
+and dtypes are agreed once and re-agreed only when they change: then the sender fills the
+size the receiver expects with a header that announces new metadata (int64[n]: is_tuple, count,
+then per tensor dtype code, ndim, shape...), sends the metadata, and sends the transfer again in
+the new size. A fresh channel expects an empty payload, so its first transfer takes that path.
+The header also catches ranks that run different schedules ("expected stage 2 micro-batch 3,
+got micro-batch 4") before any data is misread. Received tensors are views of the message
+buffer: no copy on the receiving side.
 """
 
 from __future__ import annotations
@@ -35,8 +39,6 @@ _WIRE_DTYPES = (
     torch.int16,
 )
 _WIRE_CODE = {dtype: code for code, dtype in enumerate(_WIRE_DTYPES)}
-# What the communicator moves natively (dist_kernels._dtypes.SUPPORTED_DTYPES); the rest as bytes.
-_NATIVE = set(_WIRE_DTYPES[:8])
 
 Meta = Tuple[int, ...]
 
@@ -62,13 +64,23 @@ def meta_of(tensors: Sequence[torch.Tensor], is_tuple: bool) -> Meta:
     return tuple(meta)
 
 
-def _as_wire(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t if t.dtype in _NATIVE else t.reshape(-1).view(torch.uint8)
+HEADER_BYTES = 32
+_ALIGN = 16
+_EMPTY_META: Meta = (0, 0)
+
+
+def _layout(meta: Meta) -> Tuple[List[int], int]:
+    """Byte offsets of each tensor in the message, and the message size."""
+    offsets, size = [], HEADER_BYTES
+    for dtype, shape in describe_meta(meta):
+        offsets.append(size)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size += -(-nbytes // _ALIGN) * _ALIGN
+    return offsets, size
 
 
 class Channels:
-    """Per-peer metadata caches for one rank's sends and receives."""
+    """Per-peer metadata caches and message buffers for one rank's sends and receives."""
 
     def __init__(self, comm) -> None:
         self.comm = comm
@@ -78,42 +90,53 @@ class Channels:
     def send(self, tensors: Sequence[torch.Tensor], is_tuple: bool, dst: int, tag: Tuple) -> None:
         """Sends ``tensors`` to ``dst``; ``tag`` = (kind, stage, micro-batch)."""
         meta = meta_of(tensors, is_tuple)
-        changed = self.sent.get((dst, tag[0])) != meta
-        header = torch.tensor([*tag, len(meta) if changed else 0], dtype=torch.int64)
-        self.comm.send(header, dst)
-        if changed:
+        expected = self.sent.get((dst, tag[0]), _EMPTY_META)
+        if meta != expected:
+            announce = torch.zeros(_layout(expected)[1], dtype=torch.uint8)
+            _write_header(announce, (*tag, len(meta)))
+            self.comm.send(announce, dst)
             self.comm.send(torch.tensor(meta, dtype=torch.int64), dst)
             self.sent[(dst, tag[0])] = meta
-        for t in tensors:
-            if t.numel():
-                self.comm.send(_as_wire(t), dst)
+        offsets, size = _layout(meta)
+        message = torch.empty(size, dtype=torch.uint8)
+        _write_header(message, (*tag, 0))
+        for t, offset in zip(tensors, offsets):
+            nbytes = t.numel() * t.element_size()
+            if nbytes:
+                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                message[offset : offset + nbytes].copy_(flat)
+        self.comm.send(message, dst)
 
     def recv(self, src: int, tag: Tuple) -> Tuple[List[torch.Tensor], bool]:
         """Receives what the matching :meth:`send` sent; checks it is ``tag``."""
-        header = torch.empty(4, dtype=torch.int64)
-        self.comm.recv(header, src)
-        kind, stage, microbatch, meta_len = header.tolist()
+        meta = self.received.get((src, tag[0]), _EMPTY_META)
+        message, meta_len = self._recv_message(src, tag, meta)
+        if meta_len:
+            buf = torch.empty(meta_len, dtype=torch.int64)
+            self.comm.recv(buf, src)
+            meta = self.received[(src, tag[0])] = tuple(buf.tolist())
+            message, _ = self._recv_message(src, tag, meta)
+        offsets, _ = _layout(meta)
+        tensors = [
+            message[o : o + torch.Size(shape).numel() * torch.empty((), dtype=d).element_size()]
+            .view(d)
+            .reshape(shape)
+            for o, (d, shape) in zip(offsets, describe_meta(meta))
+        ]
+        return tensors, bool(meta[0])
+
+    def _recv_message(self, src: int, tag: Tuple, meta: Meta) -> Tuple[torch.Tensor, int]:
+        message = torch.empty(_layout(meta)[1], dtype=torch.uint8)
+        self.comm.recv(message, src)
+        kind, stage, microbatch, meta_len = message[:HEADER_BYTES].view(torch.int64).tolist()
         if (kind, stage, microbatch) != tuple(tag):
             raise RuntimeError(
                 f"rank {src} sent the {_KIND_NAMES.get(kind, kind)} of stage {stage}, micro-batch "
                 f"{microbatch} where this rank expected the {_KIND_NAMES[tag[0]]} of stage "
                 f"{tag[1]}, micro-batch {tag[2]}: the ranks run different schedules"
             )
-        if meta_len:
-            buf = torch.empty(meta_len, dtype=torch.int64)
-            self.comm.recv(buf, src)
-            self.received[(src, kind)] = tuple(buf.tolist())
-        meta = self.received[(src, kind)]
-        tensors = [self._recv_one(dtype, shape, src) for dtype, shape in describe_meta(meta)]
-        return tensors, bool(meta[0])
+        return message, meta_len
 
-    def _recv_one(self, dtype: torch.dtype, shape: Tuple[int, ...], src: int) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
-        if out.numel() == 0:
-            return out
-        if dtype in _NATIVE:
-            self.comm.recv(out, src)
-            return out
-        raw = torch.empty(out.numel() * out.element_size(), dtype=torch.uint8)
-        self.comm.recv(raw, src)
-        return raw.view(dtype).reshape(shape)
+
+def _write_header(message: torch.Tensor, fields: Tuple[int, int, int, int]) -> None:
+    message[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(fields, dtype=torch.int64))
