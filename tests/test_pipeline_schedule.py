@@ -59,6 +59,7 @@ def test_interleaved_valid_and_smaller_bubble():
                 # Megatron-LM's figure: the warm-up bubble shrinks by the stages per rank.
                 expected = (p - 1) / (v * m + p - 1)
                 assert report.bubble_fraction == pytest.approx(expected, abs=1e-12), (p, m, v)
+                assert max(report.peak_live_activations.values()) <= min(m, p) * v
 
 
 def test_transfers_pair_up_on_each_channel():

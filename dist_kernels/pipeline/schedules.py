@@ -500,8 +500,8 @@ def schedule_table(
     Interleaved labels lead with the virtual stage (``2F3`` = stage 2, forward, micro-batch 3)::
 
         gpipe: 2 ranks, 2 stages, 3 micro-batches; bubble 25.0%, peak live activations 3
-        rank 0 | F0 F1 F2 .  B0 B1 B2 .
-        rank 1 | .  F0 F1 F2 B0 B1 B2
+        rank 0 | F0 F1 F2 .  .  B0 B1 B2
+        rank 1 | .  F0 F1 F2 B0 B1 B2 .
     """
     if isinstance(schedule, str):
         if n_stages is None or n_microbatches is None:
