@@ -66,7 +66,8 @@ def _bounds_by_params(model: nn.Sequential, n_stages: int) -> List[int]:
     """Contiguous split minimising the largest stage's parameter count (linear partition DP).
 
     best[k][i] = the smallest possible largest stage when the first ``i`` layers form ``k``
-    stages; ties keep the earliest cut, so every rank derives the same split.
+    stages; ties keep the latest cut (layers without parameters, such as activations, stay
+    with the layer before them), and every rank derives the same split.
     """
     sizes = [_param_count(layer) for layer in model]
     prefix = [0]
@@ -81,7 +82,7 @@ def _bounds_by_params(model: nn.Sequential, n_stages: int) -> List[int]:
         for i in range(k, n + 1):
             for j in range(k - 1, i):
                 cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
+                if cost <= best[k][i]:
                     best[k][i], cut[k][i] = cost, j
     bounds = [n]
     for k in range(n_stages, 0, -1):

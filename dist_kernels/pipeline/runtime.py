@@ -57,9 +57,12 @@ def _default_comm():
 
     if not (dist.is_available() and dist.is_initialized()):
         return _SoloComm()
-    from ..communicator import get_default_communicator
+    from ..communicator import Communicator, get_default_communicator
 
-    return get_default_communicator()
+    try:
+        return get_default_communicator()  # the one dk.init() made
+    except RuntimeError:
+        return Communicator()  # over the default group; every rank builds the Pipeline
 
 
 def _global_rank() -> int:
@@ -194,6 +197,8 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.checkpoint_activations = bool(checkpoint_activations)
         self.stages = self._select_stages(module_or_stages, split_points, balance)
+        modules = list(self.stages.values())
+        self._stage_module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
         if print_partition and _global_rank() == 0:
             print(self.partition_text, flush=True)
         self.actions = self.schedule.actions[self.rank]
@@ -243,8 +248,7 @@ class Pipeline:
     @property
     def stage_module(self) -> nn.Module:
         """This rank's stage, or an ``nn.ModuleList`` of its stages (interleaved)."""
-        modules = list(self.stages.values())
-        return modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+        return self._stage_module
 
     def parameters(self):
         """Parameters of this rank's stages (what its optimizer updates)."""
@@ -263,7 +267,13 @@ class Pipeline:
         """
         if self._failed:
             raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
-        self._begin(inputs, targets)
+        try:
+            self._begin(inputs, targets)
+        except (TypeError, ValueError) as exc:
+            # Peers would wait for this rank forever: close, so that they raise too.
+            self._failed = str(exc)
+            self._close_after_failure()
+            raise
         transfers = [a for a in self.actions if not a.kind.is_compute]
         mover = None
         if transfers:
