@@ -9,8 +9,8 @@ alternate between the two engines so that noise from a shared machine hits both 
 timing, the first step's loss of both engines must agree (correctness first).
 
 Columns: samples/s = batch / median step time; bubble = 1 - (time this rank's stages take to
-compute the step alone, no transfers, measured here) / (step time), averaged over ranks: the
-share of a step spent waiting or transferring. "ratio" = our samples/s / torch's.
+compute the step alone, no transfers, timed in the same rounds) / (step time), averaged over
+ranks: the share of a step spent waiting or transferring. "ratio" = our samples/s / torch's.
 """
 
 from __future__ import annotations
@@ -128,23 +128,22 @@ class _Torch:
         return value.item()
 
 
-def _alone_time(model, schedule, x, y, args, iters: int) -> float:
-    """Median time for this rank's stages to do the step's compute with no pipeline at all."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ids, n_stages = _stage_ids(schedule, world, rank)
-    spans = plan_partition(model, n_stages)
-    stages = [build_stage(model, spans[s]) for s in ids]
-    micro = x.chunk(args.microbatches)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        for stage in stages:
-            for mb in micro:
-                inp = mb.detach().requires_grad_(True)
+class _Alone:
+    """This rank's stages doing the step's compute with no pipeline: the bubble's yardstick."""
+
+    def __init__(self, model, schedule, args):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ids, n_stages = _stage_ids(schedule, world, rank)
+        spans = plan_partition(model, n_stages)
+        self.stages = [(s, build_stage(model, spans[s])) for s in ids]
+        self.n_microbatches = args.microbatches
+
+    def step(self, x, y) -> None:
+        for stage_id, stage in self.stages:
+            for mb in x.chunk(self.n_microbatches):
+                inp = mb.detach().requires_grad_(stage_id > 0)  # as in the engines
                 out = stage(inp)
                 out.backward(torch.ones_like(out))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
@@ -164,24 +163,24 @@ def _worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
             raise AssertionError(f"{schedule}: first-step losses differ: ours {first}")
         for _ in range(args.warmup):
             ours.step(x, y), theirs.step(x, y)
-        t_ours, t_torch = [], []
-        for _ in range(args.iters):
-            for engine, times in ((ours, t_ours), (theirs, t_torch)):
+        alone = _Alone(copy.deepcopy(base), schedule, args)
+        times = {"ours": [], "torch": [], "alone": []}
+        for _ in range(args.iters):  # alternate, so that machine noise hits all three alike
+            for name, engine in (("ours", ours), ("torch", theirs), ("alone", alone)):
                 dist.barrier()
                 start = time.perf_counter()
                 engine.step(x, y)
-                times.append(time.perf_counter() - start)
-        alone = _alone_time(base, schedule, x, y, args, max(3, args.iters // 2))
+                times[name].append(time.perf_counter() - start)
         gathered = [None] * world
-        dist.all_gather_object(
-            gathered, (statistics.median(t_ours), statistics.median(t_torch), alone)
-        )
+        medians = tuple(statistics.median(times[k]) for k in ("ours", "torch", "alone"))
+        dist.all_gather_object(gathered, medians)
         if rank == 0:
             rows.append(_row(schedule, world, gathered, args, first))
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump({"transport": transport, "rows": rows}, f)
     dist.barrier()
+    comm.close()
     dist.destroy_process_group()
 
 

@@ -205,6 +205,7 @@ class Pipeline:
         self.channels = Channels(self.comm)
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
+        self._dp_buffers: Dict[torch.dtype, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ construction
 
@@ -452,16 +453,19 @@ class Pipeline:
         return value[0]
 
     def _dp_sync(self) -> None:
-        # NOTE(lead): plain flat all-reduce until dk.DistributedDataParallel is on main; swap in
-        # the DDP engine's bucketed, overlapped reduction then.
+        """Averages this rank's stage gradients over its data-parallel replicas.
+
+        NOTE(lead): one flat all-reduce per dtype, after the step, until
+        dk.DistributedDataParallel is on main; then wrap each stage in it (forwards under
+        ``no_sync()`` except the micro-batch whose backward the schedule runs last) so that the
+        reduction overlaps the last backward.
+        """
         from .._dtypes import ReduceOp
 
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
         for dtype in sorted({p.dtype for p in params}, key=str):
             group = [p for p in params if p.dtype == dtype]
-            total = sum(p.numel() for p in group)
-            empty = getattr(self.dp_comm, "empty", None)
-            flat = empty((total,), dtype=dtype) if empty else torch.empty(total, dtype=dtype)
+            flat = self._dp_buffer(dtype, sum(p.numel() for p in group))
             offset = 0
             for p in group:
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -476,6 +480,16 @@ class Pipeline:
                 else:
                     p.grad.copy_(reduced)
                 offset += p.numel()
+
+    def _dp_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The flat gradient buffer for ``dtype``: registered memory, allocated once (the
+        Communicator's ``empty`` is collective and keeps its memory until ``close``)."""
+        if dtype not in self._dp_buffers:
+            empty = getattr(self.dp_comm, "empty", None)
+            self._dp_buffers[dtype] = (
+                empty((numel,), dtype=dtype) if empty else torch.empty(numel, dtype=dtype)
+            )
+        return self._dp_buffers[dtype]
 
 
 def _same_family(exc: Exception, message: str) -> Exception:
