@@ -5,8 +5,8 @@ import random
 import pytest
 import torch.nn as nn
 
-from dist_kernels.pipeline.partition import build_stage, format_partition, plan_partition
-from dist_kernels.pipeline.schedules import (
+from dist_kernels._pipeline_partition import build_stage, format_partition, plan_partition
+from dist_kernels._pipeline_schedules import (
     Action,
     Kind,
     Schedule,

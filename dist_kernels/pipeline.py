@@ -1,10 +1,19 @@
-"""The pipeline engine: executes one rank's action list from :mod:`.schedules`.
+"""Pipeline parallelism: ``dk.Pipeline`` runs one rank's list of a schedule planned as data.
 
-Each rank keeps only its own stages. A training step splits the batch into micro-batches and
-runs the rank's list in order: forward and backward of its stages, and point-to-point
-transfers of activations and gradients through the Communicator (:mod:`.wire`). The last stage
-averages the micro-batch losses, so the accumulated gradients equal those of the whole batch;
-the loss is then broadcast to every rank of the pipeline.
+Schedules (``_pipeline_schedules``) are per-rank action lists, simulated and checked before
+anything runs; :func:`schedule_table` prints them::
+
+    >>> print(dk.pipeline.schedule_table("1f1b", 2, 3))
+    1f1b: 2 ranks, 2 stages, 3 micro-batches; bubble 25.0%, peak live activations 2
+    rank 0 | F0 F1 .  B0 F2 B1 .  B2
+    rank 1 | .  F0 B0 F1 B1 F2 B2 .
+
+The engine keeps only its rank's stages (``_pipeline_partition`` splits an ``nn.Sequential``).
+A training step splits the batch into micro-batches and runs the rank's list in order: forward
+and backward of its stages on the caller's thread, and the point-to-point transfers of
+activations and gradients through the Communicator (``_pipeline_wire``) on a transfer thread.
+The last stage averages the micro-batch losses, so the accumulated gradients equal those of the
+whole batch; the loss is then broadcast to every rank of the pipeline.
 
 Failure: the action that raised is named (rank, stage, action, micro-batch) and the
 communicator is closed, so peers blocked on this rank raise ``CommError`` within their timeout
@@ -21,9 +30,38 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .partition import build_stage, format_partition, plan_partition
-from .schedules import Action, Kind, build_schedule, simulate
-from .wire import ACTIVATION, GRADIENT, Channels
+from ._pipeline_partition import StageSpan, build_stage, format_partition, plan_partition
+from ._pipeline_schedules import (
+    SCHEDULES,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    ScheduleReport,
+    bubble_formula,
+    build_schedule,
+    schedule_table,
+    simulate,
+)
+from ._pipeline_wire import ACTIVATION, GRADIENT, Channels
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Kind",
+    "Pipeline",
+    "PipelineError",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleReport",
+    "StageSpan",
+    "bubble_formula",
+    "build_schedule",
+    "format_partition",
+    "plan_partition",
+    "schedule_table",
+    "simulate",
+]
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
@@ -57,7 +95,7 @@ def _default_comm():
 
     if not (dist.is_available() and dist.is_initialized()):
         return _SoloComm()
-    from ..communicator import Communicator, get_default_communicator
+    from .communicator import Communicator, get_default_communicator
 
     try:
         return get_default_communicator()  # the one dk.init() made
@@ -211,7 +249,7 @@ class Pipeline:
 
     @staticmethod
     def _resolve_comm(comm: Any):
-        from ..mesh import ProcessMesh
+        from .mesh import ProcessMesh
 
         if isinstance(comm, ProcessMesh):
             return comm.pp_comm, comm.dp_comm
@@ -460,7 +498,7 @@ class Pipeline:
         ``no_sync()`` except the micro-batch whose backward the schedule runs last) so that the
         reduction overlaps the last backward.
         """
-        from .._dtypes import ReduceOp
+        from ._dtypes import ReduceOp
 
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
         for dtype in sorted({p.dtype for p in params}, key=str):
