@@ -264,18 +264,27 @@ def test_data_times_pipeline_equals_single_process():
         assert sum(replicas) / 2 == pytest.approx(results[0][4][step], abs=1e-12)
 
 
-def _rank_mesh_errors():
+def _rank_mesh_errors_and_default_comm():
     with pytest.raises(ValueError, match=r"dp\(2\) x pp\(3\) != world_size\(4\)"):
         dk.ProcessMesh(dp=2, pp=3, communicator_factory=_make_comm)
     with pytest.raises(ValueError, match=r"world_size\(4\) is not a multiple of pp\(3\)"):
         dk.ProcessMesh(pp=3, communicator_factory=_make_comm)
     mesh = dk.ProcessMesh(pp=4, communicator_factory=_make_comm)
-    return mesh.dp, mesh.pp, mesh.pp_rank, mesh.pp_ranks
+    # comm=None: the pipeline makes its own Communicator over the default group.
+    reference, model = _model(4), _model(4)
+    batches = _batches(1, BATCH)
+    ref_loss = _reference(reference, batches)[0]
+    pipe = dk.Pipeline(model, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    loss = pipe.step(*batches[0]).item()
+    pipe.comm.close()
+    return mesh.dp, mesh.pp, mesh.pp_rank, mesh.pp_ranks, pipe.rank, abs(loss - ref_loss)
 
 
-def test_mesh_layout_and_errors():
-    for rank, (dp, pp, pp_rank, pp_ranks) in enumerate(run_ranks(4, _rank_mesh_errors)):
-        assert (dp, pp, pp_rank, pp_ranks) == (1, 4, rank, [0, 1, 2, 3])
+def test_mesh_layout_errors_and_default_comm():
+    results = run_ranks(4, _rank_mesh_errors_and_default_comm)
+    for rank, (dp, pp, pp_rank, pp_ranks, pipe_rank, loss_diff) in enumerate(results):
+        assert (dp, pp, pp_rank, pp_ranks, pipe_rank) == (1, 4, rank, [0, 1, 2, 3], rank)
+        assert loss_diff < 1e-12
 
 
 class _Gate(nn.Module):
