@@ -130,14 +130,18 @@ def build_stage(model: nn.Sequential, span: StageSpan) -> nn.Sequential:
     return nn.Sequential(OrderedDict(children))
 
 
-def format_partition(model: nn.Sequential, spans: Sequence[StageSpan]) -> str:
-    """One line per stage: layers, their types and parameter count."""
+def format_partition(
+    model: nn.Sequential, spans: Sequence[StageSpan], n_ranks: Optional[int] = None
+) -> str:
+    """One line per stage: its rank (stage ``s`` runs on rank ``s % n_ranks``), layers, their
+    types and parameter count."""
     layers = list(model)
     lines = []
     for span in spans:
         kinds = ", ".join(type(layer).__name__ for layer in layers[span.start : span.stop])
+        where = f" (rank {span.stage % n_ranks})" if n_ranks else ""
         lines.append(
-            f"stage {span.stage}: layers {span.start}..{span.stop - 1} ({kinds}), "
+            f"stage {span.stage}{where}: layers {span.start}..{span.stop - 1} ({kinds}), "
             f"{span.n_params:,} parameters"
         )
     return "\n".join(lines)

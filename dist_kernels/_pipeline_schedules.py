@@ -442,8 +442,8 @@ class _Sim:
         if a.peer != peer or peer == rank:
             self.fail(rank, a, f"stage {need[1]} is on rank {peer}")
         theirs = self.current(peer)
-        if theirs is None or theirs.kind.is_compute or theirs.kind.value[0] == "S":
-            return False
+        if theirs is None or theirs.kind not in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            return False  # the peer is busy or sending: this send waits
         got = (theirs.kind, theirs.stage, theirs.microbatch)
         if theirs.peer == rank and got != need:
             self.fail(peer, theirs, f"but rank {rank} sends {a.describe()} on that channel")

@@ -263,7 +263,7 @@ class Pipeline:
         mine = self.schedule.stages_of(self.rank)
         if isinstance(module_or_stages, nn.Sequential):
             spans = plan_partition(module_or_stages, self.n_stages, split_points, balance)
-            self.partition_text = format_partition(module_or_stages, spans)
+            self.partition_text = format_partition(module_or_stages, spans, self.n_ranks)
             return {s: build_stage(module_or_stages, spans[s]) for s in mine}
         if split_points is not None or balance is not None:
             raise ValueError("split_points and balance need an nn.Sequential, not a stage list")
@@ -279,7 +279,8 @@ class Pipeline:
                 f"schedule on {self.n_ranks} ranks needs {self.n_stages}"
             )
         self.partition_text = "\n".join(
-            f"stage {s}: {type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} parameters"
+            f"stage {s} (rank {self.schedule.rank_of(s)}): {type(m).__name__}, "
+            f"{sum(p.numel() for p in m.parameters()):,} parameters"
             for s, m in enumerate(stages)
         )
         return {s: stages[s] for s in mine}
