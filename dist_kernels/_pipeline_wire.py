@@ -74,7 +74,7 @@ def _layout(meta: Meta) -> Tuple[List[int], int]:
     offsets, size = [], HEADER_BYTES
     for dtype, shape in describe_meta(meta):
         offsets.append(size)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         size += -(-nbytes // _ALIGN) * _ALIGN
     return offsets, size
 
@@ -118,9 +118,7 @@ class Channels:
             message, _ = self._recv_message(src, tag, meta)
         offsets, _ = _layout(meta)
         tensors = [
-            message[o : o + torch.Size(shape).numel() * torch.empty((), dtype=d).element_size()]
-            .view(d)
-            .reshape(shape)
+            message[o : o + torch.Size(shape).numel() * d.itemsize].view(d).reshape(shape)
             for o, (d, shape) in zip(offsets, describe_meta(meta))
         ]
         return tensors, bool(meta[0])
