@@ -230,38 +230,44 @@ def test_pipeline_equals_single_process(world_size):
             assert peak[(rank, schedule, True)] < peak[(rank, schedule, False)], (rank, schedule)
 
 
-def _rank_hybrid():
+def _rank_hybrid(schedules):
     import torch.distributed as dist
 
     mesh = dk.ProcessMesh(dp=2, pp=2, communicator_factory=_make_comm)
-    reference, model = _model(4), _model(4)
-    batches = _batches(STEPS, 2 * BATCH)
-    ref_losses = _reference(reference, batches)
-    half = slice(mesh.dp_rank * BATCH, (mesh.dp_rank + 1) * BATCH)
-    mine = [(x[half], y[half]) for x, y in batches]
-    pipe = dk.Pipeline(
-        model,
-        mesh,
-        n_microbatches=2,
-        schedule="1f1b",
-        loss_fn=nn.functional.mse_loss,
-        print_partition=False,
-    )
-    losses = _train_pipeline(pipe, model, mine)
-    owned = [i for i, _ in enumerate(model) if any(_owns(pipe, model[i]))]
-    diff = max(_max_param_diff(reference[i], model[i]) for i in owned)
-    return dist.get_rank(), repr(mesh), diff, losses, ref_losses
+    out = []
+    for schedule in schedules:
+        reference, model = _model(4), _model(4)
+        batches = _batches(STEPS, 2 * BATCH)
+        ref_losses = _reference(reference, batches)
+        half = slice(mesh.dp_rank * BATCH, (mesh.dp_rank + 1) * BATCH)
+        mine = [(x[half], y[half]) for x, y in batches]
+        pipe = dk.Pipeline(
+            model,
+            mesh,
+            n_microbatches=2,
+            schedule=schedule,
+            loss_fn=nn.functional.mse_loss,
+            print_partition=False,
+        )
+        losses = _train_pipeline(pipe, model, mine)
+        owned = [i for i, _ in enumerate(model) if any(_owns(pipe, model[i]))]
+        diff = max(_max_param_diff(reference[i], model[i]) for i in owned)
+        out.append((dist.get_rank(), schedule, repr(mesh), diff, losses, ref_losses))
+    return out
 
 
 def test_data_times_pipeline_equals_single_process():
-    results = run_ranks(4, _rank_hybrid, timeout=120)
-    for rank, mesh, diff, _, _ in results:
-        print(f"rank {rank} {mesh}: max parameter difference {diff:.1e}")
-        assert diff < 1e-12
+    schedules = ["gpipe", "1f1b", "interleaved-1f1b"]
+    results = run_ranks(4, _rank_hybrid, schedules, timeout=120)
+    for per_rank in results:
+        for rank, schedule, mesh, diff, _, _ in per_rank:
+            print(f"rank {rank} {schedule} {mesh}: max parameter difference {diff:.1e}")
+            assert diff < 1e-12
     # Each replica's loss is its half of the batch; their mean is the whole batch's.
-    for step in range(STEPS):
-        replicas = [results[r][3][step] for r in (0, 1)]
-        assert sum(replicas) / 2 == pytest.approx(results[0][4][step], abs=1e-12)
+    for i, _ in enumerate(schedules):
+        for step in range(STEPS):
+            replicas = [results[r][i][4][step] for r in (0, 1)]
+            assert sum(replicas) / 2 == pytest.approx(results[0][i][5][step], abs=1e-12)
 
 
 def _rank_mesh_errors_and_default_comm():
