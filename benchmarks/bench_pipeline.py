@@ -49,32 +49,6 @@ def _model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
-class _GlooComm:
-    """torch.distributed point-to-point behind the Communicator interface (fallback only)."""
-
-    def __init__(self):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-
-    def send(self, t, dst):
-        dist.send(t, dst)
-
-    def recv(self, t, src):
-        dist.recv(t, src)
-
-    def broadcast(self, t, src):
-        dist.broadcast(t, src)
-
-    def close(self):
-        pass
-
-
-def _communicator():
-    try:
-        return dk.Communicator(), "dist_kernels.Communicator"
-    except (ImportError, AttributeError):
-        return _GlooComm(), "torch.distributed gloo send/recv (dk.Communicator not built yet)"
-
-
 def _stage_ids(schedule: str, world: int, rank: int):
     per_rank = 2 if schedule == "interleaved-1f1b" else 1
     return list(range(rank, world * per_rank, world)), world * per_rank
@@ -149,7 +123,7 @@ class _Alone:
 def _worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    comm, transport = _communicator()
+    comm = dk.Communicator()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, args.width, generator=gen)
@@ -178,7 +152,7 @@ def _worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
             rows.append(_row(schedule, world, gathered, args, first))
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"transport": transport, "rows": rows}, f)
+            json.dump(rows, f)
     dist.barrier()
     comm.close()
     dist.destroy_process_group()
@@ -231,18 +205,16 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.schedules = args.schedules.split(",")
-    results, transport = [], ""
+    results = []
     for world in (int(n) for n in args.nproc.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
             mp.spawn(_worker, args=(world, init_file, args, out_file), nprocs=world, join=True)
             with open(out_file) as f:
-                data = json.load(f)
-        results += data["rows"]
-        transport = data["transport"]
+                results += json.load(f)
     print(
         f"MLP {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
-        f"{args.microbatches} micro-batches, {os.cpu_count()} CPUs; ours over {transport}"
+        f"{args.microbatches} micro-batches, {os.cpu_count()} CPUs; ours over dk.Communicator"
     )
     _print(results)
     if args.json:

@@ -1,7 +1,6 @@
 """Pipeline engine against single-process training: one process, then 2 and 4 ranks."""
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ SEED = 20261130
 STEPS = 3
 BATCH = 8
 WIDTH = 6
-HAVE_DK_COMM = importlib.util.find_spec("dist_kernels.communicator") is not None
 
 
 def _model(n_layers: int) -> nn.Sequential:
@@ -138,42 +136,8 @@ def test_stage_failure_names_stage_action_and_microbatch():
 # ----------------------------------------------------------------------------- several ranks
 
 
-class _GlooComm:
-    """torch.distributed send/recv behind the Communicator's interface.
-
-    Used only until dist_kernels.communicator is merged; it cannot be closed, so the failure
-    test needs the real Communicator.
-    """
-
-    def __init__(self, group=None):
-        import torch.distributed as dist
-
-        self.dist, self.group = dist, group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-
-    def send(self, t, dst):
-        self.dist.send(t, group_dst=dst, group=self.group)
-
-    def recv(self, t, src):
-        self.dist.recv(t, group_src=src, group=self.group)
-
-    def broadcast(self, t, src):
-        self.dist.broadcast(t, group_src=src, group=self.group)
-
-    def all_reduce(self, t, op=None):
-        self.dist.all_reduce(t, group=self.group)
-        if op is not None and op.name == "AVG":
-            t.div_(self.world_size)
-
-    def close(self):
-        pass
-
-
 def _make_comm(group=None):
-    if HAVE_DK_COMM:
-        return dk.Communicator(group=group)
-    return _GlooComm(group)
+    return dk.Communicator(group=group)
 
 
 def _rank_cases(cases):
@@ -384,7 +348,6 @@ def _rank_stage_failure():
     return None
 
 
-@pytest.mark.skipif(not HAVE_DK_COMM, reason="needs dk.Communicator (closing it wakes peers)")
 def test_failing_stage_makes_every_rank_raise():
     results = run_ranks(4, _rank_stage_failure, timeout=90)
     for rank, result in enumerate(results):
