@@ -101,7 +101,10 @@ def _check_reduce(dst: torch.Tensor, inputs, op: ReduceOp, what: str) -> None:
 @pytest.mark.parametrize("op", ALL_OPS, ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
 def test_reduce_two_inputs_matches_torch(isa, dtype, op):
-    for n in SIZES:
+    # The largest size (thread-pool split, long vector loops) on the best build only: the other
+    # builds run the same loops at 4099 elements, and the suite stays fast on 2 cores.
+    sizes = SIZES if isa == ops.supported_cpu_isas()[-1] else SIZES[:-1]
+    for n in sizes:
         gen = _gen(1, n)
         a, b = _random(dtype, n, gen), _random(dtype, n, gen)
         dst = a.clone()
@@ -112,7 +115,10 @@ def test_reduce_two_inputs_matches_torch(isa, dtype, op):
 @pytest.mark.parametrize("op", ALL_OPS, ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
 def test_reduce_many_inputs_matches_torch(isa, dtype, op):
-    for n, nsrcs in ((7, 3), (4099, 4), (2**18 + 5, 3), (1023, 9)):
+    cases = [(7, 3), (4099, 4), (1023, 9)]
+    if isa == ops.supported_cpu_isas()[-1]:
+        cases.append((2**18 + 5, 3))  # thread-pool split: on the best build only (see above)
+    for n, nsrcs in cases:
         gen = _gen(2, n)
         inputs = [_random(dtype, n, gen) for _ in range(nsrcs)]
         dst = inputs[0].clone()
@@ -226,7 +232,10 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     if not torch.equal(got.isnan(), nan):
         return False
     int_type = torch.int32 if want.dtype == torch.float32 else torch.int16
-    return torch.equal(got[~nan].view(int_type), want[~nan].view(int_type))
+    zero = torch.zeros((), dtype=int_type)
+    return torch.equal(
+        torch.where(nan, zero, got.view(int_type)), torch.where(nan, zero, want.view(int_type))
+    )
 
 
 @pytest.mark.parametrize("dst_dtype", CAST_DTYPES, ids=str)
