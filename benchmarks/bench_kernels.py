@@ -1,6 +1,7 @@
 """Element-wise kernel benchmark: dist_kernels.ops against torch, in GB/s, as a table.
 
     python benchmarks/bench_kernels.py [--device cpu|cuda] [--sizes 4MiB 64MiB] [--repeats 20]
+                                       [--torch-threads N]
 
 GB/s counts the bytes a kernel must move at least: every input read once plus the output
 written once (``dst += src``: 3 buffers; an FP32 -> BF16 cast of n elements: 4n + 2n bytes),
@@ -216,7 +217,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[4 << 20, 64 << 20])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for the baselines (default: torch's own choice)",
+    )
     args = parser.parse_args(argv)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_kernels: --device cuda but torch sees no CUDA device")
     threads = f", torch threads {torch.get_num_threads()}" if args.device == "cpu" else ""
