@@ -7,10 +7,13 @@ with a printed seed (set ``DK_TEST_SEED`` to replay one).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -359,3 +362,41 @@ def test_cuda_cast_is_bit_exact(src_dtype, dst_dtype):
 def test_cuda_rejects_mixed_devices():
     with pytest.raises(ValueError, match=r"srcs\[0\]"):
         ops.reduce_(torch.zeros(4, device="cuda"), torch.zeros(4))
+
+
+def test_concurrent_callers_share_the_thread_pool():
+    """Python threads calling at once (GIL released): one uses the pool, others run inline."""
+    n = 1 << 20  # above the pool's split threshold
+    gen = _gen(11)
+    pairs = [(torch.randn(n, generator=gen), torch.randn(n, generator=gen)) for _ in range(4)]
+    expected = [a + b for a, b in pairs]
+    results = [a.clone() for a, _ in pairs]
+
+    def work(i: int) -> None:
+        for _ in range(5):
+            results[i].copy_(pairs[i][0])
+            ops.reduce_(results[i], pairs[i][1])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(torch.equal(r, e) for r, e in zip(results, expected))
+
+
+def _reduce_in_child(n: int) -> bool:
+    # numpy buffers: torch's own OpenMP pool hangs in a child forked after it ran, so the child
+    # touches no parallel torch op; only our pool is under test.
+    a, b = np.ones(n, dtype=np.float32), np.full(n, 2.0, dtype=np.float32)
+    ops.reduce_(torch.from_numpy(a), torch.from_numpy(b))
+    return bool((a == 3).all())
+
+
+def test_thread_pool_works_in_a_forked_child():
+    """The parent's pool threads do not exist after fork(); the child must build its own."""
+    n = 1 << 20
+    ops.reduce_(torch.ones(n), torch.ones(n))  # parent's pool is running
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply_async(_reduce_in_child, (n,)).get(timeout=120)
