@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_kernels import ReduceOp, ops
+from dist_kernels import _C, ReduceOp, ops
 
 SEED = int(os.environ.get("DK_TEST_SEED", "20261130"))
 print(f"test_kernels: seed {SEED} (set DK_TEST_SEED to replay)")
@@ -32,6 +32,15 @@ ALL_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG
 
 def _gen(*salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(SEED + 7919 * hash(salt) % 1_000_003)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def pool_from_one_mib():
+    """Lowers the thread pool's threshold (64 MiB by default) so that the 2^20 + 5 and 2^18 + 5
+    element cases run split across the pool, parts and ragged last part included."""
+    previous = _C.kernels_set_cpu_parallel_min_bytes(1 << 20)
+    yield
+    _C.kernels_set_cpu_parallel_min_bytes(previous)
 
 
 @pytest.fixture(params=ops.supported_cpu_isas())

@@ -164,6 +164,10 @@ DK_REGISTER_BINDINGS(kernels) {
       "The CPU kernel build in use.");
   m.def("kernels_supported_cpu_isas", &supportedCpuIsas,
         "The CPU kernel builds this CPU can run, baseline first.");
+  m.def("kernels_set_cpu_parallel_min_bytes", &dk::kernels::setCpuParallelMinBytes,
+        py::arg("bytes"),
+        "Sets the size (bytes read + written) from which standalone CPU calls use the thread "
+        "pool; returns the previous value.");
   m.def("kernels_cpu_threads", &dk::kernels::cpuPoolThreads,
         "Threads a standalone CPU kernel call may use (DK_NUM_THREADS or the core count).");
 }
