@@ -191,6 +191,19 @@ def _copy_case(size: int, device: str, repeats: int) -> Row:
 SECTIONS: List[Section] = [copy_rows, reduce_rows, cast_rows]
 
 
+def _bucket_section() -> Optional[Section]:
+    """The fused bucket kernels' section (pack / unpack / unscale), from bench_bucket.py."""
+    try:
+        from bench_bucket import bucket_rows  # benchmarks/ is on sys.path when run as a script
+    except ImportError:
+        return None
+    return bucket_rows
+
+
+if _bucket_section() is not None:
+    SECTIONS.append(_bucket_section())
+
+
 def format_table(rows: Sequence[Row]) -> str:
     header = ("section", "case", "size", "ours GB/s", "baseline", "base GB/s", "ours/base")
     lines = [header]
