@@ -1,0 +1,146 @@
+"""CPU tier: the NCCL search order and its error messages, with fake libraries and directories.
+
+No NCCL is needed: fake candidates are empty files or libc, which must give clear errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_kernels import _C, _nccl
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    """No DK_NCCL_LIBRARY, no nvidia package, an empty maps file, no NCCL loaded yet."""
+    monkeypatch.delenv(_nccl.ENV_VAR, raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not _has_nvidia(p)])
+    for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
+        monkeypatch.delitem(sys.modules, name)
+    maps = tmp_path / "maps"
+    maps.write_text("")
+    monkeypatch.setattr(_nccl, "MAPS_PATH", str(maps))
+    monkeypatch.setattr(_C, "nccl_loaded", lambda: None)
+    return tmp_path
+
+
+def _has_nvidia(entry: str) -> bool:
+    return (Path(entry or ".") / "nvidia").is_dir()
+
+
+def _fake_wheel(monkeypatch, site: Path) -> Path:
+    """A site directory holding nvidia/nccl/lib/libnccl.so.2 as an empty file."""
+    lib = site / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    monkeypatch.syspath_prepend(str(site))
+    return lib
+
+
+def _write_maps(path: Path, libraries) -> None:
+    lines = ["7f00-7f01 r--p 00000000 00:00 0 \n"]  # an anonymous mapping: no path
+    for i, lib in enumerate(libraries):
+        lines.append(f"7f{i}0-7f{i}1 r-xp 00000000 08:01 {1000 + i}    {lib}\n")
+    path.write_text("".join(lines))
+
+
+def _libc_path() -> str:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and Path(fields[5].strip()).name.startswith("libc.so"):
+                return fields[5].strip()
+    pytest.skip("libc is not mapped from a file in this process")
+
+
+def test_nothing_found_lists_every_path_tried(clean_env, monkeypatch):
+    ghost = clean_env / "gone" / "libnccl.so.2"
+    _write_maps(clean_env / "maps", [str(ghost), "/usr/lib/libm.so.6"])
+    with pytest.raises(RuntimeError) as info:
+        _nccl.load()
+    message = str(info.value)
+    assert "DK_NCCL_LIBRARY" in message and "nvidia-nccl-cu12" in message
+    assert f"{ghost} (loaded by this process): not found" in message
+    assert "libm" not in message
+
+
+def test_wheel_comes_before_mapped_library(clean_env, monkeypatch):
+    lib = _fake_wheel(monkeypatch, clean_env / "site")
+    mapped = clean_env / "libnccl.so.2.99.0"
+    _write_maps(clean_env / "maps", [str(mapped)])
+    found = _nccl.candidates()
+    paths = [path for _, path in found]
+    assert str(lib) in paths and str(mapped) in paths
+    assert paths.index(str(lib)) < paths.index(str(mapped))
+
+
+def test_environment_variable_overrides_everything(clean_env, monkeypatch):
+    _fake_wheel(monkeypatch, clean_env / "site")
+    chosen = clean_env / "mine" / "libnccl.so.2"
+    chosen.parent.mkdir()
+    chosen.write_bytes(b"")
+    monkeypatch.setenv(_nccl.ENV_VAR, str(chosen))
+    assert _nccl.candidates() == [(_nccl.ENV_VAR, str(chosen))]
+
+
+@pytest.mark.parametrize("value", ["libnccl.so.2", "relative/libnccl.so.2"])
+def test_environment_variable_must_be_absolute(clean_env, monkeypatch, value):
+    monkeypatch.setenv(_nccl.ENV_VAR, value)
+    with pytest.raises(ValueError, match="must be an absolute path"):
+        _nccl.load()
+
+
+def test_environment_variable_must_exist(clean_env, monkeypatch):
+    missing = clean_env / "nowhere" / "libnccl.so.2"
+    monkeypatch.setenv(_nccl.ENV_VAR, str(missing))
+    with pytest.raises(ValueError, match="no such file") as info:
+        _nccl.load()
+    assert str(missing) in str(info.value)
+
+
+def test_empty_file_is_a_clear_error(clean_env, monkeypatch):
+    fake = clean_env / "libnccl.so.2"
+    fake.write_bytes(b"")
+    monkeypatch.setenv(_nccl.ENV_VAR, str(fake))
+    with pytest.raises(RuntimeError, match="cannot load NCCL from") as info:
+        _nccl.load()
+    assert str(fake) in str(info.value)
+
+
+def test_library_without_nccl_symbols_names_the_symbol(clean_env, monkeypatch):
+    libc = _libc_path()
+    monkeypatch.setenv(_nccl.ENV_VAR, libc)
+    with pytest.raises(RuntimeError, match="symbol ncclGetVersion not found") as info:
+        _nccl.load()
+    assert libc in str(info.value)
+
+
+def test_fake_wheel_failure_is_listed_with_its_reason(clean_env, monkeypatch):
+    lib = _fake_wheel(monkeypatch, clean_env / "site")
+    with pytest.raises(RuntimeError) as info:
+        _nccl.load()
+    assert f"{lib} (nvidia-nccl wheel): " in str(info.value)
+    assert "cannot load NCCL from" in str(info.value)
+
+
+def test_describe_never_raises(clean_env, monkeypatch):
+    assert _nccl.describe() == {"nccl_library": None, "nccl_version": None}
+    monkeypatch.setenv(_nccl.ENV_VAR, "not/absolute")
+    assert _nccl.describe() == {"nccl_library": None, "nccl_version": None}
+
+
+def test_binding_rejects_relative_path():
+    with pytest.raises(ValueError, match="absolute"):
+        _C.nccl_load("libnccl.so.2")
+
+
+def test_build_info_reports_nccl_keys():
+    import dist_kernels
+
+    info = dist_kernels.build_info()
+    assert "nccl_library" in info and "nccl_version" in info
+    if info["nccl_library"] is not None:
+        assert info["nccl_version"].startswith("2.")
