@@ -1,0 +1,245 @@
+"""GPU tier: kernels and collectives on a CUDA device, against torch and against NCCL.
+
+Every test is marked ``gpu`` and skipped, with the reason, where there is no CUDA device or the
+build has no CUDA (``pytest -m gpu`` runs only these; benchmarks/device_check.sh runs them on a
+lent GPU). Integer inputs compare exactly; floating inputs compare with NCCL's own result on
+the same data, which ring/tree must match bitwise on integers and to rounding on floats.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_kernels import _C, _cuda_comm
+from dist_kernels._dtypes import DTYPE_CODES, ReduceOp
+
+_REASON = _cuda_comm.unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=str(_REASON))]
+
+SEED = 20261130
+DTYPES = list(DTYPE_CODES)
+OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG]
+# Counts around warp, block and staging-slot boundaries (slots of 4 MiB = 1 Mi float32).
+COUNTS = [1, 31, 1000, 4096 + 3, (1 << 20) + 17]
+
+
+def _random(count: int, dtype: torch.dtype, gen: torch.Generator, device="cuda") -> torch.Tensor:
+    """Small values so that sums and products of a few ranks stay exact in every dtype."""
+    if dtype.is_floating_point:
+        values = torch.randint(-4, 5, (count,), generator=gen).to(torch.float64) / 4
+    else:
+        low = 0 if dtype == torch.uint8 else -3
+        values = torch.randint(low, 4, (count,), generator=gen)
+    return values.to(dtype).to(device)
+
+
+def _torch_reduce(a: torch.Tensor, b: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    """The reference: float64 (or int64) math, rounded once to the dtype."""
+    wide = torch.float64 if a.dtype.is_floating_point else torch.int64
+    x, y = a.to(wide), b.to(wide)
+    result = {
+        ReduceOp.SUM: x + y,
+        ReduceOp.AVG: x + y,  # the kernel reduces AVG as SUM; the divide is a separate step
+        ReduceOp.PROD: x * y,
+        ReduceOp.MAX: torch.maximum(x, y),
+        ReduceOp.MIN: torch.minimum(x, y),
+    }[op]
+    return result.to(a.dtype)
+
+
+@pytest.fixture(scope="module")
+def comm():
+    """A world-size-1 CUDA communicator over a HashStore."""
+    store = torch.distributed.HashStore()
+    with _cuda_comm.CudaCommunicator(store, rank=0, world_size=1, device=0) as c:
+        yield c
+
+
+# -- kernels on the device ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+def test_reduce_kernel_matches_torch(dtype, op):
+    if not hasattr(_C, "kernels_reduce"):
+        pytest.skip("the kernels' bindings (_C.kernels_reduce) are not in this build")
+    print(f"seed {SEED}")
+    gen = torch.Generator().manual_seed(SEED)
+    for count in COUNTS:
+        a, b = _random(count, dtype, gen), _random(count, dtype, gen)
+        dst = torch.full_like(a, 7)  # poisoned: every element must be written
+        stream = torch.cuda.current_stream().cuda_stream
+        _C.kernels_reduce(
+            dst.data_ptr(),
+            [a.data_ptr(), b.data_ptr()],
+            count,
+            DTYPE_CODES[dtype],
+            int(op),
+            0,
+            stream,
+        )
+        torch.testing.assert_close(dst, _torch_reduce(a, b, op), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "src_dtype,dst_dtype",
+    [
+        (s, d)
+        for s in (torch.float32, torch.float16, torch.bfloat16)
+        for d in (torch.float32, torch.float16, torch.bfloat16)
+    ],
+    ids=str,
+)
+def test_cast_scale_kernel_matches_torch(src_dtype, dst_dtype):
+    if not hasattr(_C, "kernels_cast_scale"):
+        pytest.skip("the kernels' bindings (_C.kernels_cast_scale) are not in this build")
+    gen = torch.Generator().manual_seed(SEED)
+    src = (torch.randn(100_003, generator=gen) * 100).to(src_dtype).cuda()
+    src[7] = float("inf")
+    dst = torch.empty(src.numel(), dtype=dst_dtype, device="cuda")
+    scale = 0.37
+    _C.kernels_cast_scale(
+        dst.data_ptr(),
+        DTYPE_CODES[dst_dtype],
+        src.data_ptr(),
+        DTYPE_CODES[src_dtype],
+        src.numel(),
+        scale,
+        0,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    expected = (src.to(torch.float32) * scale).to(dst_dtype)  # FP32 math, one rounding
+    torch.testing.assert_close(dst, expected, rtol=0, atol=0, equal_nan=True)
+
+
+# -- collectives at world size 1 -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+def test_all_reduce_world_one_is_identity(comm, dtype, op):
+    gen = torch.Generator().manual_seed(SEED)
+    x = _random(4099, dtype, gen)
+    expected = x.clone()
+    comm.all_reduce(x, op=op)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+def test_reduce_scatter_all_gather_broadcast_world_one(comm):
+    gen = torch.Generator().manual_seed(SEED)
+    x = _random(1000, torch.int32, gen)
+    out = torch.empty_like(x)
+    comm.reduce_scatter(out, x)
+    assert torch.equal(out, x)
+    gathered = torch.empty_like(x)
+    comm.all_gather(gathered, x)
+    assert torch.equal(gathered, x)
+    y = x.clone()
+    comm.broadcast(y, src=0)
+    assert torch.equal(y, x)
+
+
+def test_transport_send_recv_to_self_crosses_slots(comm):
+    """NcclTransport + CudaCompute: a message larger than one staging slot, sent to self."""
+    gen = torch.Generator().manual_seed(SEED)
+    send = _random(3 * (_cuda_comm.DEFAULT_SLOT_BYTES // 4) + 5, torch.int32, gen)
+    recv = torch.full_like(send, -1)
+    comm.send_recv(send, 0, recv, 0)
+    assert torch.equal(recv, send)
+
+
+def test_cpu_tensor_raises_value_error(comm):
+    with pytest.raises(ValueError, match="tensor"):
+        comm.all_reduce(torch.ones(4))
+
+
+def test_async_op_returns_work(comm):
+    x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
+    work = comm.all_reduce(x, async_op=True)
+    work.wait()
+    torch.cuda.synchronize()
+    assert work.is_completed()
+    assert torch.equal(x, torch.arange(1 << 16, device="cuda", dtype=torch.float32))
+
+
+def test_graph_capture_replays_all_reduce(comm):
+    x = torch.zeros(1 << 12, device="cuda", dtype=torch.float32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph, as torch's docs ask
+        comm.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.mul_(2).add_(1)
+        comm.all_reduce(x)
+        x.add_(1)
+    for value in (0.0, 3.0, -5.0):
+        x.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.all(x == value * 2 + 2), (value, x[:4])
+
+
+def test_cupy_input(comm):
+    cupy = pytest.importorskip("cupy")
+    a = cupy.arange(1000, dtype=cupy.int64)
+    comm.all_reduce(a)
+    torch.cuda.synchronize()
+    assert bool((a == cupy.arange(1000, dtype=cupy.int64)).all())
+
+
+# -- two ranks on one GPU (NCCL's socket transport, as in design.md) -------------------------
+
+_TWO_RANKS_ENV = {
+    "NCCL_HOSTID": ["dk-rank-0", "dk-rank-1"],
+    "NCCL_NET": "Socket",
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_SOCKET_IFNAME": "lo",
+}
+
+
+def _two_rank_collectives(seed: int):
+    """Runs on both ranks: every dtype x op, NCCL's all_reduce against the transport's bytes."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    comm = _cuda_comm.CudaCommunicator(store, rank, 2, device=0, prefix=f"gpu-test-{seed}")
+    gen = torch.Generator().manual_seed(seed + rank)
+    mismatches = []
+    for dtype in DTYPES:
+        for op in OPS:
+            mine = _random(5000, dtype, gen)
+            # Both ranks' inputs, swapped through the transport, reduced by torch in float64.
+            theirs = torch.empty_like(mine)
+            comm.send_recv(mine, 1 - rank, theirs, 1 - rank)
+            first, second = (mine, theirs) if rank == 0 else (theirs, mine)
+            expected = _torch_reduce(first, second, op)
+            if op == ReduceOp.AVG:
+                wide = torch.float64 if dtype.is_floating_point else torch.int64
+                expected = (
+                    (first.to(wide) + second.to(wide)) / 2
+                    if dtype.is_floating_point
+                    else torch.div(first.to(wide) + second.to(wide), 2, rounding_mode="trunc")
+                ).to(dtype)
+            got = mine.clone()
+            comm.all_reduce(got, op=op)
+            torch.cuda.synchronize()
+            if not torch.equal(got, expected):
+                mismatches.append(f"{dtype} {op.name}")
+    comm.close()
+    return mismatches
+
+
+def test_two_ranks_on_one_gpu():
+    if os.environ.get("DK_GPU_TWO_RANKS", "1") == "0":
+        pytest.skip("DK_GPU_TWO_RANKS=0")
+    mp_pool = pytest.importorskip("mp_pool")
+    print(f"seed {SEED}")
+    results = mp_pool.run_ranks(2, _two_rank_collectives, (SEED,), env=_TWO_RANKS_ENV, timeout=240)
+    assert results == [[], []], results
