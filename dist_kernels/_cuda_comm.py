@@ -264,6 +264,17 @@ class CudaCommunicator:
         args = (send_ptr, send_bytes, dst, recv_ptr, recv_bytes, src)
         return self._run(tensors, lambda _s: self._transport.send_recv(*args), async_op)
 
+    def barrier(self) -> None:
+        """Returns once every rank has reached the barrier and this rank's work is done."""
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.all_reduce(flag)
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def empty(self, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor on this communicator's device (NCCL-registered memory is future work)."""
+        dtype_code(dtype, "dtype")
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
     def _check_same_dtype(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if out.dtype != inp.dtype:
             raise TypeError(f"output: dtype {out.dtype} differs from input's {inp.dtype}")
