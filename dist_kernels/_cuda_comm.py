@@ -28,6 +28,8 @@ from ._dtypes import ReduceOpLike, dtype_code, reduce_op
 DEFAULT_SLOT_BYTES = 4 << 20
 DEFAULT_NUM_SLOTS = 8
 ALGORITHMS = ("auto", "ring", "tree", "nccl")
+#: C++ codes of algo::Algorithm (csrc/algorithm/collective.h).
+_ALGORITHM_CODES = {"ring": 1, "tree": 2}
 
 DeviceLike = Union[torch.device, int, str, None]
 
@@ -137,9 +139,22 @@ class CudaCommunicator:
             self._staging = torch.empty(
                 slot_bytes * num_slots, dtype=torch.uint8, device=self.device
             )
+            self._scratch = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+        handle = self.stream.cuda_stream
         self._transport = _C.NcclTransport(
-            self._comm, self.stream.cuda_stream, self._staging.data_ptr(), slot_bytes, num_slots
+            self._comm, handle, self._staging.data_ptr(), slot_bytes, num_slots
         )
+        # Ring and tree over NcclTransport + CudaCompute, once the algorithms are in the build.
+        self._algorithms = None
+        if hasattr(_C, "CudaCommunicator"):
+            self._algorithms = _C.CudaCommunicator(
+                self._comm,
+                handle,
+                self._staging.data_ptr(),
+                slot_bytes,
+                num_slots,
+                self._scratch.data_ptr(),
+            )
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -165,26 +180,36 @@ class CudaCommunicator:
         work.wait()
         return None
 
-    def _check_algorithm(self, algorithm: str) -> None:
+    def _resolve(self, algorithm: str) -> str:
+        """ "auto" is NCCL's own collective on GPUs: its tuning is the better default until our
+        ring and tree over NCCL send/recv have been measured on a GPU."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
-        if algorithm != "nccl":
-            raise NotImplementedError(
-                f"algorithm={algorithm!r} on CUDA needs the ring/tree code of the CPU "
-                "communicator; use algorithm='nccl'"
+        if algorithm == "auto":
+            return "nccl"
+        if algorithm != "nccl" and self._algorithms is None:
+            raise RuntimeError(
+                f"algorithm={algorithm!r}: this build has no ring/tree CUDA communicator "
+                "(_C.CudaCommunicator); use algorithm='nccl'"
             )
+        return algorithm
 
     # -- collectives ------------------------------------------------------------------------
 
     def all_reduce(
-        self, tensor: Any, op: ReduceOpLike = "sum", async_op: bool = False, algorithm: str = "nccl"
+        self, tensor: Any, op: ReduceOpLike = "sum", async_op: bool = False, algorithm: str = "auto"
     ) -> Optional[CudaWork]:
         """In-place all-reduce of ``tensor`` over every rank."""
         t = self._tensor(tensor, "tensor")
         code, red = dtype_code(t.dtype), int(reduce_op(op))
-        self._check_algorithm(algorithm)
+        algorithm = self._resolve(algorithm)
         ptr, n = t.data_ptr(), t.numel()
-        return self._run([t], lambda s: self._comm.all_reduce(ptr, ptr, n, code, red, s), async_op)
+        if algorithm == "nccl":
+            launch = lambda s: self._comm.all_reduce(ptr, ptr, n, code, red, s)  # noqa: E731
+        else:
+            which = _ALGORITHM_CODES[algorithm]
+            launch = lambda _s: self._algorithms.all_reduce(ptr, ptr, n, code, red, which)  # noqa: E731
+        return self._run([t], launch, async_op)
 
     def reduce_scatter(
         self,
@@ -192,7 +217,7 @@ class CudaCommunicator:
         input: Any,
         op: ReduceOpLike = "sum",
         async_op: bool = False,
-        algorithm: str = "nccl",
+        algorithm: str = "auto",
     ) -> Optional[CudaWork]:
         """``output`` (n elements) gets this rank's shard of the reduction of ``input`` (n * ws)."""
         out, inp = self._tensor(output, "output"), self._tensor(input, "input")
@@ -203,12 +228,15 @@ class CudaCommunicator:
                 f"output.numel() * world_size = {out.numel()} * {self.world_size}"
             )
         code, red = dtype_code(out.dtype), int(reduce_op(op))
-        self._check_algorithm(algorithm)
         args = (inp.data_ptr(), out.data_ptr(), out.numel(), code, red)
-        return self._run([out, inp], lambda s: self._comm.reduce_scatter(*args, s), async_op)
+        if self._resolve(algorithm) == "nccl":
+            launch = lambda s: self._comm.reduce_scatter(*args, s)  # noqa: E731
+        else:  # ring (the tree has no reduce-scatter)
+            launch = lambda _s: self._algorithms.reduce_scatter(*args)  # noqa: E731
+        return self._run([out, inp], launch, async_op)
 
     def all_gather(
-        self, output: Any, input: Any, async_op: bool = False, algorithm: str = "nccl"
+        self, output: Any, input: Any, async_op: bool = False, algorithm: str = "auto"
     ) -> Optional[CudaWork]:
         """``output`` (n * ws elements) gets every rank's ``input`` (n elements), in rank order."""
         out, inp = self._tensor(output, "output"), self._tensor(input, "input")
@@ -219,21 +247,27 @@ class CudaCommunicator:
                 f"input.numel() * world_size = {inp.numel()} * {self.world_size}"
             )
         code = dtype_code(out.dtype)
-        self._check_algorithm(algorithm)
         args = (inp.data_ptr(), out.data_ptr(), inp.numel(), code)
-        return self._run([out, inp], lambda s: self._comm.all_gather(*args, s), async_op)
+        if self._resolve(algorithm) == "nccl":
+            launch = lambda s: self._comm.all_gather(*args, s)  # noqa: E731
+        else:  # ring
+            launch = lambda _s: self._algorithms.all_gather(*args)  # noqa: E731
+        return self._run([out, inp], launch, async_op)
 
     def broadcast(
-        self, tensor: Any, src: int = 0, async_op: bool = False, algorithm: str = "nccl"
+        self, tensor: Any, src: int = 0, async_op: bool = False, algorithm: str = "auto"
     ) -> Optional[CudaWork]:
         """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         t = self._tensor(tensor, "tensor")
         if not 0 <= src < self.world_size:
             raise ValueError(f"src: {src} is not in [0, world_size={self.world_size})")
         code = dtype_code(t.dtype)
-        self._check_algorithm(algorithm)
         ptr, n = t.data_ptr(), t.numel()
-        return self._run([t], lambda s: self._comm.broadcast(ptr, ptr, n, code, src, s), async_op)
+        if self._resolve(algorithm) == "nccl":
+            launch = lambda s: self._comm.broadcast(ptr, ptr, n, code, src, s)  # noqa: E731
+        else:  # chain or heap tree, by size
+            launch = lambda _s: self._algorithms.broadcast(ptr, n, code, src)  # noqa: E731
+        return self._run([t], launch, async_op)
 
     def send_recv(
         self,
@@ -286,6 +320,7 @@ class CudaCommunicator:
         if self._comm is None:
             return
         self.stream.synchronize()
+        self._algorithms = None
         self._transport = None
         self._comm.close()
         self._comm = None

@@ -118,27 +118,37 @@ def test_cast_scale_kernel_matches_torch(src_dtype, dst_dtype):
 # -- collectives at world size 1 -------------------------------------------------------------
 
 
+def _algorithms():
+    return ["nccl", "ring", "tree"] if hasattr(_C, "CudaCommunicator") else ["nccl"]
+
+
+@pytest.mark.parametrize("algorithm", ["nccl", "ring", "tree"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
-def test_all_reduce_world_one_is_identity(comm, dtype, op):
+def test_all_reduce_world_one_is_identity(comm, dtype, op, algorithm):
+    if algorithm not in _algorithms():
+        pytest.skip("this build has no ring/tree CUDA communicator")
     gen = torch.Generator().manual_seed(SEED)
     x = _random(4099, dtype, gen)
     expected = x.clone()
-    comm.all_reduce(x, op=op)
+    comm.all_reduce(x, op=op, algorithm=algorithm)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
 
 
-def test_reduce_scatter_all_gather_broadcast_world_one(comm):
+@pytest.mark.parametrize("algorithm", ["nccl", "ring"])
+def test_reduce_scatter_all_gather_broadcast_world_one(comm, algorithm):
+    if algorithm not in _algorithms():
+        pytest.skip("this build has no ring/tree CUDA communicator")
     gen = torch.Generator().manual_seed(SEED)
     x = _random(1000, torch.int32, gen)
-    out = torch.empty_like(x)
-    comm.reduce_scatter(out, x)
+    out = torch.full_like(x, -7)
+    comm.reduce_scatter(out, x, algorithm=algorithm)
     assert torch.equal(out, x)
-    gathered = torch.empty_like(x)
-    comm.all_gather(gathered, x)
+    gathered = torch.full_like(x, -7)
+    comm.all_gather(gathered, x, algorithm=algorithm)
     assert torch.equal(gathered, x)
     y = x.clone()
-    comm.broadcast(y, src=0)
+    comm.broadcast(y, src=0, algorithm=algorithm)
     assert torch.equal(y, x)
 
 
@@ -165,17 +175,20 @@ def test_async_op_returns_work(comm):
     assert torch.equal(x, torch.arange(1 << 16, device="cuda", dtype=torch.float32))
 
 
-def test_graph_capture_replays_all_reduce(comm):
+@pytest.mark.parametrize("algorithm", ["nccl", "ring"])
+def test_graph_capture_replays_all_reduce(comm, algorithm):
+    if algorithm not in _algorithms():
+        pytest.skip("this build has no ring/tree CUDA communicator")
     x = torch.zeros(1 << 12, device="cuda", dtype=torch.float32)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the graph, as torch's docs ask
-        comm.all_reduce(x)
+        comm.all_reduce(x, algorithm=algorithm)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         x.mul_(2).add_(1)
-        comm.all_reduce(x)
+        comm.all_reduce(x, algorithm=algorithm)
         x.add_(1)
     for value in (0.0, 3.0, -5.0):
         x.fill_(value)
@@ -203,37 +216,73 @@ _TWO_RANKS_ENV = {
 }
 
 
-def _two_rank_collectives(seed: int):
-    """Runs on both ranks: every dtype x op, NCCL's all_reduce against the transport's bytes."""
+def _float64_reference(first, second, op):
+    """The 2-rank result computed in float64 / int64 (AVG truncates integers toward zero)."""
+    if op != ReduceOp.AVG:
+        return _torch_reduce(first, second, op)
+    wide = torch.float64 if first.dtype.is_floating_point else torch.int64
+    total = first.to(wide) + second.to(wide)
+    if first.dtype.is_floating_point:
+        return (total / 2).to(first.dtype)
+    return torch.div(total, 2, rounding_mode="trunc").to(first.dtype)
+
+
+def _two_rank_collectives(seed: int, algorithms):
+    """Runs on both ranks; returns the (dtype, op, algorithm, collective) cases that differ.
+
+    Every algorithm's all_reduce must equal NCCL's bitwise and the float64 reference; the
+    inputs are small multiples of 1/4, so every sum, product and average is exact.
+    """
     import torch.distributed as dist
 
     rank = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     comm = _cuda_comm.CudaCommunicator(store, rank, 2, device=0, prefix=f"gpu-test-{seed}")
     gen = torch.Generator().manual_seed(seed + rank)
-    mismatches = []
+    wrong = []
+    slot_elems = _cuda_comm.DEFAULT_SLOT_BYTES // 4
     for dtype in DTYPES:
         for op in OPS:
-            mine = _random(5000, dtype, gen)
-            # Both ranks' inputs, swapped through the transport, reduced by torch in float64.
+            # 5000 elements, and for float32 1.5 staging slots + 7: slices cross slot boundaries.
+            count = slot_elems * 3 // 2 + 7 if dtype == torch.float32 else 5000
+            mine = _random(count, dtype, gen)
             theirs = torch.empty_like(mine)
-            comm.send_recv(mine, 1 - rank, theirs, 1 - rank)
+            comm.send_recv(mine, 1 - rank, theirs, 1 - rank)  # NcclTransport, both directions
             first, second = (mine, theirs) if rank == 0 else (theirs, mine)
-            expected = _torch_reduce(first, second, op)
-            if op == ReduceOp.AVG:
-                wide = torch.float64 if dtype.is_floating_point else torch.int64
-                expected = (
-                    (first.to(wide) + second.to(wide)) / 2
-                    if dtype.is_floating_point
-                    else torch.div(first.to(wide) + second.to(wide), 2, rounding_mode="trunc")
-                ).to(dtype)
-            got = mine.clone()
-            comm.all_reduce(got, op=op)
-            torch.cuda.synchronize()
-            if not torch.equal(got, expected):
-                mismatches.append(f"{dtype} {op.name}")
+            expected = _float64_reference(first, second, op)
+            for algorithm in algorithms:
+                got = mine.clone()
+                comm.all_reduce(got, op=op, algorithm=algorithm)
+                torch.cuda.synchronize()
+                if not torch.equal(got, expected):
+                    wrong.append(f"all_reduce {dtype} {op.name} {algorithm}")
+            wrong += _check_scatter_gather_broadcast(comm, mine, first, second, op, algorithms)
     comm.close()
-    return mismatches
+    return wrong
+
+
+def _check_scatter_gather_broadcast(comm, mine, first, second, op, algorithms):
+    rank, half = comm.rank, mine.numel() // 2
+    both = torch.cat([first[: 2 * half], second[: 2 * half]])  # gathered in rank order
+    wrong = []
+    for algorithm in [a for a in algorithms if a != "tree"]:
+        shard = torch.empty(half, dtype=mine.dtype, device="cuda")
+        comm.reduce_scatter(shard, mine[: 2 * half], op=op, algorithm=algorithm)
+        full = _float64_reference(first[: 2 * half], second[: 2 * half], op)
+        gathered = torch.empty(4 * half, dtype=mine.dtype, device="cuda")
+        comm.all_gather(gathered, mine[: 2 * half], algorithm=algorithm)
+        torch.cuda.synchronize()
+        if not torch.equal(shard, full[rank * half : (rank + 1) * half]):
+            wrong.append(f"reduce_scatter {mine.dtype} {op.name} {algorithm}")
+        if not torch.equal(gathered, both):
+            wrong.append(f"all_gather {mine.dtype} {algorithm}")
+    for algorithm in algorithms:
+        copy = mine.clone()
+        comm.broadcast(copy, src=1, algorithm=algorithm)
+        torch.cuda.synchronize()
+        if not torch.equal(copy, second):
+            wrong.append(f"broadcast {mine.dtype} {algorithm}")
+    return wrong
 
 
 def test_two_ranks_on_one_gpu():
@@ -241,5 +290,8 @@ def test_two_ranks_on_one_gpu():
         pytest.skip("DK_GPU_TWO_RANKS=0")
     mp_pool = pytest.importorskip("mp_pool")
     print(f"seed {SEED}")
-    results = mp_pool.run_ranks(2, _two_rank_collectives, (SEED,), env=_TWO_RANKS_ENV, timeout=240)
+    algorithms = ["nccl", "ring", "tree"] if hasattr(_C, "CudaCommunicator") else ["nccl"]
+    results = mp_pool.run_ranks(
+        2, _two_rank_collectives, (SEED, algorithms), env=_TWO_RANKS_ENV, timeout=240
+    )
     assert results == [[], []], results
