@@ -144,3 +144,88 @@ def test_build_info_reports_nccl_keys():
     assert "nccl_library" in info and "nccl_version" in info
     if info["nccl_library"] is not None:
         assert info["nccl_version"].startswith("2.")
+
+
+# -- a fake NCCL built from C: the success path, in a fresh process each (one NCCL per process) --
+
+_FAKE_NCCL = r"""
+typedef struct { char internal[128]; } ncclUniqueId;
+int ncclGetVersion(int* v) { *v = VERSION; return 0; }
+const char* ncclGetErrorString(int r) { return "fake error"; }
+#define STUB(name) int name() { return 0; }
+STUB(ncclGetUniqueId) STUB(ncclCommInitRank) STUB(ncclCommDestroy) STUB(ncclCommAbort)
+STUB(ncclCommGetAsyncError) STUB(ncclGroupStart) STUB(ncclGroupEnd) STUB(ncclSend)
+STUB(ncclRecv) STUB(ncclAllReduce) STUB(ncclReduceScatter) STUB(ncclAllGather)
+#ifndef DROP_BROADCAST
+STUB(ncclBroadcast)
+#endif
+"""
+
+
+def _build_fake_nccl(tmp_path: Path, name: str, *defines: str) -> Path:
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a fake NCCL")
+    source = tmp_path / "fake_nccl.c"
+    source.write_text(_FAKE_NCCL)
+    lib = tmp_path / name / "libnccl.so.2"
+    lib.parent.mkdir()
+    flags = [f"-D{d}" for d in defines]
+    subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", str(lib), str(source)], check=True)
+    return lib
+
+
+def _in_fresh_process(code: str, **env: str):
+    import os
+    import subprocess
+
+    full_env = {**os.environ, **env}
+    full_env.pop(_nccl.ENV_VAR, None)
+    full_env.update(env)
+    root = str(Path(__file__).resolve().parent.parent)
+    full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_fake_nccl_loads_and_reports_its_version(tmp_path):
+    lib = _build_fake_nccl(tmp_path, "v22805", "VERSION=22805")
+    other = _build_fake_nccl(tmp_path, "v22106", "VERSION=22106")
+    code = (
+        "from dist_kernels import _C, _nccl\n"
+        "print(_nccl.load())\n"
+        "print(_nccl.describe())\n"
+        f"try:\n    _C.nccl_load({str(other)!r})\nexcept ValueError as e:\n    print('ERR', e)\n"
+        f"print(_C.nccl_load({str(lib)!r}))\n"
+    )
+    result = _in_fresh_process(code, DK_NCCL_LIBRARY=str(lib))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == str((str(lib), "2.28.5"))
+    assert lines[1] == str({"nccl_library": str(lib), "nccl_version": "2.28.5"})
+    assert (
+        lines[2].startswith("ERR") and "already loaded from" in lines[2] and str(other) in lines[2]
+    )
+    assert lines[3] == "2.28.5"  # the same path again is fine
+
+
+def test_too_old_nccl_is_refused_with_its_version(tmp_path):
+    lib = _build_fake_nccl(tmp_path, "v2708", "VERSION=2708")  # NCCL's pre-2.9 encoding
+    result = _in_fresh_process(
+        "from dist_kernels import _nccl; _nccl.load()", DK_NCCL_LIBRARY=str(lib)
+    )
+    assert result.returncode != 0
+    assert "NCCL 2.7.8" in result.stderr and "too old" in result.stderr
+
+
+def test_fake_nccl_missing_a_symbol_names_it(tmp_path):
+    lib = _build_fake_nccl(tmp_path, "partial", "VERSION=22805", "DROP_BROADCAST")
+    result = _in_fresh_process(
+        "from dist_kernels import _nccl; _nccl.load()", DK_NCCL_LIBRARY=str(lib)
+    )
+    assert result.returncode != 0
+    assert "symbol ncclBroadcast not found" in result.stderr and str(lib) in result.stderr

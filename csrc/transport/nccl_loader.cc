@@ -10,6 +10,9 @@ namespace dk::nccl {
 
 namespace {
 
+// 2.10.0: the oldest NCCL with ncclAvg, the newest entry of nccl_api.h.
+constexpr int kMinVersion = 21000;
+
 std::mutex& loadMutex() {
   static std::mutex mutex;
   return mutex;
@@ -63,6 +66,11 @@ Status openLibrary(const std::string& path, NcclLibrary* library) {
   if (status.ok()) {
     ncclResult_t result = library->api.getVersion(&library->version);
     if (result != ncclSuccess) status = ncclError(library->api, result, "ncclGetVersion");
+  }
+  if (status.ok() && library->version < kMinVersion) {
+    status =
+        Unsupported("NCCL " + versionString(library->version) + " at " + path +
+                    " is too old: dist_kernels needs " + versionString(kMinVersion) + " or newer");
   }
   if (!status.ok()) dlclose(handle);
   library->path = path;
