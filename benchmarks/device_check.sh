@@ -18,6 +18,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
+# cmake and ninja come as pip packages beside the interpreter; nvcc from the CUDA toolkit.
+PATH="$(dirname "$(command -v "$PY")"):$PATH"
+command -v nvcc >/dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && PATH="/usr/local/cuda/bin:$PATH"; }
+export PATH
 export DK_CUDA_ARCHS=${DK_CUDA_ARCHS:-90}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
@@ -79,6 +83,7 @@ TWO_RANK_ENV=(env NCCL_NET=Socket NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOC
 
 # 1. What the machine has.
 step driver 20 nvidia-smi
+step toolchain 20 bash -c 'nvcc --version | tail -n 2; cmake --version | head -n 1; ninja --version'
 step device 60 "$PY" - <<'PYEOF'
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
