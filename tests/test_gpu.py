@@ -54,7 +54,7 @@ def _torch_reduce(a: torch.Tensor, b: torch.Tensor, op: ReduceOp) -> torch.Tenso
 def comm():
     """A world-size-1 CUDA communicator over a HashStore."""
     store = torch.distributed.HashStore()
-    with _cuda_comm.CudaCommunicator(store, rank=0, world_size=1, device=0) as c:
+    with _cuda_comm.CudaCommunicator(device=0, store=store, rank=0, world_size=1) as c:
         yield c
 
 
@@ -161,9 +161,17 @@ def test_transport_send_recv_to_self_crosses_slots(comm):
     assert torch.equal(recv, send)
 
 
-def test_cpu_tensor_raises_value_error(comm):
-    with pytest.raises(ValueError, match="tensor"):
+def test_bad_inputs_raise_value_or_type_error(comm):
+    with pytest.raises(ValueError, match="tensor is on cpu|expected a tensor on cuda"):
         comm.all_reduce(torch.ones(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(torch.ones(4, 4, device="cuda").t())
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        comm.all_reduce(torch.ones(4, dtype=torch.complex64, device="cuda"))
+    with pytest.raises(ValueError, match="world_size"):
+        comm.all_gather(torch.empty(3, device="cuda"), torch.empty(2, device="cuda"))
+    with pytest.raises(ValueError, match="algorithm"):
+        comm.all_reduce(torch.ones(4, device="cuda"), algorithm="butterfly")
 
 
 def test_async_op_returns_work(comm):
@@ -235,9 +243,15 @@ def _two_rank_collectives(seed: int, algorithms):
     """
     import torch.distributed as dist
 
+    import dist_kernels
+
     rank = dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
-    comm = _cuda_comm.CudaCommunicator(store, rank, 2, device=0, prefix=f"gpu-test-{seed}")
+    # The public entry point where communicator.py exists, else the CUDA class itself.
+    try:
+        comm = dist_kernels.Communicator(device="cuda:0")
+    except (ImportError, AttributeError):
+        comm = _cuda_comm.CudaCommunicator(device="cuda:0")
+    assert isinstance(comm, _cuda_comm.CudaCommunicator), type(comm)
     gen = torch.Generator().manual_seed(seed + rank)
     wrong = []
     slot_elems = _cuda_comm.DEFAULT_SLOT_BYTES // 4
