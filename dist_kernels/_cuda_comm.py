@@ -7,7 +7,9 @@ Stream semantics (design decision 7): each collective runs on the communicator's
 ordered after the caller's current stream (the comm stream waits on an event recorded there) and
 before later work on it (the caller's stream waits on an event recorded after the collective).
 Only events are used, never host synchronisation, so a collective can be captured in a CUDA
-graph. ``async_op=True`` returns a :class:`CudaWork` instead of making the caller's stream wait.
+graph. ``async_op=True`` returns a ``dist_kernels.Work`` (around a :class:`CudaWork`) instead of
+making the caller's stream wait; its ``wait()`` makes the then-current stream wait, as
+torch.distributed's NCCL work does.
 
 Inputs: torch CUDA tensors, and any array with ``__dlpack__`` or ``__cuda_array_interface__``
 (CuPy), viewed as a torch tensor without a copy.
@@ -26,9 +28,10 @@ import torch
 from . import _C, _nccl
 from ._dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
 
-#: Staging for NcclTransport receives: 8 slots of 4 MiB. A slot is the largest message of one
-#: algorithm step (the ring cuts its slices to fit); 8 covers the tree's two children per step
-#: with room for the ring's pipelined slices. Not yet tuned on a GPU.
+#: Staging for NcclTransport receives: 8 slots of 4 MiB (32 MiB per communicator). A slot is the
+#: largest message of one algorithm step (ring and tree cut their slices to fit); the ring holds
+#: one slot at a time and the tree two (its two children), so 8 leaves room. Not yet tuned on a
+#: GPU: the slot size trades NCCL calls per byte against the size of the smallest pipelined slice.
 DEFAULT_SLOT_BYTES = 4 << 20
 DEFAULT_NUM_SLOTS = 8
 ALGORITHMS = ("auto", "ring", "tree", "nccl")
