@@ -161,13 +161,13 @@ class CudaCommunicator:
         num_slots: int = DEFAULT_NUM_SLOTS,
     ) -> None:
         self._comm = None
+        if store is not None and (rank is None or world_size is None):
+            raise ValueError("store: pass rank= and world_size= with it")
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"Communicator(device='cuda') is unavailable: {reason}")
         if store is None:
             store, rank, world_size = _group_store(group)
-        elif rank is None or world_size is None:
-            raise ValueError("store: pass rank= and world_size= with it")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: {rank} is not in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
