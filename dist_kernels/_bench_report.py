@@ -68,21 +68,27 @@ def machine_info() -> Dict[str, Any]:
     }
 
 
-def memcpy_bandwidth(nbytes: int = MEMCPY_BYTES, reps: int = 10) -> Dict[str, float]:
-    """Single-process ``torch`` copy of ``nbytes``: GB/s = bytes copied / second (1e9).
+def memcpy_bandwidth(
+    device: torch.device = torch.device("cpu"), nbytes: int = MEMCPY_BYTES, reps: int = 10
+) -> Dict[str, Any]:
+    """One process's ``torch`` copy of ``nbytes`` on ``device``: GB/s = bytes copied / s (1e9).
 
     The best of ``reps`` copies is the ceiling (noise only ever slows a copy down).
     """
-    src = torch.ones(nbytes, dtype=torch.uint8)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch of the pages is not a copy
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     seconds = []
     for _ in range(reps):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         seconds.append(time.perf_counter() - start)
     return {
         "bytes": nbytes,
+        "device": str(device),
         "threads": torch.get_num_threads(),
         "best_gbps": nbytes / min(seconds) / 1e9,
         "median_gbps": nbytes / statistics.median(seconds) / 1e9,
@@ -103,8 +109,8 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
         f"# python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads per rank), "
         f"env {meta['env']}",
         f"# dist_kernels.build_info(): {json.dumps(meta['build_info'], sort_keys=False)}",
-        f"# memcpy ceiling (one process, torch copy_ of {c['bytes'] >> 20} MiB, "
-        f"{c['threads']} thread): {c['best_gbps']:.2f} GB/s best, {c['median_gbps']:.2f} median",
+        f"# memcpy ceiling (one process, torch copy_ of {c['bytes'] >> 20} MiB on {c['device']}, "
+        f"{c['threads']} threads): {c['best_gbps']:.2f} GB/s best, {c['median_gbps']:.2f} median",
         f"# op {meta['op']}, {meta['world_size']} ranks, device {meta['device']}, "
         f"buffers {meta['buffers_label']}",
         f"# baseline: {meta['baseline_label']}",

@@ -222,7 +222,7 @@ class _Rank:
 
     def _memcpy_on_rank0(self) -> Dict[str, float]:
         """The ceiling, measured by rank 0 alone while the others wait in a blocking barrier."""
-        result = report.memcpy_bandwidth() if self.rank == 0 else {}
+        result = report.memcpy_bandwidth(self.device) if self.rank == 0 else {}
         objects = [result]
         dist.broadcast_object_list(objects, src=0)
         return objects[0]
