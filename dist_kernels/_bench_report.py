@@ -20,7 +20,7 @@ import platform
 import socket
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -69,12 +69,13 @@ def machine_info() -> Dict[str, Any]:
 
 
 def memcpy_bandwidth(
-    device: torch.device = torch.device("cpu"), nbytes: int = MEMCPY_BYTES, reps: int = 10
+    device: Union[str, torch.device] = "cpu", nbytes: int = MEMCPY_BYTES, reps: int = 10
 ) -> Dict[str, Any]:
     """One process's ``torch`` copy of ``nbytes`` on ``device``: GB/s = bytes copied / s (1e9).
 
     The best of ``reps`` copies is the ceiling (noise only ever slows a copy down).
     """
+    device = torch.device(device)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch of the pages is not a copy

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -144,8 +145,11 @@ class _Rank:
         self.algorithms, algorithm_note = ops.algorithm_choices(self.comm, args.op, requested)
         self.notes = [algorithm_note] if algorithm_note else []
         self.backends = self._backends()
-        self.rows: List[report.Row] = []
         self.meta = self._meta(launcher, command)
+        self.max_count = ops.element_count(
+            args.op, max(sizes(args)), self.meta["itemsize"], self.world_size
+        )
+        self._slots: List[torch.Tensor] = []  # registered buffers, see _alloc
 
     def _redop(self) -> str:
         return self.args.redop if self.args.op in ops.REDUCING_OPS else "none"
@@ -230,10 +234,24 @@ class _Rank:
     # -- buffers --------------------------------------------------------------------------
 
     def _alloc(self, ours: bool) -> ops.Alloc:
+        """Our tensors: slices of registered slots (or plain); the baseline's: plain, per size.
+
+        Registered memory stays registered until ``close()``, so the slots are allocated once,
+        at the largest count, and every size uses their leading elements; the k-th tensor a
+        placement asks for is the k-th slot (a placement needs at most two).
+        """
         dtype = ops.DTYPES[self.args.dtype]
-        if ours and self.args.buffers == "registered":
-            return lambda count: self.comm.empty((count,), dtype=dtype)
-        return lambda count: torch.empty(count, dtype=dtype, device=self.device)
+        if not (ours and self.args.buffers == "registered"):
+            return lambda count: torch.empty(count, dtype=dtype, device=self.device)
+        handed_out = itertools.count()
+
+        def alloc(count: int) -> torch.Tensor:
+            slot = next(handed_out)
+            if slot == len(self._slots):
+                self._slots.append(self.comm.empty((self.max_count,), dtype=dtype))
+            return self._slots[slot][:count]
+
+        return alloc
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
