@@ -124,7 +124,7 @@ def iterations(size: int, args: argparse.Namespace) -> Tuple[int, int]:
 
 
 class _Rank:
-    """The benchmark as seen by one rank: its communicator, backends and collected rows."""
+    """The benchmark as seen by one rank: its communicator, backends and buffers."""
 
     def __init__(self, args: argparse.Namespace, launcher: str, command: str) -> None:
         import dist_kernels as dk
