@@ -1,0 +1,161 @@
+// Bytes moved per rank for S bytes on n ranks (r = read, w = written; "registered" = tensors
+// from comm.empty, read by peers in place; "plain" = any other tensor, copied into a slot):
+//
+//   all_reduce, registered:  r = S (own) + (n-1)/n S (peer partials) + (n-1)/n S (gather),
+//                            w = S; at n = 2: r = 2 S ... counted per step below:
+//     reduce steps:  n-1 chunks x (read own + read peer + write)   = 3 (n-1)/n S
+//     gather steps:  n-1 chunks x (read peer + write)              = 2 (n-1)/n S
+//     n = 2: r = 1.5 S, w = 1 S.
+//   all_reduce, plain: + one slot copy per send: 2 (n-1) chunks x (read + write); n = 2:
+//     r = 2.5 S, w = 2 S.
+//   reduce_scatter (S = whole input): reduce (n-1) x 3 S/n (+ slot copies when plain).
+//   all_gather (S = whole output):    copy own S/n, then (n-1) x 2 S/n (+ slot copies).
+#include "algorithm/ring.h"
+
+#include <vector>
+
+#include "algorithm/topology.h"
+
+namespace dk::algo {
+
+namespace {
+
+// One ring, one collective, one slice index at a time.
+struct Ring {
+  Channel ch;
+  const CollectiveArgs& args;
+  std::vector<int> order;
+  RingNeighbors nb;
+  int n;
+  size_t elem;
+  size_t sliceElems;
+  bool perRankChunks;  // scatter / gather: chunk r is count elements at r * count
+
+  Ring(Channel c, const CollectiveArgs& a, bool perRank)
+      : ch(c),
+        args(a),
+        order(ringOrder(c.transport.worldSize())),
+        nb(ringNeighbors(order, c.transport.rank())),
+        n(c.transport.worldSize()),
+        elem(dtypeSize(a.dtype)),
+        sliceElems(c.transport.maxMessageBytes() / elem),
+        perRankChunks(perRank) {}
+
+  // Chunk owned by ring position p (any integer; taken modulo n).
+  Range chunk(int p) const {
+    const int r = order[((p % n) + n) % n];
+    if (perRankChunks) return {static_cast<size_t>(r) * args.count, args.count};
+    return chunkRange(args.count, n, r, 64 / elem);
+  }
+  size_t slices() const {
+    return numSlices(perRankChunks ? args.count : chunkRange(args.count, n, 0, 64 / elem).count,
+                     sliceElems);
+  }
+  Range slice(int p, size_t j) const { return sliceRange(chunk(p), sliceElems, j); }
+  size_t bytes(Range r) const { return r.count * elem; }
+
+  // Posts a send of `sendRange` from `src`, then receives slice
+  // `recvRange` from prev into `recv`.
+  Status step(const char* src, Range sendRange, Range recvRange, RecvOp* recv) {
+    SendOp send{nb.next, src, bytes(sendRange)};
+    *recv = RecvOp{nb.prev, bytes(recvRange)};
+    return ch.transport.exchange(&send, 1, recv, 1);
+  }
+};
+
+// Reduce-scatter of slice j. `in` holds every chunk; partials go to partialBase + offset
+// (dst for all-reduce, scratch for reduce-scatter, at slice offset 0); the owned result goes
+// to `owned` (finalBase + offset).
+Status reduceScatterSlice(Ring& ring, size_t j, const char* in, char* partialBase,
+                          bool partialInScratch, char* owned) {
+  Compute& c = ring.ch.compute;
+  const CollectiveArgs& a = ring.args;
+  const int p = ring.nb.position;
+  const int n = ring.n;
+  auto at = [&](const char* base, Range r) { return base + r.offset * ring.elem; };
+  RecvOp x;
+  // send: our own slice of chunk p-1 starts its trip round the ring.
+  DK_RETURN_IF_ERROR(
+      ring.step(at(in, ring.slice(p - 1, j)), ring.slice(p - 1, j), ring.slice(p - 2, j), &x));
+  // n-2 x recv-reduce-send: add our slice to the partial sum and pass it on.
+  for (int k = 1; k <= n - 2; ++k) {
+    const Range r = ring.slice(p - 1 - k, j);
+    char* partial = partialInScratch ? partialBase : const_cast<char*>(at(partialBase, r));
+    DK_RETURN_IF_ERROR(c.reduce(partial, at(in, r), x.data, r.count, a.dtype, a.op));
+    DK_RETURN_IF_ERROR(ring.ch.transport.release(&x, 1));
+    DK_RETURN_IF_ERROR(ring.step(partial, r, ring.slice(p - 2 - k, j), &x));
+  }
+  // recv-reduce: the last contribution completes chunk p; AVG divides once, here.
+  const Range mine = ring.slice(p, j);
+  DK_RETURN_IF_ERROR(c.reduce(owned, at(in, mine), x.data, mine.count, a.dtype, a.op));
+  DK_RETURN_IF_ERROR(ring.ch.transport.release(&x, 1));
+  if (a.op == RedOp::kAvg) DK_RETURN_IF_ERROR(c.divide(owned, owned, mine.count, a.dtype, n));
+  return Status::Ok();
+}
+
+// All-gather of slice j: every chunk's final slice lives at out + offset; ours is in place.
+Status allGatherSlice(Ring& ring, size_t j, char* out) {
+  Compute& c = ring.ch.compute;
+  const int p = ring.nb.position;
+  const int n = ring.n;
+  auto at = [&](Range r) { return out + r.offset * ring.elem; };
+  RecvOp x;
+  // send: our final slice.
+  DK_RETURN_IF_ERROR(ring.step(at(ring.slice(p, j)), ring.slice(p, j), ring.slice(p - 1, j), &x));
+  // n-2 x recv-copy-send.
+  for (int k = 1; k <= n - 2; ++k) {
+    const Range r = ring.slice(p - k, j);
+    DK_RETURN_IF_ERROR(c.copy(at(r), x.data, ring.bytes(r)));
+    DK_RETURN_IF_ERROR(ring.ch.transport.release(&x, 1));
+    DK_RETURN_IF_ERROR(ring.step(at(r), r, ring.slice(p - k - 1, j), &x));
+  }
+  // recv: the last chunk arrives.
+  const Range last = ring.slice(p + 1, j);
+  DK_RETURN_IF_ERROR(c.copy(at(last), x.data, ring.bytes(last)));
+  return ring.ch.transport.release(&x, 1);
+}
+
+// A single rank: the result is its own input.
+Status selfOnly(Channel ch, const CollectiveArgs& a, size_t count) {
+  return ch.compute.copy(a.dst, a.src, count * dtypeSize(a.dtype));
+}
+
+}  // namespace
+
+Status ringAllReduce(Channel ch, const CollectiveArgs& a) {
+  if (ch.transport.worldSize() == 1) return selfOnly(ch, a, a.count);
+  Ring ring(ch, a, /*perRank=*/false);
+  auto* dst = static_cast<char*>(a.dst);
+  const auto* src = static_cast<const char*>(a.src);
+  for (size_t j = 0; j < ring.slices(); ++j) {
+    char* owned = dst + ring.slice(ring.nb.position, j).offset * ring.elem;
+    DK_RETURN_IF_ERROR(reduceScatterSlice(ring, j, src, dst, false, owned));
+    DK_RETURN_IF_ERROR(allGatherSlice(ring, j, dst));
+  }
+  return ch.transport.finish();
+}
+
+Status ringReduceScatter(Channel ch, const CollectiveArgs& a) {
+  if (ch.transport.worldSize() == 1) return selfOnly(ch, a, a.count);
+  Ring ring(ch, a, /*perRank=*/true);
+  auto* dst = static_cast<char*>(a.dst);
+  const Range own = ring.chunk(ring.nb.position);
+  for (size_t j = 0; j < ring.slices(); ++j) {
+    char* owned = dst + (ring.slice(ring.nb.position, j).offset - own.offset) * ring.elem;
+    DK_RETURN_IF_ERROR(reduceScatterSlice(ring, j, static_cast<const char*>(a.src),
+                                          static_cast<char*>(a.scratch), true, owned));
+  }
+  return ch.transport.finish();
+}
+
+Status ringAllGather(Channel ch, const CollectiveArgs& a) {
+  Ring ring(ch, a, /*perRank=*/true);
+  auto* dst = static_cast<char*>(a.dst);
+  const Range own = ring.chunk(ring.nb.position);
+  DK_RETURN_IF_ERROR(ch.compute.copy(dst + own.offset * ring.elem, a.src, ring.bytes(own)));
+  if (ring.n == 1) return Status::Ok();
+  for (size_t j = 0; j < ring.slices(); ++j) DK_RETURN_IF_ERROR(allGatherSlice(ring, j, dst));
+  return ch.transport.finish();
+}
+
+}  // namespace dk::algo

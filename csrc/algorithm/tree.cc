@@ -1,0 +1,99 @@
+// Bytes moved per rank for S bytes (registered tensors; a plain tensor adds one slot copy per
+// send): all_reduce interior rank of one tree: up r = S/2 x 3 (own + two children), w = S/2;
+// down r = S/2, w = S/2; leaf of the other tree: nothing up, down r = S/2 w = S/2.
+// Broadcast: every non-root rank reads S and writes S once.
+#include "algorithm/tree.h"
+
+namespace dk::algo {
+
+namespace {
+
+struct TreeWalk {
+  Channel ch;
+  const CollectiveArgs& args;
+  size_t elem;
+  size_t sliceElems;
+
+  char* at(Range r) const { return static_cast<char*>(args.dst) + r.offset * elem; }
+
+  // up: receive the children's partial sums of slice `r`, add our own, send to the parent.
+  Status reduceUp(const TreeNode& node, Range r, int worldSize) {
+    RecvOp recvs[2];
+    for (int i = 0; i < node.numChildren; ++i) recvs[i] = RecvOp{node.children[i], r.count * elem};
+    DK_RETURN_IF_ERROR(ch.transport.exchange(nullptr, 0, recvs, node.numChildren));
+    if (node.numChildren > 0) {
+      // Fixed order: own value, then the children in tree order.
+      const void* srcs[3] = {static_cast<const char*>(args.src) + r.offset * elem, recvs[0].data,
+                             recvs[1].data};
+      DK_RETURN_IF_ERROR(
+          ch.compute.reduceMulti(at(r), srcs, 1 + node.numChildren, r.count, args.dtype, args.op));
+      DK_RETURN_IF_ERROR(ch.transport.release(recvs, node.numChildren));
+    } else {
+      DK_RETURN_IF_ERROR(ch.compute.copy(
+          at(r), static_cast<const char*>(args.src) + r.offset * elem, r.count * elem));
+    }
+    if (node.parent < 0) {
+      if (args.op == RedOp::kAvg) {
+        DK_RETURN_IF_ERROR(ch.compute.divide(at(r), at(r), r.count, args.dtype, worldSize));
+      }
+      return Status::Ok();
+    }
+    SendOp send{node.parent, at(r), r.count * elem};
+    return ch.transport.exchange(&send, 1, nullptr, 0);
+  }
+
+  // down: receive slice `r` from the parent into dst, forward it to the children.
+  Status copyDown(const TreeNode& node, Range r) {
+    if (node.parent >= 0) {
+      RecvOp recv{node.parent, r.count * elem};
+      DK_RETURN_IF_ERROR(ch.transport.exchange(nullptr, 0, &recv, 1));
+      DK_RETURN_IF_ERROR(ch.compute.copy(at(r), recv.data, r.count * elem));
+      DK_RETURN_IF_ERROR(ch.transport.release(&recv, 1));
+    }
+    SendOp sends[2];
+    for (int i = 0; i < node.numChildren; ++i)
+      sends[i] = SendOp{node.children[i], at(r), r.count * elem};
+    return ch.transport.exchange(sends, node.numChildren, nullptr, 0);
+  }
+};
+
+}  // namespace
+
+Status treeAllReduce(Channel ch, const CollectiveArgs& a) {
+  const int n = ch.transport.worldSize();
+  const size_t elem = dtypeSize(a.dtype);
+  if (n == 1) return ch.compute.copy(a.dst, a.src, a.count * elem);
+  TreeWalk walk{ch, a, elem, ch.transport.maxMessageBytes() / elem};
+  const TreeNode nodes[2] = {doubleTreeNode(0, n, ch.transport.rank()),
+                             doubleTreeNode(1, n, ch.transport.rank())};
+  const Range halves[2] = {chunkRange(a.count, 2, 0, 64 / elem),
+                           chunkRange(a.count, 2, 1, 64 / elem)};
+  const size_t slices = numSlices(halves[0].count, walk.sliceElems);
+  for (size_t j = 0; j < slices; ++j) {
+    for (int t = 0; t < 2; ++t) {
+      DK_RETURN_IF_ERROR(walk.reduceUp(nodes[t], sliceRange(halves[t], walk.sliceElems, j), n));
+    }
+  }
+  for (size_t j = 0; j < slices; ++j) {
+    for (int t = 0; t < 2; ++t) {
+      DK_RETURN_IF_ERROR(walk.copyDown(nodes[t], sliceRange(halves[t], walk.sliceElems, j)));
+    }
+  }
+  return ch.transport.finish();
+}
+
+Status treeBroadcast(Channel ch, const CollectiveArgs& a, bool chain) {
+  const int n = ch.transport.worldSize();
+  const size_t elem = dtypeSize(a.dtype);
+  if (n == 1) return Status::Ok();
+  TreeWalk walk{ch, a, elem, ch.transport.maxMessageBytes() / elem};
+  const int rank = ch.transport.rank();
+  const TreeNode node = chain ? chainNode(n, a.root, rank) : heapTreeNode(n, a.root, rank);
+  const Range all{0, a.count};
+  for (size_t j = 0; j < numSlices(a.count, walk.sliceElems); ++j) {
+    DK_RETURN_IF_ERROR(walk.copyDown(node, sliceRange(all, walk.sliceElems, j)));
+  }
+  return ch.transport.finish();
+}
+
+}  // namespace dk::algo

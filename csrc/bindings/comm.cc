@@ -1,0 +1,201 @@
+// Bindings of the CPU communicator: shared-memory segments (with the buffer protocol, so
+// torch.frombuffer can view them), the communicator and its Work handles. Pointers arrive as
+// integers (tensor.data_ptr()); the Python layer checks tensors before they get here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings/errors.h"
+#include "bindings/registry.h"
+#include "comm/cpu_communicator.h"
+#include "transport/shm_layout.h"
+#include "transport/shm_segment.h"
+
+namespace py = pybind11;
+
+namespace dk::bindings {
+
+namespace {
+
+using SegmentPtr = std::shared_ptr<shm::Segment>;
+
+// A communicator plus the rank name used in error messages ("[rank 3] all_reduce").
+struct PyCommunicator {
+  std::unique_ptr<CpuCommunicator> comm;
+  int label;
+  std::string context(const Request& r) const {
+    return "[rank " + std::to_string(label) + "] " + requestName(r);
+  }
+};
+
+SegmentPtr createSegment(size_t bytes) {
+  SegmentPtr seg;
+  check(shm::Segment::create(bytes, &seg), "shared memory");
+  return seg;
+}
+
+SegmentPtr openSegment(const std::string& name, size_t bytes) {
+  SegmentPtr seg;
+  check(shm::Segment::open(name, bytes, &seg), "shared memory");
+  return seg;
+}
+
+void formatSegment(shm::Segment& seg, int worldSize) {
+  check(shm::ShmTransport::formatSegment(seg, shm::defaultGeometry(worldSize)), "shared memory");
+}
+
+std::unique_ptr<PyCommunicator> makeCommunicator(SegmentPtr seg, int rank, double timeoutSec,
+                                                 bool oversubscribed, bool debug, int label) {
+  CpuCommunicator::Options options{timeoutSec, oversubscribed, debug};
+  auto out = std::make_unique<PyCommunicator>();
+  out->label = label;
+  py::gil_scoped_release nogil;
+  Status s = CpuCommunicator::create(std::move(seg), rank, options, &out->comm);
+  py::gil_scoped_acquire gil;
+  check(s, "[rank " + std::to_string(label) + "] Communicator");
+  return out;
+}
+
+// Runs inline (GIL released) or queues and returns a Work.
+py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
+  if (!c.comm) throw std::runtime_error(c.context(r) + ": the communicator is closed");
+  Status s;
+  std::shared_ptr<Work> work;
+  {
+    py::gil_scoped_release nogil;
+    s = asyncOp ? c.comm->submit(r, &work) : c.comm->run(r);
+  }
+  check(s, c.context(r));
+  if (asyncOp) return py::cast(work);
+  return py::none();
+}
+
+Request makeRequest(shm::CollectiveKind kind, uintptr_t src, uintptr_t dst, size_t count, int dtype,
+                    int op, int root, int algorithm) {
+  Request r;
+  r.kind = kind;
+  r.algorithm = static_cast<algo::Algorithm>(algorithm);
+  r.args.src = reinterpret_cast<const void*>(src);
+  r.args.dst = reinterpret_cast<void*>(dst);
+  r.args.count = count;
+  r.args.dtype = static_cast<DType>(dtype);
+  r.args.op = static_cast<RedOp>(op);
+  r.args.root = root;
+  return r;
+}
+
+void bindSegment(py::module_& m) {
+  py::class_<shm::Segment, SegmentPtr>(m, "ShmSegment", py::buffer_protocol(),
+                                       "A mapped POSIX shared-memory segment.")
+      .def_static("create", &createSegment, py::arg("bytes"))
+      .def_static("open", &openSegment, py::arg("name"), py::arg("bytes"))
+      .def_property_readonly("name", &shm::Segment::name)
+      .def_property_readonly("size", &shm::Segment::size)
+      .def_property_readonly(
+          "address", [](const shm::Segment& s) { return reinterpret_cast<uintptr_t>(s.data()); })
+      .def("unlink", [](shm::Segment& s) { check(s.unlink(), "shared memory"); })
+      .def_buffer([](shm::Segment& s) {
+        return py::buffer_info(s.data(), 1, py::format_descriptor<uint8_t>::format(), 1, {s.size()},
+                               {1});
+      });
+  m.def("shm_segment_bytes",
+        [](int worldSize) { return shm::defaultGeometry(worldSize).totalBytes; });
+  m.def("shm_slot_bytes", [](int worldSize) { return shm::defaultGeometry(worldSize).slotBytes; });
+  m.def("shm_format", &formatSegment, py::arg("segment"), py::arg("world_size"));
+}
+
+void bindWork(py::module_& m) {
+  py::class_<Work, std::shared_ptr<Work>>(m, "CommWork")
+      .def(
+          "wait",
+          [](const Work& w, std::optional<double> timeout) {
+            Status s;
+            {
+              py::gil_scoped_release nogil;
+              s = w.wait(timeout ? *timeout : -1.0);
+            }
+            check(s, "");
+          },
+          py::arg("timeout") = py::none())
+      .def("is_completed", &Work::isCompleted);
+}
+
+void bindCommunicator(py::module_& m) {
+  using K = shm::CollectiveKind;
+  py::class_<PyCommunicator>(m, "CpuCommunicator")
+      .def(py::init(&makeCommunicator), py::arg("segment"), py::arg("rank"), py::arg("timeout_s"),
+           py::arg("oversubscribed"), py::arg("debug"), py::arg("label"))
+      .def_property_readonly("rank", [](PyCommunicator& c) { return c.comm->rank(); })
+      .def_property_readonly("world_size", [](PyCommunicator& c) { return c.comm->worldSize(); })
+      .def("all_reduce",
+           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int op, int algorithm,
+              bool asyncOp) {
+             return runRequest(
+                 c, makeRequest(K::kAllReduce, ptr, ptr, count, dtype, op, 0, algorithm), asyncOp);
+           })
+      .def("reduce_scatter",
+           [](PyCommunicator& c, uintptr_t out, uintptr_t in, size_t count, int dtype, int op,
+              bool asyncOp) {
+             return runRequest(c, makeRequest(K::kReduceScatter, in, out, count, dtype, op, 0, 1),
+                               asyncOp);
+           })
+      .def("all_gather",
+           [](PyCommunicator& c, uintptr_t out, uintptr_t in, size_t count, int dtype,
+              bool asyncOp) {
+             return runRequest(c, makeRequest(K::kAllGather, in, out, count, dtype, 0, 0, 1),
+                               asyncOp);
+           })
+      .def("broadcast",
+           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int root, bool asyncOp) {
+             return runRequest(c, makeRequest(K::kBroadcast, ptr, ptr, count, dtype, 0, root, 0),
+                               asyncOp);
+           })
+      .def("send",
+           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int peer, bool asyncOp) {
+             Request r = makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, peer, 0);
+             r.isSend = true;
+             return runRequest(c, r, asyncOp);
+           })
+      .def("recv",
+           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int peer, bool asyncOp) {
+             return runRequest(c, makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, peer, 0),
+                               asyncOp);
+           })
+      .def("barrier",
+           [](PyCommunicator& c, bool asyncOp) {
+             return runRequest(c, makeRequest(K::kBarrier, 0, 0, 0, 0, 0, 0, 0), asyncOp);
+           })
+      .def("resolve_all_reduce",
+           [](PyCommunicator& c, size_t count, int dtype, int algorithm) {
+             Request r = makeRequest(K::kAllReduce, 0, 0, count, dtype, 0, 0, algorithm);
+             return static_cast<int>(c.comm->resolve(r));
+           })
+      .def("register_buffer",
+           [](PyCommunicator& c, uint32_t id, SegmentPtr local, std::vector<SegmentPtr> peers) {
+             py::gil_scoped_release nogil;
+             Status s = c.comm->registerBuffer(id, std::move(local), std::move(peers));
+             py::gil_scoped_acquire gil;
+             check(s, "[rank " + std::to_string(c.label) + "] empty");
+           })
+      .def("close", [](PyCommunicator& c) {
+        if (!c.comm) return;
+        py::gil_scoped_release nogil;
+        c.comm->close();
+        c.comm.reset();
+      });
+}
+
+}  // namespace
+
+}  // namespace dk::bindings
+
+DK_REGISTER_BINDINGS(comm) {
+  dk::bindings::bindSegment(m);
+  dk::bindings::bindWork(m);
+  dk::bindings::bindCommunicator(m);
+}

@@ -1,0 +1,26 @@
+// Work: the handle of one queued collective; completed by the progress thread.
+#pragma once
+
+#include <condition_variable>
+#include <mutex>
+
+#include "common/status.h"
+
+namespace dk {
+
+class Work {
+ public:
+  bool isCompleted() const;
+  // Waits up to `timeoutSec` (< 0: forever). Returns the collective's status, or kTimeout if
+  // it has not finished yet (the collective keeps running; a later wait may succeed).
+  Status wait(double timeoutSec) const;
+  void complete(Status status);
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable done_;
+  bool completed_ = false;
+  Status status_;
+};
+
+}  // namespace dk

@@ -1,0 +1,29 @@
+// How a rank waits for a peer over shared memory: spin, then yield, then sleep.
+//
+// Pure spinning is fine while every rank has a core (a handoff between two cores costs
+// ~0.2 us), but when ranks outnumber cores a spinning waiter burns the time slice the rank it
+// waits for needs: tests run 8 ranks on 2 cores. So a waiter spins briefly, then gives the core
+// away with sched_yield, then sleeps in growing steps. An oversubscribed communicator (more
+// local ranks than usable cores) skips most of the spin.
+#pragma once
+
+#include <cstdint>
+
+namespace dk::shm {
+
+class Backoff {
+ public:
+  explicit Backoff(bool oversubscribed) : oversubscribed_(oversubscribed) {}
+  // One step of waiting; the caller re-checks its condition afterwards.
+  void pause();
+  // True on the steps where the caller should also check deadline and peer liveness
+  // (a clock read and a trylock are cheap, but not free enough for every spin).
+  bool shouldCheck() const { return (step_ & 255) == 0 || step_ > spinSteps(); }
+
+ private:
+  uint32_t spinSteps() const;
+  bool oversubscribed_;
+  uint32_t step_ = 0;
+};
+
+}  // namespace dk::shm

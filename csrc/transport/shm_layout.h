@@ -1,0 +1,155 @@
+// The shared-memory segment of one host's communicator: control block, one control line per
+// rank, then one FIFO of slots per ordered pair of ranks (sender -> receiver).
+//
+//   offset 0            SegmentHeader        (magic, geometry, abort word + reason)
+//   rankControlOffset   RankControl[n]       (liveness mutex, closed flag), one per rank
+//   fifoControlOffset   FifoControl[n(n-1)]  (head, tail, slot descriptors), one per pair
+//   slotDataOffset      slot data[n(n-1)][slots][slotBytes], page aligned
+//
+// Every field written by one rank and polled by another sits on its own cache line, so a
+// sender bumping `head` does not invalidate the line its receiver writes `tail` on.
+#pragma once
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace dk::shm {
+
+constexpr size_t kCacheLine = 64;
+constexpr size_t kPage = 4096;
+constexpr uint64_t kMagic = 0x646b2d73686d3031ull;  // "dk-shm01"
+constexpr int kMaxSlots = 8;
+constexpr size_t kReasonBytes = 448;
+
+// The collective a message belongs to (low byte of MessageHeader::collective; the next byte
+// holds the algorithm, so ranks that picked different algorithms are told apart too).
+enum class CollectiveKind : uint32_t {
+  kAllReduce = 1,
+  kReduceScatter = 2,
+  kAllGather = 3,
+  kBroadcast = 4,
+  kSendRecv = 5,
+  kBarrier = 6,
+  kFingerprint = 7,
+};
+
+// What a collective message claims to belong to: a receiver compares it with its own call, so
+// ranks that disagree on the collective, count, dtype or op fail instead of mixing bytes.
+struct MessageHeader {
+  uint32_t collective = 0;  // CollectiveKind
+  uint32_t dtype = 0;
+  uint32_t op = 0;
+  int32_t root = 0;    // broadcast root / p2p peer / algorithm, -1 when unused
+  uint64_t count = 0;  // elements of the collective (per rank for scatter / gather)
+  bool operator==(const MessageHeader& o) const {
+    return collective == o.collective && dtype == o.dtype && op == o.op && root == o.root &&
+           count == o.count;
+  }
+  bool operator!=(const MessageHeader& o) const { return !(*this == o); }
+};
+static_assert(sizeof(MessageHeader) == 24, "MessageHeader is part of the shared layout");
+
+enum class PayloadKind : uint32_t {
+  kInline = 0,      // bytes copied into the slot
+  kRegistered = 1,  // bytes read in place from the sender's registered buffer
+};
+
+// One message in flight: written by the sender before it publishes `head`.
+struct alignas(kCacheLine) SlotDescriptor {
+  uint64_t bytes;
+  uint32_t kind;      // PayloadKind
+  uint32_t bufferId;  // registered buffer, when kind == kRegistered
+  uint64_t offset;    // byte offset inside that buffer
+  MessageHeader header;
+};
+static_assert(sizeof(SlotDescriptor) == kCacheLine, "one descriptor per cache line");
+
+struct alignas(kCacheLine) FifoControl {
+  alignas(kCacheLine) std::atomic<uint64_t> head;  // messages posted (sender writes)
+  alignas(kCacheLine) std::atomic<uint64_t> tail;  // messages released (receiver writes)
+  SlotDescriptor slots[kMaxSlots];
+};
+static_assert(offsetof(FifoControl, head) == 0, "head on the first line");
+static_assert(offsetof(FifoControl, tail) == kCacheLine, "tail on its own line");
+static_assert(offsetof(FifoControl, slots) == 2 * kCacheLine, "descriptors after the counters");
+static_assert(sizeof(FifoControl) == (2 + kMaxSlots) * kCacheLine, "FifoControl size");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
+
+// One per rank. The rank's progress thread holds `alive` (a robust, process-shared mutex) for
+// the communicator's whole life: when the process dies the kernel marks the mutex owner-dead,
+// and a peer's trylock returns EOWNERDEAD, even while the dead process is still a zombie.
+struct alignas(kCacheLine) RankControl {
+  pthread_mutex_t alive;
+  alignas(kCacheLine) std::atomic<uint32_t> attached;  // 1 once the rank holds `alive`
+  std::atomic<uint32_t> closed;                        // 1 after a clean close()
+  std::atomic<uint32_t> dead;                          // 1 once a peer saw it owner-dead
+  int32_t pid;
+};
+static_assert(sizeof(pthread_mutex_t) <= kCacheLine, "mutex fits one line");
+static_assert(sizeof(RankControl) == 2 * kCacheLine, "RankControl size");
+
+struct alignas(kCacheLine) SegmentHeader {
+  uint64_t magic;
+  uint32_t worldSize;
+  uint32_t slotsPerFifo;
+  uint64_t slotBytes;
+  uint64_t totalBytes;
+  // First failure wins: 0 = healthy, else 1 + the failing rank. Every wait polls it, so one
+  // rank's error (mismatch, timeout, dead peer) stops every rank promptly.
+  alignas(kCacheLine) std::atomic<uint32_t> abortRank;
+  std::atomic<uint32_t> abortReady;  // 1 once `abortReason` and `abortCode` are written
+  int32_t abortCode;                 // dk::Code of the failure
+  char abortReason[kReasonBytes];
+};
+static_assert(offsetof(SegmentHeader, abortRank) == kCacheLine, "abort word on its own line");
+static_assert(sizeof(SegmentHeader) == 2 * kCacheLine + kReasonBytes, "SegmentHeader size");
+
+// Byte offsets of each region, computed identically by every rank from (n, slots, slotBytes).
+struct SegmentGeometry {
+  int worldSize;
+  int slotsPerFifo;
+  size_t slotBytes;
+  size_t rankControlOffset;
+  size_t fifoControlOffset;
+  size_t slotDataOffset;
+  size_t totalBytes;
+
+  int numFifos() const { return worldSize * (worldSize - 1); }
+  // Pairs are numbered sender-major, skipping the diagonal (a rank never sends to itself).
+  int fifoIndex(int sender, int receiver) const {
+    return sender * (worldSize - 1) + (receiver < sender ? receiver : receiver - 1);
+  }
+};
+
+inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+inline SegmentGeometry makeGeometry(int worldSize, int slotsPerFifo, size_t slotBytes) {
+  SegmentGeometry g{worldSize, slotsPerFifo, slotBytes, 0, 0, 0, 0};
+  g.rankControlOffset = alignUp(sizeof(SegmentHeader), kCacheLine);
+  g.fifoControlOffset = g.rankControlOffset + worldSize * sizeof(RankControl);
+  g.slotDataOffset = alignUp(g.fifoControlOffset + g.numFifos() * sizeof(FifoControl), kPage);
+  g.totalBytes = g.slotDataOffset + static_cast<size_t>(g.numFifos()) * slotsPerFifo * slotBytes;
+  g.totalBytes = alignUp(g.totalBytes, kPage);
+  return g;
+}
+
+}  // namespace dk::shm
+
+namespace dk::shm {
+
+// Default FIFO geometry: 4 slots of 512 KiB per ordered pair up to 4 ranks, then smaller slots
+// so the segment stays under ~64 MiB of address space (only pairs actually used get touched).
+// Measured at 2 ranks (fp32 all_reduce, 64 MiB, registered buffers): see docs/architecture.md.
+inline SegmentGeometry defaultGeometry(int worldSize) {
+  constexpr int kSlots = 4;
+  constexpr size_t kBudget = size_t{64} << 20;
+  size_t slotBytes = size_t{512} << 10;
+  const size_t fifos = static_cast<size_t>(worldSize) * (worldSize > 1 ? worldSize - 1 : 0);
+  while (slotBytes > (size_t{64} << 10) && fifos * kSlots * slotBytes > kBudget) slotBytes /= 2;
+  return makeGeometry(worldSize, kSlots, slotBytes);
+}
+
+}  // namespace dk::shm

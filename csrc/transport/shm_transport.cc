@@ -1,0 +1,363 @@
+#include "transport/shm_transport.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "common/dtype.h"
+#include "transport/shm_backoff.h"
+
+namespace dk::shm {
+
+namespace {
+
+const char* kindName(uint32_t collective) {
+  switch (static_cast<CollectiveKind>(collective & 0xff)) {
+    case CollectiveKind::kAllReduce:
+      return "all_reduce";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllGather:
+      return "all_gather";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kSendRecv:
+      return "send/recv";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+    case CollectiveKind::kFingerprint:
+      return "fingerprint";
+  }
+  return "unknown collective";
+}
+
+}  // namespace
+
+// e.g. "all_reduce(count=100, float32, sum, algorithm 1)"
+std::string describeHeader(const MessageHeader& h) {
+  const auto dtype = static_cast<DType>(h.dtype);
+  char buf[160];
+  std::snprintf(
+      buf, sizeof(buf), "%s(count=%llu, %s, %s, root=%d, algorithm %u)", kindName(h.collective),
+      static_cast<unsigned long long>(h.count), isValidDType(h.dtype) ? dtypeName(dtype) : "?",
+      isValidRedOp(h.op) ? redOpName(static_cast<RedOp>(h.op)) : "?", h.root, h.collective >> 8);
+  return buf;
+}
+
+Status ShmTransport::formatSegment(Segment& segment, const SegmentGeometry& g) {
+  if (g.slotsPerFifo < 1 || g.slotsPerFifo > kMaxSlots) return InvalidArgument("bad slot count");
+  if (segment.size() < g.totalBytes) return InvalidArgument("segment smaller than its layout");
+  auto* base = static_cast<char*>(segment.data());
+  auto* h = new (base) SegmentHeader();
+  h->worldSize = g.worldSize;
+  h->slotsPerFifo = g.slotsPerFifo;
+  h->slotBytes = g.slotBytes;
+  h->totalBytes = g.totalBytes;
+  h->abortRank.store(0);
+  h->abortReady.store(0);
+  pthread_mutexattr_t attr;
+  if (pthread_mutexattr_init(&attr) != 0) return Internal("pthread_mutexattr_init failed");
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  for (int r = 0; r < g.worldSize; ++r) {
+    auto* rc = new (base + g.rankControlOffset + r * sizeof(RankControl)) RankControl();
+    const int err = pthread_mutex_init(&rc->alive, &attr);
+    if (err != 0) {
+      pthread_mutexattr_destroy(&attr);
+      errno = err;
+      return SystemError("pthread_mutex_init");
+    }
+  }
+  pthread_mutexattr_destroy(&attr);
+  for (int f = 0; f < g.numFifos(); ++f)
+    new (base + g.fifoControlOffset + f * sizeof(FifoControl)) FifoControl();
+  // Publish the format last: attach() checks the magic.
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kMagic;
+  return Status::Ok();
+}
+
+ShmTransport::ShmTransport(std::shared_ptr<Segment> segment, int rank, bool oversubscribed)
+    : segment_(std::move(segment)), rank_(rank), oversubscribed_(oversubscribed) {}
+
+Status ShmTransport::attach(std::shared_ptr<Segment> segment, int rank, bool oversubscribed,
+                            std::unique_ptr<ShmTransport>* out) {
+  const auto* h = static_cast<const SegmentHeader*>(segment->data());
+  if (segment->size() < sizeof(SegmentHeader) || h->magic != kMagic) {
+    return InvalidArgument("shared-memory segment " + segment->name() + " is not formatted");
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const auto g = makeGeometry(h->worldSize, h->slotsPerFifo, h->slotBytes);
+  if (g.totalBytes != h->totalBytes || g.totalBytes > segment->size()) {
+    return InvalidArgument("shared-memory segment layout does not match this build");
+  }
+  if (rank < 0 || rank >= g.worldSize) return InvalidArgument("rank out of range");
+  std::unique_ptr<ShmTransport> t(new ShmTransport(std::move(segment), rank, oversubscribed));
+  t->geometry_ = g;
+  t->sent_.assign(g.worldSize, 0);
+  t->received_.assign(g.worldSize, 0);
+  t->released_.assign(g.worldSize, 0);
+  t->zeroCopyUntil_.assign(g.worldSize, 0);
+  *out = std::move(t);
+  return Status::Ok();
+}
+
+ShmTransport::~ShmTransport() { markClosed(); }
+
+SegmentHeader* ShmTransport::header() const {
+  return static_cast<SegmentHeader*>(segment_->data());
+}
+
+RankControl* ShmTransport::rankControl(int r) const {
+  auto* base = static_cast<char*>(segment_->data()) + geometry_.rankControlOffset;
+  return reinterpret_cast<RankControl*>(base + r * sizeof(RankControl));
+}
+
+FifoControl* ShmTransport::fifo(int sender, int receiver) const {
+  auto* base = static_cast<char*>(segment_->data()) + geometry_.fifoControlOffset;
+  return reinterpret_cast<FifoControl*>(base + geometry_.fifoIndex(sender, receiver) *
+                                                   sizeof(FifoControl));
+}
+
+char* ShmTransport::slotData(int sender, int receiver, uint64_t seq) const {
+  const size_t slot =
+      geometry_.fifoIndex(sender, receiver) * geometry_.slotsPerFifo + seq % geometry_.slotsPerFifo;
+  return static_cast<char*>(segment_->data()) + geometry_.slotDataOffset +
+         slot * geometry_.slotBytes;
+}
+
+Status ShmTransport::holdLiveness() {
+  RankControl* rc = rankControl(rank_);
+  const int err = pthread_mutex_lock(&rc->alive);
+  if (err == EOWNERDEAD) {
+    pthread_mutex_consistent(&rc->alive);
+  } else if (err != 0) {
+    errno = err;
+    return SystemError("pthread_mutex_lock(liveness)");
+  }
+  rc->pid = static_cast<int32_t>(getpid());
+  rc->attached.store(1, std::memory_order_release);
+  holdsLiveness_ = true;
+  return Status::Ok();
+}
+
+void ShmTransport::markClosed() {
+  if (!holdsLiveness_) return;
+  holdsLiveness_ = false;
+  RankControl* rc = rankControl(rank_);
+  rc->closed.store(1, std::memory_order_release);
+  pthread_mutex_unlock(&rc->alive);
+}
+
+Status ShmTransport::peerAlive(int peer) {
+  RankControl* rc = rankControl(peer);
+  if (rc->dead.load(std::memory_order_acquire)) {
+    return Status(Code::kPeerFailure, "peer rank " + std::to_string(peer) + " died");
+  }
+  if (rc->closed.load(std::memory_order_acquire)) {
+    return Status(Code::kPeerFailure,
+                  "peer rank " + std::to_string(peer) + " closed the communicator");
+  }
+  if (!rc->attached.load(std::memory_order_acquire)) return Status::Ok();
+  const int err = pthread_mutex_trylock(&rc->alive);
+  if (err == EBUSY) return Status::Ok();
+  if (err == EOWNERDEAD) {
+    pthread_mutex_consistent(&rc->alive);
+    rc->dead.store(1, std::memory_order_release);
+    pthread_mutex_unlock(&rc->alive);
+    return Status(Code::kPeerFailure, "peer rank " + std::to_string(peer) + " died (pid " +
+                                          std::to_string(rc->pid) +
+                                          " exited while holding the communicator)");
+  }
+  if (err == 0) {
+    // Unlocked but neither closed nor dead: it is between close() steps; look again later.
+    pthread_mutex_unlock(&rc->alive);
+    return Status::Ok();
+  }
+  if (err == ENOTRECOVERABLE) {
+    return Status(Code::kPeerFailure, "peer rank " + std::to_string(peer) + " died");
+  }
+  errno = err;
+  return SystemError("pthread_mutex_trylock(liveness of rank " + std::to_string(peer) + ")");
+}
+
+void ShmTransport::poison(const Status& failure) {
+  SegmentHeader* h = header();
+  uint32_t expected = 0;
+  if (!h->abortRank.compare_exchange_strong(expected, static_cast<uint32_t>(rank_ + 1))) return;
+  std::snprintf(h->abortReason, kReasonBytes, "%s", failure.message().c_str());
+  h->abortCode = static_cast<int32_t>(failure.code());
+  h->abortReady.store(1, std::memory_order_release);
+}
+
+Status ShmTransport::health() const {
+  const SegmentHeader* h = header();
+  const uint32_t who = h->abortRank.load(std::memory_order_acquire);
+  if (who == 0) return Status::Ok();
+  // The failing rank writes its reason right after claiming the word; wait for it briefly.
+  for (int i = 0; i < 1000000 && !h->abortReady.load(std::memory_order_acquire); ++i) {
+    sched_yield();
+  }
+  std::string reason(h->abortReason, strnlen(h->abortReason, kReasonBytes));
+  const auto code = static_cast<Code>(h->abortCode);
+  if (static_cast<int>(who) - 1 == rank_) return Status(code, reason);
+  return Status(code, reason + " (reported by rank " + std::to_string(who - 1) + ")");
+}
+
+template <typename Ready>
+Status ShmTransport::waitFor(int peer, const char* what, Ready ready) {
+  Backoff backoff(oversubscribed_);
+  while (!ready()) {
+    if (header()->abortRank.load(std::memory_order_relaxed) != 0) return health();
+    if (backoff.shouldCheck()) {
+      DK_RETURN_IF_ERROR(peerAlive(peer));
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline_) {
+        const double secs = std::chrono::duration<double>(deadline_ - started_).count();
+        char buf[256];
+        std::snprintf(
+            buf, sizeof(buf), "timed out after %.1f s waiting for rank %d (%s; %s message %llu)",
+            secs, peer, describeHeader(current_).c_str(), what,
+            static_cast<unsigned long long>(what[0] == 's' ? sent_[peer] : received_[peer]));
+        return Status(Code::kTimeout, buf);
+      }
+    }
+    backoff.pause();
+  }
+  return Status::Ok();
+}
+
+Status ShmTransport::begin(const MessageHeader& header,
+                           std::chrono::steady_clock::time_point deadline, std::string what) {
+  current_ = header;
+  started_ = std::chrono::steady_clock::now();
+  deadline_ = deadline;
+  what_ = std::move(what);
+  return health();
+}
+
+bool ShmTransport::findRegistered(const void* p, size_t bytes, uint32_t* id,
+                                  uint64_t* offset) const {
+  for (const auto& reg : registrations_) {
+    if (reg.local->contains(p, bytes)) {
+      *id = reg.id;
+      *offset = static_cast<const char*>(p) - static_cast<const char*>(reg.local->data());
+      return true;
+    }
+  }
+  return false;
+}
+
+Status ShmTransport::postSend(const SendOp& send) {
+  const int peer = send.peer;
+  if (peer < 0 || peer >= worldSize() || peer == rank_) return Internal("send to a bad peer");
+  if (send.bytes > geometry_.slotBytes) return Internal("message larger than a slot");
+  FifoControl* f = fifo(rank_, peer);
+  const uint64_t seq = sent_[peer];
+  const uint64_t slots = geometry_.slotsPerFifo;
+  DK_RETURN_IF_ERROR(waitFor(peer, "send slot for", [&] {
+    return seq - f->tail.load(std::memory_order_acquire) < slots;
+  }));
+  SlotDescriptor& desc = f->slots[seq % slots];
+  uint32_t id = 0;
+  uint64_t offset = 0;
+  if (send.bytes > 0 && findRegistered(send.src, send.bytes, &id, &offset)) {
+    desc.kind = static_cast<uint32_t>(PayloadKind::kRegistered);
+    desc.bufferId = id;
+    desc.offset = offset;
+    zeroCopyUntil_[peer] = seq + 1;
+  } else {
+    if (send.bytes > 0) std::memcpy(slotData(rank_, peer, seq), send.src, send.bytes);
+    desc.kind = static_cast<uint32_t>(PayloadKind::kInline);
+  }
+  desc.bytes = send.bytes;
+  desc.header = current_;
+  f->head.store(seq + 1, std::memory_order_release);
+  sent_[peer] = seq + 1;
+  return Status::Ok();
+}
+
+Status ShmTransport::mismatch(int peer, const MessageHeader& theirs, uint64_t bytes,
+                              uint64_t expected) const {
+  std::string msg = "ranks disagree: rank " + std::to_string(peer) + " called " +
+                    describeHeader(theirs) + " but rank " + std::to_string(rank_) + " called " +
+                    describeHeader(current_);
+  if (theirs == current_) {
+    msg = "ranks disagree: rank " + std::to_string(peer) + " sent " + std::to_string(bytes) +
+          " bytes where rank " + std::to_string(rank_) + " expected " + std::to_string(expected) +
+          " in " + describeHeader(current_);
+  }
+  return Status(Code::kMismatch, msg);
+}
+
+Status ShmTransport::payloadPointer(int peer, const SlotDescriptor& desc, const void** data) const {
+  if (desc.kind == static_cast<uint32_t>(PayloadKind::kInline)) {
+    *data = slotData(peer, rank_, received_[peer]);
+    return Status::Ok();
+  }
+  for (const auto& reg : registrations_) {
+    if (reg.id != desc.bufferId) continue;
+    const Segment& theirs = *reg.peers[peer];
+    if (desc.offset > theirs.size() || desc.bytes > theirs.size() - desc.offset) break;
+    *data = static_cast<const char*>(theirs.data()) + desc.offset;
+    return Status::Ok();
+  }
+  return Status(Code::kMismatch, "rank " + std::to_string(peer) + " sent from registered buffer " +
+                                     std::to_string(desc.bufferId) +
+                                     " which this rank has not registered");
+}
+
+Status ShmTransport::completeRecv(RecvOp& recv) {
+  const int peer = recv.peer;
+  if (peer < 0 || peer >= worldSize() || peer == rank_) return Internal("recv from a bad peer");
+  FifoControl* f = fifo(peer, rank_);
+  const uint64_t seq = received_[peer];
+  DK_RETURN_IF_ERROR(
+      waitFor(peer, "receive from", [&] { return f->head.load(std::memory_order_acquire) > seq; }));
+  const SlotDescriptor& desc = f->slots[seq % geometry_.slotsPerFifo];
+  if (desc.header != current_ || desc.bytes != recv.bytes) {
+    return mismatch(peer, desc.header, desc.bytes, recv.bytes);
+  }
+  DK_RETURN_IF_ERROR(payloadPointer(peer, desc, &recv.data));
+  received_[peer] = seq + 1;
+  return Status::Ok();
+}
+
+Status ShmTransport::exchange(const SendOp* sends, int nsends, RecvOp* recvs, int nrecvs) {
+  for (int i = 0; i < nsends; ++i) DK_RETURN_IF_ERROR(postSend(sends[i]));
+  for (int i = 0; i < nrecvs; ++i) DK_RETURN_IF_ERROR(completeRecv(recvs[i]));
+  return Status::Ok();
+}
+
+Status ShmTransport::release(const RecvOp* recvs, int nrecvs) {
+  for (int i = 0; i < nrecvs; ++i) {
+    const int peer = recvs[i].peer;
+    if (released_[peer] >= received_[peer]) return Internal("release without a receive");
+    released_[peer] += 1;
+    fifo(peer, rank_)->tail.store(released_[peer], std::memory_order_release);
+  }
+  return Status::Ok();
+}
+
+Status ShmTransport::finish() {
+  for (int peer = 0; peer < worldSize(); ++peer) {
+    const uint64_t until = zeroCopyUntil_[peer];
+    if (peer == rank_ || until == 0) continue;
+    FifoControl* f = fifo(rank_, peer);
+    DK_RETURN_IF_ERROR(waitFor(peer, "in-place read by",
+                               [&] { return f->tail.load(std::memory_order_acquire) >= until; }));
+    zeroCopyUntil_[peer] = 0;
+  }
+  return Status::Ok();
+}
+
+Status ShmTransport::registerBuffer(uint32_t id, std::shared_ptr<Segment> local,
+                                    std::vector<std::shared_ptr<Segment>> peers) {
+  if (static_cast<int>(peers.size()) != worldSize()) return Internal("one segment per rank");
+  registrations_.push_back({id, std::move(local), std::move(peers)});
+  return Status::Ok();
+}
+
+}  // namespace dk::shm

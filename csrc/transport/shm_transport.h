@@ -1,0 +1,99 @@
+// ShmTransport: the Transport of CPU processes on one host, over one shared segment
+// (shm_layout.h) holding a FIFO of slots per ordered pair of ranks.
+//
+// A send either copies its bytes into the next free slot of the (this rank -> peer) FIFO, or,
+// when the bytes lie in a registered buffer (comm.empty), publishes only a descriptor so the
+// peer reads them in place. A receive waits for the descriptor and returns a pointer into the
+// slot or into the sender's registered buffer; the algorithm reduces or copies straight from
+// there, then release() hands the slot back. So a plain tensor costs one copy into the slot
+// and a registered tensor none.
+//
+// Every wait polls the segment's abort word (any rank's failure stops every rank), checks the
+// collective's deadline and whether the awaited peer is alive.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/shm_layout.h"
+#include "transport/shm_segment.h"
+#include "transport/transport.h"
+
+namespace dk::shm {
+
+// e.g. "all_reduce(count=100, float32, sum, root=-1, algorithm 1)"
+std::string describeHeader(const MessageHeader& header);
+
+class ShmTransport : public Transport {
+ public:
+  // The local leader formats a freshly created segment before publishing its name.
+  static Status formatSegment(Segment& segment, const SegmentGeometry& geometry);
+  // Every rank (leader included) attaches to the formatted segment.
+  static Status attach(std::shared_ptr<Segment> segment, int rank, bool oversubscribed,
+                       std::unique_ptr<ShmTransport>* out);
+  ~ShmTransport() override;
+
+  int rank() const override { return rank_; }
+  int worldSize() const override { return geometry_.worldSize; }
+  bool deviceMemory() const override { return false; }
+  size_t maxMessageBytes() const override { return geometry_.slotBytes; }
+  Status exchange(const SendOp* sends, int nsends, RecvOp* recvs, int nrecvs) override;
+  Status release(const RecvOp* recvs, int nrecvs) override;
+  Status finish() override;
+
+  // Starts one collective: later messages carry `header`, incoming ones must match it, and
+  // every wait gives up at `deadline`. `what` names the collective in errors.
+  Status begin(const MessageHeader& header, std::chrono::steady_clock::time_point deadline,
+               std::string what);
+  // Liveness: the calling thread takes this rank's robust mutex and keeps it until
+  // markClosed(); it must be a thread that lives as long as the communicator.
+  Status holdLiveness();
+  void markClosed();
+  // Records a failure in the segment (first one wins) so every rank's waits stop.
+  void poison(const Status& failure);
+  // OK, or the failure some rank recorded.
+  Status health() const;
+  // A collective (comm.empty) registered `local` on this rank and `peers[r]` on rank r.
+  Status registerBuffer(uint32_t id, std::shared_ptr<Segment> local,
+                        std::vector<std::shared_ptr<Segment>> peers);
+
+ private:
+  ShmTransport(std::shared_ptr<Segment> segment, int rank, bool oversubscribed);
+  SegmentHeader* header() const;
+  RankControl* rankControl(int r) const;
+  FifoControl* fifo(int sender, int receiver) const;
+  char* slotData(int sender, int receiver, uint64_t seq) const;
+  template <typename Ready>
+  Status waitFor(int peer, const char* what, Ready ready);
+  Status peerAlive(int peer);
+  Status postSend(const SendOp& send);
+  Status completeRecv(RecvOp& recv);
+  Status payloadPointer(int peer, const SlotDescriptor& desc, const void** data) const;
+  Status mismatch(int peer, const MessageHeader& theirs, uint64_t bytes, uint64_t expected) const;
+  bool findRegistered(const void* p, size_t bytes, uint32_t* id, uint64_t* offset) const;
+
+  struct Registration {
+    uint32_t id;
+    std::shared_ptr<Segment> local;
+    std::vector<std::shared_ptr<Segment>> peers;
+  };
+
+  std::shared_ptr<Segment> segment_;
+  SegmentGeometry geometry_;
+  int rank_;
+  bool oversubscribed_;
+  bool holdsLiveness_ = false;
+  MessageHeader current_;
+  std::string what_ = "collective";
+  std::chrono::steady_clock::time_point deadline_;
+  std::chrono::steady_clock::time_point started_;
+  std::vector<uint64_t> sent_;           // per peer: messages posted (local copy of head)
+  std::vector<uint64_t> received_;       // per peer: messages taken
+  std::vector<uint64_t> released_;       // per peer: messages handed back (local copy of tail)
+  std::vector<uint64_t> zeroCopyUntil_;  // per peer: head after our last in-place send
+  std::vector<Registration> registrations_;
+};
+
+}  // namespace dk::shm

@@ -1,0 +1,159 @@
+"""Shared-memory rendezvous and the single-host backend of :class:`Communicator`.
+
+The local leader (lowest rank of the host) creates a segment with a random name, formats it
+and publishes the name through the torch.distributed Store; every local rank maps it, says so
+in the store, and the leader unlinks the name once all have mapped it. From then on the
+segment lives exactly as long as the mappings: a crash leaks nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import _C
+
+
+def wait_keys(store, keys: Sequence[str], timeout: datetime.timedelta) -> None:
+    """Blocks until every key exists in ``store`` (raises on the store's timeout)."""
+    if keys:
+        store.wait(list(keys), timeout)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class ShmBackend:
+    """The ranks of one host over one shared segment (``_C.CpuCommunicator``).
+
+    Args:
+        store: a store private to this communicator instance and host.
+        local_rank: this rank's index among the host's ranks.
+        local_size: number of ranks on this host.
+        timeout: per-collective timeout.
+        label: the rank number used in error messages (the group rank).
+    """
+
+    def __init__(
+        self,
+        store,
+        local_rank: int,
+        local_size: int,
+        timeout: datetime.timedelta,
+        label: int,
+    ) -> None:
+        self.store = store
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.timeout = timeout
+        self._next_buffer = 0
+        segment_bytes = _C.shm_segment_bytes(local_size)
+        segment = None
+        try:
+            if local_rank == 0:
+                segment = _C.ShmSegment.create(segment_bytes)
+                _C.shm_format(segment, local_size)
+                store.set("segment", segment.name)
+            else:
+                wait_keys(store, ["segment"], timeout)
+                segment = _C.ShmSegment.open(store.get("segment").decode(), segment_bytes)
+            self.impl = _C.CpuCommunicator(
+                segment,
+                local_rank,
+                timeout.total_seconds(),
+                local_size > usable_cores(),
+                os.environ.get("DK_DEBUG", "0") not in ("", "0"),
+                label,
+            )
+        finally:
+            self._mapped_then_unlink(segment, "segment", creator=local_rank == 0)
+
+    def _mapped_then_unlink(self, segment, what: str, creator: bool) -> None:
+        """Store barrier: every rank says it mapped ``what``; its creator then unlinks it."""
+        if segment is not None:
+            self.store.set(f"{what}/mapped/{self.local_rank}", "1")
+        if not creator:
+            return
+        try:
+            keys = [f"{what}/mapped/{r}" for r in range(self.local_size)]
+            wait_keys(self.store, keys, self.timeout)
+        finally:
+            if segment is not None:
+                segment.unlink()
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor in a fresh registered segment (collective over the host's ranks)."""
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buffer_id = self._next_buffer
+        self._next_buffer += 1
+        what = f"buffer{buffer_id}"
+        own = _C.ShmSegment.create(nbytes)
+        try:
+            self.store.set(f"{what}/name/{self.local_rank}", f"{own.name} {nbytes}")
+            segments: List = []
+            for r in range(self.local_size):
+                if r == self.local_rank:
+                    segments.append(own)
+                    continue
+                wait_keys(self.store, [f"{what}/name/{r}"], self.timeout)
+                name, theirs = self.store.get(f"{what}/name/{r}").decode().split()
+                if int(theirs) != nbytes:
+                    raise ValueError(
+                        f"empty: ranks disagree on the buffer size: local rank {r} asked for "
+                        f"{theirs} bytes, local rank {self.local_rank} for {nbytes} "
+                        f"(shape {tuple(shape)}, {dtype})"
+                    )
+                segments.append(_C.ShmSegment.open(name, nbytes))
+            self.impl.register_buffer(buffer_id, own, segments)
+        finally:
+            self._mapped_then_unlink(own, what, creator=True)
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        flat = torch.frombuffer(own, dtype=torch.uint8, count=nbytes)
+        return flat.view(dtype).view(tuple(shape))
+
+    # Collectives: tensors were checked by the Communicator; the C++ core takes pointers.
+
+    def all_reduce(self, t: torch.Tensor, code: int, op: int, algo: int, async_op: bool):
+        return self.impl.all_reduce(t.data_ptr(), t.numel(), code, op, algo, async_op)
+
+    def reduce_scatter(self, out, inp, code: int, op: int, async_op: bool):
+        return self.impl.reduce_scatter(
+            out.data_ptr(), inp.data_ptr(), out.numel(), code, op, async_op
+        )
+
+    def all_gather(self, out, inp, code: int, async_op: bool):
+        return self.impl.all_gather(out.data_ptr(), inp.data_ptr(), inp.numel(), code, async_op)
+
+    def broadcast(self, t, code: int, src: int, async_op: bool):
+        return self.impl.broadcast(t.data_ptr(), t.numel(), code, src, async_op)
+
+    def send(self, t, code: int, dst: int) -> None:
+        self.impl.send(t.data_ptr(), t.numel(), code, dst, False)
+
+    def recv(self, t, code: int, src: int) -> None:
+        self.impl.recv(t.data_ptr(), t.numel(), code, src, False)
+
+    def barrier(self, async_op: bool):
+        return self.impl.barrier(async_op)
+
+    def close(self) -> None:
+        self.impl.close()
+
+
+def group_timeout(group) -> Optional[datetime.timedelta]:
+    """The timeout a torch ProcessGroup was created with, if torch exposes it."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - private API; fall back to torch's default
+        return None

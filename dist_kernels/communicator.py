@@ -1,0 +1,429 @@
+"""The Communicator: all-reduce, reduce-scatter, all-gather, broadcast, send/recv, barrier.
+
+On CPU the ranks of one host talk through POSIX shared memory (``_C.CpuCommunicator``: ring
+and double-binary-tree algorithms in C++, a progress thread, the GIL released); ranks on
+different hosts go hierarchical (shared memory inside a host, torch.distributed between host
+leaders). ``device="cuda"`` hands over to ``dist_kernels._cuda_comm``.
+
+    import torch.distributed as dist, dist_kernels as dk
+    dist.init_process_group("gloo")
+    with dk.Communicator() as comm:
+        comm.all_reduce(t)                       # in place, every rank gets identical bits
+        buf = comm.empty((1024,))                # registered: peers read it in place
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import socket
+import threading
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ._dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
+
+__all__ = [
+    "Communicator",
+    "Work",
+    "init",
+    "get_default_communicator",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "send",
+    "recv",
+    "barrier",
+    "ReduceOp",
+]
+
+ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2}
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+# Communicators of one group are told apart by creation order: every member creates them in
+# the same order, so the n-th one of a group gets the same store prefix on every rank.
+_creation_counters: Dict[Tuple[int, ...], itertools.count[int]] = {}
+_creation_lock = threading.Lock()
+
+
+class Work:
+    """Handle of an asynchronous collective (``async_op=True``).
+
+    Keeps the collective's tensors alive until it completes.
+    """
+
+    def __init__(self, handle: Any, tensors: Tuple[torch.Tensor, ...]) -> None:
+        self._handle = handle
+        self._tensors: Optional[Tuple[torch.Tensor, ...]] = tensors
+
+    def wait(self, timeout: Optional[Union[float, datetime.timedelta]] = None) -> bool:
+        """Blocks until the collective has finished; raises :class:`CommError` if it failed.
+
+        Args:
+            timeout: seconds (or a timedelta) to wait at most; ``CommError`` if exceeded
+                (the collective itself keeps running). None waits as long as it takes.
+        """
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        if self._handle is not None:
+            self._handle.wait(timeout)
+        self._tensors = None
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the collective has finished (successfully or not)."""
+        return self._handle is None or self._handle.is_completed()
+
+
+class _DoneWork(Work):
+    """A Work whose operation already ran synchronously (hierarchical path)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, ())
+
+
+def _host_id() -> str:
+    return os.environ.get("DK_HOST_ID") or socket.gethostname()
+
+
+def _algorithm_code(algorithm: str, rank: int, what: str) -> int:
+    try:
+        return ALGORITHMS[algorithm]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"[rank {rank}] {what}: algorithm must be one of {sorted(ALGORITHMS)}, "
+            f"got {algorithm!r}"
+        ) from None
+
+
+class Communicator:
+    """Collectives among the ranks of a torch ProcessGroup.
+
+    Args:
+        group: a torch.distributed ProcessGroup; default the WORLD group
+            (``torch.distributed.init_process_group`` must have run).
+        device: ``"cpu"`` (shared memory, hierarchical across hosts) or ``"cuda"`` (NCCL).
+        timeout: per-collective timeout as a ``datetime.timedelta``; default the group's.
+
+    Every rank of the group must create its communicators in the same order. Collectives run
+    in the order issued; ``async_op=True`` returns a :class:`Work`. A failed collective
+    (dead peer, timeout, ranks that disagree) raises :class:`dist_kernels.CommError` on every
+    rank and leaves the communicator unusable.
+    """
+
+    def __new__(cls, group=None, device: Union[str, torch.device] = "cpu", timeout=None):
+        if cls is Communicator and torch.device(device).type == "cuda":
+            try:
+                from ._cuda_comm import CudaCommunicator
+            except ImportError as e:
+                raise RuntimeError(
+                    f"Communicator(device={str(device)!r}): the CUDA communicator is not "
+                    f"available in this build ({e})"
+                ) from e
+            return CudaCommunicator(group=group, device=device, timeout=timeout)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        device: Union[str, torch.device] = "cpu",
+        timeout: Optional[datetime.timedelta] = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Communicator: call torch.distributed.init_process_group first")
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise ValueError(f"Communicator: device must be 'cpu' or 'cuda', got {device!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if self.rank < 0:
+            raise ValueError("Communicator: this process is not a member of `group`")
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise TypeError(f"Communicator: timeout must be a datetime.timedelta, got {timeout!r}")
+        from ._shm import group_timeout
+
+        self.timeout = timeout or group_timeout(self.group) or _DEFAULT_TIMEOUT
+        self._pending: List[Work] = []
+        self._closed = False
+        self._backend = self._connect()
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _connect(self):
+        from ._shm import ShmBackend, wait_keys
+
+        global_ranks = tuple(dist.get_process_group_ranks(self.group))
+        with _creation_lock:
+            counter = _creation_counters.setdefault(global_ranks, itertools.count())
+            instance = next(counter)
+        tag = f"{zlib.crc32(repr(global_ranks).encode()):08x}"
+        store = dist.PrefixStore(
+            f"dk/comm/{tag}/{instance}/", dist.distributed_c10d._get_default_store()
+        )
+        store.set(f"host/{self.rank}", _host_id())
+        wait_keys(store, [f"host/{r}" for r in range(self.world_size)], self.timeout)
+        hosts = [store.get(f"host/{r}").decode() for r in range(self.world_size)]
+        local = [r for r in range(self.world_size) if hosts[r] == hosts[self.rank]]
+        host_store = dist.PrefixStore(f"host-{hosts[self.rank]}/", store)
+        shm = ShmBackend(host_store, local.index(self.rank), len(local), self.timeout, self.rank)
+        if len(local) == self.world_size:
+            return shm
+        from ._hierarchical import HierarchicalBackend
+
+        return HierarchicalBackend(self, shm, hosts, global_ranks)
+
+    # -- checks (on the calling rank, before anything is sent) -------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"[rank {self.rank}] {what}: the communicator is closed")
+
+    def _check_tensor(self, t: Any, arg: str, what: str) -> int:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"[rank {self.rank}] {what}: {arg} must be a torch.Tensor, got {type(t).__name__}"
+            )
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"[rank {self.rank}] {what}: {arg} is on {t.device}, but this "
+                f"communicator is on cpu"
+            )
+        if not t.is_contiguous():
+            raise ValueError(
+                f"[rank {self.rank}] {what}: {arg} must be contiguous (call .contiguous() first)"
+            )
+        try:
+            return dtype_code(t.dtype, arg)
+        except TypeError as e:
+            raise TypeError(f"[rank {self.rank}] {what}: {e}") from None
+
+    def _check_peer(self, peer: Any, arg: str, what: str, allow_self: bool = True) -> int:
+        if not isinstance(peer, int) or isinstance(peer, bool):
+            raise TypeError(f"[rank {self.rank}] {what}: {arg} must be an int, got {peer!r}")
+        if not 0 <= peer < self.world_size or (not allow_self and peer == self.rank):
+            raise ValueError(
+                f"[rank {self.rank}] {what}: {arg}={peer} is out of range for "
+                f"world_size {self.world_size}"
+                + ("" if allow_self else " (and must not be this rank)")
+            )
+        return peer
+
+    def _op(self, op: ReduceOpLike, what: str) -> ReduceOp:
+        try:
+            return reduce_op(op)
+        except ValueError as e:
+            raise ValueError(f"[rank {self.rank}] {what}: {e}") from None
+
+    def _finish(self, handle: Any, tensors: Tuple[torch.Tensor, ...], async_op: bool):
+        if not async_op:
+            return None
+        work = handle if isinstance(handle, Work) else Work(handle, tensors)
+        self._pending = [w for w in self._pending if not w.is_completed()]
+        self._pending.append(work)
+        return work
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOpLike = ReduceOp.SUM,
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """Reduces ``tensor`` over all ranks, in place; every rank gets identical bits.
+
+        Args:
+            tensor: contiguous CPU tensor, the same shape and dtype on every rank.
+            op: SUM, AVG, PROD, MIN or MAX (``torch.distributed.ReduceOp`` accepted).
+            algorithm: "ring" (bandwidth), "tree" (latency at many ranks) or "auto".
+            async_op: return a :class:`Work` instead of waiting.
+        """
+        self._check_open("all_reduce")
+        code = self._check_tensor(tensor, "tensor", "all_reduce")
+        op = self._op(op, "all_reduce")
+        algo = _algorithm_code(algorithm, self.rank, "all_reduce")
+        handle = self._backend.all_reduce(tensor, code, int(op), algo, async_op)
+        return self._finish(handle, (tensor,), async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOpLike = ReduceOp.SUM,
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """``output`` = this rank's chunk of the reduction of ``input`` over ranks.
+
+        ``input.numel() == world_size * output.numel()``; chunk r is
+        ``input.view(-1)[r * n:(r + 1) * n]``. Always uses the ring.
+        """
+        self._check_open("reduce_scatter")
+        code = self._check_tensor(output, "output", "reduce_scatter")
+        if self._check_tensor(input, "input", "reduce_scatter") != code:
+            raise TypeError(
+                f"[rank {self.rank}] reduce_scatter: output dtype {output.dtype} "
+                f"differs from input dtype {input.dtype}"
+            )
+        if input.numel() != self.world_size * output.numel():
+            raise ValueError(
+                f"[rank {self.rank}] reduce_scatter: input.numel() "
+                f"({input.numel()}) must equal world_size ({self.world_size}) * "
+                f"output.numel() ({output.numel()})"
+            )
+        op = self._op(op, "reduce_scatter")
+        _algorithm_code(algorithm, self.rank, "reduce_scatter")
+        handle = self._backend.reduce_scatter(output, input, code, int(op), async_op)
+        return self._finish(handle, (output, input), async_op)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Optional[Work]:
+        """``output`` = concatenation of every rank's ``input``, in rank order.
+
+        ``output.numel() == world_size * input.numel()``.
+        """
+        self._check_open("all_gather")
+        code = self._check_tensor(output, "output", "all_gather")
+        if self._check_tensor(input, "input", "all_gather") != code:
+            raise TypeError(
+                f"[rank {self.rank}] all_gather: output dtype {output.dtype} "
+                f"differs from input dtype {input.dtype}"
+            )
+        if output.numel() != self.world_size * input.numel():
+            raise ValueError(
+                f"[rank {self.rank}] all_gather: output.numel() "
+                f"({output.numel()}) must equal world_size ({self.world_size}) * "
+                f"input.numel() ({input.numel()})"
+            )
+        handle = self._backend.all_gather(output, input, code, async_op)
+        return self._finish(handle, (output, input), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
+        """Copies ``tensor`` of rank ``src`` into ``tensor`` on every rank."""
+        self._check_open("broadcast")
+        code = self._check_tensor(tensor, "tensor", "broadcast")
+        self._check_peer(src, "src", "broadcast")
+        handle = self._backend.broadcast(tensor, code, src, async_op)
+        return self._finish(handle, (tensor,), async_op)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Sends ``tensor`` to rank ``dst`` (which calls :meth:`recv` with the same shape)."""
+        self._check_open("send")
+        code = self._check_tensor(tensor, "tensor", "send")
+        self._check_peer(dst, "dst", "send", allow_self=False)
+        self._backend.send(tensor, code, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receives into ``tensor`` what rank ``src`` sends."""
+        self._check_open("recv")
+        code = self._check_tensor(tensor, "tensor", "recv")
+        self._check_peer(src, "src", "recv", allow_self=False)
+        self._backend.recv(tensor, code, src)
+
+    def barrier(self, async_op: bool = False) -> Optional[Work]:
+        """Returns once every rank has entered the barrier."""
+        self._check_open("barrier")
+        return self._finish(self._backend.barrier(async_op), (), async_op)
+
+    def empty(self, shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32):
+        """A tensor in registered shared memory: collectives on it skip the copy-in.
+
+        Collective: every rank calls it with the same shape and dtype. The memory stays
+        valid as long as the tensor lives (registered until :meth:`close`).
+        """
+        self._check_open("empty")
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"[rank {self.rank}] empty: negative dimension in shape {shape}")
+        try:
+            dtype_code(dtype, "dtype")
+        except TypeError as e:
+            raise TypeError(f"[rank {self.rank}] empty: {e}") from None
+        return self._backend.empty(shape, dtype)
+
+    def close(self) -> None:
+        """Waits for outstanding collectives, then releases the shared memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = []
+        self._backend.close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"Communicator(rank={self.rank}, world_size={self.world_size}, "
+            f"device={self.device}, {state})"
+        )
+
+
+# -- module-level calls on the default communicator -------------------------------------------
+
+_default: Optional[Communicator] = None
+
+
+def init(group: Optional[dist.ProcessGroup] = None, device=None) -> Communicator:
+    """Creates the default communicator (device default: cuda if available, else cpu)."""
+    global _default
+    if _default is not None:
+        _default.close()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    _default = Communicator(group=group, device=device)
+    return _default
+
+
+def get_default_communicator() -> Communicator:
+    """The communicator made by :func:`init`; raises if there is none."""
+    if _default is None or _default._closed:
+        raise RuntimeError("dist_kernels: call dist_kernels.init() first")
+    return _default
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, algorithm="auto", async_op=False):
+    """:meth:`Communicator.all_reduce` on the default communicator."""
+    return get_default_communicator().all_reduce(tensor, op, algorithm, async_op)
+
+
+def reduce_scatter(output, input, op=ReduceOp.SUM, algorithm="auto", async_op=False):
+    """:meth:`Communicator.reduce_scatter` on the default communicator."""
+    return get_default_communicator().reduce_scatter(output, input, op, algorithm, async_op)
+
+
+def all_gather(output, input, async_op=False):
+    """:meth:`Communicator.all_gather` on the default communicator."""
+    return get_default_communicator().all_gather(output, input, async_op)
+
+
+def broadcast(tensor, src, async_op=False):
+    """:meth:`Communicator.broadcast` on the default communicator."""
+    return get_default_communicator().broadcast(tensor, src, async_op)
+
+
+def send(tensor, dst):
+    """:meth:`Communicator.send` on the default communicator."""
+    return get_default_communicator().send(tensor, dst)
+
+
+def recv(tensor, src):
+    """:meth:`Communicator.recv` on the default communicator."""
+    return get_default_communicator().recv(tensor, src)
+
+
+def barrier(async_op=False):
+    """:meth:`Communicator.barrier` on the default communicator."""
+    return get_default_communicator().barrier(async_op)
