@@ -96,6 +96,15 @@ def memcpy_bandwidth(
     }
 
 
+def human_bytes(size: float) -> str:
+    """8 -> '8 B', 65536 -> '64 KiB', 3 << 20 -> '3 MiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:g} {unit}"
+        size /= 1024
+    return f"{size:g} GiB"
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -223,6 +232,11 @@ def summary_lines(rows: List[Row], meta: Dict[str, Any]) -> List[str]:
         lines.append(f"#   {algorithm:>7}: " + ("; ".join(parts) or "no sizes in these ranges"))
     wrong = sum(r[p]["wrong"] or 0 for r in rows for p in PLACEMENTS if not r[p].get("error"))
     lines.append(f"# total #wrong: {wrong}")
+    lines.append(
+        f"# load average at start {meta['machine']['load_average']}, at end "
+        f"{meta.get('load_average_end')} ({meta['machine']['cpus']} cpus): a load above the "
+        "cpu count means other work shared the machine and the times are inflated"
+    )
     return lines
 
 
@@ -242,6 +256,7 @@ def plot(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(figsize=(8, 5))
     for algorithm in meta["algorithms"] + [meta["baseline"]]:
@@ -253,12 +268,15 @@ def plot(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
     ceiling = meta["memcpy"]["best_gbps"]
     axes.axhline(ceiling, color="grey", ls=":", label=f"memcpy {ceiling:.1f} GB/s")
     axes.set_xscale("log", base=2)
+    axes.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: human_bytes(x)))
     axes.set_yscale("log")
     axes.set_xlabel("size (bytes)")
     axes.set_ylabel("busbw (GB/s)")
     axes.set_title(
         f"{meta['op']} {meta['dtype']} {meta['redop']}, {meta['world_size']} ranks, "
-        f"{meta['device']}, {meta['buffers']} buffers\n{meta['machine']['cpu']}, {meta['date']}",
+        f"{meta['device']}, {meta['buffers']} buffers\n{meta['machine']['cpu']}, "
+        f"{meta['machine']['cpus']} cpus, load {meta['machine']['load_average'][0]}, "
+        f"{meta['date']}",
         fontsize=9,
     )
     axes.grid(True, which="both", alpha=0.3)

@@ -67,12 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", choices=tuple(ops.DTYPES), default="float32")
     add("--redop", choices=ops.REDOPS, default="sum", help="all_reduce / reduce_scatter only")
     add("--root", type=int, default=0, help="broadcast root")
-    add("--iters", type=int, default=50, help="timed iterations per size, at most")
-    add("--warmup", type=int, default=5, help="untimed iterations per size, at most")
+    add("--iters", type=int, default=100, help="timed iterations per size, at most")
+    add("--warmup", type=int, default=10, help="untimed iterations per size, at most")
     add(
         "--iter-bytes",
         type=parse_size,
-        default=1 << 30,
+        default=512 << 20,
         help="size-aware iterations: a size S gets max(--min-iters, ceil(iter-bytes / S)) "
         "iterations, capped at --iters, and warmup scaled alike (at least 1)",
     )
@@ -405,6 +405,7 @@ def run_rank(args: argparse.Namespace, launcher: str, command: str) -> List[repo
     finally:
         bench.comm.close()
     if printing:
+        meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
         _print(*report.error_lines(all_rows), *report.summary_lines(all_rows, meta))
         if args.json:
             report.write_json(args.json, meta, all_rows)
