@@ -122,7 +122,7 @@ def _torch_collective(case: ops.Case, inputs: list) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", list(ops.DTYPES.values()), ids=list(ops.DTYPES))
 @pytest.mark.parametrize("redop", ops.REDOPS)
-@pytest.mark.parametrize("world_size", [1, 3, 8])
+@pytest.mark.parametrize("world_size", [2, 5])
 def test_reference_accepts_right_and_counts_wrong(dtype, redop, world_size):
     count = 3 * world_size * 7
     for op in ops.OPS:
