@@ -131,6 +131,8 @@ class _Rank:
 
         self.args = args
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if args.op == "broadcast" and not 0 <= args.root < self.world_size:
+            raise ValueError(f"--root {args.root} is not a rank of {self.world_size}")
         self.device = torch.device(args.device)
         if args.device == "cuda":
             torch.cuda.set_device(
