@@ -164,11 +164,16 @@ def _time(us: float) -> str:
     return f"{us:9.2f}" if us < 1e5 else f"{us:9.0f}"
 
 
+def ratio_text(ratio: float) -> str:
+    """Three significant digits at most, so the column keeps its width: 0.87x, 12.3x, 866x."""
+    return f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.1f}x" if ratio < 100 else f"{ratio:.0f}x"
+
+
 def _cell(result: Dict[str, Any], is_baseline: bool) -> str:
     if result.get("error"):
         return f"{'n/a':>9} {'':>7} {'':>7} {'':>6} {'':>7}"
     ratio = result.get("vs_baseline")
-    vs = "" if is_baseline else ("-" if ratio is None else f"{ratio:.2f}x")
+    vs = "" if is_baseline else ("-" if ratio is None else ratio_text(ratio))
     return (
         f"{_time(result['time_us'])} {result['algbw']:7.2f} {result['busbw']:7.2f} "
         f"{result['wrong']:6d} {vs:>7}"
