@@ -100,6 +100,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= {1 + (name == 'stepfactor')}")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     if args.minbytes > args.maxbytes:
         parser.error(f"-b {args.minbytes} is larger than -e {args.maxbytes}")
     return args
