@@ -291,7 +291,7 @@ class _Rank:
     ) -> Dict[str, Any]:
         """Checks the result first (every rank agrees on the outcome), then times."""
         call = buffers.bind(backend.run)
-        wrong, error = self._check(case, buffers, call, backend)
+        wrong, error = self._check(case, buffers, call)
         status = torch.tensor([wrong, 1 if error else 0], dtype=torch.int64)
         dist.all_reduce(status)
         if status[1] > 0:
@@ -302,8 +302,9 @@ class _Rank:
         return {"seconds": float(slowest[0]), "wrong": int(status[0]), "error": None}
 
     def _check(
-        self, case: ops.Case, buffers: ops.Buffers, call: Callable[[], None], backend: ops.Backend
+        self, case: ops.Case, buffers: ops.Buffers, call: Callable[[], None]
     ) -> Tuple[int, Optional[str]]:
+        """(#wrong, None) after one call on the known input, or (0, why) if the call refused."""
         ops.prepare_check(case, buffers)
         try:
             call()
@@ -311,7 +312,8 @@ class _Rank:
         except Exception as exc:  # noqa: BLE001 - an unsupported combination is reported
             if isinstance(exc, self.dk.CommError):
                 raise
-            return 0, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            return 0, f"{type(exc).__name__}: {first_line}"
         return case.wrong(buffers.result), None
 
     def _row(

@@ -163,3 +163,24 @@ def test_sizes_and_size_aware_iterations():
     assert bench.parse_size("64KiB") == 65536 and bench.parse_size("16M") == 16 << 20
     with pytest.raises(SystemExit):
         bench.parse_args(["-b", "1M", "-e", "1K"])
+
+
+def test_report_prints_refused_combinations_as_na():
+    from dist_kernels import _bench_report as report
+
+    ok = {"time_us": 10.0, "algbw": 0.8, "busbw": 0.8, "wrong": 0, "vs_baseline": 50.0}
+    refused = {"time_us": None, "algbw": None, "busbw": None, "wrong": None}
+    refused["error"] = "RuntimeError: no integer avg"
+    common = {"size": 8, "count": 2, "type": "int32", "redop": "avg", "root": -1}
+    common.update(iters=3, warmup=1, busbw_factor=1.0)
+    rows = [
+        {**common, "algorithm": "gloo", "out_of_place": refused, "in_place": refused},
+        {**common, "algorithm": "ring", "out_of_place": ok, "in_place": {**ok, "error": None}},
+    ]
+    assert "n/a" in report.format_row(rows[0], "gloo")
+    assert "50.0x" in report.format_row(rows[1], "gloo")
+    assert any("no integer avg" in line for line in report.error_lines(rows))
+    meta = {"baseline": "gloo", "algorithms": ["ring"], "memcpy": {"best_gbps": 4.0}}
+    meta["machine"] = {"load_average": [0.1, 0.1, 0.1], "cpus": 2}
+    summary = "\n".join(report.summary_lines(rows, meta))
+    assert "ring: <= 64 KiB: 10.0 us" in summary and "total #wrong: 0" in summary
