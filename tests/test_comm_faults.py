@@ -66,9 +66,19 @@ def test_bad_input_raises_on_the_calling_rank_before_sending():
     assert run_ranks(2, _bad_input, timeout=120) == [[], []]
 
 
+def _cuda_tensor_on_cpu():
+    with _comm() as comm:
+        try:
+            comm.all_reduce(torch.ones(4, device="cuda"))
+        except ValueError as e:
+            return "tensor" in str(e) and "cuda" in str(e)
+    return False
+
+
 def test_cuda_tensor_on_cpu_communicator_is_rejected():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (the meta-device case above covers the CPU build)")
+    assert run_ranks(2, _cuda_tensor_on_cpu, timeout=120) == [True, True]
 
 
 def _mismatch(kind, debug):

@@ -73,7 +73,10 @@ py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
     s = asyncOp ? c.comm->submit(r, &work) : c.comm->run(r);
   }
   check(s, c.context(r));
-  if (asyncOp) return py::cast(work);
+  if (asyncOp) {
+    work->context = c.context(r);
+    return py::cast(work);
+  }
   return py::none();
 }
 
@@ -121,7 +124,7 @@ void bindWork(py::module_& m) {
               py::gil_scoped_release nogil;
               s = w.wait(timeout ? *timeout : -1.0);
             }
-            check(s, "");
+            check(s, w.context);
           },
           py::arg("timeout") = py::none())
       .def("is_completed", &Work::isCompleted);
