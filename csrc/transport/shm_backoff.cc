@@ -12,10 +12,12 @@
 namespace dk::shm {
 
 namespace {
-// Measured on the 2-core Sapphire Rapids VM: one _mm_pause is ~40 ns there, so 8192 pauses
-// spin for ~300 us, longer than a 64 KiB all-reduce step, so back-to-back collectives never
-// reach the yield phase when each rank has its own core.
-constexpr uint32_t kSpinSteps = 8192;
+// Measured on the 2-core Sapphire Rapids VM: one _mm_pause takes 11-20 ns there, so 2048
+// pauses spin for ~25-40 us: longer than a whole 64 KiB all-reduce (~12 us at 2 ranks), so
+// back-to-back collectives stay in the spin phase while each rank has a core, yet short
+// enough that a rank sharing its core with the peer it waits for (other load on the machine)
+// gives the core away quickly. (8192 steps cost ~300 us per step in that case.)
+constexpr uint32_t kSpinSteps = 2048;
 // Oversubscribed: spin only ~3 us before giving the core to the rank we wait for.
 constexpr uint32_t kSpinStepsOversubscribed = 64;
 // Yield steps before sleeping: a yield returns at once when nobody else wants the core.
