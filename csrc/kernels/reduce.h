@@ -27,6 +27,17 @@ Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t 
 Status castScaleCpu(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,
                     float scale);
 
+// Standalone entry points (dist_kernels.ops): the same results as the functions above, split
+// across the CPU thread pool (cpu_thread_pool.h) when the call is large enough to gain from it.
+Status reduceMultiCpuParallel(void* dst, const void* const* srcs, int nsrcs, size_t count,
+                              DType dtype, RedOp op);
+Status divideCpuParallel(void* dst, const void* src, size_t count, DType dtype, int64_t divisor);
+Status castScaleCpuParallel(void* dst, DType dst_dtype, const void* src, DType src_dtype,
+                            size_t count, float scale);
+// Calls touching fewer bytes (read + written) than this stay on the caller's thread; default
+// 64 MiB or DK_PARALLEL_MIN_BYTES (see reduce_cpu_parallel.cc). Returns the previous value.
+size_t setCpuParallelMinBytes(size_t bytes);
+
 #if DK_WITH_CUDA
 // The same operations on device memory, enqueued on `stream` (a cudaStream_t); they return
 // once enqueued.

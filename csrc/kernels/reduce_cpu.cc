@@ -1,64 +1,67 @@
-// Portable CPU reduce / divide / cast (first version: plain loops the compiler vectorises).
+// CPU reduce / divide entry points: check the arguments once, then run the instruction-set build
+// that activeCpuIsa() names (cpu_isa.h). Single-threaded: the communicator gives each rank one
+// core; reduce_cpu_parallel.cc splits standalone calls across the thread pool.
 #include <string>
 
-#include "common/dispatch.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/reduce.h"
-#include "kernels/reduce_functors.h"
+#include "kernels/reduce_cpu_isa.h"
 
 namespace dk::kernels {
 
 namespace {
 
-template <typename T, typename Op>
-void reduceLoop(T* dst, const T* a, const T* b, size_t count) {
-  const Op op;
-  for (size_t i = 0; i < count; ++i) dst[i] = store<T>(op(load(a[i]), load(b[i])));
-}
-
-template <typename T, typename Op>
-void reduceMultiLoop(T* dst, const void* const* srcs, int nsrcs, size_t count) {
-  const Op op;
-  for (size_t i = 0; i < count; ++i) {
-    auto acc = load(static_cast<const T*>(srcs[0])[i]);
-    for (int s = 1; s < nsrcs; ++s) acc = op(acc, load(static_cast<const T*>(srcs[s])[i]));
-    dst[i] = store<T>(acc);
+Status checkDTypeAndOp(DType dtype, RedOp op) {
+  if (!isValidDType(static_cast<int>(dtype))) {
+    return TypeError("reduce: unsupported dtype code " + std::to_string(static_cast<int>(dtype)));
   }
-}
-
-template <typename T>
-void divideLoop(T* dst, const T* src, size_t count, int64_t divisor) {
-  using A = typename Accum<T>::type;
-  const A d = static_cast<A>(divisor);
-  for (size_t i = 0; i < count; ++i) dst[i] = store<T>(static_cast<A>(load(src[i]) / d));
+  if (!isValidRedOp(static_cast<int>(op))) {
+    return InvalidArgument("reduce: unsupported reduce op " + std::to_string(static_cast<int>(op)));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
 
 Status reduceCpu(void* dst, const void* a, const void* b, size_t count, DType dtype, RedOp op) {
-  DK_DISPATCH_DTYPE(
-      dtype, DK_DISPATCH_REDOP(op, reduceLoop<T, Op>(static_cast<T*>(dst), static_cast<const T*>(a),
-                                                     static_cast<const T*>(b), count)));
-  return Status::Ok();
+  DK_RETURN_IF_ERROR(checkDTypeAndOp(dtype, op));
+  switch (activeCpuIsa()) {
+    case CpuIsa::kAvx512:
+      return avx512::reduce(dst, a, b, count, dtype, op);
+    case CpuIsa::kAvx2:
+      return avx2::reduce(dst, a, b, count, dtype, op);
+    case CpuIsa::kBaseline:
+      break;
+  }
+  return baseline::reduce(dst, a, b, count, dtype, op);
 }
 
 Status reduceMultiCpu(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                       RedOp op) {
-  if (nsrcs < 1) return InvalidArgument("reduceMulti needs at least one source");
-  DK_DISPATCH_DTYPE(dtype, DK_DISPATCH_REDOP(op, reduceMultiLoop<T, Op>(static_cast<T*>(dst), srcs,
-                                                                        nsrcs, count)));
-  return Status::Ok();
+  if (nsrcs < 1) return InvalidArgument("reduceMulti: needs at least one source");
+  DK_RETURN_IF_ERROR(checkDTypeAndOp(dtype, op));
+  switch (activeCpuIsa()) {
+    case CpuIsa::kAvx512:
+      return avx512::reduceMulti(dst, srcs, nsrcs, count, dtype, op);
+    case CpuIsa::kAvx2:
+      return avx2::reduceMulti(dst, srcs, nsrcs, count, dtype, op);
+    case CpuIsa::kBaseline:
+      break;
+  }
+  return baseline::reduceMulti(dst, srcs, nsrcs, count, dtype, op);
 }
 
 Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
-  if (divisor == 0) return InvalidArgument("divide by zero");
-  DK_DISPATCH_DTYPE(
-      dtype, divideLoop<T>(static_cast<T*>(dst), static_cast<const T*>(src), count, divisor));
-  return Status::Ok();
-}
-
-Status castScaleCpu(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,
-                    float scale) {
-  return Unsupported("castScaleCpu: not implemented yet");
+  if (divisor == 0) return InvalidArgument("divide: divisor is 0");
+  switch (activeCpuIsa()) {
+    case CpuIsa::kAvx512:
+      return avx512::divide(dst, src, count, dtype, divisor);
+    case CpuIsa::kAvx2:
+      return avx2::divide(dst, src, count, dtype, divisor);
+    case CpuIsa::kBaseline:
+      break;
+  }
+  return baseline::divide(dst, src, count, dtype, divisor);
 }
 
 }  // namespace dk::kernels

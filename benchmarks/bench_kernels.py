@@ -1,0 +1,261 @@
+"""Element-wise kernel benchmark: dist_kernels.ops against torch, in GB/s, as a table.
+
+    python benchmarks/bench_kernels.py [--device cpu|cuda] [--sizes 4MiB 64MiB] [--repeats 20]
+                                       [--torch-threads N]
+
+GB/s counts the bytes a kernel must move at least: every input read once plus the output
+written once (``dst += src``: 3 buffers; an FP32 -> BF16 cast of n elements: 4n + 2n bytes),
+divided by the median time of ``--repeats`` calls. Ours and torch's baseline are charged the
+same bytes, so the ratio (ours / torch) is a speed ratio. Each case is checked against torch's
+result before it is timed.
+
+Sections are plain functions ``section(device, sizes, repeats) -> list[Row]`` so that other
+benchmarks (bench_bucket.py) can add theirs: ``SECTIONS.append(bucket_rows)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import statistics
+import sys
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from dist_kernels import _C, ReduceOp, ops
+from dist_kernels._dtypes import dtype_code
+
+
+@dataclasses.dataclass
+class Row:
+    """One benchmark line: our kernel and its torch baseline on the same bytes."""
+
+    section: str
+    case: str
+    size_bytes: int  # bytes of one operand buffer (the FP32 source for casts)
+    moved_bytes: int  # bytes read + written per call, charged to both columns
+    ours_s: float  # median seconds per call
+    baseline: str
+    baseline_s: Optional[float]
+
+    @property
+    def ours_gbps(self) -> float:
+        return self.moved_bytes / self.ours_s / 1e9
+
+    @property
+    def baseline_gbps(self) -> Optional[float]:
+        return None if self.baseline_s is None else self.moved_bytes / self.baseline_s / 1e9
+
+    @property
+    def ratio(self) -> Optional[float]:
+        return None if self.baseline_s is None else self.baseline_s / self.ours_s
+
+
+Section = Callable[[str, Sequence[int], int], List[Row]]
+
+
+def parse_size(text: str) -> int:
+    """'4MiB' -> 4194304; accepts B, KiB, MiB, GiB (and plain integers)."""
+    match = re.fullmatch(r"(\d+)\s*(B|KiB|MiB|GiB)?", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"--sizes: cannot parse {text!r} (e.g. 4MiB, 64MiB)")
+    unit = {"B": 1, None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[match.group(2)]
+    return int(match.group(1)) * unit
+
+
+def format_size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return f"{size}B"
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_once(fn: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def time_calls(fns: Sequence[Callable[[], object]], device: str, repeats: int) -> List[float]:
+    """Median seconds per call of each fn, after two warm-up calls each (CUDA: event-timed).
+
+    The calls alternate (a, b, a, b, ...) so that on a shared machine both see the same load.
+    """
+    for fn in fns:
+        for _ in range(2):
+            fn()
+    _synchronize(device)
+    times: List[List[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times):
+            samples.append(_time_once(fn, device))
+    return [statistics.median(samples) for samples in times]
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise SystemExit(f"bench_kernels: {what}: result differs from torch; not timing it")
+
+
+def _reduce_case(dtype: torch.dtype, size: int, device: str, repeats: int, parallel: bool) -> Row:
+    n = size // torch.tensor([], dtype=dtype).element_size()
+    gen = torch.Generator(device=device).manual_seed(0)
+    dst = torch.randn(n, generator=gen, device=device).to(dtype)
+    src = torch.randn(n, generator=gen, device=device).to(dtype)
+    expected = dst.float() + src.float()
+    check = dst.clone()
+    ops.reduce_(check, src, op=ReduceOp.SUM)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    _check(torch.allclose(check.float(), expected, rtol=tol, atol=tol), f"{dtype} sum")
+
+    if parallel or device == "cuda":
+        run_ours = lambda: ops.reduce_(dst, src)  # noqa: E731
+    else:
+        run_ours = lambda: _reduce_one_thread(dst, src)  # noqa: E731
+    ours, baseline = time_calls([run_ours, lambda: dst.add_(src)], device, repeats)
+    name = str(dtype).replace("torch.", "")
+    threads = "" if parallel or device == "cuda" else " (1 thread)"
+    return Row("reduce", f"{name} sum{threads}", size, 3 * size, ours, "add_", baseline)
+
+
+def _reduce_one_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Our kernel as the communicator runs it on each rank: one core, no thread pool."""
+    ptrs = [dst.data_ptr(), src.data_ptr()]
+    _C.kernels_reduce(dst.data_ptr(), ptrs, dst.numel(), dtype_code(dst.dtype), 0, parallel=False)
+
+
+def reduce_rows(device: str, sizes: Sequence[int], repeats: int) -> List[Row]:
+    """dst += src with ops.reduce_ against torch's dst.add_(src): fp32 and bf16."""
+    rows = []
+    for size in sizes:
+        rows.append(_reduce_case(torch.float32, size, device, repeats, parallel=True))
+        if device == "cpu":
+            rows.append(_reduce_case(torch.float32, size, device, repeats, parallel=False))
+        rows.append(_reduce_case(torch.bfloat16, size, device, repeats, parallel=True))
+    return rows
+
+
+def _cast_case(dtype: torch.dtype, size: int, device: str, repeats: int) -> Row:
+    n = size // 4
+    scale = 1.0 / 1024
+    src = torch.randn(n, generator=torch.Generator(device=device).manual_seed(1), device=device)
+    dst = torch.empty(n, dtype=dtype, device=device)
+    ops.cast_(dst, src, scale)
+    expected = (src * scale).to(dtype)
+    _check(torch.equal(dst.view(torch.int16), expected.view(torch.int16)), f"cast to {dtype}")
+    ours, baseline = time_calls(
+        [lambda: ops.cast_(dst, src, scale), lambda: src.to(dtype).mul_(scale)], device, repeats
+    )
+    name = str(dtype).replace("torch.", "")
+    return Row("cast", f"fp32->{name} x scale", size, 6 * n, ours, ".to().mul_()", baseline)
+
+
+def cast_rows(device: str, sizes: Sequence[int], repeats: int) -> List[Row]:
+    """FP32 -> BF16 / FP16 with a scale: ops.cast_ against src.to(dtype).mul_(scale)."""
+    return [
+        _cast_case(dtype, size, device, repeats)
+        for size in sizes
+        for dtype in (torch.bfloat16, torch.float16)
+    ]
+
+
+def copy_rows(device: str, sizes: Sequence[int], repeats: int) -> List[Row]:
+    """The device's copy bandwidth (dst.copy_(src): 2 buffers moved), for scale; CUDA only."""
+    if device != "cuda":
+        return []
+    return [_copy_case(size, device, repeats) for size in sizes]
+
+
+def _copy_case(size: int, device: str, repeats: int) -> Row:
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    (seconds,) = time_calls([lambda: dst.copy_(src)], device, repeats)
+    return Row("copy", "device copy_", size, 2 * size, seconds, "-", None)
+
+
+SECTIONS: List[Section] = [copy_rows, reduce_rows, cast_rows]
+
+
+def _bucket_section() -> Optional[Section]:
+    """The fused bucket kernels' section (pack / unpack / unscale), from bench_bucket.py."""
+    try:
+        from bench_bucket import bucket_rows  # benchmarks/ is on sys.path when run as a script
+    except ImportError:
+        return None
+    return bucket_rows
+
+
+if _bucket_section() is not None:
+    SECTIONS.append(_bucket_section())
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = ("section", "case", "size", "ours GB/s", "baseline", "base GB/s", "ours/base")
+    lines = [header]
+    for row in rows:
+        base = "-" if row.baseline_gbps is None else f"{row.baseline_gbps:.1f}"
+        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
+        lines.append(
+            (
+                row.section,
+                row.case,
+                format_size(row.size_bytes),
+                f"{row.ours_gbps:.1f}",
+                row.baseline,
+                base,
+                ratio,
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def run_sections(
+    sections: Sequence[Section], device: str, sizes: Sequence[int], repeats: int
+) -> List[Row]:
+    rows: List[Row] = []
+    for section in sections:
+        rows.extend(section(device, sizes, repeats))
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=[4 << 20, 64 << 20])
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for the baselines (default: torch's own choice)",
+    )
+    args = parser.parse_args(argv)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_kernels: --device cuda but torch sees no CUDA device")
+    threads = f", torch threads {torch.get_num_threads()}" if args.device == "cpu" else ""
+    print(f"device {args.device}, CPU kernel build {ops.cpu_isa()}{threads}")
+    print("GB/s = (bytes read + bytes written, each buffer once) / median time\n")
+    print(format_table(run_sections(SECTIONS, args.device, args.sizes, args.repeats)))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

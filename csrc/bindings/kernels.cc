@@ -1,0 +1,173 @@
+// dist_kernels._C kernel entry points for dist_kernels/ops.py. Tensors arrive as raw addresses
+// (the extension never links torch); ops.py checks shapes, dtypes and devices before calling.
+// device < 0 means host memory; otherwise the kernel is enqueued on `stream` (a cudaStream_t as
+// an integer) with `device` made current for the call.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings/errors.h"
+#include "bindings/registry.h"
+#include "common/dtype.h"
+#include "kernels/cpu_isa.h"
+#include "kernels/cpu_thread_pool.h"
+#include "kernels/reduce.h"
+
+#if DK_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace py = pybind11;
+
+namespace dk::bindings {
+
+namespace {
+
+using kernels::CpuIsa;
+
+// Calls this large release the GIL: below it the release/acquire pair costs more than the work
+// could overlap with other Python threads.
+constexpr size_t kReleaseGilBytes = size_t{64} << 10;
+
+void* asPointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+#if DK_WITH_CUDA
+Status cudaFailure(const std::string& what) {
+  return Status(Code::kCudaError, what + ": " + cudaGetErrorString(cudaGetLastError()));
+}
+#endif
+
+// Runs fn with `device` current (CUDA) and the GIL released for large calls.
+template <typename Fn>
+Status runOn(int device, size_t bytes, Fn fn) {
+  std::optional<py::gil_scoped_release> release;
+  if (bytes >= kReleaseGilBytes) release.emplace();
+  if (device < 0) return fn();
+#if DK_WITH_CUDA
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+    return cudaFailure("cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  Status status = fn();
+  if (previous != device && cudaSetDevice(previous) != cudaSuccess && status.ok()) {
+    return cudaFailure("restoring cudaSetDevice(" + std::to_string(previous) + ")");
+  }
+  return status;
+#else
+  return Unsupported("CUDA tensors need a CUDA build of dist_kernels (this one is CPU-only)");
+#endif
+}
+
+void reduce(uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, int dtype, int op,
+            int device, uintptr_t stream, bool parallel) {
+  std::vector<const void*> src_ptrs;
+  for (uintptr_t src : srcs) src_ptrs.push_back(asPointer(src));
+  const DType dt = static_cast<DType>(dtype);
+  const RedOp rop = static_cast<RedOp>(op);
+  const int n = static_cast<int>(src_ptrs.size());
+  const size_t bytes = isValidDType(dtype) ? count * dtypeSize(dt) * (n + 1) : 0;
+  check(runOn(device, bytes,
+              [&] {
+#if DK_WITH_CUDA
+                if (device >= 0) {
+                  return kernels::reduceMultiCuda(asPointer(dst), src_ptrs.data(), n, count, dt,
+                                                  rop, asPointer(stream));
+                }
+#endif
+                return parallel ? kernels::reduceMultiCpuParallel(asPointer(dst), src_ptrs.data(),
+                                                                  n, count, dt, rop)
+                                : kernels::reduceMultiCpu(asPointer(dst), src_ptrs.data(), n, count,
+                                                          dt, rop);
+              }),
+        "reduce_");
+}
+
+void divide(uintptr_t dst, uintptr_t src, size_t count, int dtype, int64_t divisor, int device,
+            uintptr_t stream, bool parallel) {
+  const DType dt = static_cast<DType>(dtype);
+  const size_t bytes = isValidDType(dtype) ? 2 * count * dtypeSize(dt) : 0;
+  check(runOn(device, bytes,
+              [&] {
+#if DK_WITH_CUDA
+                if (device >= 0) {
+                  return kernels::divideCuda(asPointer(dst), asPointer(src), count, dt, divisor,
+                                             asPointer(stream));
+                }
+#endif
+                return parallel
+                           ? kernels::divideCpuParallel(asPointer(dst), asPointer(src), count, dt,
+                                                        divisor)
+                           : kernels::divideCpu(asPointer(dst), asPointer(src), count, dt, divisor);
+              }),
+        "divide_");
+}
+
+void castScale(uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, size_t count,
+               float scale, int device, uintptr_t stream, bool parallel) {
+  const DType dd = static_cast<DType>(dst_dtype);
+  const DType sd = static_cast<DType>(src_dtype);
+  const bool valid = isValidDType(dst_dtype) && isValidDType(src_dtype);
+  const size_t bytes = valid ? count * (dtypeSize(dd) + dtypeSize(sd)) : 0;
+  check(runOn(device, bytes,
+              [&] {
+#if DK_WITH_CUDA
+                if (device >= 0) {
+                  return kernels::castScaleCuda(asPointer(dst), dd, asPointer(src), sd, count,
+                                                scale, asPointer(stream));
+                }
+#endif
+                return parallel ? kernels::castScaleCpuParallel(asPointer(dst), dd, asPointer(src),
+                                                                sd, count, scale)
+                                : kernels::castScaleCpu(asPointer(dst), dd, asPointer(src), sd,
+                                                        count, scale);
+              }),
+        "cast_");
+}
+
+void setCpuIsa(const std::string& name) {
+  CpuIsa isa;
+  check(kernels::parseCpuIsa(name, &isa), "set_cpu_isa");
+  check(kernels::setCpuIsa(isa), "set_cpu_isa");
+}
+
+std::vector<std::string> supportedCpuIsas() {
+  std::vector<std::string> names;
+  const int best = static_cast<int>(kernels::bestSupportedCpuIsa());
+  for (int isa = 0; isa <= best; ++isa) names.push_back(cpuIsaName(static_cast<CpuIsa>(isa)));
+  return names;
+}
+
+}  // namespace
+
+}  // namespace dk::bindings
+
+DK_REGISTER_BINDINGS(kernels) {
+  using namespace dk::bindings;
+  m.def("kernels_reduce", &reduce, py::arg("dst"), py::arg("srcs"), py::arg("count"),
+        py::arg("dtype"), py::arg("op"), py::arg("device") = -1, py::arg("stream") = 0,
+        py::arg("parallel") = true, "dst = op(srcs...) element-wise (dst may be srcs[0]).");
+  m.def("kernels_divide", &divide, py::arg("dst"), py::arg("src"), py::arg("count"),
+        py::arg("dtype"), py::arg("divisor"), py::arg("device") = -1, py::arg("stream") = 0,
+        py::arg("parallel") = true, "dst = src / divisor (integers truncate toward zero).");
+  m.def("kernels_cast_scale", &castScale, py::arg("dst"), py::arg("dst_dtype"), py::arg("src"),
+        py::arg("src_dtype"), py::arg("count"), py::arg("scale"), py::arg("device") = -1,
+        py::arg("stream") = 0, py::arg("parallel") = true,
+        "dst = (dst_dtype)(src * scale), computed in FP32 and rounded once to nearest even.");
+  m.def("kernels_set_cpu_isa", &setCpuIsa, py::arg("isa"),
+        "Forces the CPU kernel build: 'baseline', 'avx2' or 'avx512' (testing and benchmarks).");
+  m.def(
+      "kernels_cpu_isa", [] { return std::string(cpuIsaName(dk::kernels::activeCpuIsa())); },
+      "The CPU kernel build in use.");
+  m.def("kernels_supported_cpu_isas", &supportedCpuIsas,
+        "The CPU kernel builds this CPU can run, baseline first.");
+  m.def("kernels_set_cpu_parallel_min_bytes", &dk::kernels::setCpuParallelMinBytes,
+        py::arg("bytes"),
+        "Sets the size (bytes read + written) from which standalone CPU calls use the thread "
+        "pool; returns the previous value.");
+  m.def("kernels_cpu_threads", &dk::kernels::cpuPoolThreads,
+        "Threads a standalone CPU kernel call may use (DK_NUM_THREADS or the core count).");
+}

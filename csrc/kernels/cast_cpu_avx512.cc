@@ -1,0 +1,3 @@
+// The avx512 build of the CPU cast kernels (flags from CMakeLists.txt; see cast_cpu_impl.h).
+#define DK_CPU_ISA_NS avx512
+#include "kernels/cast_cpu_impl.h"

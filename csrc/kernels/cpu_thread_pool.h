@@ -1,0 +1,30 @@
+// A small persistent thread pool for standalone CPU kernel calls (dist_kernels.ops). The
+// communicator never uses it: each rank owns one core there.
+//
+// Size: DK_NUM_THREADS if set (>= 1), else std::thread::hardware_concurrency(); the calling
+// thread is one of them. Threads start on first use and after a fork() in the child (the
+// parent's threads do not exist there). One job runs at a time; a second caller that finds the
+// pool busy runs its job on its own thread instead of waiting.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+
+#include "common/status.h"
+
+namespace dk::kernels {
+
+// Number of threads a parallel call may use, the caller included.
+int cpuPoolThreads();
+
+// Runs fn(part) for every part in [0, parts), shared among the caller and the pool's threads,
+// and returns after all parts finish. Any number of parts; each runs exactly once.
+void cpuPoolRun(int parts, const std::function<void(int part)>& fn);
+
+// Splits [0, count) into a few slices per pool thread whose boundaries fall on 64-byte
+// multiples of the destination (no two threads write one cache line) and runs slice(begin, end)
+// for each; the first non-OK Status wins. With split false it runs one slice on the caller.
+Status cpuParallelSlices(size_t count, size_t dst_element_bytes, bool split,
+                         const std::function<Status(size_t begin, size_t end)>& slice);
+
+}  // namespace dk::kernels

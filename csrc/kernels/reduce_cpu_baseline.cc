@@ -1,0 +1,3 @@
+// The baseline build of the CPU reduce kernels (flags from CMakeLists.txt; see reduce_cpu_impl.h).
+#define DK_CPU_ISA_NS baseline
+#include "kernels/reduce_cpu_impl.h"

@@ -1,0 +1,134 @@
+// CUDA reduce and divide: the functors of reduce_functors.h applied with 16-byte vector loads in
+// a grid-stride loop, plus a bounds-checked scalar tail. Same numerics as the CPU kernels:
+// FP16 / BF16 widen to FP32, combine across every source, and round once on store.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "common/dispatch.h"
+#include "common/half.h"
+#include "kernels/reduce.h"
+#include "kernels/reduce_cuda.h"
+#include "kernels/reduce_functors.h"
+
+namespace dk::kernels {
+
+namespace {
+
+using cuda::checkLaunch;
+using cuda::gridFor;
+using cuda::isAligned;
+using cuda::kThreadsPerBlock;
+using cuda::kVecElems;
+using cuda::Pack;
+
+// Sources travel by value in the kernel's parameters (512 bytes, well under the 4 KiB limit).
+constexpr int kMaxLaunchSources = 64;
+struct SourceList {
+  const void* ptr[kMaxLaunchSources];
+};
+
+template <typename T, typename Op>
+__device__ void reduceElement(T* dst, const SourceList& srcs, int nsrcs, size_t i) {
+  const Op op;
+  auto acc = load(static_cast<const T*>(srcs.ptr[0])[i]);
+  for (int s = 1; s < nsrcs; ++s) acc = op(acc, load(static_cast<const T*>(srcs.ptr[s])[i]));
+  dst[i] = store<T>(acc);
+}
+
+// Vector part over count / kVecElems packs when `vectorized`; the scalar tail covers the rest.
+template <typename T, typename Op>
+__global__ void reduceMultiKernel(T* dst, SourceList srcs, int nsrcs, size_t count,
+                                  bool vectorized) {
+  using A = typename Accum<T>::type;
+  using P = Pack<T, kVecElems<T>>;
+  const Op op;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t packs = vectorized ? count / kVecElems<T> : 0;
+  for (size_t p = first; p < packs; p += stride) {
+    P in = static_cast<const P*>(srcs.ptr[0])[p];
+    A acc[kVecElems<T>];
+#pragma unroll
+    for (int k = 0; k < kVecElems<T>; ++k) acc[k] = load(in.v[k]);
+    for (int s = 1; s < nsrcs; ++s) {
+      in = static_cast<const P*>(srcs.ptr[s])[p];
+#pragma unroll
+      for (int k = 0; k < kVecElems<T>; ++k) acc[k] = op(acc[k], load(in.v[k]));
+    }
+    P out;
+#pragma unroll
+    for (int k = 0; k < kVecElems<T>; ++k) out.v[k] = store<T>(acc[k]);
+    reinterpret_cast<P*>(dst)[p] = out;
+  }
+  for (size_t i = packs * kVecElems<T> + first; i < count; i += stride) {
+    reduceElement<T, Op>(dst, srcs, nsrcs, i);
+  }
+}
+
+template <typename T, typename Op>
+Status launchReduce(T* dst, const void* const* srcs, int nsrcs, size_t count, cudaStream_t stream) {
+  SourceList list{};
+  bool vectorized = isAligned(dst, 16);
+  for (int s = 0; s < nsrcs; ++s) {
+    list.ptr[s] = srcs[s];
+    vectorized = vectorized && isAligned(srcs[s], 16);
+  }
+  const size_t work = vectorized ? count / kVecElems<T> : count;
+  reduceMultiKernel<T, Op>
+      <<<gridFor(work), kThreadsPerBlock, 0, stream>>>(dst, list, nsrcs, count, vectorized);
+  return checkLaunch("reduceMultiKernel");
+}
+
+template <typename T>
+__global__ void divideKernel(T* dst, const T* src, size_t count, int64_t divisor) {
+  using A = typename Accum<T>::type;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    if constexpr (std::is_integral<A>::value) {
+      // Truncate toward zero in int64; INT64_MIN / -1 wraps (negation in unsigned) like torch.
+      dst[i] = divisor == -1 ? wrapMul(src[i], static_cast<T>(-1))
+                             : static_cast<T>(static_cast<int64_t>(src[i]) / divisor);
+    } else {
+      dst[i] = store<T>(load(src[i]) / static_cast<A>(divisor));
+    }
+  }
+}
+
+}  // namespace
+
+Status reduceMultiCuda(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                       RedOp op, void* stream) {
+  if (nsrcs < 1) return InvalidArgument("reduceMulti: needs at least one source");
+  if (nsrcs > kMaxLaunchSources) {
+    return InvalidArgument("reduceMultiCuda: at most " + std::to_string(kMaxLaunchSources) +
+                           " sources per call, got " + std::to_string(nsrcs));
+  }
+  if (count == 0) return Status::Ok();
+  auto s = static_cast<cudaStream_t>(stream);
+  DK_DISPATCH_DTYPE(dtype, DK_DISPATCH_REDOP(op, return launchReduce<T, Op>(
+                                                     static_cast<T*>(dst), srcs, nsrcs, count, s)));
+  return Status::Ok();
+}
+
+Status reduceCuda(void* dst, const void* a, const void* b, size_t count, DType dtype, RedOp op,
+                  void* stream) {
+  const void* srcs[2] = {a, b};
+  return reduceMultiCuda(dst, srcs, 2, count, dtype, op, stream);
+}
+
+Status divideCuda(void* dst, const void* src, size_t count, DType dtype, int64_t divisor,
+                  void* stream) {
+  if (divisor == 0) return InvalidArgument("divide: divisor is 0");
+  if (count == 0) return Status::Ok();
+  auto s = static_cast<cudaStream_t>(stream);
+  DK_DISPATCH_DTYPE(dtype, {
+    divideKernel<T><<<gridFor(count), kThreadsPerBlock, 0, s>>>(
+        static_cast<T*>(dst), static_cast<const T*>(src), count, divisor);
+    return checkLaunch("divideKernel");
+  });
+  return Status::Ok();
+}
+
+}  // namespace dk::kernels
