@@ -1,6 +1,7 @@
 """Element-wise kernel benchmark: dist_kernels.ops against torch, in GB/s, as a table.
 
     python benchmarks/bench_kernels.py [--device cpu|cuda] [--sizes 4MiB 64MiB] [--repeats 20]
+                                       [--torch-threads N]
 
 GB/s counts the bytes a kernel must move at least: every input read once plus the output
 written once (``dst += src``: 3 buffers; an FP32 -> BF16 cast of n elements: 4n + 2n bytes),
@@ -77,25 +78,33 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_call(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Median seconds per call after two warm-up calls (CUDA: event-timed on the stream)."""
-    for _ in range(2):
+def _time_once(fn: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def time_calls(fns: Sequence[Callable[[], object]], device: str, repeats: int) -> List[float]:
+    """Median seconds per call of each fn, after two warm-up calls each (CUDA: event-timed).
+
+    The calls alternate (a, b, a, b, ...) so that on a shared machine both see the same load.
+    """
+    for fn in fns:
+        for _ in range(2):
+            fn()
     _synchronize(device)
-    times = []
+    times: List[List[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+        for fn, samples in zip(fns, times):
+            samples.append(_time_once(fn, device))
+    return [statistics.median(samples) for samples in times]
 
 
 def _check(ok: bool, what: str) -> None:
@@ -115,10 +124,10 @@ def _reduce_case(dtype: torch.dtype, size: int, device: str, repeats: int, paral
     _check(torch.allclose(check.float(), expected, rtol=tol, atol=tol), f"{dtype} sum")
 
     if parallel or device == "cuda":
-        ours = time_call(lambda: ops.reduce_(dst, src), device, repeats)
+        run_ours = lambda: ops.reduce_(dst, src)  # noqa: E731
     else:
-        ours = time_call(lambda: _reduce_one_thread(dst, src), device, repeats)
-    baseline = time_call(lambda: dst.add_(src), device, repeats)
+        run_ours = lambda: _reduce_one_thread(dst, src)  # noqa: E731
+    ours, baseline = time_calls([run_ours, lambda: dst.add_(src)], device, repeats)
     name = str(dtype).replace("torch.", "")
     threads = "" if parallel or device == "cuda" else " (1 thread)"
     return Row("reduce", f"{name} sum{threads}", size, 3 * size, ours, "add_", baseline)
@@ -149,8 +158,9 @@ def _cast_case(dtype: torch.dtype, size: int, device: str, repeats: int) -> Row:
     ops.cast_(dst, src, scale)
     expected = (src * scale).to(dtype)
     _check(torch.equal(dst.view(torch.int16), expected.view(torch.int16)), f"cast to {dtype}")
-    ours = time_call(lambda: ops.cast_(dst, src, scale), device, repeats)
-    baseline = time_call(lambda: src.to(dtype).mul_(scale), device, repeats)
+    ours, baseline = time_calls(
+        [lambda: ops.cast_(dst, src, scale), lambda: src.to(dtype).mul_(scale)], device, repeats
+    )
     name = str(dtype).replace("torch.", "")
     return Row("cast", f"fp32->{name} x scale", size, 6 * n, ours, ".to().mul_()", baseline)
 
@@ -174,11 +184,24 @@ def copy_rows(device: str, sizes: Sequence[int], repeats: int) -> List[Row]:
 def _copy_case(size: int, device: str, repeats: int) -> Row:
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = time_call(lambda: dst.copy_(src), device, repeats)
+    (seconds,) = time_calls([lambda: dst.copy_(src)], device, repeats)
     return Row("copy", "device copy_", size, 2 * size, seconds, "-", None)
 
 
 SECTIONS: List[Section] = [copy_rows, reduce_rows, cast_rows]
+
+
+def _bucket_section() -> Optional[Section]:
+    """The fused bucket kernels' section (pack / unpack / unscale), from bench_bucket.py."""
+    try:
+        from bench_bucket import bucket_rows  # benchmarks/ is on sys.path when run as a script
+    except ImportError:
+        return None
+    return bucket_rows
+
+
+if _bucket_section() is not None:
+    SECTIONS.append(_bucket_section())
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -216,7 +239,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[4 << 20, 64 << 20])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for the baselines (default: torch's own choice)",
+    )
     args = parser.parse_args(argv)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_kernels: --device cuda but torch sees no CUDA device")
     threads = f", torch threads {torch.get_num_threads()}" if args.device == "cpu" else ""

@@ -25,6 +25,8 @@ _LAZY: Dict[str, str] = {
     "all_gather": "communicator",
     "broadcast": "communicator",
     "barrier": "communicator",
+    "send": "communicator",
+    "recv": "communicator",
     "LossScaler": "loss_scaler",
     "DistributedDataParallel": "ddp",
     "DDP": "ddp",

@@ -38,6 +38,7 @@ class ShmBackend:
         local_rank: this rank's index among the host's ranks.
         local_size: number of ranks on this host.
         timeout: per-collective timeout.
+        rendezvous_timeout: how long setup and :meth:`empty` wait for peers in the store.
         label: the rank number used in error messages (the group rank).
     """
 
@@ -47,12 +48,14 @@ class ShmBackend:
         local_rank: int,
         local_size: int,
         timeout: datetime.timedelta,
+        rendezvous_timeout: datetime.timedelta,
         label: int,
     ) -> None:
         self.store = store
         self.local_rank = local_rank
         self.local_size = local_size
         self.timeout = timeout
+        self.rendezvous_timeout = rendezvous_timeout
         self._next_buffer = 0
         segment_bytes = _C.shm_segment_bytes(local_size)
         segment = None
@@ -62,7 +65,7 @@ class ShmBackend:
                 _C.shm_format(segment, local_size)
                 store.set("segment", segment.name)
             else:
-                wait_keys(store, ["segment"], timeout)
+                wait_keys(store, ["segment"], rendezvous_timeout)
                 segment = _C.ShmSegment.open(store.get("segment").decode(), segment_bytes)
             self.impl = _C.CpuCommunicator(
                 segment,
@@ -83,7 +86,7 @@ class ShmBackend:
             return
         try:
             keys = [f"{what}/mapped/{r}" for r in range(self.local_size)]
-            wait_keys(self.store, keys, self.timeout)
+            wait_keys(self.store, keys, self.rendezvous_timeout)
         finally:
             if segment is not None:
                 segment.unlink()
@@ -105,7 +108,7 @@ class ShmBackend:
                 if r == self.local_rank:
                     segments.append(own)
                     continue
-                wait_keys(self.store, [f"{what}/name/{r}"], self.timeout)
+                wait_keys(self.store, [f"{what}/name/{r}"], self.rendezvous_timeout)
                 name, theirs = self.store.get(f"{what}/name/{r}").decode().split()
                 if int(theirs) != nbytes:
                     raise ValueError(

@@ -163,15 +163,24 @@ class Communicator:
             counter = _creation_counters.setdefault(global_ranks, itertools.count())
             instance = next(counter)
         tag = f"{zlib.crc32(repr(global_ranks).encode()):08x}"
-        store = dist.PrefixStore(
-            f"dk/comm/{tag}/{instance}/", dist.distributed_c10d._get_default_store()
-        )
+        base = dist.distributed_c10d._get_default_store()
+        store = dist.PrefixStore(f"dk/comm/{tag}/{instance}/", base)
+        # Peers may arrive late (imports, other work): rendezvous waits as long as torch's
+        # own store would, even when the collective timeout is short.
+        rendezvous_timeout = max(self.timeout, base.timeout)
         store.set(f"host/{self.rank}", _host_id())
-        wait_keys(store, [f"host/{r}" for r in range(self.world_size)], self.timeout)
+        wait_keys(store, [f"host/{r}" for r in range(self.world_size)], rendezvous_timeout)
         hosts = [store.get(f"host/{r}").decode() for r in range(self.world_size)]
         local = [r for r in range(self.world_size) if hosts[r] == hosts[self.rank]]
         host_store = dist.PrefixStore(f"host-{hosts[self.rank]}/", store)
-        shm = ShmBackend(host_store, local.index(self.rank), len(local), self.timeout, self.rank)
+        shm = ShmBackend(
+            host_store,
+            local.index(self.rank),
+            len(local),
+            self.timeout,
+            rendezvous_timeout,
+            self.rank,
+        )
         if len(local) == self.world_size:
             return shm
         from ._hierarchical import HierarchicalBackend

@@ -1,9 +1,10 @@
 """Element-wise kernels on torch tensors: in-place reduce, divide and cast-with-scale.
 
 These are the kernels the collectives run on each rank, exposed for standalone use. CPU tensors
-run the vectorised CPU kernels (split across a small thread pool above about 1 MiB; set
-``DK_NUM_THREADS`` to size it); CUDA tensors run the CUDA kernels on
-``torch.cuda.current_stream()`` when the extension was built with CUDA.
+run the vectorised CPU kernels, split across a small thread pool for calls touching 64 MiB or
+more (``DK_NUM_THREADS`` sizes the pool, ``DK_PARALLEL_MIN_BYTES`` moves the threshold). CUDA
+tensors run the CUDA kernels on ``torch.cuda.current_stream()`` when the extension was built
+with CUDA.
 
 Numerics: float16 and bfloat16 are computed in float32 and rounded once to nearest even, also
 across several sources (``reduce_(dst, a, b, c)`` rounds once, not three times); integer sums

@@ -1,15 +1,15 @@
-// Bytes moved per rank for S bytes on n ranks (r = read, w = written; "registered" = tensors
-// from comm.empty, read by peers in place; "plain" = any other tensor, copied into a slot):
+// Bytes moved through memory per rank for an all-reduce of S bytes on n ranks (r = read,
+// w = written). "Registered": tensors from comm.empty, which peers read in place; "plain":
+// any other tensor, whose every send is first copied into a slot.
 //
-//   all_reduce, registered:  r = S (own) + (n-1)/n S (peer partials) + (n-1)/n S (gather),
-//                            w = S; at n = 2: r = 2 S ... counted per step below:
-//     reduce steps:  n-1 chunks x (read own + read peer + write)   = 3 (n-1)/n S
-//     gather steps:  n-1 chunks x (read peer + write)              = 2 (n-1)/n S
-//     n = 2: r = 1.5 S, w = 1 S.
-//   all_reduce, plain: + one slot copy per send: 2 (n-1) chunks x (read + write); n = 2:
-//     r = 2.5 S, w = 2 S.
-//   reduce_scatter (S = whole input): reduce (n-1) x 3 S/n (+ slot copies when plain).
-//   all_gather (S = whole output):    copy own S/n, then (n-1) x 2 S/n (+ slot copies).
+//   registered:  reduce steps  (n-1) chunks x (read own + read peer + write) = r 2(n-1)/n S,
+//                                                                             w (n-1)/n S
+//                gather steps  (n-1) chunks x (read peer + write)           = r (n-1)/n S,
+//                                                                             w (n-1)/n S
+//                n = 2: r = 1.5 S, w = 1 S.
+//   plain:       + 2(n-1) slot copies of S/n (read + write each); n = 2: r = 2.5 S, w = 2 S.
+//   reduce_scatter (S = whole input):  the reduce steps only (+ slot copies when plain).
+//   all_gather (S = whole output):     own S/n copied, then the gather steps.
 #include "algorithm/ring.h"
 
 #include <vector>

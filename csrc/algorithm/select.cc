@@ -5,9 +5,12 @@
 namespace dk::algo {
 
 CostModel shmCostModel() {
-  // alpha: one dependent step of a 2-rank ring at 8 B (half an all-reduce round trip);
-  // beta: 1 / (memory bandwidth of one core copying through L2/L3, ~5 GB/s).
-  return CostModel{0.8, 1.0 / 5000.0};
+  // Measured on the 2-core VM in a quiet moment (2 ranks, fp32, back-to-back calls):
+  // all_reduce of 8 B took 3.2 us (registered) to 5.2 us (plain) = 2 dependent steps plus
+  // the call, so alpha ~ 1.5 us; 1-16 MiB ran at 6-8 GB/s busbw, so beta ~ 1 / 6 GB/s.
+  // With these, auto keeps the ring at 2 ranks (same steps, fewer bytes) and picks the tree
+  // at 8 ranks below ~290 KB (6 tree steps against the ring's 14).
+  return CostModel{1.5, 1.0 / 6000.0};
 }
 
 double ringAllReduceUs(const CostModel& m, int n, size_t bytes) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "algorithm/select.h"
+#include "algorithm/topology.h"
 #include "bindings/errors.h"
 #include "bindings/registry.h"
 #include "comm/cpu_communicator.h"
@@ -71,7 +73,10 @@ py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
     s = asyncOp ? c.comm->submit(r, &work) : c.comm->run(r);
   }
   check(s, c.context(r));
-  if (asyncOp) return py::cast(work);
+  if (asyncOp) {
+    work->context = c.context(r);
+    return py::cast(work);
+  }
   return py::none();
 }
 
@@ -119,7 +124,7 @@ void bindWork(py::module_& m) {
               py::gil_scoped_release nogil;
               s = w.wait(timeout ? *timeout : -1.0);
             }
-            check(s, "");
+            check(s, w.context);
           },
           py::arg("timeout") = py::none())
       .def("is_completed", &Work::isCompleted);
@@ -190,6 +195,43 @@ void bindCommunicator(py::module_& m) {
       });
 }
 
+py::tuple treeTuple(const algo::TreeNode& node) {
+  std::vector<int> children(node.children, node.children + node.numChildren);
+  return py::make_tuple(node.parent, children);
+}
+
+// The pure planners, for tests/test_topology.py and for printing plans.
+void bindTopology(py::module_& m) {
+  m.def("_ring_order", &algo::ringOrder, py::arg("world_size"));
+  m.def(
+      "_double_tree_node",
+      [](int tree, int n, int rank) { return treeTuple(algo::doubleTreeNode(tree, n, rank)); },
+      py::arg("tree"), py::arg("world_size"), py::arg("rank"));
+  m.def(
+      "_chain_node",
+      [](int n, int root, int rank) { return treeTuple(algo::chainNode(n, root, rank)); },
+      py::arg("world_size"), py::arg("root"), py::arg("rank"));
+  m.def(
+      "_heap_tree_node",
+      [](int n, int root, int rank) { return treeTuple(algo::heapTreeNode(n, root, rank)); },
+      py::arg("world_size"), py::arg("root"), py::arg("rank"));
+  m.def(
+      "_chunk_range",
+      [](size_t count, int parts, int index, size_t granule) {
+        const algo::Range r = algo::chunkRange(count, parts, index, granule);
+        return py::make_tuple(r.offset, r.count);
+      },
+      py::arg("count"), py::arg("parts"), py::arg("index"), py::arg("granule"));
+  m.def(
+      "_shm_all_reduce_cost_us",
+      [](int n, size_t bytes) {
+        const auto model = algo::shmCostModel();
+        return py::make_tuple(algo::ringAllReduceUs(model, n, bytes),
+                              algo::treeAllReduceUs(model, n, bytes));
+      },
+      py::arg("world_size"), py::arg("bytes"));
+}
+
 }  // namespace
 
 }  // namespace dk::bindings
@@ -198,4 +240,5 @@ DK_REGISTER_BINDINGS(comm) {
   dk::bindings::bindSegment(m);
   dk::bindings::bindWork(m);
   dk::bindings::bindCommunicator(m);
+  dk::bindings::bindTopology(m);
 }

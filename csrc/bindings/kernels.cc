@@ -35,6 +35,12 @@ constexpr size_t kReleaseGilBytes = size_t{64} << 10;
 
 void* asPointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
+#if DK_WITH_CUDA
+Status cudaFailure(const std::string& what) {
+  return Status(Code::kCudaError, what + ": " + cudaGetErrorString(cudaGetLastError()));
+}
+#endif
+
 // Runs fn with `device` current (CUDA) and the GIL released for large calls.
 template <typename Fn>
 Status runOn(int device, size_t bytes, Fn fn) {
@@ -44,11 +50,12 @@ Status runOn(int device, size_t bytes, Fn fn) {
 #if DK_WITH_CUDA
   int previous = -1;
   if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
-    return Status(Code::kCudaError, std::string("cudaSetDevice(") + std::to_string(device) +
-                                        "): " + cudaGetErrorString(cudaGetLastError()));
+    return cudaFailure("cudaSetDevice(" + std::to_string(device) + ")");
   }
   Status status = fn();
-  if (previous != device) cudaSetDevice(previous);
+  if (previous != device && cudaSetDevice(previous) != cudaSuccess && status.ok()) {
+    return cudaFailure("restoring cudaSetDevice(" + std::to_string(previous) + ")");
+  }
   return status;
 #else
   return Unsupported("CUDA tensors need a CUDA build of dist_kernels (this one is CPU-only)");
@@ -157,6 +164,10 @@ DK_REGISTER_BINDINGS(kernels) {
       "The CPU kernel build in use.");
   m.def("kernels_supported_cpu_isas", &supportedCpuIsas,
         "The CPU kernel builds this CPU can run, baseline first.");
+  m.def("kernels_set_cpu_parallel_min_bytes", &dk::kernels::setCpuParallelMinBytes,
+        py::arg("bytes"),
+        "Sets the size (bytes read + written) from which standalone CPU calls use the thread "
+        "pool; returns the previous value.");
   m.def("kernels_cpu_threads", &dk::kernels::cpuPoolThreads,
         "Threads a standalone CPU kernel call may use (DK_NUM_THREADS or the core count).");
 }

@@ -3,6 +3,7 @@
 
 #include <condition_variable>
 #include <mutex>
+#include <string>
 
 #include "common/status.h"
 
@@ -15,6 +16,8 @@ class Work {
   // it has not finished yet (the collective keeps running; a later wait may succeed).
   Status wait(double timeoutSec) const;
   void complete(Status status);
+  // "[rank 1] all_reduce": prefixed to errors raised by wait().
+  std::string context;
 
  private:
   mutable std::mutex mutex_;

@@ -14,12 +14,11 @@ namespace {
 std::atomic<int> g_active_isa{-1};
 
 bool cpuHasAvx512() {
-  // The AVX-512 build is compiled with F, BW, VL, DQ and BF16 (CMakeLists.txt), so the CPU must
-  // have all of them even though the code asks only for F explicitly.
+  // The AVX-512 build is compiled with F, BW, VL and DQ (CMakeLists.txt), so the CPU must have
+  // all of them even though the code asks only for F explicitly (Skylake-X and later).
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx2") &&
-         __builtin_cpu_supports("fma");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 bool cpuHasAvx2() {

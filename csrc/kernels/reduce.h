@@ -34,6 +34,9 @@ Status reduceMultiCpuParallel(void* dst, const void* const* srcs, int nsrcs, siz
 Status divideCpuParallel(void* dst, const void* src, size_t count, DType dtype, int64_t divisor);
 Status castScaleCpuParallel(void* dst, DType dst_dtype, const void* src, DType src_dtype,
                             size_t count, float scale);
+// Calls touching fewer bytes (read + written) than this stay on the caller's thread; default
+// 64 MiB or DK_PARALLEL_MIN_BYTES (see reduce_cpu_parallel.cc). Returns the previous value.
+size_t setCpuParallelMinBytes(size_t bytes);
 
 #if DK_WITH_CUDA
 // The same operations on device memory, enqueued on `stream` (a cudaStream_t); they return

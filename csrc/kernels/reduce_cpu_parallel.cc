@@ -1,6 +1,8 @@
 // Standalone CPU entry points: the single-threaded kernels run on slices of the range, one per
 // pool thread (cpu_thread_pool.h). Results are identical to the serial calls: every element is
 // computed by the same code, only the thread differs.
+#include <atomic>
+#include <cstdlib>
 #include <vector>
 
 #include "common/dtype.h"
@@ -11,15 +13,32 @@ namespace dk::kernels {
 
 namespace {
 
-// Below this many bytes touched (read + written), waking the pool costs more than it saves.
+// Below this many bytes touched (read + written), a standalone call runs on the caller alone.
 // Measured with an fp32 sum dst += src (AVX-512 build) on the shared 2-core Sapphire Rapids VM,
-// median of 200 calls, serial time / pooled time:
-//   touched   192 KiB: 0.75   768 KiB: 0.65-0.88   1.5 MiB: 0.65-0.73   3 MiB: 0.85-0.99
-//   12 MiB: 0.93-0.97   48 MiB: 0.89   192 MiB: 0.76-1.26 (1.2-1.3 when the machine was quiet)
-// The machine's other tenants (load average 8-18) kept the second core busy during most runs;
-// on an idle machine the gain at large sizes is the second core's memory bandwidth. 2 MiB keeps
-// the pool away from the sizes where it always lost.
-constexpr size_t kParallelMinBytes = size_t{2} << 20;
+// serial time / pooled time, median (best) of 30-200 alternating calls, load average 15-20:
+//   touched 0.75 MiB: 0.67-0.89 (0.68-0.88)   3 MiB: 0.76-0.85 (0.95)   12 MiB: 0.90-0.92
+//   (0.92-0.95) 48 MiB: 0.20-0.26 (0.96-0.98)   192 MiB: 0.80-1.26 (0.81-0.92)
+// and 1.2-1.3 at 192 MiB in a quieter moment (load average 2.5). A call of a few milliseconds
+// or less loses a whole scheduler time slice whenever the OS preempts the worker in the middle
+// of a part (the median collapses at 48 MiB); calls past 64 MiB span many time slices, so
+// preemption evens out and the second core's bandwidth can show. On a machine with idle cores
+// smaller calls would gain too: DK_PARALLEL_MIN_BYTES lowers the threshold.
+constexpr size_t kDefaultParallelMinBytes = size_t{64} << 20;
+
+size_t initialParallelMinBytes() {
+  const char* env = std::getenv("DK_PARALLEL_MIN_BYTES");
+  if (env == nullptr || env[0] == '\0') return kDefaultParallelMinBytes;
+  return static_cast<size_t>(std::strtoull(env, nullptr, 10));
+}
+
+std::atomic<size_t>& parallelMinBytes() {
+  static std::atomic<size_t> min_bytes{initialParallelMinBytes()};
+  return min_bytes;
+}
+
+bool worthSplitting(size_t touched_bytes) {
+  return touched_bytes >= parallelMinBytes().load(std::memory_order_relaxed);
+}
 
 const char* byteOffset(const void* base, size_t elements, size_t element_bytes) {
   return static_cast<const char*>(base) + elements * element_bytes;
@@ -27,13 +46,15 @@ const char* byteOffset(const void* base, size_t elements, size_t element_bytes) 
 
 }  // namespace
 
+size_t setCpuParallelMinBytes(size_t bytes) { return parallelMinBytes().exchange(bytes); }
+
 Status reduceMultiCpuParallel(void* dst, const void* const* srcs, int nsrcs, size_t count,
                               DType dtype, RedOp op) {
   if (nsrcs < 1 || !isValidDType(static_cast<int>(dtype))) {
     return reduceMultiCpu(dst, srcs, nsrcs, count, dtype, op);  // reports the error
   }
   const size_t size = dtypeSize(dtype);
-  const bool split = count * size * (nsrcs + 1) >= kParallelMinBytes;
+  const bool split = worthSplitting(count * size * (nsrcs + 1));
   return cpuParallelSlices(count, size, split, [&](size_t begin, size_t end) {
     std::vector<const void*> slice_srcs(nsrcs);
     for (int s = 0; s < nsrcs; ++s) slice_srcs[s] = byteOffset(srcs[s], begin, size);
@@ -45,7 +66,7 @@ Status reduceMultiCpuParallel(void* dst, const void* const* srcs, int nsrcs, siz
 Status divideCpuParallel(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
   if (!isValidDType(static_cast<int>(dtype))) return divideCpu(dst, src, count, dtype, divisor);
   const size_t size = dtypeSize(dtype);
-  const bool split = count * size * 2 >= kParallelMinBytes;
+  const bool split = worthSplitting(count * size * 2);
   return cpuParallelSlices(count, size, split, [&](size_t begin, size_t end) {
     void* slice_dst = const_cast<char*>(byteOffset(dst, begin, size));
     return divideCpu(slice_dst, byteOffset(src, begin, size), end - begin, dtype, divisor);
@@ -59,7 +80,7 @@ Status castScaleCpuParallel(void* dst, DType dst_dtype, const void* src, DType s
   }
   const size_t dst_size = dtypeSize(dst_dtype);
   const size_t src_size = dtypeSize(src_dtype);
-  const bool split = count * (dst_size + src_size) >= kParallelMinBytes;
+  const bool split = worthSplitting(count * (dst_size + src_size));
   return cpuParallelSlices(count, dst_size, split, [&](size_t begin, size_t end) {
     void* slice_dst = const_cast<char*>(byteOffset(dst, begin, dst_size));
     return castScaleCpu(slice_dst, dst_dtype, byteOffset(src, begin, src_size), src_dtype,

@@ -1,45 +1,65 @@
 #include "transport/shm_backoff.h"
 
 #include <immintrin.h>
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 
 namespace dk::shm {
 
 namespace {
-// Measured on the 2-core Sapphire Rapids VM (tools: the latency loop in docs/architecture.md):
-// one _mm_pause is ~40 ns there, so 8192 pauses spin for ~300 us, longer than a 64 KiB
-// all-reduce step, so back-to-back collectives never reach the yield phase when each rank
-// has its own core.
-constexpr uint32_t kSpinSteps = 8192;
-// Oversubscribed: spin only ~3 us before yielding the core to the rank we wait for.
+// Measured on the 2-core Sapphire Rapids VM: one _mm_pause takes 11-20 ns there, so 2048
+// pauses spin for ~25-40 us: longer than a whole 64 KiB all-reduce (~12 us at 2 ranks), so
+// back-to-back collectives stay in the spin phase while each rank has a core, yet short
+// enough that a rank sharing its core with the peer it waits for (other load on the machine)
+// gives the core away quickly. (8192 steps cost ~300 us per step in that case.)
+constexpr uint32_t kSpinSteps = 2048;
+// Oversubscribed: spin only ~3 us before giving the core to the rank we wait for.
 constexpr uint32_t kSpinStepsOversubscribed = 64;
 // Yield steps before sleeping: a yield returns at once when nobody else wants the core.
-constexpr uint32_t kYieldSteps = 2000;
-// Sleeps grow from 5 us to 200 us: long enough to free the core, short against any timeout.
-constexpr long kMinSleepNs = 5000;
-constexpr long kMaxSleepNs = 200000;
+constexpr uint32_t kYieldSteps = 64;
+// A futex sleep ends on the writer's wake; the timeout only bounds how late the waiter
+// notices a dead peer, an abort or its deadline.
+constexpr long kSleepNs = 2000000;
+
+// The futex word is the low half of the 64-bit counter (x86-64 is little-endian).
+const uint32_t* lowWord(const std::atomic<uint64_t>& word) {
+  static_assert(sizeof(std::atomic<uint64_t>) == 8, "plain 64-bit counter");
+  return reinterpret_cast<const uint32_t*>(&word);
+}
 }  // namespace
 
 uint32_t Backoff::spinSteps() const {
   return oversubscribed_ ? kSpinStepsOversubscribed : kSpinSteps;
 }
 
-void Backoff::pause() {
+void Backoff::pause(const std::atomic<uint64_t>& word, uint64_t seen,
+                    std::atomic<uint32_t>& sleepers) {
   const uint32_t spin = spinSteps();
   ++step_;
   if (step_ <= spin) {
     _mm_pause();
-  } else if (step_ <= spin + kYieldSteps) {
-    sched_yield();
-  } else {
-    const uint32_t sleeps = step_ - spin - kYieldSteps;
-    const long ns = std::min(kMaxSleepNs, kMinSleepNs * static_cast<long>(std::min(sleeps, 64u)));
-    struct timespec ts = {0, ns};
-    nanosleep(&ts, nullptr);
+    return;
   }
+  if (step_ <= spin + kYieldSteps) {
+    sched_yield();
+    return;
+  }
+  // Dekker with the writer: we register, then the kernel re-reads the word; the writer
+  // stores the word, then reads `sleepers`. One of the two sees the other.
+  sleepers.fetch_add(1, std::memory_order_seq_cst);
+  struct timespec timeout = {0, kSleepNs};
+  syscall(SYS_futex, lowWord(word), FUTEX_WAIT, static_cast<uint32_t>(seen), &timeout, nullptr, 0);
+  sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void wakeSleepers(const std::atomic<uint64_t>& word, const std::atomic<uint32_t>& sleepers) {
+  if (sleepers.load(std::memory_order_seq_cst) == 0) return;
+  syscall(SYS_futex, lowWord(word), FUTEX_WAKE, 0x7fffffff, nullptr, nullptr, 0);
 }
 
 }  // namespace dk::shm

@@ -3,10 +3,12 @@
 // Pure spinning is fine while every rank has a core (a handoff between two cores costs
 // ~0.2 us), but when ranks outnumber cores a spinning waiter burns the time slice the rank it
 // waits for needs: tests run 8 ranks on 2 cores. So a waiter spins briefly, then gives the core
-// away with sched_yield, then sleeps in growing steps. An oversubscribed communicator (more
-// local ranks than usable cores) skips most of the spin.
+// away with sched_yield, then sleeps on a futex until the peer's write wakes it (a timed sleep
+// would add its whole period to every step when ranks outnumber cores). An oversubscribed
+// communicator (more local ranks than usable cores) skips most of the spin.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 namespace dk::shm {
@@ -14,8 +16,10 @@ namespace dk::shm {
 class Backoff {
  public:
   explicit Backoff(bool oversubscribed) : oversubscribed_(oversubscribed) {}
-  // One step of waiting; the caller re-checks its condition afterwards.
-  void pause();
+  // One step of waiting for `word` to change from `seen` (the value the caller just found
+  // not ready). Past the spin and yield phases the waiter sleeps on a futex: it registers in
+  // `sleepers`, and the writer of `word` wakes it (see wakeSleepers()).
+  void pause(const std::atomic<uint64_t>& word, uint64_t seen, std::atomic<uint32_t>& sleepers);
   // True on the steps where the caller should also check deadline and peer liveness
   // (a clock read and a trylock are cheap, but not free enough for every spin).
   bool shouldCheck() const { return (step_ & 255) == 0 || step_ > spinSteps(); }
@@ -25,5 +29,8 @@ class Backoff {
   bool oversubscribed_;
   uint32_t step_ = 0;
 };
+
+// Called by the writer after storing a new value into `word` (seq_cst): wakes the sleepers.
+void wakeSleepers(const std::atomic<uint64_t>& word, const std::atomic<uint32_t>& sleepers);
 
 }  // namespace dk::shm

@@ -69,7 +69,9 @@ static_assert(sizeof(SlotDescriptor) == kCacheLine, "one descriptor per cache li
 
 struct alignas(kCacheLine) FifoControl {
   alignas(kCacheLine) std::atomic<uint64_t> head;  // messages posted (sender writes)
+  std::atomic<uint32_t> headSleepers;              // receivers asleep on head (futex)
   alignas(kCacheLine) std::atomic<uint64_t> tail;  // messages released (receiver writes)
+  std::atomic<uint32_t> tailSleepers;              // senders asleep on tail (futex)
   SlotDescriptor slots[kMaxSlots];
 };
 static_assert(offsetof(FifoControl, head) == 0, "head on the first line");

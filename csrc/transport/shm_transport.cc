@@ -207,26 +207,31 @@ Status ShmTransport::health() const {
 }
 
 template <typename Ready>
-Status ShmTransport::waitFor(int peer, const char* what, Ready ready) {
+Status ShmTransport::waitFor(int peer, const char* what, const std::atomic<uint64_t>& word,
+                             std::atomic<uint32_t>& sleepers, Ready ready) {
   Backoff backoff(oversubscribed_);
-  while (!ready()) {
+  for (uint64_t seen = word.load(std::memory_order_acquire); !ready(seen);
+       seen = word.load(std::memory_order_acquire)) {
     if (header()->abortRank.load(std::memory_order_relaxed) != 0) return health();
     if (backoff.shouldCheck()) {
       DK_RETURN_IF_ERROR(peerAlive(peer));
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline_) {
-        const double secs = std::chrono::duration<double>(deadline_ - started_).count();
-        char buf[256];
-        std::snprintf(
-            buf, sizeof(buf), "timed out after %.1f s waiting for rank %d (%s; %s message %llu)",
-            secs, peer, describeHeader(current_).c_str(), what,
-            static_cast<unsigned long long>(what[0] == 's' ? sent_[peer] : received_[peer]));
-        return Status(Code::kTimeout, buf);
-      }
+      if (std::chrono::steady_clock::now() >= deadline_) return timedOut(peer, what);
     }
-    backoff.pause();
+    backoff.pause(word, seen, sleepers);
   }
   return Status::Ok();
+}
+
+Status ShmTransport::timedOut(int peer, const char* what) const {
+  const double secs = std::chrono::duration<double>(deadline_ - started_).count();
+  char buf[320];
+  std::snprintf(buf, sizeof(buf),
+                "timed out after %.1f s waiting for rank %d (%s; %s; messages to it %llu, "
+                "from it %llu)",
+                secs, peer, describeHeader(current_).c_str(), what,
+                static_cast<unsigned long long>(sent_[peer]),
+                static_cast<unsigned long long>(received_[peer]));
+  return Status(Code::kTimeout, buf);
 }
 
 Status ShmTransport::begin(const MessageHeader& header,
@@ -257,9 +262,8 @@ Status ShmTransport::postSend(const SendOp& send) {
   FifoControl* f = fifo(rank_, peer);
   const uint64_t seq = sent_[peer];
   const uint64_t slots = geometry_.slotsPerFifo;
-  DK_RETURN_IF_ERROR(waitFor(peer, "send slot for", [&] {
-    return seq - f->tail.load(std::memory_order_acquire) < slots;
-  }));
+  DK_RETURN_IF_ERROR(waitFor(peer, "waiting for a free slot", f->tail, f->tailSleepers,
+                             [&](uint64_t tail) { return seq - tail < slots; }));
   SlotDescriptor& desc = f->slots[seq % slots];
   uint32_t id = 0;
   uint64_t offset = 0;
@@ -274,7 +278,8 @@ Status ShmTransport::postSend(const SendOp& send) {
   }
   desc.bytes = send.bytes;
   desc.header = current_;
-  f->head.store(seq + 1, std::memory_order_release);
+  f->head.store(seq + 1, std::memory_order_seq_cst);
+  wakeSleepers(f->head, f->headSleepers);
   sent_[peer] = seq + 1;
   return Status::Ok();
 }
@@ -314,8 +319,8 @@ Status ShmTransport::completeRecv(RecvOp& recv) {
   if (peer < 0 || peer >= worldSize() || peer == rank_) return Internal("recv from a bad peer");
   FifoControl* f = fifo(peer, rank_);
   const uint64_t seq = received_[peer];
-  DK_RETURN_IF_ERROR(
-      waitFor(peer, "receive from", [&] { return f->head.load(std::memory_order_acquire) > seq; }));
+  DK_RETURN_IF_ERROR(waitFor(peer, "waiting for a message", f->head, f->headSleepers,
+                             [&](uint64_t head) { return head > seq; }));
   const SlotDescriptor& desc = f->slots[seq % geometry_.slotsPerFifo];
   if (desc.header != current_ || desc.bytes != recv.bytes) {
     return mismatch(peer, desc.header, desc.bytes, recv.bytes);
@@ -336,7 +341,9 @@ Status ShmTransport::release(const RecvOp* recvs, int nrecvs) {
     const int peer = recvs[i].peer;
     if (released_[peer] >= received_[peer]) return Internal("release without a receive");
     released_[peer] += 1;
-    fifo(peer, rank_)->tail.store(released_[peer], std::memory_order_release);
+    FifoControl* f = fifo(peer, rank_);
+    f->tail.store(released_[peer], std::memory_order_seq_cst);
+    wakeSleepers(f->tail, f->tailSleepers);
   }
   return Status::Ok();
 }
@@ -346,8 +353,8 @@ Status ShmTransport::finish() {
     const uint64_t until = zeroCopyUntil_[peer];
     if (peer == rank_ || until == 0) continue;
     FifoControl* f = fifo(rank_, peer);
-    DK_RETURN_IF_ERROR(waitFor(peer, "in-place read by",
-                               [&] { return f->tail.load(std::memory_order_acquire) >= until; }));
+    DK_RETURN_IF_ERROR(waitFor(peer, "waiting for it to read our buffer in place", f->tail,
+                               f->tailSleepers, [&](uint64_t tail) { return tail >= until; }));
     zeroCopyUntil_[peer] = 0;
   }
   return Status::Ok();

@@ -65,8 +65,11 @@ class ShmTransport : public Transport {
   RankControl* rankControl(int r) const;
   FifoControl* fifo(int sender, int receiver) const;
   char* slotData(int sender, int receiver, uint64_t seq) const;
+  // Waits until ready(word) holds, polling abort, deadline and the peer's liveness.
   template <typename Ready>
-  Status waitFor(int peer, const char* what, Ready ready);
+  Status waitFor(int peer, const char* what, const std::atomic<uint64_t>& word,
+                 std::atomic<uint32_t>& sleepers, Ready ready);
+  Status timedOut(int peer, const char* what) const;
   Status peerAlive(int peer);
   Status postSend(const SendOp& send);
   Status completeRecv(RecvOp& recv);

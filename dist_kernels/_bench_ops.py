@@ -1,0 +1,308 @@
+"""What the benchmark runs: per-collective buffers, calls, known inputs and their reference.
+
+Every rank's input is a pure function of (rank, element index), so any rank can rebuild every
+peer's input and compute the exact expected output without communicating. Values are small
+integers stored in the benchmark dtype, chosen so that sums, products, minima and maxima are
+exact in every supported dtype (float16 and bfloat16 included) for any reasonable world size;
+only AVG on floating types is compared with a tolerance (a division by the world size rounds).
+
+Placement follows nccl-tests: "out-of-place" keeps the input and writes the result elsewhere,
+"in-place" writes the result over the input (all_gather: the input is the rank's slice of the
+output; reduce_scatter: the output is the rank's slice of the input). ``all_reduce`` and
+``broadcast`` are in place in this API (as in torch.distributed), so their out-of-place form is
+``out.copy_(inp)`` followed by the in-place call, and the copy is part of the time.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ._dtypes import ReduceOp
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+REDUCING_OPS = ("all_reduce", "reduce_scatter")
+PLACEMENTS = ("out_of_place", "in_place")
+# Elements compared at a time: bounds the reference's float64 / int64 memory per rank.
+CHECK_BLOCK = 1 << 20
+
+Alloc = Callable[[int], torch.Tensor]  # count -> a 1-D tensor
+Runner = Callable[..., None]  # run(op, *tensors) issues one collective
+
+DTYPES: Dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+REDOPS = ("sum", "prod", "max", "min", "avg")
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """nccl-tests' busbw / algbw factor (S is the whole array for reduce_scatter / all_gather)."""
+    n = world_size
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    return 1.0
+
+
+def element_count(op: str, size_bytes: int, itemsize: int, world_size: int) -> int:
+    """Elements of the whole array for ``size_bytes``; a multiple of world_size where split."""
+    count = size_bytes // itemsize
+    if op in ("reduce_scatter", "all_gather"):
+        return max(world_size, count // world_size * world_size)
+    return max(1, count)
+
+
+def _amplitude(dtype: torch.dtype, world_size: int) -> int:
+    """Largest |value| (at most 3) whose sum over all ranks cannot overflow ``dtype``."""
+    if dtype.is_floating_point:
+        return 3
+    limit = torch.iinfo(dtype).max // max(1, world_size)
+    return max(1, min(3, limit if dtype != torch.uint8 else limit // 2))
+
+
+def rank_values(
+    rank: int, start: int, stop: int, dtype: torch.dtype, redop: str, world_size: int
+) -> torch.Tensor:
+    """Rank ``rank``'s input elements ``[start, stop)`` in int64 (exact in every dtype).
+
+    prod: +-1 everywhere except one rank per element holding 2 (the product stays in {+-1, +-2});
+    otherwise integers in [-a, a] ([0, 2a] for uint8), a from :func:`_amplitude`.
+    """
+    index = torch.arange(start, stop, dtype=torch.int64)
+    if redop == "prod":
+        values = torch.where((index + rank) % world_size == 0, 2, 1)
+        if dtype != torch.uint8:
+            values = torch.where((index * 3 + rank) % 5 == 0, -values, values)
+        return values
+    amplitude = _amplitude(dtype, world_size)
+    values = (index * 5 + rank * 3) % (2 * amplitude + 1)
+    return values if dtype == torch.uint8 else values - amplitude
+
+
+def _reduce(stack: torch.Tensor, redop: str, dtype: torch.dtype, world_size: int) -> torch.Tensor:
+    """Reference reduction over dim 0 of exact int64 inputs, in float64 or int64."""
+    if redop == "sum":
+        return stack.sum(0)
+    if redop == "prod":
+        return stack.prod(0)
+    if redop == "max":
+        return stack.max(0).values
+    if redop == "min":
+        return stack.min(0).values
+    total = stack.sum(0)
+    if dtype.is_floating_point:
+        return total.double() / world_size
+    return torch.div(total, world_size, rounding_mode="trunc")
+
+
+def count_wrong(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> int:
+    """Elements of ``got`` differing from ``expected`` (exact; AVG on floats within 4 ulp)."""
+    got = got.detach().to("cpu")
+    if expected.dtype == torch.float64 and dtype.is_floating_point:
+        tolerance = 4 * torch.finfo(dtype).eps * expected.abs()
+        bad = ~((got.double() - expected).abs() <= tolerance)  # NaN counts as wrong
+        return int(bad.sum())
+    return int((got.to(torch.int64) != expected.to(torch.int64)).sum())
+
+
+@dataclass
+class Case:
+    """One collective at one size on one rank."""
+
+    op: str
+    dtype: torch.dtype
+    redop: str
+    root: int
+    count: int  # elements of the whole array (nccl-tests' "count")
+    rank: int
+    world_size: int
+
+    @property
+    def shard(self) -> int:
+        """Elements each rank contributes (all_gather) or receives (reduce_scatter)."""
+        if self.op in ("reduce_scatter", "all_gather"):
+            return self.count // self.world_size
+        return self.count
+
+    def input_count(self) -> int:
+        return self.shard if self.op == "all_gather" else self.count
+
+    def output_count(self) -> int:
+        return self.shard if self.op == "reduce_scatter" else self.count
+
+    def fill_input(self, tensor: torch.Tensor) -> None:
+        for start in range(0, tensor.numel(), CHECK_BLOCK):
+            stop = min(tensor.numel(), start + CHECK_BLOCK)
+            values = rank_values(self.rank, start, stop, self.dtype, self.redop, self.world_size)
+            tensor[start:stop].copy_(values)
+
+    def expected(self, start: int, stop: int) -> torch.Tensor:
+        """Expected output elements ``[start, stop)`` on this rank."""
+        n = self.world_size
+        if self.op == "broadcast":
+            return rank_values(self.root, start, stop, self.dtype, self.redop, n)
+        if self.op == "all_gather":
+            parts = []
+            for peer in range(start // self.shard, (stop - 1) // self.shard + 1):
+                lo = max(start, peer * self.shard) - peer * self.shard
+                hi = min(stop, (peer + 1) * self.shard) - peer * self.shard
+                parts.append(rank_values(peer, lo, hi, self.dtype, self.redop, n))
+            return torch.cat(parts)
+        offset = self.rank * self.shard if self.op == "reduce_scatter" else 0
+        stack = torch.stack(
+            [
+                rank_values(peer, offset + start, offset + stop, self.dtype, self.redop, n)
+                for peer in range(n)
+            ]
+        )
+        return _reduce(stack, self.redop, self.dtype, n)
+
+    def wrong(self, output: torch.Tensor) -> int:
+        wrong = 0
+        for start in range(0, output.numel(), CHECK_BLOCK):
+            stop = min(output.numel(), start + CHECK_BLOCK)
+            wrong += count_wrong(output[start:stop], self.expected(start, stop), self.dtype)
+        return wrong
+
+
+def sentinel(dtype: torch.dtype) -> float:
+    """A value that never appears in a correct output: a skipped write shows as #wrong."""
+    return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+
+
+@dataclass
+class Buffers:
+    """Tensors of one placement: ``source`` holds the known input, ``result`` is checked.
+
+    ``args`` are the tensors handed to the collective; ``copy_in`` marks the out-of-place form
+    of an in-place-only collective (``result.copy_(source)`` first, timed with the call).
+    """
+
+    op: str
+    source: torch.Tensor
+    result: torch.Tensor
+    args: Tuple[torch.Tensor, ...]
+    copy_in: bool = False
+
+    def bind(self, run: Runner) -> Callable[[], None]:
+        """The zero-argument call that the benchmark checks, then times."""
+        op, args, source, result = self.op, self.args, self.source, self.result
+        if not self.copy_in:
+            return lambda: run(op, *args)
+
+        def copy_then_run() -> None:
+            result.copy_(source)
+            run(op, *args)
+
+        return copy_then_run
+
+
+def make_buffers(case: Case, placement: str, alloc: Alloc) -> Buffers:
+    """Allocates (with ``alloc(count)``) the tensors of ``placement`` for ``case``.
+
+    The collective is then ``run("all_reduce", t)``, ``run("reduce_scatter", out, inp)``,
+    ``run("all_gather", out, inp)`` or ``run("broadcast", t)`` on ``Buffers.args``.
+    """
+    op = case.op
+    if op in ("all_reduce", "broadcast"):
+        result = alloc(case.count)
+        if placement == "in_place":
+            return Buffers(op, result, result, (result,))
+        return Buffers(op, alloc(case.count), result, (result,), copy_in=True)
+    if placement == "out_of_place":
+        source, result = alloc(case.input_count()), alloc(case.output_count())
+    elif op == "all_gather":
+        result = alloc(case.count)
+        source = result[case.rank * case.shard : (case.rank + 1) * case.shard]
+    else:
+        source = alloc(case.count)
+        result = source[case.rank * case.shard : (case.rank + 1) * case.shard]
+    return Buffers(op, source, result, (result, source))
+
+
+def prepare_check(case: Case, buffers: Buffers) -> None:
+    """Writes the sentinel over the result, then the known input (in-place overlaps it).
+
+    Every rank writes its own input, broadcast included: a non-root result left unchanged
+    then differs from the root's values and counts as wrong.
+    """
+    buffers.result.fill_(sentinel(case.dtype))
+    case.fill_input(buffers.source)
+
+
+@dataclass
+class Backend:
+    """A named way of running collectives: ours with one algorithm, or the baseline."""
+
+    name: str
+    run: Runner
+    is_baseline: bool = False
+
+
+def _accepts_algorithm(method: Callable) -> bool:
+    try:
+        return "algorithm" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def algorithm_choices(comm, op: str, requested: List[str]) -> Tuple[List[str], Optional[str]]:
+    """Algorithms to run for ``op``, and a note when the method takes no ``algorithm``."""
+    if _accepts_algorithm(getattr(comm, op)):
+        return requested, None
+    return ["default"], f"Communicator.{op} takes no algorithm argument: ran its default"
+
+
+def ours_runner(comm, algorithm: str, redop: ReduceOp, root: int) -> Runner:
+    """Calls the Communicator; ``algorithm="default"`` passes no algorithm argument."""
+    extra = {} if algorithm == "default" else {"algorithm": algorithm}
+
+    def run(op: str, *tensors: torch.Tensor) -> None:
+        if op == "all_reduce":
+            comm.all_reduce(tensors[0], op=redop, **extra)
+        elif op == "reduce_scatter":
+            comm.reduce_scatter(tensors[0], tensors[1], op=redop, **extra)
+        elif op == "all_gather":
+            comm.all_gather(tensors[0], tensors[1], **extra)
+        else:
+            comm.broadcast(tensors[0], root, **extra)
+
+    return run
+
+
+def gloo_runner(redop: str, root: int, group=None) -> Runner:
+    """torch.distributed calls on ``group`` (the benchmark's Gloo process group)."""
+    import torch.distributed as dist
+
+    torch_op = {
+        "sum": dist.ReduceOp.SUM,
+        "prod": dist.ReduceOp.PRODUCT,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+        "avg": dist.ReduceOp.AVG,
+    }[redop]
+    # all_gather_into_tensor is deprecated in favour of all_gather_single where that exists.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def run(op: str, *tensors: torch.Tensor) -> None:
+        if op == "all_reduce":
+            dist.all_reduce(tensors[0], op=torch_op, group=group)
+        elif op == "reduce_scatter":
+            dist.reduce_scatter_tensor(tensors[0], tensors[1], op=torch_op, group=group)
+        elif op == "all_gather":
+            gather(tensors[0], tensors[1], group=group)
+        else:
+            dist.broadcast(tensors[0], root, group=group)
+
+    return run

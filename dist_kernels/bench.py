@@ -1,0 +1,509 @@
+"""Collective benchmark in the style of nccl-tests: ``python -m dist_kernels.bench``.
+
+Spawns ``--nproc`` local ranks itself (multiprocessing spawn, a TCPStore on 127.0.0.1 and a
+Gloo process group), or, under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set), runs as one of
+its ranks. For every size it first checks each algorithm's result against the exact answer
+(#wrong), then times it, and measures the baseline (torch.distributed Gloo on CPU, NCCL through
+``algorithm="nccl"`` on CUDA) in the same run on the same sizes. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import itertools
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shlex
+import sys
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _bench_ops as ops
+from . import _bench_report as report
+
+ALGORITHMS = ("ring", "tree", "auto")
+DEFAULT_MIN_BYTES = 8
+DEFAULT_MAX_BYTES = 64 << 20
+DEFAULT_FACTOR = 2
+
+
+def parse_size(text: str) -> int:
+    """``'8'``, ``'64K'``, ``'64KiB'``, ``'16M'``, ``'1G'`` -> bytes (K = 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in units else ""
+    try:
+        number = int(value[: len(value) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8, 64K, 16M)") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return number * units[unit]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dist_kernels.bench",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="The defaults sweep 8 B to 64 MiB by x2 (24 sizes; ring, tree, auto and Gloo, "
+        "each out-of-place and in-place): estimated at under a minute for 2 ranks on a quiet "
+        "2-core machine (it took 7 minutes at load average 20). -f 4 halves the sizes, a smaller "
+        "-e or --iter-bytes shortens the large ones; --iters gives steadier small sizes.",
+    )
+    add = parser.add_argument
+    add("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    add("--op", choices=ops.OPS, default="all_reduce")
+    add("--algorithm", choices=(*ALGORITHMS, "all"), default="all", help="all = ring, tree, auto")
+    add("-b", "--minbytes", type=parse_size, default=DEFAULT_MIN_BYTES, help="smallest size")
+    add("-e", "--maxbytes", type=parse_size, default=DEFAULT_MAX_BYTES, help="largest size")
+    add("-f", "--stepfactor", type=int, default=DEFAULT_FACTOR, help="size multiplication factor")
+    add("--dtype", choices=tuple(ops.DTYPES), default="float32")
+    add("--redop", choices=ops.REDOPS, default="sum", help="all_reduce / reduce_scatter only")
+    add("--root", type=int, default=0, help="broadcast root")
+    add("--iters", type=int, default=100, help="timed iterations per size, at most")
+    add("--warmup", type=int, default=10, help="untimed iterations per size, at most")
+    add(
+        "--iter-bytes",
+        type=parse_size,
+        default=512 << 20,
+        help="size-aware iterations: a size S gets max(--min-iters, ceil(iter-bytes / S)) "
+        "iterations, capped at --iters, and warmup scaled alike (at least 1)",
+    )
+    add("--min-iters", type=int, default=5, help="timed iterations at the largest sizes, at least")
+    add(
+        "--buffers",
+        choices=("registered", "plain"),
+        default="registered",
+        help="our tensors from comm.empty (registered shared memory) or torch.empty; "
+        "the baseline always uses torch.empty",
+    )
+    add("--device", choices=("cpu", "cuda"), default="cpu")
+    add("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    add("--json", metavar="FILE", help="write meta data and every row as JSON")
+    add("--plot", metavar="FILE.png", help="busbw against size, log-log (needs matplotlib)")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("nproc", "stepfactor", "iters", "min_iters"):
+        if getattr(args, name) < 1 + (name == "stepfactor"):
+            parser.error(f"--{name.replace('_', '-')} must be >= {1 + (name == 'stepfactor')}")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install matplotlib (or drop --plot)")
+    if args.minbytes > args.maxbytes:
+        parser.error(f"-b {args.minbytes} is larger than -e {args.maxbytes}")
+    return args
+
+
+def sizes(args: argparse.Namespace) -> List[int]:
+    result, size = [], args.minbytes
+    while size <= args.maxbytes:
+        result.append(size)
+        size *= args.stepfactor
+    return result
+
+
+def iterations(size: int, args: argparse.Namespace) -> Tuple[int, int]:
+    """(timed, warmup) iterations for ``size`` bytes: fewer for large sizes, see --iter-bytes."""
+    iters = min(args.iters, max(args.min_iters, math.ceil(args.iter_bytes / size)))
+    warmup = min(args.warmup, max(1, math.ceil(args.warmup * iters / args.iters)))
+    return iters, warmup
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+
+
+class _Rank:
+    """The benchmark as seen by one rank: its communicator, backends and buffers."""
+
+    def __init__(self, args: argparse.Namespace, launcher: str, command: str) -> None:
+        import dist_kernels as dk
+
+        self.args = args
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if args.op == "broadcast" and not 0 <= args.root < self.world_size:
+            raise ValueError(f"--root {args.root} is not a rank of {self.world_size}")
+        self.device = torch.device(args.device)
+        if args.device == "cuda":
+            torch.cuda.set_device(
+                int(os.environ.get("LOCAL_RANK", self.rank)) % max(1, torch.cuda.device_count())
+            )
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        timeout = datetime.timedelta(seconds=args.timeout)
+        self.comm = dk.Communicator(group=None, device=args.device, timeout=timeout)
+        self.dk = dk
+        self.baseline = "gloo" if args.device == "cpu" else "nccl"
+        requested = list(ALGORITHMS) if args.algorithm == "all" else [args.algorithm]
+        self.algorithms, algorithm_note = ops.algorithm_choices(self.comm, args.op, requested)
+        self.notes = [algorithm_note] if algorithm_note else []
+        self.backends = self._backends()
+        self.meta = self._meta(launcher, command)
+        self.max_count = ops.element_count(
+            args.op, max(sizes(args)), self.meta["itemsize"], self.world_size
+        )
+        self._slots: List[torch.Tensor] = []  # registered buffers, see _alloc
+
+    def _redop(self) -> str:
+        return self.args.redop if self.args.op in ops.REDUCING_OPS else "none"
+
+    def _root(self) -> int:
+        return self.args.root if self.args.op == "broadcast" else -1
+
+    def _backends(self) -> List[ops.Backend]:
+        redop = self.args.redop
+        ours = [
+            ops.Backend(
+                a, ops.ours_runner(self.comm, a, ops.ReduceOp[redop.upper()], self.args.root)
+            )
+            for a in self.algorithms
+        ]
+        if self.args.device == "cpu":
+            baseline = ops.gloo_runner(redop, self.args.root)
+        else:
+            baseline = ops.ours_runner(
+                self.comm, "nccl", ops.ReduceOp[redop.upper()], self.args.root
+            )
+        return [ops.Backend(self.baseline, baseline, is_baseline=True)] + ours
+
+    def _meta(self, launcher: str, command: str) -> Dict[str, Any]:
+        args = self.args
+        memcpy = self._memcpy_on_rank0()
+        dtype = ops.DTYPES[args.dtype]
+        baseline_label = (
+            "torch.distributed Gloo on the same process group, plain torch.empty tensors"
+            if self.baseline == "gloo"
+            else "NCCL through Communicator(algorithm='nccl'), plain tensors"
+        )
+        if args.op in ("all_reduce", "broadcast"):
+            self.notes.append(
+                f"{args.op} is in place (as in torch.distributed): out-of-place = "
+                "out.copy_(inp) then the in-place call, the copy included in the time"
+            )
+        return {
+            "date": report.utc_now(),
+            "command": command,
+            "launcher": launcher,
+            "machine": report.machine_info(),
+            "env": {
+                k: v
+                for k, v in sorted(os.environ.items())
+                if k in _ENV_SHOWN or k.startswith("DK_")
+            },
+            "build_info": self.dk.build_info(),
+            "memcpy": memcpy,
+            "op": args.op,
+            "dtype": args.dtype,
+            "itemsize": torch.empty((), dtype=dtype).element_size(),
+            "redop": self._redop(),
+            "root": self._root(),
+            "world_size": self.world_size,
+            "device": args.device,
+            "buffers": args.buffers,
+            "buffers_label": "registered (comm.empty)"
+            if args.buffers == "registered"
+            else "plain (torch.empty)",
+            "baseline": self.baseline,
+            "baseline_label": baseline_label,
+            "algorithms": list(self.algorithms),
+            "busbw_factor": ops.bus_factor(args.op, self.world_size),
+            "busbw_formula": _FACTOR_FORMULA[args.op],
+            "iteration_policy": (
+                f"per size S: iters = min({args.iters}, max({args.min_iters}, "
+                f"ceil({args.iter_bytes} B / S))), warmup = min({args.warmup}, "
+                f"max(1, ceil({args.warmup} * iters / {args.iters}))); column iters: timed/warmup"
+            ),
+            "args": vars(args),
+            "notes": self.notes,
+        }
+
+    def _memcpy_on_rank0(self) -> Dict[str, float]:
+        """The ceiling, measured by rank 0 alone while the others wait in a blocking barrier."""
+        result = report.memcpy_bandwidth(self.device) if self.rank == 0 else {}
+        objects = [result]
+        dist.broadcast_object_list(objects, src=0)
+        return objects[0]
+
+    # -- buffers --------------------------------------------------------------------------
+
+    def _alloc(self, ours: bool) -> ops.Alloc:
+        """Our tensors: slices of registered slots (or plain); the baseline's: plain, per size.
+
+        Registered memory stays registered until ``close()``, so the slots are allocated once,
+        at the largest count, and every size uses their leading elements; the k-th tensor a
+        placement asks for is the k-th slot (a placement needs at most two).
+        """
+        dtype = ops.DTYPES[self.args.dtype]
+        if not (ours and self.args.buffers == "registered"):
+            return lambda count: torch.empty(count, dtype=dtype, device=self.device)
+        handed_out = itertools.count()
+
+        def alloc(count: int) -> torch.Tensor:
+            slot = next(handed_out)
+            if slot == len(self._slots):
+                self._slots.append(self.comm.empty((self.max_count,), dtype=dtype))
+            return self._slots[slot][:count]
+
+        return alloc
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # -- one size ---------------------------------------------------------------------------
+
+    def run_size(self, size: int) -> List[report.Row]:
+        args = self.args
+        dtype = ops.DTYPES[args.dtype]
+        itemsize = self.meta["itemsize"]
+        count = ops.element_count(args.op, size, itemsize, self.world_size)
+        case = ops.Case(args.op, dtype, args.redop, args.root, count, self.rank, self.world_size)
+        iters, warmup = iterations(count * itemsize, args)
+        results = {b.name: {} for b in self.backends}
+        for placement in ops.PLACEMENTS:
+            ours = ops.make_buffers(case, placement, self._alloc(ours=True))
+            baseline = ops.make_buffers(case, placement, self._alloc(ours=False))
+            for backend in self.backends:
+                buffers = baseline if backend.is_baseline else ours
+                results[backend.name][placement] = self._measure(
+                    case, buffers, backend, iters, warmup
+                )
+            del ours, baseline
+        return [self._row(case, name, r, iters, warmup) for name, r in results.items()]
+
+    def _measure(
+        self, case: ops.Case, buffers: ops.Buffers, backend: ops.Backend, iters: int, warmup: int
+    ) -> Dict[str, Any]:
+        """Checks the result first (every rank agrees on the outcome), then times."""
+        call = buffers.bind(backend.run)
+        wrong, error = self._check(case, buffers, call)
+        status = torch.tensor([wrong, 1 if error else 0], dtype=torch.int64)
+        dist.all_reduce(status)
+        if status[1] > 0:
+            return {"error": error or "failed on another rank", "wrong": None}
+        seconds = _time_call(call, iters, warmup, self.comm.barrier, self._sync)
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return {"seconds": float(slowest[0]), "wrong": int(status[0]), "error": None}
+
+    def _check(
+        self, case: ops.Case, buffers: ops.Buffers, call: Callable[[], None]
+    ) -> Tuple[int, Optional[str]]:
+        """(#wrong, None) after one call on the known input, or (0, why) if the call refused."""
+        ops.prepare_check(case, buffers)
+        try:
+            call()
+            self._sync()
+        except Exception as exc:  # noqa: BLE001 - an unsupported combination is reported
+            if isinstance(exc, self.dk.CommError):
+                raise
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            return 0, f"{type(exc).__name__}: {first_line}"
+        return case.wrong(buffers.result), None
+
+    def _row(
+        self, case: ops.Case, name: str, results: Dict[str, Dict], iters: int, warmup: int
+    ) -> report.Row:
+        size = case.count * self.meta["itemsize"]
+        factor = self.meta["busbw_factor"]
+        row: report.Row = {
+            "algorithm": name,
+            "size": size,
+            "count": case.count,
+            "type": self.args.dtype,
+            "redop": self._redop(),
+            "root": self._root(),
+            "iters": iters,
+            "warmup": warmup,
+            "busbw_factor": factor,
+        }
+        for placement, result in results.items():
+            row[placement] = _columns(size, factor, result)
+        return row
+
+    def add_ratios(self, rows: List[report.Row]) -> None:
+        base = next(r for r in rows if r["algorithm"] == self.baseline)
+        for row in rows:
+            for placement in ops.PLACEMENTS:
+                mine, theirs = row[placement], base[placement]
+                ok = not mine.get("error") and not theirs.get("error") and mine["time_us"] > 0
+                mine["vs_baseline"] = theirs["time_us"] / mine["time_us"] if ok else None
+
+
+_ENV_SHOWN = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NCCL_ALGO", "NCCL_PROTO")
+_FACTOR_FORMULA = {
+    "all_reduce": "2(n-1)/n",
+    "reduce_scatter": "(n-1)/n, S = whole array",
+    "all_gather": "(n-1)/n, S = whole array",
+    "broadcast": "1",
+}
+
+
+def _columns(size: int, factor: float, result: Dict[str, Any]) -> Dict[str, Any]:
+    if result.get("error"):
+        return {
+            "time_us": None,
+            "algbw": None,
+            "busbw": None,
+            "wrong": None,
+            "error": result["error"],
+        }
+    seconds = result["seconds"]
+    algbw = size / seconds / 1e9 if seconds > 0 else 0.0
+    return {
+        "time_us": seconds * 1e6,
+        "algbw": algbw,
+        "busbw": algbw * factor,
+        "wrong": result["wrong"],
+        "error": None,
+    }
+
+
+def _time_call(
+    call: Callable[[], None], iters: int, warmup: int, barrier: Callable[[], None], sync: Callable
+) -> float:
+    """Average seconds per call over ``iters`` back-to-back calls, after ``warmup`` calls."""
+    for _ in range(warmup):
+        call()
+    sync()
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    sync()
+    return (time.perf_counter() - start) / iters
+
+
+def run_rank(args: argparse.Namespace, launcher: str, command: str) -> List[report.Row]:
+    """Runs the whole benchmark on this rank (process group initialised); rank 0 prints."""
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    # all_gather_into_tensor's deprecation notice, once per rank, would split the table.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    bench = _Rank(args, launcher, command)
+    printing = bench.rank == 0
+    meta = bench.meta
+    if printing:
+        _print(*report.header_lines(meta), *report.table_header(bench.baseline))
+    all_rows: List[report.Row] = []
+    seen = set()
+    try:
+        for size in sizes(args):
+            count = ops.element_count(args.op, size, meta["itemsize"], bench.world_size)
+            if count in seen:
+                continue  # rounding to whole elements per rank made this size a repeat
+            seen.add(count)
+            rows = bench.run_size(size)
+            bench.add_ratios(rows)
+            all_rows += rows
+            if printing:
+                _print(*(report.format_row(r, bench.baseline) for r in rows))
+    finally:
+        bench.comm.close()
+    if printing:
+        meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+        _print(*report.error_lines(all_rows), *report.summary_lines(all_rows, meta))
+        if args.json:
+            report.write_json(args.json, meta, all_rows)
+            _print(f"# wrote {args.json}")
+        if args.plot:
+            report.plot(args.plot, meta, all_rows)
+            _print(f"# wrote {args.plot}")
+    return all_rows
+
+
+def _print(*lines: str) -> None:
+    print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, args, command: str) -> None:
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        run_rank(args, f"spawn, {world_size} local ranks", command)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(args: argparse.Namespace, command: str) -> int:
+    """Starts ``--nproc`` ranks and waits; if one fails, the rest get a grace period, then die."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, as torchrun does
+    store = dist.TCPStore("127.0.0.1", 0, args.nproc + 1, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_spawned_rank,
+            args=(r, args.nproc, store.port, args, command),
+            name=f"dk-bench-rank{r}",
+        )
+        for r in range(args.nproc)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return _wait(procs, grace=min(60.0, args.timeout))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _wait(procs: List[Any], grace: float) -> int:
+    """Waits for every rank; once one has failed, the others get ``grace`` seconds."""
+    failed_at: Optional[float] = None
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            break
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            break
+        mp.connection.wait([p.sentinel for p in alive], timeout=1.0)
+    bad = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        print(f"dist_kernels.bench: ranks failed, (rank, exit code): {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _command(argv: Sequence[str]) -> str:
+    return "python -m dist_kernels.bench " + shlex.join(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m dist_kernels.bench`` and ``dk-bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        try:
+            run_rank(args, f"torchrun, {dist.get_world_size()} ranks", _command(argv))
+        finally:
+            dist.destroy_process_group()
+        return 0
+    return _spawn(args, _command(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

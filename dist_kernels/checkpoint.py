@@ -1,0 +1,636 @@
+"""Resharding checkpoints of sharded training: save on N ranks, load on any M, any stage.
+
+    dk.checkpoint.save(path, model=model, optimizer=opt, scaler=scaler, extra={"epoch": 3})
+    extra = dk.checkpoint.load(path, model=model, optimizer=opt, scaler=scaler)
+
+A checkpoint is a directory::
+
+    manifest.json                 written last (atomic rename): names every file with its
+                                  SHA-256 and size; a checkpoint exists only through it
+    layout.<tag>.json             readable layout: world size, stage, per flat group the
+                                  parameters (name, shape, dtype, flat offset) and every rank's
+                                  segments, optimizer state keys, step, scaler state
+    meta.<tag>.pt                 rank 0: optimizer hyper-parameters, scaler state, model
+                                  buffers and unsharded parameters, the caller's ``extra``
+    shard-<r>-of-<n>.<tag>.pt     rank r: its master parameter slices and optimizer state
+
+Every file is written to a temporary name, fsynced and renamed; the manifest is renamed over the
+previous one last and the directory fsynced, and only then are the previous checkpoint's files
+removed. A crash at any point before that rename leaves the previous checkpoint whole.
+
+Loading maps pieces by parameter name and element offset: each rank re-plans its shard for the
+current world size, reads only the saved shards that overlap it, verifies their checksums, and
+assembles everything before touching the model or optimizer, so a bad checkpoint raises
+:class:`CheckpointError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["CheckpointError", "save", "load"]
+
+FORMAT = "dist_kernels.checkpoint/1"
+MANIFEST = "manifest.json"
+_DIGEST = 32  # SHA-256 bytes
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not match the model / optimizer."""
+
+
+# ----------------------------------------------------------------------------- file I/O
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file, fsync and rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _publish_manifest(directory: str, manifest: Dict[str, Any]) -> None:
+    """The commit point of a save: the manifest replaces the previous one atomically."""
+    _write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
+    _fsync_dir(directory)
+
+
+def _serialize(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _read_verified(directory: str, manifest: Dict[str, Any], name: str) -> bytes:
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{directory}: the manifest does not list {name}")
+    try:
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{directory}: cannot read {name}: {e}") from None
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(
+            f"{directory}: {name} is corrupt ({len(data)} bytes, expected {entry['bytes']}; "
+            "SHA-256 differs from the manifest)"
+        )
+    return data
+
+
+def _read_manifest(directory: str) -> Dict[str, Any]:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no checkpoint ({MANIFEST} is missing)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def _file_names(tag: str, world_size: int) -> Tuple[str, str, List[str]]:
+    shards = [f"shard-{r}-of-{world_size}.{tag}.pt" for r in range(world_size)]
+    return f"layout.{tag}.json", f"meta.{tag}.pt", shards
+
+
+def _remove_stale(directory: str, keep: List[str]) -> None:
+    """Removes files of earlier checkpoints (only names this module writes)."""
+    for name in os.listdir(directory):
+        ours = name.startswith(("shard-", "layout.", "meta.", f"{MANIFEST}.tmp"))
+        if ours and name not in keep:
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def _param_names(model: Optional[torch.nn.Module], optimizer: Any) -> Dict[int, str]:
+    """id(parameter) -> name; without a model, the optimizer's own slot names."""
+    if model is not None:
+        return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return {id(p): s.name for fg in optimizer.flat_groups for s, p in zip(fg.plan.slots, fg.params)}
+
+
+def _group_records(optimizer: Any, names: Dict[int, str], rank: int) -> List[Dict[str, Any]]:
+    """Per flat group: parameters and every rank's segments, by parameter name."""
+    records = []
+    for fg in optimizer.flat_groups:
+        params = []
+        for slot, p in zip(fg.plan.slots, fg.params):
+            if id(p) not in names:
+                raise ValueError("model: a parameter of the optimizer is not in the model")
+            params.append(
+                {
+                    "name": names[id(p)],
+                    "shape": list(slot.shape),
+                    "offset": slot.offset,
+                    "dtype": str(fg.dtype).replace("torch.", ""),
+                }
+            )
+        segments = [
+            [
+                [names[id(fg.params[s.slot])], s.param_start, s.length, s.shard_offset]
+                for s in fg.plan.segments(r)
+            ]
+            for r in range(fg.plan.world_size)
+        ]
+        records.append(
+            {
+                "key": fg.plan.key,
+                "numel": fg.plan.numel,
+                "shard_numel": fg.plan.shard_numel,
+                "params": params,
+                "segments": segments,
+            }
+        )
+    return records
+
+
+def _split_state(state: Dict[str, Any], shard_numel: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Optimizer state of one shard: element-wise tensors (resharded) and the rest (replicated,
+    e.g. ``step``)."""
+    elementwise, replicated = {}, {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.numel() == shard_numel and value.dim() == 1:
+            elementwise[key] = value.detach().cpu()
+        else:
+            replicated[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    return elementwise, replicated
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save(
+    path: str,
+    *,
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Any = None,
+    scaler: Any = None,
+    extra: Any = None,
+) -> None:
+    """Writes a checkpoint of ``model`` and a :class:`dist_kernels.ShardedOptimizer`.
+
+    Collective when ``optimizer`` is given: every rank calls it with the same ``path`` (a
+    directory on a file system all ranks see). Each rank writes its own shard; rank 0 writes
+    the layout, the metadata and, last, the manifest. Returns when the checkpoint is complete on
+    every rank; raises on every rank if any rank failed, leaving the previous checkpoint intact.
+
+    Args:
+        path: checkpoint directory (created if missing; a previous checkpoint is replaced).
+        model: the model; its parameter names identify the pieces, its buffers and parameters
+            the optimizer does not manage are saved whole by rank 0.
+        optimizer: the ShardedOptimizer (None: save ``model`` alone, from this process).
+        scaler: a loss scaler with ``state_dict()`` (optional).
+        extra: any picklable object, returned by :func:`load`.
+    """
+    if model is None and optimizer is None:
+        raise ValueError("save: give a model, an optimizer or both")
+    if optimizer is None:
+        _save_model_only(path, model, scaler, extra)
+        return
+    comm, rank, world_size = optimizer.comm, optimizer.rank, optimizer.world_size
+    os.makedirs(path, exist_ok=True)
+    tag = _agree_on_tag(comm, world_size)
+    layout_name, meta_name, shard_names = _file_names(tag, world_size)
+    names = _param_names(model, optimizer)
+    digest = torch.zeros(_DIGEST + 8, dtype=torch.uint8)
+    error: Optional[BaseException] = None
+    try:
+        data = _serialize(_shard_payload(optimizer, rank))
+        _write_atomic(os.path.join(path, shard_names[rank]), data)
+        digest[:_DIGEST] = torch.frombuffer(
+            bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8
+        )
+        digest[_DIGEST:] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
+        error = e
+        digest.fill_(255)
+    digests = _all_gather_rows(comm, world_size, digest)
+    status = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        status[0] = _commit(
+            path,
+            tag,
+            optimizer,
+            model,
+            names,
+            scaler,
+            extra,
+            digests,
+            layout_name,
+            meta_name,
+            shard_names,
+        )
+    if world_size > 1:
+        comm.broadcast(status, 0)
+    if error is not None:
+        raise CheckpointError(f"[rank {rank}] save to {path}: writing the shard failed") from error
+    if int(status[0]) != 0:
+        raise CheckpointError(
+            f"[rank {rank}] save to {path}: a rank failed; the previous checkpoint is unchanged"
+        )
+
+
+def _agree_on_tag(comm: Any, world_size: int) -> str:
+    tag = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    if world_size > 1:
+        comm.broadcast(tag, 0)
+    return f"{int(tag[0]):016x}"
+
+
+def _all_gather_rows(comm: Any, world_size: int, row: torch.Tensor) -> torch.Tensor:
+    if world_size == 1:
+        return row.view(1, -1).clone()
+    out = torch.zeros(world_size * row.numel(), dtype=row.dtype)
+    comm.all_gather(out, row)
+    return out.view(world_size, -1)
+
+
+def _shard_payload(optimizer: Any, rank: int) -> Dict[str, Any]:
+    groups = []
+    for fg in optimizer.flat_groups:
+        state = optimizer.optim.state.get(fg.shard, {})
+        elementwise, replicated = _split_state(state, fg.plan.shard_numel)
+        groups.append(
+            {
+                "key": fg.plan.key,
+                "master": fg.shard.detach().cpu(),
+                "state": elementwise,
+                "replicated": replicated,
+            }
+        )
+    return {"format": FORMAT, "rank": rank, "world_size": optimizer.world_size, "groups": groups}
+
+
+def _commit(
+    path, tag, optimizer, model, names, scaler, extra, digests, layout_name, meta_name, shard_names
+) -> int:
+    """Rank 0: writes layout and metadata, then publishes the manifest. Returns 0 or 1."""
+    if bool((digests == 255).all(dim=1).any()):
+        return 1  # some rank failed to write its shard
+    files = {}
+    for r, name in enumerate(shard_names):
+        size = int(digests[r, _DIGEST:].clone().view(torch.int64)[0])
+        files[name] = {"sha256": bytes(digests[r, :_DIGEST].tolist()).hex(), "bytes": size}
+    managed = {id(p) for p in optimizer._all_params()}
+    scaler_state = scaler.state_dict() if scaler is not None else None
+    meta = {
+        "optimizer_class": type(optimizer.optim).__name__,
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.optim.param_groups
+        ],
+        "scaler": scaler_state,
+        "model_rest": _model_rest(model, managed),
+        "extra": extra,
+    }
+    first_state = optimizer.optim.state.get(optimizer.flat_groups[0].shard, {})
+    step = first_state.get("step")
+    layout = {
+        "format": FORMAT,
+        "world_size": optimizer.world_size,
+        "stage": optimizer.stage,
+        "optimizer_class": meta["optimizer_class"],
+        "state_keys": sorted(
+            _split_state(first_state, optimizer.flat_groups[0].plan.shard_numel)[0]
+        ),
+        "step": float(step) if step is not None else None,
+        "scaler": _jsonable(scaler_state),
+        "groups": _group_records(optimizer, names, 0),
+    }
+    for name, data in ((layout_name, json.dumps(layout).encode()), (meta_name, _serialize(meta))):
+        _write_atomic(os.path.join(path, name), data)
+        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest = {
+        "format": FORMAT,
+        "tag": tag,
+        "world_size": optimizer.world_size,
+        "layout": layout_name,
+        "meta": meta_name,
+        "shards": shard_names,
+        "files": files,
+    }
+    _publish_manifest(path, manifest)
+    _remove_stale(path, [MANIFEST, *files])
+    return 0
+
+
+def _model_rest(model: Optional[torch.nn.Module], managed: set) -> Dict[str, torch.Tensor]:
+    """The model's state the optimizer does not shard: buffers and unmanaged parameters."""
+    if model is None:
+        return {}
+    managed_names = {
+        n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in managed
+    }
+    return {
+        k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in managed_names
+    }
+
+
+def _save_model_only(path: str, model: torch.nn.Module, scaler: Any, extra: Any) -> None:
+    os.makedirs(path, exist_ok=True)
+    tag = f"{secrets.randbits(62):016x}"
+    _, meta_name, _ = _file_names(tag, 1)
+    meta = {
+        "optimizer_class": None,
+        "param_groups": [],
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "model_rest": _model_rest(model, set()),
+        "extra": extra,
+    }
+    data = _serialize(meta)
+    _write_atomic(os.path.join(path, meta_name), data)
+    files = {meta_name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}
+    manifest = {
+        "format": FORMAT,
+        "tag": tag,
+        "world_size": 1,
+        "layout": None,
+        "meta": meta_name,
+        "shards": [],
+        "files": files,
+    }
+    _publish_manifest(path, manifest)
+    _remove_stale(path, [MANIFEST, *files])
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load(
+    path: str,
+    *,
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Any = None,
+    scaler: Any = None,
+) -> Any:
+    """Restores a checkpoint written by :func:`save`, on any world size and either stage.
+
+    Parameters, optimizer moments and step counts are resharded for ``optimizer``'s current
+    layout; without an optimizer the full parameters are assembled into ``model``. Everything
+    is read and verified (checksums, names, shapes, dtypes) before anything is changed.
+
+    Returns:
+        the ``extra`` object given to :func:`save`.
+
+    Raises:
+        CheckpointError: missing or corrupt files, or a checkpoint of another model or
+            optimizer; the model and optimizer are then unchanged.
+    """
+    manifest = _read_manifest(path)
+    meta = torch.load(
+        io.BytesIO(_read_verified(path, manifest, manifest["meta"])), weights_only=False
+    )
+    layout = None
+    if manifest["layout"] is not None:
+        layout = json.loads(_read_verified(path, manifest, manifest["layout"]))
+    if scaler is not None and meta["scaler"] is None:
+        raise CheckpointError(
+            f"{path}: a scaler was given but the checkpoint holds no scaler state"
+        )
+    if optimizer is not None:
+        plan = _agreed(
+            optimizer, lambda: _plan_optimizer_load(path, manifest, layout, meta, model, optimizer)
+        )
+    elif model is not None:
+        plan = _plan_model_load(path, manifest, layout, meta, model)
+    else:
+        plan = None
+    if plan is not None:
+        plan()
+    if scaler is not None:
+        scaler.load_state_dict(meta["scaler"])
+    return meta["extra"]
+
+
+def _agreed(optimizer: Any, prepare):
+    """Runs ``prepare`` on every rank; raises on every rank if it failed on any (the apply step
+    that follows is collective, so no rank may go on alone)."""
+    failed = torch.zeros(1, dtype=torch.float32)
+    error: Optional[BaseException] = None
+    try:
+        result = prepare()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+        error, result = e, None
+        failed.fill_(1.0)
+    if optimizer.world_size > 1:
+        from ._dtypes import ReduceOp
+
+        optimizer.comm.all_reduce(failed, op=ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if float(failed[0]) > 0:
+        raise CheckpointError(
+            f"[rank {optimizer.rank}] load: another rank failed to read the "
+            "checkpoint; nothing was changed"
+        )
+    return result
+
+
+def _saved_pieces(layout: Dict[str, Any]) -> Dict[str, List[Tuple[int, int, int, int, int]]]:
+    """name -> [(saved rank, saved group, param_start, length, shard_offset)]."""
+    pieces: Dict[str, List[Tuple[int, int, int, int, int]]] = defaultdict(list)
+    for gi, group in enumerate(layout["groups"] if layout is not None else ()):
+        for rank, segments in enumerate(group["segments"]):
+            for name, start, length, offset in segments:
+                pieces[name].append((rank, gi, start, length, offset))
+    return pieces
+
+
+def _saved_params(layout: Optional[Dict[str, Any]]) -> Dict[str, Tuple[List[int], str]]:
+    if layout is None:
+        return {}
+    return {p["name"]: (p["shape"], p["dtype"]) for g in layout["groups"] for p in g["params"]}
+
+
+def _check_params(
+    path: str, saved: Dict[str, Tuple[List[int], str]], current: Dict[str, torch.Tensor]
+) -> None:
+    problems = []
+    for name in sorted(set(current) - set(saved)):
+        problems.append(f"missing in checkpoint: {name}")
+    for name in sorted(set(saved) - set(current)):
+        problems.append(f"not in the model: {name}")
+    for name in sorted(set(saved) & set(current)):
+        shape, dtype = saved[name]
+        p = current[name]
+        if list(p.shape) != shape or str(p.dtype).replace("torch.", "") != dtype:
+            problems.append(
+                f"{name}: saved {dtype}{shape}, model has "
+                f"{str(p.dtype).replace('torch.', '')}{list(p.shape)}"
+            )
+    if problems:
+        shown = "; ".join(problems[:8]) + (
+            f"; ... ({len(problems)} in all)" if len(problems) > 8 else ""
+        )
+        raise CheckpointError(f"{path}: checkpoint does not match the model: {shown}")
+
+
+class _ShardReader:
+    """Reads saved shards on demand, each once, verifying its checksum."""
+
+    def __init__(self, path: str, manifest: Dict[str, Any]) -> None:
+        self.path, self.manifest, self.cache = path, manifest, {}
+
+    def __call__(self, rank: int) -> Dict[str, Any]:
+        if rank not in self.cache:
+            name = self.manifest["shards"][rank]
+            data = _read_verified(self.path, self.manifest, name)
+            self.cache[rank] = torch.load(io.BytesIO(data), weights_only=True)
+        return self.cache[rank]
+
+
+def _fill(
+    dst: Dict[str, torch.Tensor],
+    dst_offset: int,
+    name: str,
+    start: int,
+    length: int,
+    pieces,
+    reader: _ShardReader,
+    keys: List[str],
+) -> int:
+    """Copies elements [start, start + length) of parameter ``name`` (master values and the
+    element-wise state ``keys``) from the saved shards into ``dst``; returns elements copied."""
+    copied = 0
+    for rank, gi, s_start, s_length, s_offset in pieces.get(name, ()):
+        lo, hi = max(start, s_start), min(start + length, s_start + s_length)
+        if lo >= hi:
+            continue
+        group = reader(rank)["groups"][gi]
+        src_lo = s_offset + (lo - s_start)
+        out_lo = dst_offset + (lo - start)
+        for key in keys:
+            src = group["master"] if key == "master" else group["state"].get(key)
+            if src is None:
+                raise CheckpointError(f"{reader.path}: saved shard {rank} lacks state {key!r}")
+            dst[key][out_lo : out_lo + hi - lo].copy_(src[src_lo : src_lo + hi - lo])
+        copied += hi - lo
+    return copied
+
+
+def _plan_optimizer_load(path, manifest, layout, meta, model, optimizer):
+    """Reads and assembles this rank's new shards; returns a function that applies them."""
+    if layout is None:
+        raise CheckpointError(f"{path}: holds a model only, no optimizer state")
+    if meta["optimizer_class"] != type(optimizer.optim).__name__:
+        raise CheckpointError(
+            f"{path}: saved with {meta['optimizer_class']}, the optimizer "
+            f"is {type(optimizer.optim).__name__}"
+        )
+    names = _param_names(model, optimizer)
+    current = {names[id(p)]: p for p in optimizer._all_params() if id(p) in names}
+    if len(current) != sum(len(fg.params) for fg in optimizer.flat_groups):
+        raise CheckpointError("model: the optimizer's parameters are not all in the model")
+    _check_params(path, _saved_params(layout), current)
+    pieces, reader = _saved_pieces(layout), _ShardReader(path, manifest)
+    keys = ["master", *layout["state_keys"]]
+    new_shards, new_states = [], []
+    for fg in optimizer.flat_groups:
+        dst = {k: torch.zeros(fg.plan.shard_numel, dtype=torch.float32) for k in keys}
+        expected = copied = 0
+        first_name = None
+        for seg in fg.plan.segments(optimizer.rank):
+            name = names[id(fg.params[seg.slot])]
+            first_name = first_name or name
+            copied += _fill(
+                dst, seg.shard_offset, name, seg.param_start, seg.length, pieces, reader, keys
+            )
+            expected += seg.length
+        if copied != expected:
+            raise CheckpointError(
+                f"{path}: the saved shards cover {copied} of the {expected} "
+                f"elements of flat group {fg.plan.key} on rank {optimizer.rank}"
+            )
+        replicated, group_options = _replicated_for(first_name, pieces, reader, meta, layout)
+        new_shards.append(dst.pop("master"))
+        new_states.append((dst, replicated, group_options))
+    rest = meta["model_rest"]
+
+    def apply() -> None:
+        local_state = {"state": {}, "param_groups": []}
+        for i, (state, replicated, options) in enumerate(new_states):
+            if state or replicated:
+                local_state["state"][i] = {**replicated, **state}
+            current_options = {
+                k: v for k, v in optimizer.optim.param_groups[i].items() if k != "params"
+            }
+            local_state["param_groups"].append({**current_options, **options, "params": [i]})
+        optimizer.optim.load_state_dict(local_state)
+        with torch.no_grad():
+            for fg, master in zip(optimizer.flat_groups, new_shards):
+                fg.shard.copy_(master)
+        optimizer.zero_grad()
+        optimizer._all_gather_params()
+        if model is not None and rest:
+            model.load_state_dict(rest, strict=False)
+
+    return apply
+
+
+def _replicated_for(name, pieces, reader, meta, layout):
+    """Replicated state (``step``...) and hyper-parameters of the saved group holding ``name``."""
+    if name is None or name not in pieces:
+        return {}, {}
+    rank, gi = pieces[name][0][0], pieces[name][0][1]
+    replicated = dict(reader(rank)["groups"][gi]["replicated"])
+    options = meta["param_groups"][gi] if gi < len(meta["param_groups"]) else {}
+    return replicated, options
+
+
+def _plan_model_load(path, manifest, layout, meta, model):
+    """Assembles full parameters from every saved shard (model only, no optimizer)."""
+    rest = meta["model_rest"]
+    saved = _saved_params(layout)
+    current = {n: p for n, p in model.named_parameters() if n in saved or n not in rest}
+    _check_params(path, saved, current)
+    pieces, reader = _saved_pieces(layout), _ShardReader(path, manifest)
+    values = {}
+    for name, p in current.items():
+        dst = {"master": torch.zeros(p.numel(), dtype=torch.float32)}
+        if _fill(dst, 0, name, 0, p.numel(), pieces, reader, ["master"]) != p.numel():
+            raise CheckpointError(f"{path}: parameter {name} is not fully covered by the shards")
+        values[name] = dst["master"].view(p.shape).to(p.dtype)
+
+    def apply() -> None:
+        with torch.no_grad():
+            for name, value in values.items():
+                current[name].copy_(value)
+        if rest:
+            model.load_state_dict(rest, strict=False)
+
+    return apply

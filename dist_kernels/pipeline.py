@@ -1,0 +1,539 @@
+"""Pipeline parallelism: ``dk.Pipeline`` runs one rank's list of a schedule planned as data.
+
+Schedules (``_pipeline_schedules``) are per-rank action lists, simulated and checked before
+anything runs; :func:`schedule_table` prints them::
+
+    >>> print(dk.pipeline.schedule_table("1f1b", 2, 3))
+    1f1b: 2 ranks, 2 stages, 3 micro-batches; bubble 25.0%, peak live activations 2
+    rank 0 | F0 F1 .  B0 F2 B1 .  B2
+    rank 1 | .  F0 B0 F1 B1 F2 B2 .
+
+The engine keeps only its rank's stages (``_pipeline_partition`` splits an ``nn.Sequential``).
+A training step splits the batch into micro-batches and runs the rank's list in order: forward
+and backward of its stages on the caller's thread, and the point-to-point transfers of
+activations and gradients through the Communicator (``_pipeline_wire``) on a transfer thread.
+The last stage averages the micro-batch losses, so the accumulated gradients equal those of the
+whole batch; the loss is then broadcast to every rank of the pipeline.
+
+Failure: the action that raised is named (rank, stage, action, micro-batch) and the
+communicator is closed, so peers blocked on this rank raise ``CommError`` within their timeout
+and close theirs in turn: every rank raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ._pipeline_partition import StageSpan, build_stage, format_partition, plan_partition
+from ._pipeline_schedules import (
+    SCHEDULES,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    ScheduleReport,
+    bubble_formula,
+    build_schedule,
+    schedule_table,
+    simulate,
+)
+from ._pipeline_wire import ACTIVATION, GRADIENT, Channels
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Kind",
+    "Pipeline",
+    "PipelineError",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleReport",
+    "StageSpan",
+    "bubble_formula",
+    "build_schedule",
+    "format_partition",
+    "plan_partition",
+    "schedule_table",
+    "simulate",
+]
+
+TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+class PipelineError(RuntimeError):
+    """A stage failed; the message names the rank, stage, action and micro-batch."""
+
+
+class _SoloComm:
+    """A one-rank stand-in used when there is no process group: no transfers ever happen."""
+
+    rank, world_size = 0, 1
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        raise ValueError(f"dst: rank {dst} does not exist in a one-rank pipeline")
+
+    recv = send
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        pass
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _default_comm():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return _SoloComm()
+    from .communicator import Communicator, get_default_communicator
+
+    try:
+        return get_default_communicator()  # the one dk.init() made
+    except RuntimeError:
+        return Communicator()  # over the default group; every rank builds the Pipeline
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _as_tuple(value: Any, what: str) -> Tuple[Tuple[torch.Tensor, ...], bool]:
+    if isinstance(value, torch.Tensor):
+        return (value,), False
+    if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
+        return tuple(value), True
+    raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {type(value).__name__}")
+
+
+def _unwrap(tensors: Sequence[torch.Tensor], is_tuple: bool) -> TensorOrTuple:
+    return tuple(tensors) if is_tuple else tensors[0]
+
+
+def _split(value: Any, n: int, arg: str) -> List[TensorOrTuple]:
+    """Splits a batch (tensor or tuple of tensors, batch in dim 0) into ``n`` micro-batches."""
+    tensors, is_tuple = _as_tuple(value, arg)
+    for t in tensors:
+        if t.dim() == 0 or t.shape[0] % n:
+            size = "a 0-d tensor" if t.dim() == 0 else f"batch size {t.shape[0]}"
+            raise ValueError(f"{arg}: {size} does not split into n_microbatches={n} equal parts")
+    parts = [t.chunk(n) for t in tensors]
+    return [_unwrap([p[i] for p in parts], is_tuple) for i in range(n)]
+
+
+def _leaves(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Inputs of a stage as autograd leaves: floating tensors collect their gradient."""
+    return [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+
+
+class _SavedCounter:
+    """Counts the activations autograd keeps for backward (parameters excluded)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.tensors = 0
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in self.param_storages:
+            self.tensors += 1
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+class _Aborted(Exception):
+    """Raised in a waiting thread when the other thread of the step failed first."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+class _Mailbox:
+    """Tensors handed between the compute thread and the transfer thread, by action key."""
+
+    def __init__(self) -> None:
+        self._items: Dict[Tuple[Kind, int, int], Tuple] = {}
+        self._ready = threading.Condition()
+        self._failure: Optional[BaseException] = None
+
+    def put(self, key: Tuple[Kind, int, int], value: Tuple) -> None:
+        with self._ready:
+            self._items[key] = value
+            self._ready.notify_all()
+
+    def take(self, key: Tuple[Kind, int, int]) -> Tuple:
+        with self._ready:
+            self._ready.wait_for(lambda: key in self._items or self._failure is not None)
+            if key in self._items:
+                return self._items.pop(key)
+            raise _Aborted(self._failure)
+
+    def fail(self, exc: BaseException) -> None:
+        with self._ready:
+            if self._failure is None:
+                self._failure = exc
+            self._ready.notify_all()
+
+
+class Pipeline:
+    """Pipeline-parallel training of a model split into stages over the ranks of ``comm``.
+
+    Args:
+        module_or_stages: an ``nn.Sequential`` (split here, the same way on every rank) or the
+            full list of stage modules (each rank keeps its own).
+        comm: the pipeline's Communicator (one rank per stage), a :class:`~dist_kernels.ProcessMesh`
+            (pipeline over ``mesh.pp_comm``, gradients averaged over ``mesh.dp_comm``), or None
+            for the default communicator (one process without a process group: one rank).
+        n_microbatches: micro-batches per step; the batch size must be a multiple.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch, mean-reduced.
+        split_points: where stages 1.. begin (child indices or names), for an ``nn.Sequential``.
+        balance: children per stage, for an ``nn.Sequential``.
+        checkpoint_activations: recompute each stage's forward in backward
+            (``torch.utils.checkpoint``) instead of keeping its activations.
+        stages_per_rank: virtual stages per rank for ``"interleaved-1f1b"`` (default 2).
+        print_partition: print the split (on global rank 0).
+    """
+
+    def __init__(
+        self,
+        module_or_stages: Union[nn.Sequential, Sequence[nn.Module]],
+        comm: Any = None,
+        *,
+        n_microbatches: int,
+        schedule: str = "1f1b",
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        split_points: Optional[Sequence[Union[int, str]]] = None,
+        balance: Optional[Sequence[int]] = None,
+        checkpoint_activations: bool = False,
+        stages_per_rank: Optional[int] = None,
+        print_partition: bool = True,
+    ) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.comm, self.dp_comm = self._resolve_comm(comm)
+        self.rank, self.n_ranks = self.comm.rank, self.comm.world_size
+        self.schedule = build_schedule(schedule, self.n_ranks, n_microbatches, stages_per_rank)
+        simulate(self.schedule)  # plan first: never run a schedule that fails on paper
+        self.n_stages = self.schedule.n_stages
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.checkpoint_activations = bool(checkpoint_activations)
+        self.stages = self._select_stages(module_or_stages, split_points, balance)
+        modules = list(self.stages.values())
+        self._stage_module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+        if print_partition and _global_rank() == 0:
+            print(self.partition_text, flush=True)
+        self.actions = self.schedule.actions[self.rank]
+        self.channels = Channels(self.comm)
+        self.stats: Dict[str, int] = {}
+        self._failed: Optional[str] = None
+        self._dp_buffers: Dict[torch.dtype, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _resolve_comm(comm: Any):
+        from .mesh import ProcessMesh
+
+        if isinstance(comm, ProcessMesh):
+            return comm.pp_comm, comm.dp_comm
+        comm = _default_comm() if comm is None else comm
+        for attr in ("rank", "world_size", "send", "recv", "broadcast"):
+            if not hasattr(comm, attr):
+                raise TypeError(f"comm: {type(comm).__name__} has no {attr!r}; pass a Communicator")
+        return comm, None
+
+    def _select_stages(self, module_or_stages, split_points, balance) -> Dict[int, nn.Module]:
+        mine = self.schedule.stages_of(self.rank)
+        if isinstance(module_or_stages, nn.Sequential):
+            spans = plan_partition(module_or_stages, self.n_stages, split_points, balance)
+            self.partition_text = format_partition(module_or_stages, spans, self.n_ranks)
+            return {s: build_stage(module_or_stages, spans[s]) for s in mine}
+        if split_points is not None or balance is not None:
+            raise ValueError("split_points and balance need an nn.Sequential, not a stage list")
+        if not isinstance(module_or_stages, (list, tuple, nn.ModuleList)):
+            raise TypeError(
+                "module_or_stages must be an nn.Sequential or a list of stage modules, got "
+                f"{type(module_or_stages).__name__}"
+            )
+        stages = list(module_or_stages)
+        if len(stages) != self.n_stages:
+            raise ValueError(
+                f"module_or_stages: {len(stages)} stages given; the {self.schedule.name} "
+                f"schedule on {self.n_ranks} ranks needs {self.n_stages}"
+            )
+        self.partition_text = "\n".join(
+            f"stage {s} (rank {self.schedule.rank_of(s)}): {type(m).__name__}, "
+            f"{sum(p.numel() for p in m.parameters()):,} parameters"
+            for s, m in enumerate(stages)
+        )
+        return {s: stages[s] for s in mine}
+
+    @property
+    def stage_module(self) -> nn.Module:
+        """This rank's stage, or an ``nn.ModuleList`` of its stages (interleaved)."""
+        return self._stage_module
+
+    def parameters(self):
+        """Parameters of this rank's stages (what its optimizer updates)."""
+        return self.stage_module.parameters()
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """Forward and backward of one batch over all micro-batches; returns the batch loss.
+
+        ``inputs`` are needed on the rank of the first stage and ``targets`` on the rank of the
+        last; other ranks may pass them or None. Gradients accumulate into ``.grad`` like
+        ``loss.backward()``; with a ProcessMesh they are then averaged over the data-parallel
+        replicas. The returned loss, a float64 scalar on every rank of the pipeline, is the mean of
+        the micro-batch losses (this replica's, with data parallelism).
+        """
+        if self._failed:
+            raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
+        try:
+            self._begin(inputs, targets)
+        except (TypeError, ValueError) as exc:
+            # Peers would wait for this rank forever: close, so that they raise too.
+            self._failed = str(exc)
+            self._close_after_failure()
+            raise
+        transfers = [a for a in self.actions if not a.kind.is_compute]
+        mover = None
+        if transfers:
+            mover = threading.Thread(target=self._run_transfers, args=(transfers,), daemon=True)
+            mover.start()
+        for action in self.actions:
+            if action.kind.is_compute:
+                self._execute(action)
+        if mover is not None:
+            mover.join()
+            if self._transfer_error is not None:
+                raise self._transfer_error
+        loss = self._finish_loss()
+        if self.dp_comm is not None and self.dp_comm.world_size > 1:
+            self._guard(None, "gradient all-reduce across data-parallel replicas", self._dp_sync)
+        return loss
+
+    def _begin(self, inputs: Any, targets: Any) -> None:
+        m = self.n_microbatches
+        first, last = 0 in self.stages, self.n_stages - 1 in self.stages
+        if first and inputs is None:
+            raise ValueError(f"[rank {_global_rank()}] inputs: required on the first stage")
+        if last and targets is None:
+            raise ValueError(f"[rank {_global_rank()}] targets: required on the last stage")
+        self.inputs = _split(inputs, m, "inputs") if first else None
+        self.targets = _split(targets, m, "targets") if last else None
+        self.arrived = _Mailbox()  # (RECV_*, stage, mb) -> (tensors, is_tuple)
+        self.outbox = _Mailbox()  # (SEND_*, stage, mb) -> (tensors, is_tuple)
+        self._transfer_error: Optional[BaseException] = None
+        self.saved: Dict[Tuple[int, int], Tuple] = {}  # (stage, mb) -> forward state
+        self.losses: List[torch.Tensor] = []
+        self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
+        self._live_bytes = 0
+
+    def _execute(self, action: Action) -> None:
+        handler = {
+            Kind.FORWARD: self._forward,
+            Kind.BACKWARD: self._backward,
+            Kind.SEND_ACT: self._send,
+            Kind.SEND_GRAD: self._send,
+            Kind.RECV_ACT: self._recv,
+            Kind.RECV_GRAD: self._recv,
+        }[action.kind]
+        self._guard(action, action.describe(), lambda: handler(action))
+
+    def _guard(self, action: Optional[Action], what: str, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn``; on failure closes the communicators and raises naming ``what``."""
+        try:
+            return fn()
+        except _Aborted as aborted:  # the other thread failed first and said why
+            raise aborted.original from None
+        except Exception as exc:
+            stages = "/".join(str(s) for s in self.stages)
+            stage = action.stage if action is not None else stages
+            message = (
+                f"[rank {_global_rank()}] pipeline stage {stage} (pipeline rank {self.rank}): "
+                f"{what} failed: {type(exc).__name__}: {exc}"
+            )
+            self._failed = message
+            error = _same_family(exc, message)
+            for box in (self.arrived, self.outbox):
+                box.fail(error)
+            self._close_after_failure()
+            raise error from exc
+
+    def _close_after_failure(self) -> None:
+        for comm in (self.comm, self.dp_comm):
+            with contextlib.suppress(Exception):
+                if comm is not None:
+                    comm.close()
+
+    # ------------------------------------------------------------------ compute
+
+    def _stage_inputs(self, stage: int, mb: int) -> Tuple[List[torch.Tensor], bool]:
+        if stage == 0:
+            tensors, is_tuple = _as_tuple(self.inputs[mb], "inputs")
+            return list(tensors), is_tuple
+        return self.arrived.take((Kind.RECV_ACT, stage, mb))
+
+    def _forward(self, a: Action) -> None:
+        tensors, is_tuple = self._stage_inputs(a.stage, a.microbatch)
+        # The first stage's inputs are data: no gradient to send back for them.
+        leaves = _leaves(tensors) if a.stage > 0 else [t.detach() for t in tensors]
+        module = self.stages[a.stage]
+        counter = _SavedCounter(list(module.parameters()))
+        with counter.hooks():
+            if self.checkpoint_activations:
+                # Saves only the stage's inputs, through these hooks (counted), to recompute.
+                out = checkpoint(module, *leaves, use_reentrant=False)
+            else:
+                out = module(*leaves)
+        outs, out_is_tuple = _as_tuple(out, f"the output of stage {a.stage}")
+        if a.stage == self.n_stages - 1:
+            loss = self.loss_fn(out, self.targets[a.microbatch])
+            self.losses.append(loss.detach())
+            outs = (loss / self.n_microbatches,)
+        self._count_saved(counter, +1)
+        self.saved[(a.stage, a.microbatch)] = (leaves, outs, counter.bytes)
+        if a.stage < self.n_stages - 1:
+            self._hand_over(Kind.SEND_ACT, a.stage, a.microbatch, outs, out_is_tuple)
+
+    def _backward(self, a: Action) -> None:
+        leaves, outs, saved_bytes = self.saved.pop((a.stage, a.microbatch))
+        if a.stage == self.n_stages - 1:
+            roots, grads = list(outs), None
+        else:
+            received, _ = self.arrived.take((Kind.RECV_GRAD, a.stage, a.microbatch))
+            floating = [t for t in outs if t.is_floating_point()]
+            pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
+            roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self._live_bytes -= saved_bytes
+        if a.stage > 0:
+            input_grads = [
+                t.grad if t.grad is not None else torch.zeros_like(t)
+                for t in leaves
+                if t.is_floating_point()
+            ]
+            self._hand_over(Kind.SEND_GRAD, a.stage, a.microbatch, input_grads, True)
+
+    def _count_saved(self, counter: _SavedCounter, sign: int) -> None:
+        self.stats["saved_tensors"] += counter.tensors
+        self.stats["saved_bytes"] += counter.bytes
+        self._live_bytes += sign * counter.bytes
+        self.stats["peak_saved_bytes"] = max(self.stats["peak_saved_bytes"], self._live_bytes)
+
+    def _hand_over(self, kind: Kind, stage: int, mb: int, tensors, is_tuple: bool) -> None:
+        """Queues a stage's output for its send, or delivers it if the next stage is here."""
+        target = stage + 1 if kind is Kind.SEND_ACT else stage - 1
+        detached = [t.detach() for t in tensors]
+        if target in self.stages:
+            recv_kind = Kind.RECV_ACT if kind is Kind.SEND_ACT else Kind.RECV_GRAD
+            self.arrived.put((recv_kind, target, mb), (detached, is_tuple))
+        else:
+            self.outbox.put((kind, stage, mb), (detached, is_tuple))
+
+    # ------------------------------------------------------------------ transfers
+
+    def _run_transfers(self, transfers: List[Action]) -> None:
+        """The transfer thread: this rank's sends and receives, in schedule order.
+
+        Running them beside the compute thread lets a receive wait while a stage computes and a
+        send leave as soon as its tensor exists, as non-blocking sends and receives would. The
+        two orders come from one validated list, so the split cannot deadlock.
+        """
+        try:
+            for action in transfers:
+                self._execute(action)
+        except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
+            self._transfer_error = exc
+
+    def _send(self, a: Action) -> None:
+        tensors, is_tuple = self.outbox.take((a.kind, a.stage, a.microbatch))
+        wire_kind = ACTIVATION if a.kind is Kind.SEND_ACT else GRADIENT
+        self.channels.send(tensors, is_tuple, a.peer, (wire_kind, a.stage, a.microbatch))
+
+    def _recv(self, a: Action) -> None:
+        # The sender tags the transfer with its own stage: one below for activations.
+        if a.kind is Kind.RECV_ACT:
+            tag = (ACTIVATION, a.stage - 1, a.microbatch)
+        else:
+            tag = (GRADIENT, a.stage + 1, a.microbatch)
+        self.arrived.put((a.kind, a.stage, a.microbatch), self.channels.recv(a.peer, tag))
+
+    # ------------------------------------------------------------------ after the step
+
+    def _finish_loss(self) -> torch.Tensor:
+        last_rank = self.schedule.rank_of(self.n_stages - 1)
+        if self.rank == last_rank:
+            value = torch.stack(self.losses).double().mean().reshape(1)
+        else:
+            value = torch.zeros(1, dtype=torch.float64)
+        if self.n_ranks > 1:
+            self._guard(None, "loss broadcast", lambda: self.comm.broadcast(value, last_rank))
+        return value[0]
+
+    def _dp_sync(self) -> None:
+        """Averages this rank's stage gradients over its data-parallel replicas.
+
+        NOTE(lead): one flat all-reduce per dtype, after the step, until
+        dk.DistributedDataParallel is on main; then wrap each stage in it (forwards under
+        ``no_sync()`` except the micro-batch whose backward the schedule runs last) so that the
+        reduction overlaps the last backward.
+        """
+        from ._dtypes import ReduceOp
+
+        params = [p for p in self.stage_module.parameters() if p.requires_grad]
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            group = [p for p in params if p.dtype == dtype]
+            flat = self._dp_buffer(dtype, sum(p.numel() for p in group))
+            offset = 0
+            for p in group:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
+                offset += p.numel()
+            self.dp_comm.all_reduce(flat, op=ReduceOp.AVG)
+            offset = 0
+            for p in group:
+                reduced = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = reduced.clone()
+                else:
+                    p.grad.copy_(reduced)
+                offset += p.numel()
+
+    def _dp_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The flat gradient buffer for ``dtype``: registered memory, allocated once (the
+        Communicator's ``empty`` is collective and keeps its memory until ``close``)."""
+        if dtype not in self._dp_buffers:
+            empty = getattr(self.dp_comm, "empty", None)
+            self._dp_buffers[dtype] = (
+                empty((numel,), dtype=dtype) if empty else torch.empty(numel, dtype=dtype)
+            )
+        return self._dp_buffers[dtype]
+
+
+def _same_family(exc: Exception, message: str) -> Exception:
+    """A ``CommError`` stays a ``CommError`` (peers lost); anything else is a PipelineError."""
+    if type(exc).__name__ == "CommError":
+        with contextlib.suppress(Exception):
+            return type(exc)(message)
+    return PipelineError(message)

@@ -1,0 +1,186 @@
+"""python -m dist_kernels.bench: end to end at tiny sizes, and its reference and size policy.
+
+The end-to-end runs spawn real ranks (the benchmark's own launcher) and read back its JSON:
+every row must be correct (#wrong == 0 for our algorithms and the Gloo baseline), carry the
+nccl-tests columns, and satisfy busbw = algbw * factor. Timings are never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_kernels import _bench_ops as ops
+from dist_kernels import bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLACEMENT_KEYS = {"time_us", "algbw", "busbw", "wrong", "vs_baseline", "error"}
+ROW_KEYS = {"algorithm", "size", "count", "type", "redop", "root", "iters", "warmup"}
+
+
+def _run_bench(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, "-m", "dist_kernels.bench", *argv, "--json", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    print(done.stdout)
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
+    return {"stdout": done.stdout, **json.loads(out.read_text())}
+
+
+def _check_rows(result: dict, op: str, world_size: int, algorithms: list) -> None:
+    meta, rows = result["meta"], result["rows"]
+    assert meta["world_size"] == world_size and meta["op"] == op
+    factor = ops.bus_factor(op, world_size)
+    assert meta["busbw_factor"] == pytest.approx(factor)
+    assert {r["algorithm"] for r in rows} == {*algorithms, "gloo"}
+    for row in rows:
+        assert ROW_KEYS <= set(row), row
+        for placement in ops.PLACEMENTS:
+            cell = row[placement]
+            assert PLACEMENT_KEYS <= set(cell), (row["algorithm"], placement, cell)
+            assert cell["error"] is None, (row["algorithm"], row["size"], placement, cell)
+            assert cell["wrong"] == 0, (row["algorithm"], row["size"], placement, cell)
+            assert cell["time_us"] > 0
+            assert cell["algbw"] == pytest.approx(row["size"] / cell["time_us"] / 1e3)
+            assert cell["busbw"] == pytest.approx(cell["algbw"] * factor)
+    for placement in ops.PLACEMENTS:  # the ratio is the baseline's time over ours, same size
+        gloo = {r["size"]: r[placement]["time_us"] for r in rows if r["algorithm"] == "gloo"}
+        for row in rows:
+            ratio = gloo[row["size"]] / row[placement]["time_us"]
+            if row["algorithm"] != "gloo":
+                assert row[placement]["vs_baseline"] == pytest.approx(ratio)
+
+
+def test_all_reduce_end_to_end(tmp_path):
+    plot = tmp_path / "busbw.png"
+    argv = ["-b", "8", "-e", "4096", "-f", "8", "--iters", "3", "--warmup", "1"]
+    result = _run_bench(tmp_path, *argv, "--plot", str(plot))
+    _check_rows(result, "all_reduce", 2, ["ring", "tree", "auto"])
+    assert sorted({r["size"] for r in result["rows"]}) == [8, 64, 512, 4096]
+    assert all(r["iters"] == 3 and r["warmup"] == 1 for r in result["rows"])
+    meta = result["meta"]
+    assert meta["memcpy"]["best_gbps"] > 0 and meta["machine"]["cpus"] >= 1
+    assert "build_info" in meta
+    assert meta["command"].startswith("python -m dist_kernels.bench " + " ".join(argv))
+    assert "memcpy ceiling" in result["stdout"] and "#wrong" in result["stdout"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "op, extra",
+    [
+        ("reduce_scatter", ["--redop", "max", "--dtype", "bfloat16"]),
+        # each run spawns ranks that import torch (~5 s quiet, ~25 s on a loaded machine)
+        pytest.param("all_gather", ["--dtype", "int32"], marks=pytest.mark.slow),
+        pytest.param("broadcast", ["--root", "2", "--dtype", "float16"], marks=pytest.mark.slow),
+    ],
+)
+def test_other_ops_three_ranks(tmp_path, op, extra):
+    # three ranks on this 2-core machine: oversubscribed, and n does not divide the sizes
+    argv = ["--nproc", "3", "--op", op, "-b", "8", "-e", "512", "-f", "64"]
+    result = _run_bench(tmp_path, *argv, "--iters", "2", "--warmup", "1", *extra)
+    algorithms = result["meta"]["algorithms"]
+    assert algorithms in (["ring", "tree", "auto"], ["default"])
+    _check_rows(result, op, 3, algorithms)
+    if op in ("reduce_scatter", "all_gather"):
+        assert all(r["count"] % 3 == 0 for r in result["rows"])
+
+
+# -- the reference itself ---------------------------------------------------------------------
+
+
+def _torch_collective(case: ops.Case, inputs: list) -> torch.Tensor:
+    """Rank ``case.rank``'s correct output from torch ops on every rank's input tensor."""
+    stack = torch.stack(inputs)
+    if case.op == "broadcast":
+        return inputs[case.root].clone()
+    if case.op == "all_gather":
+        return torch.cat(inputs)
+    wide = stack.double() if case.dtype.is_floating_point else stack.long()
+    reduced = {
+        "sum": lambda: wide.sum(0),
+        "prod": lambda: wide.prod(0),
+        "max": lambda: wide.max(0).values,
+        "min": lambda: wide.min(0).values,
+        "avg": lambda: (
+            wide.sum(0) / case.world_size
+            if case.dtype.is_floating_point
+            else torch.div(wide.sum(0), case.world_size, rounding_mode="trunc")
+        ),
+    }[case.redop]().to(case.dtype)
+    if case.op == "reduce_scatter":
+        return reduced[case.rank * case.shard : (case.rank + 1) * case.shard]
+    return reduced
+
+
+@pytest.mark.parametrize("dtype", list(ops.DTYPES.values()), ids=list(ops.DTYPES))
+@pytest.mark.parametrize("redop", ops.REDOPS)
+@pytest.mark.parametrize("world_size", [2, 5])
+def test_reference_accepts_right_and_counts_wrong(dtype, redop, world_size):
+    count = 3 * world_size * 7
+    for op in ops.OPS:
+        case = ops.Case(op, dtype, redop, world_size - 1, count, world_size - 1, world_size)
+        inputs = []
+        for rank in range(world_size):
+            tensor = torch.empty(case.input_count(), dtype=dtype)
+            ops.Case(op, dtype, redop, case.root, count, rank, world_size).fill_input(tensor)
+            inputs.append(tensor)
+        output = _torch_collective(case, inputs)
+        assert case.wrong(output) == 0, (op, dtype, redop, world_size)
+        corrupted = output.clone()
+        corrupted[-1] = ops.sentinel(dtype)
+        assert case.wrong(corrupted) == 1, (op, dtype, redop, world_size)
+
+
+def test_inputs_vary_across_ranks_and_elements():
+    first, second = (ops.rank_values(r, 0, 64, torch.float32, "sum", 2) for r in (0, 1))
+    assert not torch.equal(first, second) and len(set(first.tolist())) > 3
+
+
+def test_element_count_and_factors():
+    assert ops.element_count("all_reduce", 8, 4, 3) == 2
+    assert ops.element_count("all_gather", 8, 4, 3) == 3  # at least one element per rank
+    assert ops.element_count("reduce_scatter", 4096, 4, 3) == 1023
+    assert ops.bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert ops.bus_factor("all_gather", 4) == pytest.approx(0.75)
+    assert ops.bus_factor("broadcast", 4) == 1.0
+
+
+def test_sizes_and_size_aware_iterations():
+    args = bench.parse_args(["-b", "8", "-e", "64M", "-f", "4", "--iters", "40", "--warmup", "4"])
+    assert bench.sizes(args) == [8 * 4**k for k in range(12)]
+    assert bench.iterations(8, args) == (40, 4)
+    iters, warmup = bench.iterations(64 << 20, args)
+    assert iters == max(args.min_iters, math.ceil(args.iter_bytes / (64 << 20)))
+    assert 1 <= warmup <= 4
+    assert bench.parse_size("64KiB") == 65536 and bench.parse_size("16M") == 16 << 20
+    with pytest.raises(SystemExit):
+        bench.parse_args(["-b", "1M", "-e", "1K"])
+
+
+def test_report_prints_refused_combinations_as_na():
+    from dist_kernels import _bench_report as report
+
+    ok = {"time_us": 10.0, "algbw": 0.8, "busbw": 0.8, "wrong": 0, "vs_baseline": 50.0}
+    refused = {"time_us": None, "algbw": None, "busbw": None, "wrong": None}
+    refused["error"] = "RuntimeError: no integer avg"
+    common = {"size": 8, "count": 2, "type": "int32", "redop": "avg", "root": -1}
+    common.update(iters=3, warmup=1, busbw_factor=1.0)
+    rows = [
+        {**common, "algorithm": "gloo", "out_of_place": refused, "in_place": refused},
+        {**common, "algorithm": "ring", "out_of_place": ok, "in_place": {**ok, "error": None}},
+    ]
+    assert "n/a" in report.format_row(rows[0], "gloo")
+    assert "50.0x" in report.format_row(rows[1], "gloo")
+    assert any("no integer avg" in line for line in report.error_lines(rows))
+    meta = {"baseline": "gloo", "algorithms": ["ring"], "memcpy": {"best_gbps": 4.0}}
+    meta["machine"] = {"load_average": [0.1, 0.1, 0.1], "cpus": 2}
+    summary = "\n".join(report.summary_lines(rows, meta))
+    assert "ring: <= 64 KiB: 10.0 us" in summary and "total #wrong: 0" in summary

@@ -1,0 +1,189 @@
+"""dk.optim.FusedAdamW against torch.optim.AdamW (the reference) over many steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_kernels.optim import FusedAdamW
+
+SEED = 1234
+STEPS = 60
+
+
+def _params(shapes, dtype=torch.float32, seed=SEED):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+
+
+def _grads(params, step, scale=1.0):
+    g = torch.Generator().manual_seed(SEED + 1000 + step)
+    return [(torch.randn(p.shape, generator=g) * scale).to(p.dtype) for p in params]
+
+
+def _run(opt_cls, params, steps=STEPS, grad_scale=1.0, **kwargs):
+    opt = opt_cls(params, **kwargs)
+    for step in range(steps):
+        for p, g in zip(params, _grads(params, step, scale=1.0 / grad_scale)):
+            p.grad = g
+        if grad_scale != 1.0:
+            opt.step(grad_scale=grad_scale)
+        else:
+            opt.step()
+    return opt
+
+
+def _max_rel(a, b):
+    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b))
+
+
+SHAPES = [(7,), (33, 5), (1,), (4, 4, 3), (1025,)]
+CASES = [
+    {},
+    {"lr": 3e-3, "weight_decay": 0.1},
+    {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
+    {"maximize": True},
+    {"amsgrad": True, "weight_decay": 0.05},
+    {"betas": (0.6, 0.99)},  # lerp weight >= 0.5 takes torch's other branch
+]
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=[str(c) for c in CASES])
+def test_matches_torch_adamw_fp32(kwargs):
+    print(f"seed {SEED}, {STEPS} steps, {kwargs}")
+    ours, ref = _params(SHAPES), _params(SHAPES)
+    _run(FusedAdamW, ours, **kwargs)
+    _run(torch.optim.AdamW, ref, **kwargs)
+    err = _max_rel(ours, ref)
+    print(f"max relative difference {err:.3e}")
+    assert err < 1e-5
+
+
+def test_grad_scale_unscales_inside_the_kernel():
+    ours, ref = _params(SHAPES), _params(SHAPES)
+    _run(FusedAdamW, ours, grad_scale=1.0 / 1024)  # gradients arrive 1024x larger
+    _run(torch.optim.AdamW, ref)
+    err = _max_rel(ours, ref)
+    print(f"max relative difference {err:.3e}")
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_params_with_master_weights_follow_fp32(dtype):
+    """The FP32 master follows an FP32 torch run fed the same (16-bit) gradients."""
+    ours = _params(SHAPES, dtype)
+    ref = [p.detach().float().requires_grad_() for p in ours]
+    opt = FusedAdamW(ours, master_weights=True, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, weight_decay=0.1)
+    for step in range(STEPS):
+        for p, r, g in zip(ours, ref, _grads(ours, step)):
+            p.grad, r.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+    masters = [opt.state[p]["master"] for p in ours]
+    err = _max_rel(masters, ref)
+    print(f"{dtype}: master vs fp32 reference, max relative difference {err:.3e}")
+    assert err < 1e-5
+    for p, m in zip(ours, masters):
+        assert torch.equal(p, m.to(dtype)), "the parameter is its master rounded once"
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_params_round_every_step(dtype):
+    """Without master weights: FP32 math on the rounded parameter, rounded again (float64 ref)."""
+    ours = _params(SHAPES, dtype)
+    ref = [p.detach().double() for p in ours]
+    m = [torch.zeros_like(r) for r in ref]
+    v = [torch.zeros_like(r) for r in ref]
+    opt = FusedAdamW(ours, lr=1e-2)
+    for step in range(1, 21):
+        grads = _grads(ours, step)
+        for p, g in zip(ours, grads):
+            p.grad = g
+        opt.step()
+        for i, g in enumerate(grads):
+            g64 = g.double()
+            ref[i] = ref[i] * (1 - 1e-2 * 1e-2)
+            m[i] = 0.9 * m[i] + 0.1 * g64
+            v[i] = 0.999 * v[i] + 0.001 * g64 * g64
+            denom = (v[i] / (1 - 0.999**step)).sqrt() + 1e-8
+            ref[i] = (ref[i] - 1e-2 / (1 - 0.9**step) * m[i] / denom).to(dtype).double()
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    for p, r in zip(ours, ref):
+        # a value within half an ULP of a rounding boundary may round either way
+        assert ((p.double() - r).abs() <= ulp * r.abs().clamp_min(1e-3)).all()
+
+
+def test_state_dict_round_trips_with_torch():
+    """torch AdamW -> FusedAdamW -> torch AdamW: continuing gives the uninterrupted result."""
+    ref, ours = _params(SHAPES), _params(SHAPES)
+    ref_opt = _run(torch.optim.AdamW, ref, steps=10, weight_decay=0.1)
+    _run(torch.optim.AdamW, ours, steps=10, weight_decay=0.1)
+    fused = FusedAdamW(ours, weight_decay=0.1)
+    fused.load_state_dict(ref_opt.state_dict())
+    assert fused.state[ours[0]]["step"].item() == 10
+    for step in range(10, 20):
+        for p, r, g in zip(ours, ref, _grads(ours, step)):
+            p.grad, r.grad = g, g.clone()
+        fused.step()
+        ref_opt.step()
+    back = torch.optim.AdamW(ours, weight_decay=0.1)
+    back.load_state_dict(fused.state_dict())
+    for step in range(20, 25):
+        for p, r, g in zip(ours, ref, _grads(ours, step)):
+            p.grad, r.grad = g, g.clone()
+        back.step()
+        ref_opt.step()
+    err = _max_rel(ours, ref)
+    print(f"max relative difference after 25 steps across two loads {err:.3e}")
+    assert err < 1e-5
+
+
+def test_skips_params_without_grad_and_rejects_bad_input():
+    a, b = _params([(3,), (4,)])
+    before = b.detach().clone()
+    opt = FusedAdamW([a, b])
+    a.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(b, before) and b not in opt.state
+    with pytest.raises(ValueError, match="lr"):
+        FusedAdamW([a], lr=-1.0)
+    with pytest.raises(ValueError, match="betas"):
+        FusedAdamW([a], betas=(1.0, 0.9))
+    with pytest.raises(TypeError, match="params"):
+        FusedAdamW([torch.zeros(3, dtype=torch.int32)])
+
+
+def test_non_contiguous_param_is_updated():
+    base = _params([(6, 4)])[0]
+    ref = base.detach().clone().t().contiguous().requires_grad_()
+    p = torch.nn.Parameter(base.detach().clone().t())  # a transposed (non-contiguous) view
+    assert not p.is_contiguous()
+    _run(FusedAdamW, [p], steps=5)
+    _run(torch.optim.AdamW, [ref], steps=5)
+    assert _max_rel([p], [ref]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_the_cpu_kernel(dtype):
+    """The CUDA kernel runs the same functor: its result equals the CPU kernel's to rounding."""
+    import dist_kernels
+
+    if not dist_kernels.build_info()["cuda_compiled"]:
+        pytest.skip("this build has no CUDA kernels")
+    cpu = _params(SHAPES, dtype)
+    gpu = [p.detach().cuda().requires_grad_() for p in cpu]
+    cpu_opt = FusedAdamW(cpu, weight_decay=0.1, amsgrad=True, master_weights=True)
+    gpu_opt = FusedAdamW(gpu, weight_decay=0.1, amsgrad=True, master_weights=True)
+    for step in range(20):
+        for p, q, g in zip(cpu, gpu, _grads(cpu, step)):
+            p.grad, q.grad = g, g.cuda()
+        cpu_opt.step()
+        gpu_opt.step()
+    torch.cuda.synchronize()
+    err = _max_rel([q.cpu().float() for q in gpu], [p.float() for p in cpu])
+    print(f"{dtype}: CUDA vs CPU max relative difference {err:.3e}")
+    assert err < 1e-5 if dtype == torch.float32 else err <= 2.0**-7
