@@ -6,11 +6,37 @@ missing optional piece never breaks the rest.
 
 from __future__ import annotations
 
+import glob
 import importlib
+import os
+import sys
 from typing import Any, Dict
 
-from ._dtypes import ReduceOp
-from ._version import __version__
+
+def _use_installed_extension() -> None:
+    """Lets a source checkout without a built ``_C`` use the installed one.
+
+    ``python -m dist_kernels.bench`` run in the repository root after ``pip install .`` imports
+    this package from the checkout (the current directory comes first on ``sys.path``), where
+    no extension was built. Searching the installed copy for submodules as well keeps the
+    README's commands working from the checkout. An in-place build, if present, still wins.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    if glob.glob(os.path.join(here, "_C.*")):
+        return
+    for entry in sys.path:
+        candidate = os.path.join(os.path.abspath(entry or os.curdir), "dist_kernels")
+        if os.path.realpath(candidate) == os.path.realpath(here):
+            continue
+        if glob.glob(os.path.join(candidate, "_C.*")):
+            __path__.append(candidate)
+            return
+
+
+_use_installed_extension()
+
+from ._dtypes import ReduceOp  # noqa: E402
+from ._version import __version__  # noqa: E402
 
 # public name -> module (relative to this package) that defines it
 _LAZY: Dict[str, str] = {
