@@ -297,7 +297,9 @@ class Pipeline:
         """One DistributedDataParallel per stage of this rank over ``dp_comm`` (dp > 1 only).
 
         Stages are wrapped in stage order, the same on every replica, since construction is
-        collective over ``dp_comm`` (it also broadcasts the parameters from replica 0).
+        collective over ``dp_comm`` (it also broadcasts the parameters from replica 0). A stage
+        without trainable parameters has nothing to average and is not wrapped (every replica
+        of a stage has the same structure, so they all skip it).
         """
         if self.dp_comm is None or self.dp_comm.world_size <= 1:
             return {}
@@ -308,6 +310,7 @@ class Pipeline:
                 module, self.dp_comm, find_unused_parameters=bool(find_unused)
             )
             for s, module in sorted(self.stages.items())
+            if any(p.requires_grad for p in module.parameters())
         }
 
     @property
