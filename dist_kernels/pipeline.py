@@ -208,6 +208,9 @@ class Pipeline:
             (``torch.utils.checkpoint``) instead of keeping its activations.
         stages_per_rank: virtual stages per rank for ``"interleaved-1f1b"`` (default 2).
         print_partition: print the split (on global rank 0).
+        find_unused_parameters: with a ProcessMesh of ``dp > 1``, passed to each stage's
+            :class:`~dist_kernels.DistributedDataParallel` (parameters of a stage that get no
+            gradient in its last micro-batch's backward).
     """
 
     def __init__(
@@ -223,6 +226,7 @@ class Pipeline:
         checkpoint_activations: bool = False,
         stages_per_rank: Optional[int] = None,
         print_partition: bool = True,
+        find_unused_parameters: bool = False,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -243,7 +247,11 @@ class Pipeline:
         self.channels = Channels(self.comm)
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
-        self._dp_buffers: Dict[torch.dtype, torch.Tensor] = {}
+        self.ddp = self._wrap_data_parallel(find_unused_parameters)
+        # Per stage, the micro-batch whose backward the schedule runs last: it all-reduces.
+        self._last_backward = {
+            a.stage: a.microbatch for a in self.actions if a.kind is Kind.BACKWARD
+        }
 
     # ------------------------------------------------------------------ construction
 
@@ -285,9 +293,30 @@ class Pipeline:
         )
         return {s: stages[s] for s in mine}
 
+    def _wrap_data_parallel(self, find_unused: bool) -> Dict[int, nn.Module]:
+        """One DistributedDataParallel per stage of this rank over ``dp_comm`` (dp > 1 only).
+
+        Stages are wrapped in stage order, the same on every replica, since construction is
+        collective over ``dp_comm`` (it also broadcasts the parameters from replica 0). A stage
+        without trainable parameters has nothing to average and is not wrapped (every replica
+        of a stage has the same structure, so they all skip it).
+        """
+        if self.dp_comm is None or self.dp_comm.world_size <= 1:
+            return {}
+        from .ddp import DistributedDataParallel
+
+        return {
+            s: DistributedDataParallel(
+                module, self.dp_comm, find_unused_parameters=bool(find_unused)
+            )
+            for s, module in sorted(self.stages.items())
+            if any(p.requires_grad for p in module.parameters())
+        }
+
     @property
     def stage_module(self) -> nn.Module:
-        """This rank's stage, or an ``nn.ModuleList`` of its stages (interleaved)."""
+        """This rank's stage, or an ``nn.ModuleList`` of its stages (interleaved): the user's
+        modules, never the DistributedDataParallel wrappers (those are in :attr:`ddp`)."""
         return self._stage_module
 
     def parameters(self):
@@ -326,10 +355,9 @@ class Pipeline:
             mover.join()
             if self._transfer_error is not None:
                 raise self._transfer_error
-        loss = self._finish_loss()
-        if self.dp_comm is not None and self.dp_comm.world_size > 1:
-            self._guard(None, "gradient all-reduce across data-parallel replicas", self._dp_sync)
-        return loss
+        # With dp > 1 each stage's DDP already averaged its gradients at the end of the stage's
+        # last backward (it waits for its all-reduces before that backward returns).
+        return self._finish_loss()
 
     def _begin(self, inputs: Any, targets: Any) -> None:
         m = self.n_microbatches
@@ -399,7 +427,8 @@ class Pipeline:
         leaves = _leaves(tensors) if a.stage > 0 else [t.detach() for t in tensors]
         module = self.stages[a.stage]
         counter = _SavedCounter(list(module.parameters()))
-        with counter.hooks():
+        with counter.hooks(), self._dp_context(a):
+            module = self.ddp.get(a.stage, module)
             if self.checkpoint_activations:
                 # Saves only the stage's inputs, through these hooks (counted), to recompute.
                 out = checkpoint(module, *leaves, use_reentrant=False)
@@ -425,7 +454,8 @@ class Pipeline:
             pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if roots:
-            torch.autograd.backward(roots, grads)
+            with self._dp_context(a):
+                torch.autograd.backward(roots, grads)
         self._live_bytes -= saved_bytes
         if a.stage > 0:
             input_grads = [
@@ -491,44 +521,23 @@ class Pipeline:
             self._guard(None, "loss broadcast", lambda: self.comm.broadcast(value, last_rank))
         return value[0]
 
-    def _dp_sync(self) -> None:
-        """Averages this rank's stage gradients over its data-parallel replicas.
+    def _dp_context(self, a: Action):
+        """``no_sync()`` of the stage's DDP, except for its last micro-batch (which reduces).
 
-        NOTE(lead): one flat all-reduce per dtype, after the step, until
-        dk.DistributedDataParallel is on main; then wrap each stage in it (forwards under
-        ``no_sync()`` except the micro-batch whose backward the schedule runs last) so that the
-        reduction overlaps the last backward.
+        DDP decides at forward time whether the next backward reduces, but 1F1B and interleaved
+        schedules run other backward passes between a stage's last forward and its last
+        backward. So a backward also re-arms DDP for itself: only the last one all-reduces
+        (the sum accumulated over all micro-batches), overlapping with that backward.
+        Non-reentrant checkpointing recomputes the forward inside backward, under the same
+        context, so it leaves the arming as set here.
         """
-        from ._dtypes import ReduceOp
-
-        params = [p for p in self.stage_module.parameters() if p.requires_grad]
-        for dtype in sorted({p.dtype for p in params}, key=str):
-            group = [p for p in params if p.dtype == dtype]
-            flat = self._dp_buffer(dtype, sum(p.numel() for p in group))
-            offset = 0
-            for p in group:
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
-                offset += p.numel()
-            self.dp_comm.all_reduce(flat, op=ReduceOp.AVG)
-            offset = 0
-            for p in group:
-                reduced = flat[offset : offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = reduced.clone()
-                else:
-                    p.grad.copy_(reduced)
-                offset += p.numel()
-
-    def _dp_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The flat gradient buffer for ``dtype``: registered memory, allocated once (the
-        Communicator's ``empty`` is collective and keeps its memory until ``close``)."""
-        if dtype not in self._dp_buffers:
-            empty = getattr(self.dp_comm, "empty", None)
-            self._dp_buffers[dtype] = (
-                empty((numel,), dtype=dtype) if empty else torch.empty(numel, dtype=dtype)
-            )
-        return self._dp_buffers[dtype]
+        ddp = self.ddp.get(a.stage)
+        if ddp is None:
+            return contextlib.nullcontext()
+        last = a.microbatch == self._last_backward[a.stage]
+        if a.kind is Kind.BACKWARD:
+            ddp._armed = last  # read by DDP's gradient hooks; no public setter exists
+        return contextlib.nullcontext() if last else ddp.no_sync()
 
 
 def _same_family(exc: Exception, message: str) -> Exception:

@@ -15,20 +15,20 @@ BATCH = 8
 WIDTH = 6
 
 
-def _model(n_layers: int) -> nn.Sequential:
+def _model(n_layers: int, dtype: torch.dtype = torch.float64) -> nn.Sequential:
     torch.manual_seed(SEED)
     layers = []
     for _ in range(n_layers):
         layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-    return nn.Sequential(*layers).double()
+    return nn.Sequential(*layers).to(dtype)
 
 
-def _batches(steps: int, batch: int):
+def _batches(steps: int, batch: int, dtype: torch.dtype = torch.float64):
     gen = torch.Generator().manual_seed(SEED + 1)
     return [
         (
-            torch.randn(batch, WIDTH, generator=gen, dtype=torch.float64),
-            torch.randn(batch, WIDTH, generator=gen, dtype=torch.float64),
+            torch.randn(batch, WIDTH, generator=gen, dtype=torch.float64).to(dtype),
+            torch.randn(batch, WIDTH, generator=gen, dtype=torch.float64).to(dtype),
         )
         for _ in range(steps)
     ]
@@ -194,44 +194,81 @@ def test_pipeline_equals_single_process(world_size):
             assert peak[(rank, schedule, True)] < peak[(rank, schedule, False)], (rank, schedule)
 
 
-def _rank_hybrid(schedules):
+def _grads_in_ddp_buckets(pipe, steps: int) -> bool:
+    """Every owned parameter's .grad lies inside a bucket of its stage's DDP (DDP reduced it),
+    and each DDP launched its buckets once per step (only the stage's last backward reduced)."""
+    trainable = [s for s, m in pipe.stages.items() if list(m.parameters())]
+    if sorted(pipe.ddp) != sorted(trainable) or hasattr(pipe, "_dp_sync"):
+        return False
+    for stage in trainable:
+        module = pipe.stages[stage]
+        ddp = pipe.ddp[stage]
+        if not isinstance(ddp, dk.DistributedDataParallel) or ddp.module is not module:
+            return False
+        if ddp._sequence != steps * len(ddp.bucket_layouts):  # DDP's all-reduce launch count
+            return False
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in ddp.buckets]
+        for p in module.parameters():
+            if not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
+                return False
+    return True
+
+
+def _rank_hybrid(cases):
     import torch.distributed as dist
 
     mesh = dk.ProcessMesh(dp=2, pp=2, communicator_factory=_make_comm)
     out = []
-    for schedule in schedules:
-        reference, model = _model(4), _model(4)
-        batches = _batches(STEPS, 2 * BATCH)
+    for schedule, ckpt, balance in cases:
+        # FP32: DDP buckets hold FP32/FP16/BF16 gradients, not FP64.
+        reference, model = _model(4, torch.float32), _model(4, torch.float32)
+        batches = _batches(STEPS, 2 * BATCH, torch.float32)
         ref_losses = _reference(reference, batches)
         half = slice(mesh.dp_rank * BATCH, (mesh.dp_rank + 1) * BATCH)
         mine = [(x[half], y[half]) for x, y in batches]
         pipe = dk.Pipeline(
             model,
             mesh,
-            n_microbatches=2,
+            n_microbatches=4,
             schedule=schedule,
             loss_fn=nn.functional.mse_loss,
+            checkpoint_activations=ckpt,
+            balance=balance,
             print_partition=False,
         )
         losses = _train_pipeline(pipe, model, mine)
         owned = [i for i, _ in enumerate(model) if any(_owns(pipe, model[i]))]
         diff = max(_max_param_diff(reference[i], model[i]) for i in owned)
-        out.append((dist.get_rank(), schedule, repr(mesh), diff, losses, ref_losses))
+        by_ddp = _grads_in_ddp_buckets(pipe, STEPS)
+        name = schedule + (" checkpointed" if ckpt else "") + (f" {balance}" if balance else "")
+        out.append((dist.get_rank(), name, repr(mesh), diff, losses, ref_losses, by_ddp))
     return out
 
 
+HYBRID = [(s, False, None) for s in ("gpipe", "1f1b", "interleaved-1f1b")] + [
+    ("1f1b", True, None),
+    ("interleaved-1f1b", True, None),
+    ("interleaved-1f1b", False, [1, 1, 3, 3]),  # stage 1 is a lone Tanh: nothing to wrap
+]
+
+
 def test_data_times_pipeline_equals_single_process():
-    schedules = ["gpipe", "1f1b", "interleaved-1f1b"]
-    results = run_ranks(4, _rank_hybrid, schedules, timeout=120)
+    print("seed", SEED)
+    results = run_ranks(4, _rank_hybrid, HYBRID, timeout=180)
     for per_rank in results:
-        for rank, schedule, mesh, diff, _, _ in per_rank:
-            print(f"rank {rank} {schedule} {mesh}: max parameter difference {diff:.1e}")
-            assert diff < 1e-12
+        for rank, schedule, mesh, diff, _, _, by_ddp in per_rank:
+            print(
+                f"rank {rank} {schedule} {mesh}: max parameter difference {diff:.1e}, DDP {by_ddp}"
+            )
+            # FP32 rounding only (micro-batch sums in another order); a missing or doubled
+            # reduction moves parameters by ~6e-3 here.
+            assert diff < 1e-5
+            assert by_ddp, (rank, schedule)  # each stage wrapped; its DDP wrote the .grad
     # Each replica's loss is its half of the batch; their mean is the whole batch's.
-    for i, _ in enumerate(schedules):
+    for i, _ in enumerate(HYBRID):
         for step in range(STEPS):
             replicas = [results[r][i][4][step] for r in (0, 1)]
-            assert sum(replicas) / 2 == pytest.approx(results[0][i][5][step], abs=1e-12)
+            assert sum(replicas) / 2 == pytest.approx(results[0][i][5][step], abs=1e-5)
 
 
 def _rank_mesh_errors_and_default_comm():
