@@ -13,23 +13,8 @@ namespace dk {
 using shm::CollectiveKind;
 
 const char* requestName(const Request& r) {
-  switch (r.kind) {
-    case CollectiveKind::kAllReduce:
-      return "all_reduce";
-    case CollectiveKind::kReduceScatter:
-      return "reduce_scatter";
-    case CollectiveKind::kAllGather:
-      return "all_gather";
-    case CollectiveKind::kBroadcast:
-      return "broadcast";
-    case CollectiveKind::kSendRecv:
-      return r.isSend ? "send" : "recv";
-    case CollectiveKind::kBarrier:
-      return "barrier";
-    case CollectiveKind::kFingerprint:
-      return "fingerprint";
-  }
-  return "collective";
+  if (r.kind == CollectiveKind::kSendRecv) return r.isSend ? "send" : "recv";
+  return shm::collectiveKindName(r.kind);
 }
 
 CpuCommunicator::CpuCommunicator(std::unique_ptr<shm::ShmTransport> transport, Options options)

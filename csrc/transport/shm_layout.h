@@ -36,6 +36,27 @@ enum class CollectiveKind : uint32_t {
   kFingerprint = 7,
 };
 
+// The collective's name as users call it ("send/recv" for the point-to-point kind).
+inline const char* collectiveKindName(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      return "all_reduce";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllGather:
+      return "all_gather";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kSendRecv:
+      return "send/recv";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+    case CollectiveKind::kFingerprint:
+      return "fingerprint";
+  }
+  return "unknown collective";
+}
+
 // What a collective message claims to belong to: a receiver compares it with its own call, so
 // ranks that disagree on the collective, count, dtype or op fail instead of mixing bytes.
 struct MessageHeader {

@@ -14,23 +14,7 @@ namespace dk::shm {
 namespace {
 
 const char* kindName(uint32_t collective) {
-  switch (static_cast<CollectiveKind>(collective & 0xff)) {
-    case CollectiveKind::kAllReduce:
-      return "all_reduce";
-    case CollectiveKind::kReduceScatter:
-      return "reduce_scatter";
-    case CollectiveKind::kAllGather:
-      return "all_gather";
-    case CollectiveKind::kBroadcast:
-      return "broadcast";
-    case CollectiveKind::kSendRecv:
-      return "send/recv";
-    case CollectiveKind::kBarrier:
-      return "barrier";
-    case CollectiveKind::kFingerprint:
-      return "fingerprint";
-  }
-  return "unknown collective";
+  return collectiveKindName(static_cast<CollectiveKind>(collective & 0xff));
 }
 
 }  // namespace
