@@ -182,17 +182,26 @@ class _Mailbox:
         self._items: Dict[Tuple[Kind, int, int], Tuple] = {}
         self._ready = threading.Condition()
         self._failure: Optional[BaseException] = None
+        self._wanted: Optional[Tuple[Kind, int, int]] = None  # what take() waits for now
 
-    def put(self, key: Tuple[Kind, int, int], value: Tuple) -> None:
+    def put(self, key: Tuple[Kind, int, int], value: Tuple, until_taken: bool = False) -> None:
+        """Stores ``value``; with ``until_taken``, if a taker already waits for ``key``, returns
+        only once it has it (so that the taker runs before the caller takes the GIL back)."""
         with self._ready:
             self._items[key] = value
             self._ready.notify_all()
+            if until_taken and self._wanted == key:
+                self._ready.wait_for(lambda: key not in self._items or self._failure is not None)
 
     def take(self, key: Tuple[Kind, int, int]) -> Tuple:
         with self._ready:
+            self._wanted = key
             self._ready.wait_for(lambda: key in self._items or self._failure is not None)
+            self._wanted = None
             if key in self._items:
-                return self._items.pop(key)
+                value = self._items.pop(key)
+                self._ready.notify_all()
+                return value
             raise _Aborted(self._failure)
 
     def fail(self, exc: BaseException) -> None:
@@ -500,7 +509,9 @@ class Pipeline:
             recv_kind = Kind.RECV_ACT if kind is Kind.SEND_ACT else Kind.RECV_GRAD
             self.arrived.put((recv_kind, target, mb), (detached, is_tuple))
         else:
-            self.outbox.put((kind, stage, mb), (detached, is_tuple))
+            # The transfer thread, if it waits for this send, picks it up before this thread
+            # goes on (to a forward that would hold the GIL): see _TRANSFER_SWITCH_INTERVAL_S.
+            self.outbox.put((kind, stage, mb), (detached, is_tuple), until_taken=True)
 
     # ------------------------------------------------------------------ transfers
 
