@@ -261,6 +261,34 @@ class Communicator:
         handle = self._backend.all_reduce(tensor, code, int(op), algo, async_op)
         return self._finish(handle, (tensor,), async_op)
 
+    def _check_whole_and_chunk(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        whole: str,
+        chunk: str,
+        opname: str,
+    ) -> int:
+        """Checks output/input of reduce_scatter or all_gather; returns the dtype code.
+
+        ``whole`` names the argument holding every rank's chunk ("input" for reduce_scatter,
+        "output" for all_gather); ``chunk`` names the one holding this rank's.
+        """
+        code = self._check_tensor(output, "output", opname)
+        if self._check_tensor(input, "input", opname) != code:
+            raise TypeError(
+                f"[rank {self.rank}] {opname}: output dtype {output.dtype} "
+                f"differs from input dtype {input.dtype}"
+            )
+        tensors = {"output": output, "input": input}
+        if tensors[whole].numel() != self.world_size * tensors[chunk].numel():
+            raise ValueError(
+                f"[rank {self.rank}] {opname}: {whole}.numel() "
+                f"({tensors[whole].numel()}) must equal world_size ({self.world_size}) * "
+                f"{chunk}.numel() ({tensors[chunk].numel()})"
+            )
+        return code
+
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -275,18 +303,7 @@ class Communicator:
         ``input.view(-1)[r * n:(r + 1) * n]``. Always uses the ring.
         """
         self._check_open("reduce_scatter")
-        code = self._check_tensor(output, "output", "reduce_scatter")
-        if self._check_tensor(input, "input", "reduce_scatter") != code:
-            raise TypeError(
-                f"[rank {self.rank}] reduce_scatter: output dtype {output.dtype} "
-                f"differs from input dtype {input.dtype}"
-            )
-        if input.numel() != self.world_size * output.numel():
-            raise ValueError(
-                f"[rank {self.rank}] reduce_scatter: input.numel() "
-                f"({input.numel()}) must equal world_size ({self.world_size}) * "
-                f"output.numel() ({output.numel()})"
-            )
+        code = self._check_whole_and_chunk(output, input, "input", "output", "reduce_scatter")
         op = self._op(op, "reduce_scatter")
         _algorithm_code(algorithm, self.rank, "reduce_scatter")
         handle = self._backend.reduce_scatter(output, input, code, int(op), async_op)
@@ -300,18 +317,7 @@ class Communicator:
         ``output.numel() == world_size * input.numel()``.
         """
         self._check_open("all_gather")
-        code = self._check_tensor(output, "output", "all_gather")
-        if self._check_tensor(input, "input", "all_gather") != code:
-            raise TypeError(
-                f"[rank {self.rank}] all_gather: output dtype {output.dtype} "
-                f"differs from input dtype {input.dtype}"
-            )
-        if output.numel() != self.world_size * input.numel():
-            raise ValueError(
-                f"[rank {self.rank}] all_gather: output.numel() "
-                f"({output.numel()}) must equal world_size ({self.world_size}) * "
-                f"input.numel() ({input.numel()})"
-            )
+        code = self._check_whole_and_chunk(output, input, "output", "input", "all_gather")
         handle = self._backend.all_gather(output, input, code, async_op)
         return self._finish(handle, (output, input), async_op)
 
