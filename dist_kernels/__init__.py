@@ -53,6 +53,8 @@ _LAZY: Dict[str, str] = {
     "barrier": "communicator",
     "send": "communicator",
     "recv": "communicator",
+    "isend": "communicator",
+    "irecv": "communicator",
     "LossScaler": "loss_scaler",
     "DistributedDataParallel": "ddp",
     "DDP": "ddp",

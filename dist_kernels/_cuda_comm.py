@@ -363,6 +363,20 @@ class CudaCommunicator:
         t = self._tensor(tensor, "tensor", "recv")
         self.send_recv(None, -1, t, self._peer(src, "src", "recv", allow_self=False))
 
+    def isend(self, tensor: Any, dst: int) -> Any:
+        """Asynchronous :meth:`send` (ordered on the communicator's stream); returns a Work."""
+        t = self._tensor(tensor, "tensor", "isend")
+        return self.send_recv(
+            t, self._peer(dst, "dst", "isend", allow_self=False), None, -1, async_op=True
+        )
+
+    def irecv(self, tensor: Any, src: int) -> Any:
+        """Asynchronous :meth:`recv` (ordered on the communicator's stream); returns a Work."""
+        t = self._tensor(tensor, "tensor", "irecv")
+        return self.send_recv(
+            None, -1, t, self._peer(src, "src", "irecv", allow_self=False), async_op=True
+        )
+
     def send_recv(
         self, send: Optional[Any], dst: int, recv: Optional[Any], src: int, async_op: bool = False
     ) -> Any:

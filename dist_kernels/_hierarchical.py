@@ -10,13 +10,15 @@ hosts the host leaders (lowest group rank of each host) use a torch.distributed 
     reduce_scatter: all_reduce of a copy of the input, then this rank's chunk
 
 Every rank gets the leaders' result through the same local broadcast, so results are
-bitwise identical. FP16 and BF16 cross hosts in FP32. Calls run synchronously; with
-``async_op=True`` they return an already completed :class:`Work`.
+bitwise identical. FP16 and BF16 cross hosts in FP32. Collectives run synchronously; with
+``async_op=True`` they return an already completed :class:`Work`. isend/irecv are
+asynchronous (shared memory on the host, gloo across hosts).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import datetime
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,22 @@ _TORCH_OPS = {
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.MIN: dist.ReduceOp.MIN,
 }
+
+
+class _GlooWork:
+    """A torch.distributed Work behind the handle interface :class:`~.communicator.Work` wraps."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self, timeout: Optional[float]) -> None:
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(datetime.timedelta(seconds=timeout))
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 class HierarchicalBackend:
@@ -106,17 +124,23 @@ class HierarchicalBackend:
             self.local.broadcast(t, code, 0, False)
         return self._done(async_op)
 
-    def send(self, t, code: int, dst: int) -> None:
+    # Point-to-point: a peer on this host goes through shared memory (asynchronously when
+    # asked); one on another host through gloo, whose isend/irecv are asynchronous too.
+    def send(self, t, code: int, dst: int, async_op: bool):
         if self.hosts[dst] == self.hosts[self.rank]:
-            self.local.send(t, code, self._local_rank_of(dst))
-        else:
-            dist.send(t, self.global_ranks[dst])
+            return self.local.send(t, code, self._local_rank_of(dst), async_op)
+        if async_op:
+            return _GlooWork(dist.isend(t, self.global_ranks[dst]))
+        dist.send(t, self.global_ranks[dst])
+        return None
 
-    def recv(self, t, code: int, src: int) -> None:
+    def recv(self, t, code: int, src: int, async_op: bool):
         if self.hosts[src] == self.hosts[self.rank]:
-            self.local.recv(t, code, self._local_rank_of(src))
-        else:
-            dist.recv(t, self.global_ranks[src])
+            return self.local.recv(t, code, self._local_rank_of(src), async_op)
+        if async_op:
+            return _GlooWork(dist.irecv(t, self.global_ranks[src]))
+        dist.recv(t, self.global_ranks[src])
+        return None
 
     def barrier(self, async_op: bool):
         self.local.barrier(False)

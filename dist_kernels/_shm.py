@@ -141,11 +141,11 @@ class ShmBackend:
     def broadcast(self, t, code: int, src: int, async_op: bool):
         return self.impl.broadcast(t.data_ptr(), t.numel(), code, src, async_op)
 
-    def send(self, t, code: int, dst: int) -> None:
-        self.impl.send(t.data_ptr(), t.numel(), code, dst, False)
+    def send(self, t, code: int, dst: int, async_op: bool):
+        return self.impl.send(t.data_ptr(), t.numel(), code, dst, async_op)
 
-    def recv(self, t, code: int, src: int) -> None:
-        self.impl.recv(t.data_ptr(), t.numel(), code, src, False)
+    def recv(self, t, code: int, src: int, async_op: bool):
+        return self.impl.recv(t.data_ptr(), t.numel(), code, src, async_op)
 
     def barrier(self, async_op: bool):
         return self.impl.barrier(async_op)

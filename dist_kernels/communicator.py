@@ -38,6 +38,8 @@ __all__ = [
     "broadcast",
     "send",
     "recv",
+    "isend",
+    "irecv",
     "barrier",
     "ReduceOp",
 ]
@@ -150,6 +152,7 @@ class Communicator:
 
         self.timeout = timeout or group_timeout(self.group) or _DEFAULT_TIMEOUT
         self._pending: List[Work] = []
+        self._pending_lock = threading.Lock()
         self._closed = False
         self._backend = self._connect()
 
@@ -233,8 +236,9 @@ class Communicator:
         if not async_op:
             return None
         work = handle if isinstance(handle, Work) else Work(handle, tensors)
-        self._pending = [w for w in self._pending if not w.is_completed()]
-        self._pending.append(work)
+        with self._pending_lock:  # isend and irecv may come from two threads
+            self._pending = [w for w in self._pending if not w.is_completed()]
+            self._pending.append(work)
         return work
 
     # -- collectives ---------------------------------------------------------------------
@@ -330,18 +334,38 @@ class Communicator:
         return self._finish(handle, (tensor,), async_op)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Sends ``tensor`` to rank ``dst`` (which calls :meth:`recv` with the same shape)."""
-        self._check_open("send")
-        code = self._check_tensor(tensor, "tensor", "send")
-        self._check_peer(dst, "dst", "send", allow_self=False)
-        self._backend.send(tensor, code, dst)
+        """Sends ``tensor`` to rank ``dst`` (which calls :meth:`recv` with the same shape).
+
+        Returns once ``tensor`` may be reused: small messages are copied into shared memory
+        at once, larger ones wait for the receiver. A send and a receive may run at the same
+        time on two threads of one rank.
+        """
+        self._p2p("send", tensor, dst, async_op=False)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Receives into ``tensor`` what rank ``src`` sends."""
-        self._check_open("recv")
-        code = self._check_tensor(tensor, "tensor", "recv")
-        self._check_peer(src, "src", "recv", allow_self=False)
-        self._backend.recv(tensor, code, src)
+        self._p2p("recv", tensor, src, async_op=False)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Starts sending ``tensor`` to rank ``dst``; do not modify it before ``wait()``.
+
+        Like ``torch.distributed.isend``: sends and receives started with :meth:`isend` and
+        :meth:`irecv` may be issued in any order on the two ranks (a pending receive never
+        holds up a send). Operations on one peer pair are matched in issue order; collectives
+        issued after them run after them.
+        """
+        return self._p2p("send", tensor, dst, async_op=True)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Starts receiving into ``tensor`` from rank ``src``; read it after ``wait()``."""
+        return self._p2p("recv", tensor, src, async_op=True)
+
+    def _p2p(self, what: str, tensor: torch.Tensor, peer: int, async_op: bool):
+        self._check_open(what)
+        code = self._check_tensor(tensor, "tensor", what)
+        self._check_peer(peer, "dst" if what == "send" else "src", what, allow_self=False)
+        handle = getattr(self._backend, what)(tensor, code, peer, async_op)
+        return self._finish(handle, (tensor,), async_op)
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has entered the barrier."""
@@ -437,6 +461,16 @@ def send(tensor, dst):
 def recv(tensor, src):
     """:meth:`Communicator.recv` on the default communicator."""
     return get_default_communicator().recv(tensor, src)
+
+
+def isend(tensor, dst):
+    """:meth:`Communicator.isend` on the default communicator."""
+    return get_default_communicator().isend(tensor, dst)
+
+
+def irecv(tensor, src):
+    """:meth:`Communicator.irecv` on the default communicator."""
+    return get_default_communicator().irecv(tensor, src)
 
 
 def barrier(async_op=False):

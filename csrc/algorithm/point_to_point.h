@@ -8,7 +8,8 @@ namespace dk::algo {
 // args.src (count elements) to rank args.root, cut into slices; returns once the peer can no
 // longer need our buffer (finish()).
 Status sendTo(Channel ch, const CollectiveArgs& args);
-// args.dst (count elements) from rank args.root.
+// args.dst (count elements) from rank args.root. Touches only the receiving side of the
+// transport, so it may run beside a sendTo() on another thread (the CPU communicator's lanes).
 Status recvFrom(Channel ch, const CollectiveArgs& args);
 
 // Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k;

@@ -27,11 +27,19 @@ namespace {
 using SegmentPtr = std::shared_ptr<shm::Segment>;
 
 // A communicator plus the rank name used in error messages ("[rank 3] all_reduce").
+// Shared: every call takes its own reference (under the GIL) before releasing the GIL, so a
+// close() from another thread never frees the communicator under a running call.
 struct PyCommunicator {
-  std::unique_ptr<CpuCommunicator> comm;
+  std::shared_ptr<CpuCommunicator> comm;
   int label;
-  std::string context(const Request& r) const {
-    return "[rank " + std::to_string(label) + "] " + requestName(r);
+  std::string context(const std::string& what) const {
+    return "[rank " + std::to_string(label) + "] " + what;
+  }
+  std::string context(const Request& r) const { return context(requestName(r)); }
+  // The communicator, or a CommError naming `what` once it is closed.
+  std::shared_ptr<CpuCommunicator> live(const std::string& what) const {
+    if (!comm) check(Status(Code::kPeerFailure, "the communicator is closed"), context(what));
+    return comm;
   }
 };
 
@@ -56,21 +64,25 @@ std::unique_ptr<PyCommunicator> makeCommunicator(SegmentPtr seg, int rank, doubl
   CpuCommunicator::Options options{timeoutSec, oversubscribed, debug};
   auto out = std::make_unique<PyCommunicator>();
   out->label = label;
-  py::gil_scoped_release nogil;
-  Status s = CpuCommunicator::create(std::move(seg), rank, options, &out->comm);
-  py::gil_scoped_acquire gil;
-  check(s, "[rank " + std::to_string(label) + "] Communicator");
+  std::unique_ptr<CpuCommunicator> comm;
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = CpuCommunicator::create(std::move(seg), rank, options, &comm);
+  }
+  check(s, out->context("Communicator"));
+  out->comm = std::move(comm);
   return out;
 }
 
 // Runs inline (GIL released) or queues and returns a Work.
 py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
-  if (!c.comm) throw std::runtime_error(c.context(r) + ": the communicator is closed");
+  const std::shared_ptr<CpuCommunicator> comm = c.live(requestName(r));
   Status s;
   std::shared_ptr<Work> work;
   {
     py::gil_scoped_release nogil;
-    s = asyncOp ? c.comm->submit(r, &work) : c.comm->run(r);
+    s = asyncOp ? comm->submit(r, &work) : comm->run(r);
   }
   check(s, c.context(r));
   if (asyncOp) {
@@ -135,8 +147,9 @@ void bindCommunicator(py::module_& m) {
   py::class_<PyCommunicator>(m, "CpuCommunicator")
       .def(py::init(&makeCommunicator), py::arg("segment"), py::arg("rank"), py::arg("timeout_s"),
            py::arg("oversubscribed"), py::arg("debug"), py::arg("label"))
-      .def_property_readonly("rank", [](PyCommunicator& c) { return c.comm->rank(); })
-      .def_property_readonly("world_size", [](PyCommunicator& c) { return c.comm->worldSize(); })
+      .def_property_readonly("rank", [](PyCommunicator& c) { return c.live("rank")->rank(); })
+      .def_property_readonly("world_size",
+                             [](PyCommunicator& c) { return c.live("world_size")->worldSize(); })
       .def("all_reduce",
            [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int op, int algorithm,
               bool asyncOp) {
@@ -178,20 +191,26 @@ void bindCommunicator(py::module_& m) {
       .def("resolve_all_reduce",
            [](PyCommunicator& c, size_t count, int dtype, int algorithm) {
              Request r = makeRequest(K::kAllReduce, 0, 0, count, dtype, 0, 0, algorithm);
-             return static_cast<int>(c.comm->resolve(r));
+             return static_cast<int>(c.live("all_reduce")->resolve(r));
            })
       .def("register_buffer",
            [](PyCommunicator& c, uint32_t id, SegmentPtr local, std::vector<SegmentPtr> peers) {
-             py::gil_scoped_release nogil;
-             Status s = c.comm->registerBuffer(id, std::move(local), std::move(peers));
-             py::gil_scoped_acquire gil;
-             check(s, "[rank " + std::to_string(c.label) + "] empty");
+             const std::shared_ptr<CpuCommunicator> comm = c.live("empty");
+             Status s;
+             {
+               py::gil_scoped_release nogil;
+               s = comm->registerBuffer(id, std::move(local), std::move(peers));
+             }
+             check(s, c.context("empty"));
            })
       .def("close", [](PyCommunicator& c) {
-        if (!c.comm) return;
+        // Later calls see the communicator closed at once; calls running on other threads
+        // hold their own reference and are cancelled by close().
+        std::shared_ptr<CpuCommunicator> comm = std::move(c.comm);
+        if (!comm) return;
         py::gil_scoped_release nogil;
-        c.comm->close();
-        c.comm.reset();
+        comm->close();
+        comm.reset();  // the last reference, unless a cancelled call still returns
       });
 }
 

@@ -28,86 +28,67 @@ Status CpuCommunicator::create(std::shared_ptr<shm::Segment> segment, int rank, 
   DK_RETURN_IF_ERROR(
       shm::ShmTransport::attach(std::move(segment), rank, options.oversubscribed, &transport));
   std::unique_ptr<CpuCommunicator> comm(new CpuCommunicator(std::move(transport), options));
-  // The progress thread takes the liveness mutex first thing and holds it until close().
-  std::promise<Status> started;
-  auto ready = started.get_future();
-  comm->progress_ = std::thread(&CpuCommunicator::progressLoop, comm.get(), &started);
-  Status status = ready.get();
-  if (!status.ok()) {
-    comm->close();
-    return status;
-  }
+  // The queue's dispatcher thread takes the liveness mutex first thing and holds it until
+  // close() (a robust mutex must be unlocked by the thread that locked it).
+  CpuCommunicator* c = comm.get();
+  DK_RETURN_IF_ERROR(c->queue_.start(
+      [c](const Request& r) { return c->executeLocked(r, /*queued=*/true); },
+      [c] { return c->transport_->holdLiveness(); }, [c] { c->transport_->markClosed(); }));
   *out = std::move(comm);
   return Status::Ok();
 }
 
 CpuCommunicator::~CpuCommunicator() { close(); }
 
-void CpuCommunicator::progressLoop(std::promise<Status>* started) {
-  Status held = transport_->holdLiveness();
-  started->set_value(held);
-  if (!held.ok()) return;
-  std::unique_lock<std::mutex> lock(queueMutex_);
-  while (true) {
-    queueChanged_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-    if (queue_.empty()) break;  // stopping, and nothing left to run
-    auto item = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
-    lock.unlock();
-    Status status;
-    {
-      std::lock_guard<std::mutex> exec(execMutex_);
-      status = execute(item.first);
-    }
-    item.second->complete(std::move(status));
-    lock.lock();
-    busy_ = false;
-    queueChanged_.notify_all();
-  }
-  lock.unlock();
-  transport_->markClosed();
-}
-
-void CpuCommunicator::drain() {
-  std::unique_lock<std::mutex> lock(queueMutex_);
-  queueChanged_.wait(lock, [&] { return queue_.empty() && !busy_; });
+shm::Lane CpuCommunicator::laneOf(const Request& r) {
+  if (r.kind != CollectiveKind::kSendRecv) return shm::Lane::kBoth;
+  return r.isSend ? shm::Lane::kSend : shm::Lane::kRecv;
 }
 
 Status CpuCommunicator::run(Request request) {
   if (closed_) return Status(Code::kPeerFailure, "the communicator is closed");
-  drain();
-  std::lock_guard<std::mutex> exec(execMutex_);
+  queue_.drain(laneOf(request));
+  return executeLocked(request, /*queued=*/false);
+}
+
+Status CpuCommunicator::executeLocked(const Request& request, bool queued) {
+  const shm::Lane lane = laneOf(request);
+  std::unique_lock<std::mutex> sendLock(sendLane_, std::defer_lock);
+  std::unique_lock<std::mutex> recvLock(recvLane_, std::defer_lock);
+  if (lane == shm::Lane::kBoth) {
+    std::lock(sendLock, recvLock);
+  } else {
+    (lane == shm::Lane::kSend ? sendLock : recvLock).lock();
+  }
+  // A close() that ran while this thread waited for its lane has cancelled the transport
+  // (queued operations still run: close() drains the queue before it cancels).
+  if (closed_ && !queued) return Status(Code::kPeerFailure, "the communicator is closed");
   return execute(request);
 }
 
 Status CpuCommunicator::submit(Request request, std::shared_ptr<Work>* work) {
   if (closed_) return Status(Code::kPeerFailure, "the communicator is closed");
   *work = std::make_shared<Work>();
-  {
-    std::lock_guard<std::mutex> lock(queueMutex_);
-    queue_.emplace_back(std::move(request), *work);
-  }
-  queueChanged_.notify_all();
+  const shm::Lane lane = laneOf(request);
+  queue_.submit(std::move(request), *work, lane);
   return Status::Ok();
 }
 
 Status CpuCommunicator::registerBuffer(uint32_t id, std::shared_ptr<shm::Segment> local,
                                        std::vector<std::shared_ptr<shm::Segment>> peers) {
-  drain();
-  std::lock_guard<std::mutex> exec(execMutex_);
+  queue_.drain(shm::Lane::kBoth);
+  std::scoped_lock lanes(sendLane_, recvLane_);
   return transport_->registerBuffer(id, std::move(local), std::move(peers));
 }
 
 Status CpuCommunicator::close() {
-  if (closed_) return Status::Ok();
-  closed_ = true;
-  {
-    std::lock_guard<std::mutex> lock(queueMutex_);
-    stopping_ = true;
-  }
-  queueChanged_.notify_all();
-  if (progress_.joinable()) progress_.join();
+  if (closed_.exchange(true)) return Status::Ok();
+  // Queued operations run to completion first (close() promises that), then any synchronous
+  // call still blocked on another thread is cancelled and waited for, so that nothing is left
+  // inside the transport when the caller destroys it.
+  queue_.stop();
+  transport_->cancel();
+  std::scoped_lock lanes(sendLane_, recvLane_);
   return Status::Ok();
 }
 
@@ -131,10 +112,15 @@ shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {
   return h;
 }
 
+Status CpuCommunicator::failure() const {
+  std::lock_guard<std::mutex> lock(failedMutex_);
+  return failed_;
+}
+
 Status CpuCommunicator::execute(const Request& request) {
-  if (!failed_.ok()) {
-    return Status(failed_.code(),
-                  "the communicator failed earlier and cannot be used: " + failed_.message());
+  if (Status failed = failure(); !failed.ok()) {
+    return Status(failed.code(),
+                  "the communicator failed earlier and cannot be used: " + failed.message());
   }
   Request r = request;
   r.algorithm = resolve(request);
@@ -142,15 +128,17 @@ Status CpuCommunicator::execute(const Request& request) {
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(options_.timeoutSec));
   const shm::MessageHeader header = headerOf(r);
-  Status status = transport_->begin(header, deadline, requestName(r));
-  if (status.ok() && options_.debug && r.kind != CollectiveKind::kSendRecv) {
+  const shm::Lane lane = laneOf(r);
+  Status status = transport_->begin(header, deadline, lane);
+  if (status.ok() && options_.debug && lane == shm::Lane::kBoth) {
     status = fingerprint(header);
-    if (status.ok()) status = transport_->begin(header, deadline, requestName(r));
+    if (status.ok()) status = transport_->begin(header, deadline, lane);
   }
   if (status.ok()) status = dispatch(r);
   if (!status.ok()) {
     transport_->poison(status);
-    failed_ = status;
+    std::lock_guard<std::mutex> lock(failedMutex_);
+    if (failed_.ok()) failed_ = status;
   }
   return status;
 }
@@ -188,11 +176,9 @@ Status CpuCommunicator::fingerprint(const shm::MessageHeader& mine) {
   probe.collective = static_cast<uint32_t>(CollectiveKind::kFingerprint);
   probe.count = sizeof(shm::MessageHeader);
   DK_RETURN_IF_ERROR(
-      transport_->begin(probe,
-                        std::chrono::steady_clock::now() +
-                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                std::chrono::duration<double>(options_.timeoutSec)),
-                        "fingerprint"));
+      transport_->begin(probe, std::chrono::steady_clock::now() +
+                                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                       std::chrono::duration<double>(options_.timeoutSec))));
   const int n = worldSize();
   std::vector<SendOp> sends;
   std::vector<RecvOp> recvs;

@@ -1,38 +1,37 @@
-// The CPU communicator of one host: owns the shared-memory transport, the CPU compute and a
-// progress thread, and runs collectives through the algorithms of csrc/algorithm/.
+// The CPU communicator of one host: owns the shared-memory transport, the CPU compute and the
+// queue of asynchronous operations, and runs collectives through the algorithms of
+// csrc/algorithm/.
 //
-// Ordering: asynchronous collectives run on the progress thread in the order issued; a
-// synchronous one first waits for the queue to drain, then runs inline on the caller's thread
-// (no thread handoff: ~2 us less per call). Either way collectives execute one at a time, in
-// issue order, which is what makes every rank's message sequence identical.
+// Ordering: asynchronous operations start in issue order (OpQueue); a synchronous one first
+// waits until no queued operation uses its lanes, then runs inline on the caller's thread (no
+// thread handoff: ~2 us less per call). Collectives execute one at a time, in issue order,
+// which is what makes every rank's message sequence identical.
 //
-// Failure: the first failed collective poisons the communicator (every later call fails at
-// once with the same cause) and the shared segment (every peer's waits stop).
+// Lanes: a send and a receive may run at the same time on two threads (each holds one lane of
+// the transport; a collective holds both), so a receive waiting for its peer does not hold up
+// a send, synchronous or queued. Two sends (or two receives) run one after the other.
+//
+// close() lets queued operations finish, then cancels the waits of synchronous calls still
+// running on other threads (they fail, which poisons the segment like any failure) and
+// returns once they have left.
+//
+// Failure: the first failed call poisons the communicator (every later call fails at once
+// with the same cause) and the shared segment (every peer's waits stop).
 #pragma once
 
-#include <deque>
-#include <future>
+#include <atomic>
 #include <memory>
 #include <mutex>
-#include <string>
-#include <thread>
 #include <vector>
 
 #include "algorithm/collective.h"
 #include "algorithm/cpu_compute.h"
+#include "comm/op_queue.h"
+#include "comm/request.h"
 #include "comm/work.h"
 #include "transport/shm_transport.h"
 
 namespace dk {
-
-struct Request {
-  shm::CollectiveKind kind = shm::CollectiveKind::kAllReduce;
-  algo::Algorithm algorithm = algo::Algorithm::kAuto;
-  algo::CollectiveArgs args;
-  bool isSend = false;  // kSendRecv: send (else receive)
-};
-
-const char* requestName(const Request& request);
 
 class CpuCommunicator {
  public:
@@ -50,6 +49,9 @@ class CpuCommunicator {
   // The algorithm "auto" resolves to for an all-reduce of `bytes` (same on every rank).
   algo::Algorithm resolve(const Request& request) const;
 
+  // Which transport lanes a request holds (see above).
+  static shm::Lane laneOf(const Request& request);
+
   Status run(Request request);
   Status submit(Request request, std::shared_ptr<Work>* work);
   Status registerBuffer(uint32_t id, std::shared_ptr<shm::Segment> local,
@@ -58,9 +60,11 @@ class CpuCommunicator {
 
  private:
   explicit CpuCommunicator(std::unique_ptr<shm::ShmTransport> transport, Options options);
-  void progressLoop(std::promise<Status>* started);
-  void drain();
+  // Runs `request` holding its lanes; a synchronous call (not `queued`) fails if the
+  // communicator was closed while it waited for them.
+  Status executeLocked(const Request& request, bool queued);
   Status execute(const Request& request);
+  Status failure() const;
   Status dispatch(const Request& request);
   Status fingerprint(const shm::MessageHeader& header);
   shm::MessageHeader headerOf(const Request& request) const;
@@ -70,16 +74,12 @@ class CpuCommunicator {
   Options options_;
   std::vector<char> scratch_;
 
-  std::mutex queueMutex_;
-  std::condition_variable queueChanged_;
-  std::deque<std::pair<Request, std::shared_ptr<Work>>> queue_;
-  bool busy_ = false;
-  bool stopping_ = false;
-  std::thread progress_;
-
-  std::mutex execMutex_;  // one collective at a time on the transport
-  Status failed_;         // guarded by execMutex_
-  bool closed_ = false;
+  OpQueue queue_;
+  std::mutex sendLane_;  // one call at a time per transport lane; collectives take both
+  std::mutex recvLane_;
+  mutable std::mutex failedMutex_;
+  Status failed_;  // guarded by failedMutex_: the first failure, reported by every later call
+  std::atomic<bool> closed_{false};
 };
 
 }  // namespace dk

@@ -1,4 +1,4 @@
-// Work: the handle of one queued collective; completed by the progress thread.
+// Work: the handle of one queued operation; completed by the thread of OpQueue that ran it.
 #pragma once
 
 #include <condition_variable>

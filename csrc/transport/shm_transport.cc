@@ -191,39 +191,51 @@ Status ShmTransport::health() const {
 }
 
 template <typename Ready>
-Status ShmTransport::waitFor(int peer, const char* what, const std::atomic<uint64_t>& word,
-                             std::atomic<uint32_t>& sleepers, Ready ready) {
+Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
+                             const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
+                             Ready ready) {
   Backoff backoff(oversubscribed_);
   for (uint64_t seen = word.load(std::memory_order_acquire); !ready(seen);
        seen = word.load(std::memory_order_acquire)) {
     if (header()->abortRank.load(std::memory_order_relaxed) != 0) return health();
     if (backoff.shouldCheck()) {
+      if (cancelled_.load(std::memory_order_acquire)) {
+        return Status(Code::kPeerFailure, "rank " + std::to_string(rank_) +
+                                              " closed the communicator while a call waited for "
+                                              "rank " +
+                                              std::to_string(peer) + " (" + what + ")");
+      }
       DK_RETURN_IF_ERROR(peerAlive(peer));
-      if (std::chrono::steady_clock::now() >= deadline_) return timedOut(peer, what);
+      if (std::chrono::steady_clock::now() >= lane.deadline) return timedOut(lane, peer, what);
     }
     backoff.pause(word, seen, sleepers);
   }
   return Status::Ok();
 }
 
-Status ShmTransport::timedOut(int peer, const char* what) const {
-  const double secs = std::chrono::duration<double>(deadline_ - started_).count();
+Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what) const {
+  const double secs = std::chrono::duration<double>(lane.deadline - lane.started).count();
+  // Only a collective owns both directions; a send or receive must not read the other lane's
+  // counters, which a concurrent call on that lane may be writing.
+  std::string counters;
+  if (lane.both || &lane == &lanes_[static_cast<int>(Lane::kSend)]) {
+    counters += "messages to it " + std::to_string(sent_[peer]);
+  }
+  if (lane.both || &lane == &lanes_[static_cast<int>(Lane::kRecv)]) {
+    counters += std::string(counters.empty() ? "" : ", ") + "messages from it " +
+                std::to_string(received_[peer]);
+  }
   char buf[320];
-  std::snprintf(buf, sizeof(buf),
-                "timed out after %.1f s waiting for rank %d (%s; %s; messages to it %llu, "
-                "from it %llu)",
-                secs, peer, describeHeader(current_).c_str(), what,
-                static_cast<unsigned long long>(sent_[peer]),
-                static_cast<unsigned long long>(received_[peer]));
+  std::snprintf(buf, sizeof(buf), "timed out after %.1f s waiting for rank %d (%s; %s; %s)", secs,
+                peer, describeHeader(lane.header).c_str(), what, counters.c_str());
   return Status(Code::kTimeout, buf);
 }
 
 Status ShmTransport::begin(const MessageHeader& header,
-                           std::chrono::steady_clock::time_point deadline, std::string what) {
-  current_ = header;
-  started_ = std::chrono::steady_clock::now();
-  deadline_ = deadline;
-  what_ = std::move(what);
+                           std::chrono::steady_clock::time_point deadline, Lane lane) {
+  const LaneState state{header, lane == Lane::kBoth, deadline, std::chrono::steady_clock::now()};
+  if (lane != Lane::kRecv) sendLane() = state;
+  if (lane != Lane::kSend) recvLane() = state;
   return health();
 }
 
@@ -246,7 +258,7 @@ Status ShmTransport::postSend(const SendOp& send) {
   FifoControl* f = fifo(rank_, peer);
   const uint64_t seq = sent_[peer];
   const uint64_t slots = geometry_.slotsPerFifo;
-  DK_RETURN_IF_ERROR(waitFor(peer, "waiting for a free slot", f->tail, f->tailSleepers,
+  DK_RETURN_IF_ERROR(waitFor(sendLane(), peer, "waiting for a free slot", f->tail, f->tailSleepers,
                              [&](uint64_t tail) { return seq - tail < slots; }));
   SlotDescriptor& desc = f->slots[seq % slots];
   uint32_t id = 0;
@@ -261,22 +273,23 @@ Status ShmTransport::postSend(const SendOp& send) {
     desc.kind = static_cast<uint32_t>(PayloadKind::kInline);
   }
   desc.bytes = send.bytes;
-  desc.header = current_;
+  desc.header = sendLane().header;
   f->head.store(seq + 1, std::memory_order_seq_cst);
   wakeSleepers(f->head, f->headSleepers);
   sent_[peer] = seq + 1;
   return Status::Ok();
 }
 
-Status ShmTransport::mismatch(int peer, const MessageHeader& theirs, uint64_t bytes,
-                              uint64_t expected) const {
+Status ShmTransport::mismatch(const LaneState& lane, int peer, const MessageHeader& theirs,
+                              uint64_t bytes, uint64_t expected) const {
+  const MessageHeader& mine = lane.header;
   std::string msg = "ranks disagree: rank " + std::to_string(peer) + " called " +
                     describeHeader(theirs) + " but rank " + std::to_string(rank_) + " called " +
-                    describeHeader(current_);
-  if (theirs == current_) {
+                    describeHeader(mine);
+  if (theirs == mine) {
     msg = "ranks disagree: rank " + std::to_string(peer) + " sent " + std::to_string(bytes) +
           " bytes where rank " + std::to_string(rank_) + " expected " + std::to_string(expected) +
-          " in " + describeHeader(current_);
+          " in " + describeHeader(mine);
   }
   return Status(Code::kMismatch, msg);
 }
@@ -303,11 +316,11 @@ Status ShmTransport::completeRecv(RecvOp& recv) {
   if (peer < 0 || peer >= worldSize() || peer == rank_) return Internal("recv from a bad peer");
   FifoControl* f = fifo(peer, rank_);
   const uint64_t seq = received_[peer];
-  DK_RETURN_IF_ERROR(waitFor(peer, "waiting for a message", f->head, f->headSleepers,
+  DK_RETURN_IF_ERROR(waitFor(recvLane(), peer, "waiting for a message", f->head, f->headSleepers,
                              [&](uint64_t head) { return head > seq; }));
   const SlotDescriptor& desc = f->slots[seq % geometry_.slotsPerFifo];
-  if (desc.header != current_ || desc.bytes != recv.bytes) {
-    return mismatch(peer, desc.header, desc.bytes, recv.bytes);
+  if (desc.header != recvLane().header || desc.bytes != recv.bytes) {
+    return mismatch(recvLane(), peer, desc.header, desc.bytes, recv.bytes);
   }
   DK_RETURN_IF_ERROR(payloadPointer(peer, desc, &recv.data));
   received_[peer] = seq + 1;
@@ -337,8 +350,9 @@ Status ShmTransport::finish() {
     const uint64_t until = zeroCopyUntil_[peer];
     if (peer == rank_ || until == 0) continue;
     FifoControl* f = fifo(rank_, peer);
-    DK_RETURN_IF_ERROR(waitFor(peer, "waiting for it to read our buffer in place", f->tail,
-                               f->tailSleepers, [&](uint64_t tail) { return tail >= until; }));
+    DK_RETURN_IF_ERROR(waitFor(sendLane(), peer, "waiting for it to read our buffer in place",
+                               f->tail, f->tailSleepers,
+                               [&](uint64_t tail) { return tail >= until; }));
     zeroCopyUntil_[peer] = 0;
   }
   return Status::Ok();

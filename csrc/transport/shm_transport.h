@@ -10,8 +10,14 @@
 //
 // Every wait polls the segment's abort word (any rank's failure stops every rank), checks the
 // collective's deadline and whether the awaited peer is alive.
+//
+// Lanes: a send only touches this rank's outgoing FIFOs (sent_, zeroCopyUntil_) and a receive
+// only its incoming ones (received_, released_), so one send and one receive may run at once on
+// two threads: a pipeline stage sends its activation while another thread waits for the next
+// gradient, as non-blocking send/recv pairs do. A collective holds both lanes.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -25,6 +31,9 @@ namespace dk::shm {
 
 // e.g. "all_reduce(count=100, float32, sum, root=-1, algorithm 1)"
 std::string describeHeader(const MessageHeader& header);
+
+// Which side of the FIFOs a call uses (see the file comment); kBoth for collectives.
+enum class Lane : int { kSend = 0, kRecv = 1, kBoth = 2 };
 
 class ShmTransport : public Transport {
  public:
@@ -43,10 +52,14 @@ class ShmTransport : public Transport {
   Status release(const RecvOp* recvs, int nrecvs) override;
   Status finish() override;
 
-  // Starts one collective: later messages carry `header`, incoming ones must match it, and
-  // every wait gives up at `deadline`. `what` names the collective in errors.
+  // Starts one collective (or one send / receive, on its lane): later messages carry `header`,
+  // incoming ones must match it, and every wait gives up at `deadline`. Calls on different
+  // lanes may run concurrently; calls on one lane may not.
   Status begin(const MessageHeader& header, std::chrono::steady_clock::time_point deadline,
-               std::string what);
+               Lane lane = Lane::kBoth);
+  // Makes every wait of this rank (on any thread) fail within one futex timeout: close() uses
+  // it so that no thread is left blocked inside a communicator that is going away.
+  void cancel() { cancelled_.store(true, std::memory_order_release); }
   // Liveness: the calling thread takes this rank's robust mutex and keeps it until
   // markClosed(); it must be a thread that lives as long as the communicator.
   Status holdLiveness();
@@ -65,16 +78,26 @@ class ShmTransport : public Transport {
   RankControl* rankControl(int r) const;
   FifoControl* fifo(int sender, int receiver) const;
   char* slotData(int sender, int receiver, uint64_t seq) const;
-  // Waits until ready(word) holds, polling abort, deadline and the peer's liveness.
+  // The call in progress on one lane.
+  struct LaneState {
+    MessageHeader header;
+    bool both = true;  // a collective (both lanes): errors may report both directions
+    std::chrono::steady_clock::time_point deadline;
+    std::chrono::steady_clock::time_point started;
+  };
+  LaneState& sendLane() { return lanes_[static_cast<int>(Lane::kSend)]; }
+  LaneState& recvLane() { return lanes_[static_cast<int>(Lane::kRecv)]; }
+  // Waits until ready(word) holds, polling abort, cancel, deadline and the peer's liveness.
   template <typename Ready>
-  Status waitFor(int peer, const char* what, const std::atomic<uint64_t>& word,
-                 std::atomic<uint32_t>& sleepers, Ready ready);
-  Status timedOut(int peer, const char* what) const;
+  Status waitFor(const LaneState& lane, int peer, const char* what,
+                 const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers, Ready ready);
+  Status timedOut(const LaneState& lane, int peer, const char* what) const;
   Status peerAlive(int peer);
   Status postSend(const SendOp& send);
   Status completeRecv(RecvOp& recv);
   Status payloadPointer(int peer, const SlotDescriptor& desc, const void** data) const;
-  Status mismatch(int peer, const MessageHeader& theirs, uint64_t bytes, uint64_t expected) const;
+  Status mismatch(const LaneState& lane, int peer, const MessageHeader& theirs, uint64_t bytes,
+                  uint64_t expected) const;
   bool findRegistered(const void* p, size_t bytes, uint32_t* id, uint64_t* offset) const;
 
   struct Registration {
@@ -88,10 +111,8 @@ class ShmTransport : public Transport {
   int rank_;
   bool oversubscribed_;
   bool holdsLiveness_ = false;
-  MessageHeader current_;
-  std::string what_ = "collective";
-  std::chrono::steady_clock::time_point deadline_;
-  std::chrono::steady_clock::time_point started_;
+  LaneState lanes_[2];  // indexed by Lane::kSend, Lane::kRecv
+  std::atomic<bool> cancelled_{false};
   std::vector<uint64_t> sent_;           // per peer: messages posted (local copy of head)
   std::vector<uint64_t> received_;       // per peer: messages taken
   std::vector<uint64_t> released_;       // per peer: messages handed back (local copy of tail)

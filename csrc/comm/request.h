@@ -1,0 +1,19 @@
+// Request: one call on a CPU communicator (what the bindings build and the queue carries).
+#pragma once
+
+#include "algorithm/collective.h"
+#include "transport/shm_layout.h"
+
+namespace dk {
+
+struct Request {
+  shm::CollectiveKind kind = shm::CollectiveKind::kAllReduce;
+  algo::Algorithm algorithm = algo::Algorithm::kAuto;
+  algo::CollectiveArgs args;
+  bool isSend = false;  // kSendRecv: send (else receive)
+};
+
+// "all_reduce", "send", "recv", ...: the name users call it by, for errors.
+const char* requestName(const Request& request);
+
+}  // namespace dk
