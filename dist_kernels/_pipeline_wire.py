@@ -80,22 +80,32 @@ def _layout(meta: Meta) -> Tuple[List[int], int]:
 
 
 class Channels:
-    """Per-peer metadata caches and message buffers for one rank's sends and receives."""
+    """Per-peer metadata caches and message buffers for one rank's sends and receives.
+
+    Sends go out with the communicator's ``isend`` when it has one (the caller keeps the
+    returned works and waits for them before reusing anything), else with ``send``.
+    """
 
     def __init__(self, comm) -> None:
         self.comm = comm
         self.sent: Dict[Tuple[int, int], Meta] = {}
         self.received: Dict[Tuple[int, int], Meta] = {}
+        self._isend = getattr(comm, "isend", None)
 
-    def send(self, tensors: Sequence[torch.Tensor], is_tuple: bool, dst: int, tag: Tuple) -> None:
-        """Sends ``tensors`` to ``dst``; ``tag`` = (kind, stage, micro-batch)."""
+    def send(self, tensors: Sequence[torch.Tensor], is_tuple: bool, dst: int, tag: Tuple) -> List:
+        """Sends ``tensors`` to ``dst``; ``tag`` = (kind, stage, micro-batch).
+
+        Returns the works of the messages still in flight (empty without ``isend``); each keeps
+        its message alive. ``tensors`` themselves may be reused at once (they are copied).
+        """
         meta = meta_of(tensors, is_tuple)
         expected = self.sent.get((dst, tag[0]), _EMPTY_META)
+        works = []
         if meta != expected:
             announce = torch.zeros(_layout(expected)[1], dtype=torch.uint8)
             _write_header(announce, (*tag, len(meta)))
-            self.comm.send(announce, dst)
-            self.comm.send(torch.tensor(meta, dtype=torch.int64), dst)
+            works.append(self._post(announce, dst))
+            works.append(self._post(torch.tensor(meta, dtype=torch.int64), dst))
             self.sent[(dst, tag[0])] = meta
         offsets, size = _layout(meta)
         message = torch.empty(size, dtype=torch.uint8)
@@ -105,7 +115,14 @@ class Channels:
             if nbytes:
                 flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
                 message[offset : offset + nbytes].copy_(flat)
+        works.append(self._post(message, dst))
+        return [w for w in works if w is not None]
+
+    def _post(self, message: torch.Tensor, dst: int):
+        if self._isend is not None:
+            return self._isend(message, dst)
         self.comm.send(message, dst)
+        return None
 
     def recv(self, src: int, tag: Tuple) -> Tuple[List[torch.Tensor], bool]:
         """Receives what the matching :meth:`send` sent; checks it is ``tag``."""

@@ -9,9 +9,11 @@ anything runs; :func:`schedule_table` prints them::
     rank 1 | .  F0 B0 F1 B1 F2 B2 .
 
 The engine keeps only its rank's stages (``_pipeline_partition`` splits an ``nn.Sequential``).
-A training step splits the batch into micro-batches and runs the rank's list in order: forward
-and backward of its stages on the caller's thread, and the point-to-point transfers of
-activations and gradients through the Communicator (``_pipeline_wire``) on a transfer thread.
+A training step splits the batch into micro-batches and runs the rank's list in order on the
+caller's thread: forward and backward of its stages, and each send, started with the
+Communicator's ``isend`` as soon as its tensor exists (``_pipeline_wire``). A receive thread
+runs the list's receives in order with the Communicator's ``recv``, which waits on its own lane
+of the transport, so a receive never holds up a send.
 The last stage averages the micro-batch losses, so the accumulated gradients equal those of the
 whole batch; the loss is then broadcast to every rank of the pipeline.
 
@@ -68,15 +70,12 @@ TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
 # GIL switch interval while a step runs (Python's default is 5 ms). A forward holds the GIL
-# for its whole duration (torch's CPU ops in forward do not release it), so a send that a
-# backward just produced waits on the transfer thread until the next forward lets go of the
-# GIL. 1F1B runs exactly that pattern (B then F on every rank) and its peer idles meanwhile.
-# Measured (bench MLP, 2 ranks, 1F1B, shared 2-core machine, three alternating runs): the
-# median delay from the last stage's backward end to the gradient's arrival on rank 0 was
-# 3.35 / 2.77 / 2.00 ms at 5 ms and 1.32 / 2.62 / 0.57 ms at 0.2 ms; activations (sent
-# while the receiver is idle) took 0.3-0.5 ms either way. Restored when the step ends. With
-# this and the pick-up hand-over in _hand_over, bench_pipeline's 2-rank 1F1B went from 0.81 /
-# 0.85 of torch's throughput to 0.91 / 0.94 (interval only), then 1.01 / 1.47 / 1.03 (both).
+# for its whole duration (torch's CPU ops in forward do not release it), so a receive that
+# completes meanwhile waits on the receive thread until the forward lets go of the GIL before
+# it can hand its tensor over. Measured with the earlier single transfer thread (bench MLP, 2
+# ranks, 1F1B, shared 2-core machine, three alternating runs): the median delay from the last
+# stage's backward end to the gradient's arrival on rank 0 was 3.35 / 2.77 / 2.00 ms at 5 ms
+# and 1.32 / 2.62 / 0.57 ms at 0.2 ms. Restored when the step ends.
 _TRANSFER_SWITCH_INTERVAL_S = 2e-4
 
 
@@ -178,28 +177,21 @@ class _Aborted(Exception):
 
 
 class _Mailbox:
-    """Tensors handed between the compute thread and the transfer thread, by action key."""
+    """Received tensors, handed from the receive thread to the compute thread by action key."""
 
     def __init__(self) -> None:
         self._items: Dict[Tuple[Kind, int, int], Tuple] = {}
         self._ready = threading.Condition()
         self._failure: Optional[BaseException] = None
-        self._wanted: Optional[Tuple[Kind, int, int]] = None  # what take() waits for now
 
-    def put(self, key: Tuple[Kind, int, int], value: Tuple, until_taken: bool = False) -> None:
-        """Stores ``value``; with ``until_taken``, if a taker already waits for ``key``, returns
-        only once it has it (so that the taker runs before the caller takes the GIL back)."""
+    def put(self, key: Tuple[Kind, int, int], value: Tuple) -> None:
         with self._ready:
             self._items[key] = value
             self._ready.notify_all()
-            if until_taken and self._wanted == key:
-                self._ready.wait_for(lambda: key not in self._items or self._failure is not None)
 
     def take(self, key: Tuple[Kind, int, int]) -> Tuple:
         with self._ready:
-            self._wanted = key
             self._ready.wait_for(lambda: key in self._items or self._failure is not None)
-            self._wanted = None
             if key in self._items:
                 value = self._items.pop(key)
                 self._ready.notify_all()
@@ -267,6 +259,7 @@ class Pipeline:
         if print_partition and _global_rank() == 0:
             print(self.partition_text, flush=True)
         self.actions = self.schedule.actions[self.rank]
+        self._compute_order = _eager_sends(self.actions)
         self.channels = Channels(self.comm)
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
@@ -366,30 +359,36 @@ class Pipeline:
             self._failed = str(exc)
             self._close_after_failure()
             raise
-        transfers = [a for a in self.actions if not a.kind.is_compute]
-        if transfers:
-            switch = sys.getswitchinterval()
+        receives = [a for a in self.actions if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
+        switch = sys.getswitchinterval()
+        if receives:
             sys.setswitchinterval(min(switch, _TRANSFER_SWITCH_INTERVAL_S))
-            try:
-                self._run_with_transfers(transfers)
-            finally:
-                sys.setswitchinterval(switch)
-        else:
-            for action in self.actions:
-                self._execute(action)
+        try:
+            self._run(receives)
+        finally:
+            sys.setswitchinterval(switch)
         # With dp > 1 each stage's DDP already averaged its gradients at the end of the stage's
         # last backward (it waits for its all-reduces before that backward returns).
         return self._finish_loss()
 
-    def _run_with_transfers(self, transfers: List[Action]) -> None:
-        mover = threading.Thread(target=self._run_transfers, args=(transfers,), daemon=True)
-        mover.start()
-        for action in self.actions:
-            if action.kind.is_compute:
-                self._execute(action)
-        mover.join()
-        if self._transfer_error is not None:
-            raise self._transfer_error
+    def _run(self, receives: List[Action]) -> None:
+        """Computes and sends on this thread, receives on another; then waits for the sends."""
+        receiver = None
+        if receives:
+            receiver = threading.Thread(target=self._run_receives, args=(receives,), daemon=True)
+            receiver.start()
+        for action in self._compute_order:
+            self._execute(action)
+        self._guard(None, "waiting for this step's sends", self._wait_sends)
+        if receiver is not None:
+            receiver.join()
+        if self._receive_error is not None:
+            raise self._receive_error
+
+    def _wait_sends(self) -> None:
+        works, self._send_works = self._send_works, []
+        for work in works:
+            work.wait()
 
     def _begin(self, inputs: Any, targets: Any) -> None:
         m = self.n_microbatches
@@ -401,8 +400,9 @@ class Pipeline:
         self.inputs = _split(inputs, m, "inputs") if first else None
         self.targets = _split(targets, m, "targets") if last else None
         self.arrived = _Mailbox()  # (RECV_*, stage, mb) -> (tensors, is_tuple)
-        self.outbox = _Mailbox()  # (SEND_*, stage, mb) -> (tensors, is_tuple)
-        self._transfer_error: Optional[BaseException] = None
+        self.outbox: Dict[Tuple[Kind, int, int], Tuple] = {}  # (SEND_*, stage, mb) -> ditto
+        self._send_works: List[Any] = []  # isend works of this step, waited for at its end
+        self._receive_error: Optional[BaseException] = None
         self.saved: Dict[Tuple[int, int], Tuple] = {}  # (stage, mb) -> forward state
         self.losses: List[torch.Tensor] = []
         self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
@@ -434,8 +434,7 @@ class Pipeline:
             )
             self._failed = message
             error = _same_family(exc, message)
-            for box in (self.arrived, self.outbox):
-                box.fail(error)
+            self.arrived.fail(error)
             self._close_after_failure()
             raise error from exc
 
@@ -504,36 +503,37 @@ class Pipeline:
         self.stats["peak_saved_bytes"] = max(self.stats["peak_saved_bytes"], self._live_bytes)
 
     def _hand_over(self, kind: Kind, stage: int, mb: int, tensors, is_tuple: bool) -> None:
-        """Queues a stage's output for its send, or delivers it if the next stage is here."""
+        """Keeps a stage's output for its send, or delivers it if the next stage is here."""
         target = stage + 1 if kind is Kind.SEND_ACT else stage - 1
         detached = [t.detach() for t in tensors]
         if target in self.stages:
             recv_kind = Kind.RECV_ACT if kind is Kind.SEND_ACT else Kind.RECV_GRAD
             self.arrived.put((recv_kind, target, mb), (detached, is_tuple))
         else:
-            # The transfer thread, if it waits for this send, picks it up before this thread
-            # goes on (to a forward that would hold the GIL): see _TRANSFER_SWITCH_INTERVAL_S.
-            self.outbox.put((kind, stage, mb), (detached, is_tuple), until_taken=True)
+            self.outbox[(kind, stage, mb)] = (detached, is_tuple)
 
     # ------------------------------------------------------------------ transfers
 
-    def _run_transfers(self, transfers: List[Action]) -> None:
-        """The transfer thread: this rank's sends and receives, in schedule order.
+    def _run_receives(self, receives: List[Action]) -> None:
+        """The receive thread: this rank's receives, in schedule order.
 
-        Running them beside the compute thread lets a receive wait while a stage computes and a
-        send leave as soon as its tensor exists, as non-blocking sends and receives would. The
-        two orders come from one validated list, so the split cannot deadlock.
+        Each one waits on the transport's receive lane while the compute thread goes on
+        computing and sending, so a receive posted early costs nothing and its tensor is ready
+        when the stage needs it. The receive and send orders come from one validated list,
+        whose every send is matched by a receive (and sends never wait for the receiving
+        stage's compute), so the split cannot deadlock.
         """
         try:
-            for action in transfers:
+            for action in receives:
                 self._execute(action)
         except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
-            self._transfer_error = exc
+            self._receive_error = exc
 
     def _send(self, a: Action) -> None:
-        tensors, is_tuple = self.outbox.take((a.kind, a.stage, a.microbatch))
+        tensors, is_tuple = self.outbox.pop((a.kind, a.stage, a.microbatch))
         wire_kind = ACTIVATION if a.kind is Kind.SEND_ACT else GRADIENT
-        self.channels.send(tensors, is_tuple, a.peer, (wire_kind, a.stage, a.microbatch))
+        tag = (wire_kind, a.stage, a.microbatch)
+        self._send_works += self.channels.send(tensors, is_tuple, a.peer, tag)
 
     def _recv(self, a: Action) -> None:
         # The sender tags the transfer with its own stage: one below for activations.
@@ -572,6 +572,39 @@ class Pipeline:
         if a.kind is Kind.BACKWARD:
             ddp._armed = last  # read by DDP's gradient hooks; no public setter exists
         return contextlib.nullcontext() if last else ddp.no_sync()
+
+
+def _eager_sends(actions: Sequence[Action]) -> List[Action]:
+    """The rank's compute steps and sends, each send moved right behind the step producing it.
+
+    The schedule places a send where a blocking transfer would pair best with its receiver;
+    with asynchronous sends, the earliest moment is best. Moving sends keeps their order on
+    every channel (peer) unless two outputs for one peer were produced in the other order;
+    then the planned positions are kept.
+    """
+    planned = [a for a in actions if a.kind in (Kind.FORWARD, Kind.BACKWARD, *_SENDS)]
+    sends = {(a.kind, a.stage, a.microbatch): a for a in planned if a.kind in _SENDS}
+    eager: List[Action] = []
+    for a in planned:
+        if a.kind in _SENDS:
+            continue
+        eager.append(a)
+        out_kind = Kind.SEND_ACT if a.kind is Kind.FORWARD else Kind.SEND_GRAD
+        send = sends.get((out_kind, a.stage, a.microbatch))
+        if send is not None:
+            eager.append(send)
+
+    def per_peer(order: Sequence[Action]) -> Dict[int, List[Action]]:
+        channels: Dict[int, List[Action]] = {}
+        for a in order:
+            if a.kind in _SENDS:
+                channels.setdefault(a.peer, []).append(a)
+        return channels
+
+    return eager if per_peer(eager) == per_peer(planned) else planned
+
+
+_SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
 
 
 def _same_family(exc: Exception, message: str) -> Exception:
