@@ -135,6 +135,10 @@ def _sync_cases() -> Dict[str, object]:
         second_backward_is_local,
     ]
     out: Dict[str, object] = {s.__name__: run(s) for s in scenarios}
+    # The scenarios without the switch follow torch DDP's forward-time rule: check it there too.
+    for scenario in (forward_in_no_sync_backward_outside, no_grad_forward_keeps_decision):
+        theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        out["torch " + scenario.__name__] = _err(theirs, scenario(theirs))
     model = dk.DDP(copy.deepcopy(base))
     try:
         model.set_requires_gradient_sync(1)
@@ -163,6 +167,8 @@ def test_set_requires_gradient_sync_against_no_sync():
             assert err < RTOL, (rank, name, err)
             assert launched == passes, (rank, name, launched)
         assert "requires_gradient_sync: expected a bool" in r["type_error"]
+        assert r["torch forward_in_no_sync_backward_outside"] < RTOL
+        assert r["torch no_grad_forward_keeps_decision"] < RTOL
 
 
 # ----------------------------------------------------------------------------- refused modules
