@@ -139,6 +139,27 @@ def _sync_cases() -> Dict[str, object]:
     for scenario in (forward_in_no_sync_backward_outside, no_grad_forward_keeps_decision):
         theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
         out["torch " + scenario.__name__] = _err(theirs, scenario(theirs))
+    # find_unused_parameters: a no_sync() forward records no unused parameters, so the end of
+    # the backward the switch enables must find them (torch DDP, run plainly, is the reference).
+    branchy = Branchy()
+    branchy.skip_b = rank == 1
+    ours = dk.DDP(copy.deepcopy(branchy), find_unused_parameters=True)
+    theirs = nn.parallel.DistributedDataParallel(
+        copy.deepcopy(branchy), find_unused_parameters=True
+    )
+    with ours.no_sync():
+        out0 = ours(mine[0]).sum()
+    ours.set_requires_gradient_sync(True)
+    out0.backward()
+    theirs(mine[0]).sum().backward()
+    grads = [dict(m.module.named_parameters()) for m in (ours, theirs)]
+    out["unused_none"] = [n for n, p in grads[0].items() if p.grad is None]
+    out["unused_none_torch"] = [n for n, p in grads[1].items() if p.grad is None]
+    out["unused_diff"] = max(
+        (p.grad - grads[1][n].grad).abs().max().item()
+        for n, p in grads[0].items()
+        if p.grad is not None
+    )
     model = dk.DDP(copy.deepcopy(base))
     try:
         model.set_requires_gradient_sync(1)
@@ -167,6 +188,8 @@ def test_set_requires_gradient_sync_against_no_sync():
             assert err < RTOL, (rank, name, err)
             assert launched == passes, (rank, name, launched)
         assert "requires_gradient_sync: expected a bool" in r["type_error"]
+        assert r["unused_none"] == r["unused_none_torch"] == ["never.weight", "never.bias"]
+        assert r["unused_diff"] < 1e-6, r["unused_diff"]
         assert r["torch forward_in_no_sync_backward_outside"] < RTOL
         assert r["torch no_grad_forward_keeps_decision"] < RTOL
 
