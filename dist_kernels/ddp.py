@@ -23,11 +23,17 @@ How one backward runs (details in docs/ddp.md):
 The last bucket carries two status elements summed by its own all-reduce: "found inf" (for loss
 scaling, so skipping a step costs no extra collective) and "incomplete backward" (a rank had a
 parameter without a gradient: every rank raises instead of one hanging).
+
+Whether a backward synchronises is decided before it starts: by its forward (not inside
+``no_sync()``), or by :meth:`DistributedDataParallel.set_requires_gradient_sync`, whichever ran
+last; while that switch is off, forwards do not arm at all.
+
+On one rank nothing is bucketed or sent: a synchronised backward only checks that every
+parameter got a gradient, unscales for the loss scaler and flags inf/NaN, in place.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -56,22 +62,6 @@ def _default_comm(module: nn.Module) -> Tuple[Any, bool]:
         return communicator.Communicator(device="cuda" if device.type == "cuda" else "cpu"), True
 
 
-def _mark_unscaled(scaler: Any, found_inf: torch.Tensor) -> None:
-    """Records in a LossScaler that this step's gradients are unscaled, with ``found_inf``.
-
-    Private shim: LossScaler has no public hook for an engine that unscales for it, so every
-    optimizer's per-step state starts as "unscaled" until the scaler's next update().
-    """
-    from .loss_scaler import _Stage
-
-    flag = found_inf.reshape(())  # the scaler keeps a 0-dim float32 flag
-
-    def unscaled() -> dict:
-        return {"stage": _Stage.UNSCALED, "found_inf": flag}
-
-    scaler._per_optimizer_states = collections.defaultdict(unscaled)
-
-
 class _BackwardPass:
     """Bookkeeping of one synchronised backward."""
 
@@ -91,8 +81,27 @@ class _BackwardPass:
 class DistributedDataParallel(nn.Module):
     """Data parallelism over a dist_kernels Communicator, with torch DDP's options.
 
+    Which backward passes synchronise: a backward all-reduces when it is *armed* as it starts.
+    Three things set the arming, the last one to run wins:
+
+    * a forward with gradients enabled arms when run outside :meth:`no_sync` with the gradient
+      sync switch on, and disarms otherwise (a forward under ``torch.no_grad()`` changes
+      nothing);
+    * :meth:`set_requires_gradient_sync` sets the switch and arms or disarms at once, so it
+      also decides for a backward whose forward already ran (inside ``no_sync()`` or not);
+    * the end of a synchronised backward disarms (one reduction per forward, as in torch DDP):
+      a second backward through the same graph accumulates locally unless re-armed.
+
+    On one rank (``comm.world_size == 1``) nothing is bucketed or sent and ``.grad`` stays where
+    autograd put it; a synchronised backward still raises on parameters without a gradient
+    (unless ``find_unused_parameters``), unscales for ``loss_scaler`` and sets
+    :attr:`found_inf`, in one in-place pass. ``grad_dtype`` then has no effect, and
+    :attr:`buckets` and :attr:`bucket_layouts` are empty.
+
     Args:
-        module: the model; identical structure on every rank (checked at construction).
+        module: the model; identical structure on every rank (checked at construction). At
+            least one parameter must require a gradient (else ``ValueError``: there is nothing
+            to average; torch DDP refuses such a module too).
         comm: a :class:`dist_kernels.Communicator`; default: the one ``dk.init()`` made, else
             a new one over the default group (closed by :meth:`close`).
         bucket_cap_mb: bucket size cap in MiB (torch: 25).
@@ -108,7 +117,9 @@ class DistributedDataParallel(nn.Module):
         loss_scaler: a :class:`dist_kernels.LossScaler` (built without ``comm``): gradients are
             unscaled during the end of backward and the scaler learns whether any rank had an
             inf/NaN from the last bucket's all-reduce; call ``scaler.step`` and ``update`` as
-            usual but not ``scaler.unscale_`` (the gradients already are).
+            usual but not ``scaler.unscale_`` (the gradients already are; the hand-off is
+            :meth:`dist_kernels.LossScaler.mark_unscaled`). One synchronised backward per
+            ``scaler.update()``.
     """
 
     def __init__(
@@ -134,6 +145,7 @@ class DistributedDataParallel(nn.Module):
         self._device = torch.device(getattr(self.comm, "device", "cpu"))
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
+        self._local = self.world_size == 1  # nothing to reduce: gradients stay in place
         self.grad_dtype = grad_dtype
         self.algorithm = algorithm
         self.find_unused_parameters = find_unused_parameters
@@ -148,10 +160,14 @@ class DistributedDataParallel(nn.Module):
         # is copied out; the inverse loss scale then joins the pre-scale too.
         factor = float(gradient_predivide_factor or self.world_size)
         self._pre_scale, self._post_scale = 1.0 / factor, factor / self.world_size
-        self._grad_views = self._post_scale == 1.0 and all(
-            grad_dtype in (None, p.dtype) and p.dtype != torch.float16
-            for p in module.parameters()
-            if p.requires_grad
+        self._grad_views = (
+            not self._local
+            and self._post_scale == 1.0
+            and all(
+                grad_dtype in (None, p.dtype) and p.dtype != torch.float16
+                for p in module.parameters()
+                if p.requires_grad
+            )
         )
         self._debug = os.environ.get("DK_DEBUG", "0") not in ("", "0")
 
@@ -161,19 +177,25 @@ class DistributedDataParallel(nn.Module):
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._module_buffers = [b for _, b in module.named_buffers()]
         self._check_models_agree()
+        self._check_trainable()
         self._broadcast_state(list(module.parameters()) + self._module_buffers)
         self._buffer_flat = self._alloc_bytes(self._module_buffers)
 
-        self._require_backward_grad_sync = True
-        self._armed = False
+        self._require_backward_grad_sync = True  # False inside no_sync()
+        self._armed = False  # whether the next backward synchronises
+        self._sync_switch = True  # set_requires_gradient_sync; persistent, like FSDP2's
         self._unused_at_forward: List[int] = []
         self._pass: Optional[_BackwardPass] = None
         self._sequence = 0
-        self._rebuilt = False
+        self._rebuilt = self._local
         #: Whether the last synchronised backward had an inf/NaN gradient on any rank.
         self.found_inf = False
-        self._used_mask = self.comm.empty((max(1, len(self._params)),), torch.float32)
-        self._set_layouts(list(reversed(range(len(self._params)))))
+        if self._local:
+            self._used_mask = None
+            self._set_no_buckets()
+        else:
+            self._used_mask = self.comm.empty((max(1, len(self._params)),), torch.float32)
+            self._set_layouts(list(reversed(range(len(self._params)))))
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
@@ -185,7 +207,11 @@ class DistributedDataParallel(nn.Module):
         """Raises ValueError on every rank when parameter/buffer names or shapes differ."""
         if self.world_size == 1:
             return
-        entries = plan.describe_parameters(list(self.module.named_parameters()))
+        named = list(self.module.named_parameters())
+        entries = [  # requires_grad decides the bucket plan: it must agree too
+            entry + ("" if p.requires_grad else " frozen")
+            for entry, (_, p) in zip(plan.describe_parameters(named), named)
+        ]
         entries += [
             "buffer " + e for e in plan.describe_parameters(list(self.module.named_buffers()))
         ]
@@ -194,13 +220,44 @@ class DistributedDataParallel(nn.Module):
         if message:
             raise ValueError(f"[rank {self.rank}] {message}")
 
+    def _check_trainable(self) -> None:
+        """ValueError when no parameter requires a gradient: there is nothing to average.
+
+        Runs after :meth:`_check_models_agree`, so every rank has the same structure and raises
+        alike (a local check first would leave the other ranks waiting in that collective).
+        """
+        if self._params:
+            return
+        frozen = len(list(self.module.parameters()))
+        buffers = len(self._module_buffers)
+        if frozen:
+            what = f"none of the module's {frozen} parameters requires a gradient"
+        elif buffers:
+            what = f"the module has {buffers} buffer(s) but no parameters"
+        else:
+            what = "the module has no parameters and no buffers"
+        raise ValueError(
+            f"[rank {self.rank}] DistributedDataParallel: {what}, so there are no gradients to "
+            "average (torch DDP refuses such a module too). Do not wrap it"
+            + (", or unfreeze the parameters to train first" if frozen else "")
+            + (
+                "; to keep buffers equal on every rank, broadcast them from rank 0"
+                if buffers
+                else ""
+            )
+            + "."
+        )
+
     def _all_gather_bytes(self, data: bytes) -> List[bytes]:
         dev = self._device
         lengths = torch.zeros(self.world_size, dtype=torch.int64, device=dev)
         self.comm.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=dev))
         longest = int(lengths.max())
+        if longest == 0:
+            return [b""] * self.world_size
         mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         mine = mine.to(dev)
         out = torch.zeros(self.world_size * longest, dtype=torch.uint8, device=dev)
         self.comm.all_gather(out, mine)
@@ -236,8 +293,18 @@ class DistributedDataParallel(nn.Module):
                     self._views[index] = bucket[offset : offset + size].view(param.shape)
         self._attach_views(self._params_with_grad())
 
+    def _set_no_buckets(self) -> None:
+        """One rank: no plan, no buckets, no views (``.grad`` stays where autograd puts it)."""
+        #: The bucket plan (printable), in launch order; None on one rank.
+        self.bucket_plan = None
+        self._layouts: List[plan.BucketLayout] = []
+        self._layout_id = 0
+        self._bucket_of = {}
+        self._buckets: List[torch.Tensor] = []
+        self._views = [None] * len(self._params)
+
     def _plan(self, order: Sequence[int]) -> List[plan.BucketLayout]:
-        #: The bucket plan (printable), in launch order.
+        #: The bucket plan (printable), in launch order; None on one rank.
         self.bucket_plan = plan_buckets(
             list(zip(self._names, self._params)),
             cap_bytes=self._bucket_cap_bytes,
@@ -276,6 +343,16 @@ class DistributedDataParallel(nn.Module):
             self.comm.close()
 
     @property
+    def reductions_launched(self) -> int:
+        """Bucket all-reduces launched since construction (read-only).
+
+        A synchronised backward launches ``len(bucket_layouts)`` of them (the small used-mask
+        all-reduce of ``find_unused_parameters`` is not counted); a backward that does not
+        synchronise launches none. Always 0 on one rank, where nothing is reduced.
+        """
+        return self._sequence
+
+    @property
     def buckets(self) -> List[torch.Tensor]:
         """The registered bucket tensors, in launch order (the last carries the status slots)."""
         return list(self._buckets)
@@ -296,12 +373,21 @@ class DistributedDataParallel(nn.Module):
     # ----------------------------------------------------------------- forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._armed = torch.is_grad_enabled() and self._require_backward_grad_sync
+        """Runs the module. With gradients enabled it also decides whether the next backward
+        synchronises: yes, unless inside :meth:`no_sync` or with the gradient sync switch off
+        (a forward under ``torch.no_grad()`` leaves the decision as it was)."""
+        deciding = torch.is_grad_enabled()
+        if deciding:
+            self._armed = self._require_backward_grad_sync and self._sync_switch
         if self.broadcast_buffers and self._buffer_flat is not None:
             _broadcast_bytes(self.comm, self._buffer_flat, self._module_buffers)
         output = self.module(*args, **kwargs)
-        if self._armed and self.find_unused_parameters:
-            self._unused_at_forward = self._unused_in_graph(output)
+        if deciding:
+            # Only an overlap optimisation (see _start_pass): the end of backward finds any
+            # parameter still without a gradient, so a later set_requires_gradient_sync(True)
+            # after a no_sync() forward stays correct with the empty list.
+            track = self._armed and self.find_unused_parameters and not self._local
+            self._unused_at_forward = self._unused_in_graph(output) if track else []
         return output
 
     def _unused_in_graph(self, output: Any) -> List[int]:
@@ -331,11 +417,49 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._require_backward_grad_sync = previous
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Switches gradient synchronisation on or off, deciding for the next backward at once.
+
+        Same name and use as torch FSDP2's switch, which it extends to DDP's forward-time
+        decision (class docstring):
+
+        * ``False``: the next backward does not synchronise, even if its forward already ran
+          outside :meth:`no_sync`; while the switch stays off, forwards do not arm either, so
+          no backward synchronises (gradients accumulate locally).
+        * ``True``: the next backward synchronises, even if its forward ran inside
+          :meth:`no_sync`; afterwards forwards arm as usual (outside ``no_sync()``).
+
+        FSDP2-style accumulation calls it before each micro-batch's forward; a schedule that
+        runs other backward passes between a forward and its backward (1F1B pipelines) calls
+        it right before each backward::
+
+            ddp.set_requires_gradient_sync(microbatch == last)
+            torch.autograd.backward(outputs, grads)
+
+        Call it between backward passes, not from inside one (``RuntimeError``: the running
+        pass has already begun its reductions).
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                "requires_gradient_sync: expected a bool, got "
+                f"{type(requires_gradient_sync).__name__}"
+            )
+        if self._pass is not None:
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel.set_requires_gradient_sync: called "
+                "during a synchronised backward; call it before the backward it should affect"
+            )
+        self._sync_switch = self._armed = requires_gradient_sync
+        if not requires_gradient_sync:
+            self._unused_at_forward = []
+
     # ----------------------------------------------------------------- backward
 
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
-            if not self._armed:
+            # A started pass finishes even if a forward re-decides meanwhile (non-reentrant
+            # checkpointing recomputes forwards inside backward).
+            if self._pass is None and not self._armed:
                 return
             try:
                 if self._pass is None:
@@ -370,6 +494,8 @@ class DistributedDataParallel(nn.Module):
         state.used[index] = used
         if used:
             state.ready_order.append(index)
+        if self._local:  # nothing to launch: _finish_local handles the gradients in place
+            return
         state.pending[self._bucket_of[index]] -= 1
         while state.next_launch < len(self._layouts) and state.pending[state.next_launch] == 0:
             self._launch(state.next_launch, plan.STATUS_OK)
@@ -431,6 +557,13 @@ class DistributedDataParallel(nn.Module):
         state = self._pass
         if state is None:  # a hook raised and abandoned this backward
             return
+        if self._local:
+            try:
+                self._finish_local(state)
+            finally:
+                self._pass = None
+                self._armed = False
+            return
         try:
             local_error = self._launch_remaining(state)
             used_work = self._reduce_used_mask(state)
@@ -457,16 +590,37 @@ class DistributedDataParallel(nn.Module):
             for index in missing:
                 self._mark_ready(index, used=False)
             return None
-        names = ", ".join(repr(self._names[i]) for i in missing)
         # Peers may be waiting on these buckets: send them, flagged, so every rank raises.
         for bucket_index in range(state.next_launch, len(self._layouts)):
             self._launch(bucket_index, plan.STATUS_INCOMPLETE)
         state.next_launch = len(self._layouts)
+        return self._no_gradient_message(missing)
+
+    def _no_gradient_message(self, missing: Sequence[int]) -> str:
+        names = ", ".join(repr(self._names[i]) for i in missing)
         return (
             f"[rank {self.rank}] DistributedDataParallel: these parameters received no gradient "
             f"in this backward: {names}. Either make every parameter take part in the loss, "
             "or construct with find_unused_parameters=True."
         )
+
+    def _finish_local(self, state: _BackwardPass) -> None:
+        """One rank: check completeness, then unscale and flag inf/NaN in place (one pass).
+
+        What reaches the optimizer equals the multi-rank result with one rank, and single-
+        process training with ``scaler.unscale_``: every present ``.grad`` is multiplied by
+        the inverse loss scale (1 without a scaler; the pass still finds inf/NaN for
+        :attr:`found_inf`); unused parameters keep ``.grad`` untouched.
+        """
+        missing = [i for i, ready in enumerate(state.ready) if not ready]
+        if missing and not self.find_unused_parameters:
+            raise RuntimeError(self._no_gradient_message(missing))
+        inv_scale = self._inv_loss_scale()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        _unscale_in_place(grads, 1.0 if inv_scale is None else inv_scale, state.found_inf)
+        self.found_inf = bool(state.found_inf.item() > 0)
+        if inv_scale is not None:
+            self.loss_scaler.mark_unscaled(state.found_inf)
 
     def _reduce_used_mask(self, state: _BackwardPass) -> Any:
         if not self.find_unused_parameters:
@@ -519,8 +673,7 @@ class DistributedDataParallel(nn.Module):
                 grad.copy_(dense)
         self.found_inf = found_inf or bool(written_inf.item() > 0)
         if inv_scale is not None:
-            flag = torch.tensor(float(self.found_inf), device=self._device)
-            _mark_unscaled(self.loss_scaler, flag)
+            self.loss_scaler.mark_unscaled(torch.tensor(float(self.found_inf), device=self._device))
 
     def _inv_loss_scale(self) -> Optional[float]:
         scaler = self.loss_scaler
@@ -582,6 +735,21 @@ def _by_dtype(
         grads.append(tensor)
         offsets.append(offset)
     return list(groups.values())
+
+
+def _unscale_in_place(grads: Sequence[torch.Tensor], scale: float, found_inf: torch.Tensor) -> None:
+    """``g *= scale`` for every gradient, setting ``found_inf`` on inf/NaN: one pass.
+
+    The fused kernel takes contiguous tensors; strided ones go through torch's twin.
+    """
+    dense = [g for g in grads if g.is_contiguous()]
+    if dense:
+        unscale_(dense, scale, found_inf)
+    strided = [(g, 0) for g in grads if not g.is_contiguous()]
+    if strided:
+        inv = torch.full((), scale, dtype=torch.float32, device=found_inf.device)
+        for group, _ in _by_dtype(strided):
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
 
 
 def _scaler_enabled(scaler: Any) -> bool:

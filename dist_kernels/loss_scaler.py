@@ -16,6 +16,9 @@ Differences from ``GradScaler`` (everything else behaves the same, with the same
   last iteration (the number of :meth:`update` calls before it) that overflowed.
 * ``comm=``: a found inf on any rank skips the step on every rank (the flag is all-reduced with
   MAX inside :meth:`unscale_`), so replicas never diverge.
+* :meth:`mark_unscaled`: an engine that unscales the gradients itself (fused into its own pass,
+  as :class:`dist_kernels.DistributedDataParallel` does with ``loss_scaler=``) hands the scaler
+  its found-inf flag instead of the scaler unscaling again.
 
 The scale update stays on the scale's device (tensor operations, no ``.item()``). Like
 ``GradScaler``, :meth:`step` reads the found-inf flag once on the host to decide whether to call
@@ -46,7 +49,7 @@ class _Stage(enum.Enum):
 
 
 def _fresh_optimizer_state() -> Dict[str, Any]:
-    return {"stage": _Stage.READY, "found_inf": None}
+    return {"stage": _Stage.READY, "found_inf": None, "marked": False}
 
 
 @functools.cache
@@ -122,7 +125,11 @@ class LossScaler:
         self._scale: Optional[torch.Tensor] = None
         self._growth_tracker: Optional[torch.Tensor] = None
         self._hysteresis_tracker: Optional[torch.Tensor] = None
-        self._per_optimizer_states: Dict[int, Dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+        self._per_optimizer_states: Dict[int, Dict[str, Any]] = defaultdict(
+            self._new_optimizer_state
+        )
+        # The flag given to mark_unscaled(optimizer=None) since the last update(), if any.
+        self._marked_found_inf: Optional[torch.Tensor] = None
         self.skipped_steps = 0
         """Optimizer steps skipped because of inf or NaN gradients."""
         self.last_overflow_step: Optional[int] = None
@@ -164,6 +171,12 @@ class LossScaler:
             return
         self._require_scale("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED and state["marked"]:
+            raise RuntimeError(
+                "unscale_(): this step's gradients were already unscaled through "
+                "mark_unscaled() (e.g. by DistributedDataParallel(loss_scaler=...)); clip or "
+                "inspect them directly instead of calling unscale_()."
+            )
         if state["stage"] is _Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
@@ -223,8 +236,60 @@ class LossScaler:
             if not found:
                 raise AssertionError("No inf checks were recorded prior to update.")
             self._update_scale(torch.stack(found).sum())
-        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        self._per_optimizer_states = defaultdict(self._new_optimizer_state)
+        self._marked_found_inf = None
         self._iteration += 1
+
+    def mark_unscaled(
+        self,
+        found_inf: Union[bool, float, torch.Tensor],
+        optimizer: Optional[torch.optim.Optimizer] = None,
+    ) -> None:
+        """Records that this step's gradients are already unscaled, and whether any was inf/NaN.
+
+        For an engine that divides the gradients by :meth:`get_scale` itself, fused into a pass
+        it makes anyway (``DistributedDataParallel(loss_scaler=...)`` calls it at the end of
+        each synchronised backward). Afterwards :meth:`step` does not unscale again: it skips
+        ``optimizer.step()`` when ``found_inf`` is nonzero, and :meth:`update` backs off or
+        grows the scale from it, exactly as after :meth:`unscale_`. It is the hand-off point of
+        ``GradScaler.unscale_``'s two halves (unscale, record the found-inf flag) when the
+        first half ran elsewhere.
+
+        Args:
+            found_inf: nonzero when an inf or NaN was found: a bool or number, or a one-element
+                tensor (kept on its device; read on the host only by :meth:`step`).
+            optimizer: the optimizer whose gradients were unscaled; None: every optimizer
+                stepped before the next :meth:`update` (an engine need not know them).
+
+        Raises:
+            RuntimeError: the gradients of this step were already unscaled (by
+                :meth:`unscale_` or an earlier ``mark_unscaled``) or stepped since the last
+                :meth:`update`. Unscaling twice would divide the first gradients by the scale
+                twice; with DistributedDataParallel, run all but the last micro-batch of a step
+                under ``no_sync()``.
+        """
+        if not self._enabled:
+            return
+        flag = self._found_inf_flag(found_inf)
+        if optimizer is not None:
+            states = [self._per_optimizer_states[id(optimizer)]]
+        else:
+            states = list(self._per_optimizer_states.values())
+            if self._marked_found_inf is not None:
+                states.append({"stage": _Stage.UNSCALED})
+        for state in states:
+            if state["stage"] is not _Stage.READY:
+                done = "stepped" if state["stage"] is _Stage.STEPPED else "unscaled"
+                raise RuntimeError(
+                    f"mark_unscaled(): this step's gradients were already {done} since the last "
+                    "update(); unscaling them again would divide them by the scale twice (with "
+                    "DistributedDataParallel: run all but the last micro-batch under no_sync(), "
+                    "and call scaler.step() and scaler.update() once per synchronised backward)"
+                )
+        for state in states:
+            state.update(stage=_Stage.UNSCALED, found_inf=flag, marked=True)
+        if optimizer is None:
+            self._marked_found_inf = flag
 
     def get_scale(self) -> float:
         """The current scale as a Python float (synchronises with the device); 1.0 if disabled."""
@@ -301,6 +366,27 @@ class LossScaler:
     # ----------------------------------------------------------------------------------------
     # Internals
     # ----------------------------------------------------------------------------------------
+
+    def _new_optimizer_state(self) -> Dict[str, Any]:
+        """READY, or UNSCALED with the flag of mark_unscaled(optimizer=None) when it ran."""
+        if self._marked_found_inf is None:
+            return _fresh_optimizer_state()
+        return {"stage": _Stage.UNSCALED, "found_inf": self._marked_found_inf, "marked": True}
+
+    def _found_inf_flag(self, found_inf: Union[bool, float, torch.Tensor]) -> torch.Tensor:
+        """``found_inf`` as the 0-dim float32 flag kept per optimizer (no host sync)."""
+        if isinstance(found_inf, torch.Tensor):
+            if found_inf.numel() != 1:
+                raise ValueError(
+                    f"found_inf: expected a one-element tensor, got shape {tuple(found_inf.shape)}"
+                )
+            return found_inf.detach().reshape(()).float()
+        if not isinstance(found_inf, (bool, int, float)):
+            raise TypeError(
+                f"found_inf: expected a bool, a number or a tensor, got {type(found_inf).__name__}"
+            )
+        device = self._scale.device if self._scale is not None else "cpu"
+        return torch.tensor(float(found_inf), dtype=torch.float32, device=device)
 
     def _lazy_init(self, device: torch.device) -> None:
         if self._comm is not None:

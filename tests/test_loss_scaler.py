@@ -319,3 +319,68 @@ def test_overflow_on_one_rank_skips_every_rank():
         assert (sums[step] == before) == bool(overflow_ranks), (step, sums)
     assert scales == _reference_policy([bool(o) for o in schedule], 8.0, 2.0, 0.5, 2, 1, 1.0)
     assert shm_leaks() == []
+
+
+def _engine_step(scaler, opts, params, overflow: bool, how: str) -> None:
+    """A step whose gradients an "engine" unscales itself and hands over with mark_unscaled."""
+    scaled_one = scaler.scale(torch.ones((), dtype=torch.float32))
+    for param in params:
+        param.grad = torch.full_like(param, 0.25) * scaled_one
+        if overflow:
+            param.grad[3] = float("inf")
+    if how == "unscale_":  # the reference: GradScaler's own unscale_ inside step
+        pass
+    else:
+        found = torch.zeros(1)
+        for param in params:  # what an engine does in its own pass
+            found.fill_(max(found.item(), float(not bool(param.grad.isfinite().all()))))
+            param.grad.mul_(1.0 / scaler.get_scale())
+        if how == "mark_all":
+            scaler.mark_unscaled(found)
+        else:  # one call per optimizer, the flag as a bool
+            for opt in opts:
+                scaler.mark_unscaled(bool(found.item()), optimizer=opt)
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+
+
+def test_mark_unscaled_follows_unscale_():
+    """Trajectory (scale, skipped steps, parameters) equals the one of scaler.unscale_."""
+    events = [True, False, False, True, True] + _events(SEED + 11, steps=30)
+    runs = {}
+    for how in ("unscale_", "mark_all", "mark_each"):
+        scaler = LossScaler(init_scale=2.0**10, growth_interval=2, hysteresis=2)
+        params = [_param(), _param()]
+        opts = [torch.optim.SGD([p], lr=0.1) for p in params]
+        trace = []
+        for overflow in events:
+            _engine_step(scaler, opts, params, overflow, how)
+            trace.append((scaler.get_scale(), [p.sum().item() for p in params]))
+        runs[how] = (trace, scaler.skipped_steps)
+    assert runs["mark_all"] == runs["unscale_"] == runs["mark_each"]
+    assert runs["unscale_"][1] > 0 and len({t[0] for t in runs["unscale_"][0]}) > 2
+
+
+def test_mark_unscaled_refuses_unscaling_twice():
+    scaler = LossScaler(init_scale=8.0)
+    param = _param()
+    opt = torch.optim.SGD([param], lr=0.1)
+    param.grad = scaler.scale(torch.ones(8))
+    scaler.mark_unscaled(torch.zeros(()))
+    with pytest.raises(RuntimeError, match="already unscaled through mark_unscaled"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already unscaled since the last update"):
+        scaler.mark_unscaled(False)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="already stepped since the last update"):
+        scaler.mark_unscaled(False, optimizer=opt)
+    scaler.update()
+    scaler.unscale_(opt)  # a new step: unscale_ is allowed again
+    with pytest.raises(RuntimeError, match="already unscaled since the last update"):
+        scaler.mark_unscaled(False, optimizer=opt)
+    with pytest.raises(ValueError, match="found_inf: expected a one-element tensor"):
+        scaler.mark_unscaled(torch.zeros(2))
+    with pytest.raises(TypeError, match="found_inf: expected a bool"):
+        scaler.mark_unscaled("no")
+    LossScaler(enabled=False).mark_unscaled(True)  # disabled: a pass-through
