@@ -560,8 +560,10 @@ class Pipeline:
 
         DDP decides at forward time whether the next backward reduces, but 1F1B and interleaved
         schedules run other backward passes between a stage's last forward and its last
-        backward. So a backward also re-arms DDP for itself: only the last one all-reduces
-        (the sum accumulated over all micro-batches), overlapping with that backward.
+        backward. So each backward also sets DDP's switch
+        (:meth:`~dist_kernels.DistributedDataParallel.set_requires_gradient_sync`) for itself:
+        only the last one all-reduces (the sum accumulated over all micro-batches), overlapping
+        with that backward.
         Non-reentrant checkpointing recomputes the forward inside backward, under the same
         context, so it leaves the arming as set here.
         """
@@ -570,7 +572,7 @@ class Pipeline:
             return contextlib.nullcontext()
         last = a.microbatch == self._last_backward[a.stage]
         if a.kind is Kind.BACKWARD:
-            ddp._armed = last  # read by DDP's gradient hooks; no public setter exists
+            ddp.set_requires_gradient_sync(last)
         return contextlib.nullcontext() if last else ddp.no_sync()
 
 

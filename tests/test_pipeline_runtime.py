@@ -205,7 +205,7 @@ def _grads_in_ddp_buckets(pipe, steps: int) -> bool:
         ddp = pipe.ddp[stage]
         if not isinstance(ddp, dk.DistributedDataParallel) or ddp.module is not module:
             return False
-        if ddp._sequence != steps * len(ddp.bucket_layouts):  # DDP's all-reduce launch count
+        if ddp.reductions_launched != steps * len(ddp.bucket_layouts):
             return False
         spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in ddp.buckets]
         for p in module.parameters():
