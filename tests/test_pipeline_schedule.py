@@ -16,6 +16,7 @@ from dist_kernels._pipeline_schedules import (
     schedule_table,
     simulate,
 )
+from dist_kernels.pipeline import _eager_sends
 
 RANKS = range(1, 9)
 MICROBATCHES = range(1, 17)
@@ -79,6 +80,88 @@ def _with_rank_actions(schedule: Schedule, rank: int, actions) -> Schedule:
     return Schedule(
         schedule.name, schedule.n_ranks, schedule.n_stages, schedule.n_microbatches, tuple(lists)
     )
+
+
+_SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
+_RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
+
+
+def _run_async(schedule: Schedule):
+    """Executes a schedule the way the runtime does, independently of simulate(): per rank,
+    computes and sends in ``_eager_sends`` order on one thread (sends never block), receives
+    in list order on another (a receive takes the head of its channel, which must be the
+    item it expects). Returns the actions left undone on each rank (all empty = no
+    deadlock) and the first channel mismatch, if any."""
+    p = len(schedule.actions)
+    order = [_eager_sends(acts) for acts in schedule.actions]
+    recvs = [[a for a in acts if a.kind in _RECVS] for acts in schedule.actions]
+    channels = {}  # (src, dst) -> list of (kind, stage, mb) in flight, oldest first
+    have = [set() for _ in range(p)]  # received or produced here: (kind, stage, mb)
+    pos, rpos = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while rpos[r] < len(recvs[r]):
+                a = recvs[r][rpos[r]]
+                queue = channels.get((a.peer, r), [])
+                if not queue:
+                    break
+                got = queue.pop(0)
+                want = (Kind.SEND_ACT, a.stage - 1, a.microbatch)
+                if a.kind is Kind.RECV_GRAD:
+                    want = (Kind.SEND_GRAD, a.stage + 1, a.microbatch)
+                if got != want:
+                    return None, f"rank {r} expected {want}, got {got}"
+                have[r].add((a.kind, a.stage, a.microbatch))
+                rpos[r] += 1
+                progress = True
+            while pos[r] < len(order[r]):
+                a = order[r][pos[r]]
+                if a.kind in _SENDS:
+                    channels.setdefault((r, a.peer), []).append((a.kind, a.stage, a.microbatch))
+                else:
+                    need = None
+                    if a.kind is Kind.FORWARD and a.stage > 0:
+                        need = (Kind.RECV_ACT, a.stage, a.microbatch)
+                    if a.kind is Kind.BACKWARD and a.stage < schedule.n_stages - 1:
+                        need = (Kind.RECV_GRAD, a.stage, a.microbatch)
+                    if need is not None and need not in have[r]:
+                        break
+                    # An output for a stage on this same rank arrives without a transfer.
+                    out_stage = a.stage + 1 if a.kind is Kind.FORWARD else a.stage - 1
+                    if 0 <= out_stage < schedule.n_stages and schedule.rank_of(out_stage) == r:
+                        kind = Kind.RECV_ACT if a.kind is Kind.FORWARD else Kind.RECV_GRAD
+                        have[r].add((kind, out_stage, a.microbatch))
+                pos[r] += 1
+                progress = True
+    left = [order[r][pos[r] :] + recvs[r][rpos[r] :] for r in range(p)]
+    return left, None
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_runtime_order_async_sends_never_deadlock(name):
+    """The runtime's split (computes + eager sends on one thread, receives on another)
+    finishes every schedule; the eager order keeps every compute step in place."""
+    moved = 0
+    for p in RANKS:
+        for m in MICROBATCHES:
+            if name == "interleaved-1f1b" and m % p:
+                continue
+            schedule = build_schedule(name, p, m)
+            left, mismatch = _run_async(schedule)
+            assert mismatch is None, (p, m, mismatch)
+            assert all(not rest for rest in left), (p, m, left)
+            for acts in schedule.actions:
+                eager = _eager_sends(acts)
+                planned = [a for a in acts if a.kind not in _RECVS]
+                assert sorted(map(repr, eager)) == sorted(map(repr, planned))
+                assert [a for a in eager if a.kind.is_compute] == [
+                    a for a in planned if a.kind.is_compute
+                ]
+                moved += eager != planned
+    if name == "interleaved-1f1b":  # the others already plan every send right after its step
+        assert moved > 0
 
 
 def test_validator_rejects_backward_before_forward():
