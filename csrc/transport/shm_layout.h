@@ -101,9 +101,10 @@ static_assert(offsetof(FifoControl, slots) == 2 * kCacheLine, "descriptors after
 static_assert(sizeof(FifoControl) == (2 + kMaxSlots) * kCacheLine, "FifoControl size");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
 
-// One per rank. The rank's progress thread holds `alive` (a robust, process-shared mutex) for
-// the communicator's whole life: when the process dies the kernel marks the mutex owner-dead,
-// and a peer's trylock returns EOWNERDEAD, even while the dead process is still a zombie.
+// One per rank. The rank's dispatcher thread (OpQueue) holds `alive` (a robust, process-shared
+// mutex) for the communicator's whole life: when the process dies the kernel marks the mutex
+// owner-dead, and a peer's trylock returns EOWNERDEAD, even while the dead process is still a
+// zombie.
 struct alignas(kCacheLine) RankControl {
   pthread_mutex_t alive;
   alignas(kCacheLine) std::atomic<uint32_t> attached;  // 1 once the rank holds `alive`
