@@ -2,8 +2,8 @@
 
 On CPU the ranks of one host talk through POSIX shared memory (``_C.CpuCommunicator``: ring
 and double-binary-tree algorithms in C++, a queue of asynchronous calls, the GIL released);
-ranks on different hosts go hierarchical (shared memory inside a host, torch.distributed between host
-leaders). ``device="cuda"`` hands over to ``dist_kernels._cuda_comm``.
+ranks on different hosts go hierarchical (shared memory inside a host, torch.distributed
+between host leaders). ``device="cuda"`` hands over to ``dist_kernels._cuda_comm``.
 
     import torch.distributed as dist, dist_kernels as dk
     dist.init_process_group("gloo")
