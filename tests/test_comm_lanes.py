@@ -191,3 +191,35 @@ def _p2p_bad_input():
 
 def test_isend_irecv_bad_input_names_rank_and_argument():
     assert run_ranks(2, _p2p_bad_input, timeout=60) == [[], []]
+
+
+def _irecv_wait_timeout_then_arrives():
+    """wait(timeout) on an irecv whose sender is late raises CommError and leaves it pending;
+    once the sender sends, a second wait() returns the data."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank = dist.get_rank()
+    with _comm() as comm:
+        if rank == 0:
+            got = torch.zeros(6)
+            work = comm.irecv(got, 1)
+            try:
+                work.wait(timeout=0.2)
+                early = "wait(timeout=0.2) returned before the send"
+            except dk.CommError as exc:
+                early = "" if "[rank 0] recv" in str(exc) else f"unexpected message: {exc}"
+            comm.send(torch.ones(1), 1)  # tells rank 1 to send now
+            work.wait()
+            return early, got.tolist()
+        go = torch.zeros(1)
+        comm.recv(go, 0)
+        comm.send(torch.arange(6.0), 0)
+        return "", None
+
+
+def test_irecv_wait_timeout_leaves_it_pending():
+    (early, got), _ = run_ranks(2, _irecv_wait_timeout_then_arrives, timeout=60)
+    assert early == ""
+    assert got == torch.arange(6.0).tolist()

@@ -70,8 +70,7 @@ Status CpuCommunicator::submit(Request request, std::shared_ptr<Work>* work) {
   if (closed_) return Status(Code::kPeerFailure, "the communicator is closed");
   *work = std::make_shared<Work>();
   const shm::Lane lane = laneOf(request);
-  queue_.submit(std::move(request), *work, lane);
-  return Status::Ok();
+  return queue_.submit(std::move(request), *work, lane);
 }
 
 Status CpuCommunicator::registerBuffer(uint32_t id, std::shared_ptr<shm::Segment> local,

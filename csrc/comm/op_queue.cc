@@ -26,12 +26,15 @@ Status OpQueue::start(Execute execute, std::function<Status()> onStart,
   return Status::Ok();
 }
 
-void OpQueue::submit(Request request, std::shared_ptr<Work> work, Lane lane) {
+Status OpQueue::submit(Request request, std::shared_ptr<Work> work, Lane lane) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    // After stop() nothing would ever run it, and its Work would never complete.
+    if (stopping_) return Status(Code::kPeerFailure, "the communicator is closed");
     queue_.push_back({std::move(request), std::move(work), lane});
   }
   changed_.notify_all();
+  return Status::Ok();
 }
 
 bool OpQueue::uses(Lane op, Lane lane) {

@@ -36,7 +36,8 @@ class OpQueue {
   // Starts the threads. `onStart` runs first on the dispatcher thread and its status is
   // returned (nothing runs if it fails); `onStop` runs last on it, after the queue drained.
   Status start(Execute execute, std::function<Status()> onStart, std::function<void()> onStop);
-  void submit(Request request, std::shared_ptr<Work> work, shm::Lane lane);
+  // Fails once stop() has begun.
+  Status submit(Request request, std::shared_ptr<Work> work, shm::Lane lane);
   // Waits until no queued or running operation uses `lane` (kBoth: until nothing is left).
   void drain(shm::Lane lane);
   // Runs what is queued, then stops and joins the threads. Idempotent.
