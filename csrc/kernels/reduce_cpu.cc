@@ -1,6 +1,6 @@
-// CPU reduce / divide entry points: check the arguments once, then run the instruction-set build
-// that activeCpuIsa() names (cpu_isa.h). Single-threaded: the communicator gives each rank one
-// core; reduce_cpu_parallel.cc splits standalone calls across the thread pool.
+// CPU reduce / average / divide entry points: check the arguments once, then run the
+// instruction-set build that activeCpuIsa() names (cpu_isa.h). Single-threaded: the communicator
+// gives each rank one core; reduce_cpu_parallel.cc splits standalone calls across the thread pool.
 #include <string>
 
 #include "kernels/cpu_isa.h"
@@ -49,6 +49,22 @@ Status reduceMultiCpu(void* dst, const void* const* srcs, int nsrcs, size_t coun
       break;
   }
   return baseline::reduceMulti(dst, srcs, nsrcs, count, dtype, op);
+}
+
+Status reduceAverageCpu(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                        int64_t divisor) {
+  if (nsrcs < 1) return InvalidArgument("reduceAverage: needs at least one source");
+  if (divisor == 0) return InvalidArgument("reduceAverage: divisor is 0");
+  DK_RETURN_IF_ERROR(checkDTypeAndOp(dtype, RedOp::kAvg));
+  switch (activeCpuIsa()) {
+    case CpuIsa::kAvx512:
+      return avx512::reduceAverage(dst, srcs, nsrcs, count, dtype, divisor);
+    case CpuIsa::kAvx2:
+      return avx2::reduceAverage(dst, srcs, nsrcs, count, dtype, divisor);
+    case CpuIsa::kBaseline:
+      break;
+  }
+  return baseline::reduceAverage(dst, srcs, nsrcs, count, dtype, divisor);
 }
 
 Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {

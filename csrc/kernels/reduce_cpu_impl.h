@@ -7,6 +7,8 @@
 // Invariants:
 //  - FP16 / BF16 are widened to FP32 (Accum<T>), combined, and rounded once on store (RNE).
 //  - reduceMulti keeps one FP32 accumulator per element across all sources: one rounding total.
+//  - reduceAverage is reduceMulti(SUM) whose completed sum is divided (DivideBy) before that one
+//    rounding: AVG's divide costs no pass of its own over memory.
 //  - FP32, FP64 and integers compute in place; FP16 / BF16 are staged a block at a time through
 //    FP32 buffers in L1 (cpu_widen_impl.h), which lets the conversions run as vector code.
 //  - dst may alias a source exactly (same start); partial overlap is not supported. Exact
@@ -40,18 +42,20 @@ constexpr size_t kBlock = 1024;
 template <typename T>
 constexpr bool kComputesInStorageType = std::is_same<typename Accum<T>::type, T>::value;
 
-// dst = op(a, b) directly in the storage type (FP32, FP64, integers).
-template <typename T, typename Op>
-void reduceLoop(T* dst, const T* a, const T* b, size_t count) {
+// dst = finish(op(a, b)) directly in the storage type (FP32, FP64, integers).
+template <typename T, typename Op, typename Finish>
+void reduceLoop(T* dst, const T* a, const T* b, size_t count, Finish finish) {
   const Op op;
 #pragma GCC ivdep
-  for (size_t i = 0; i < count; ++i) dst[i] = op(a[i], b[i]);
+  for (size_t i = 0; i < count; ++i) dst[i] = finish(op(a[i], b[i]));
 }
 
 // One block of a multi-source reduce: acc = src0; acc = op(acc, src_s) for each further source;
-// one rounding when acc is narrowed into dst.
-template <typename T, typename Op>
-void reduceMultiBlock(T* dst, const void* const* srcs, int nsrcs, size_t begin, size_t n) {
+// finish (AVG's divide, or nothing) while acc is still in L1 and in FP32; one rounding when acc
+// is narrowed into dst.
+template <typename T, typename Op, typename Finish>
+void reduceMultiBlock(T* dst, const void* const* srcs, int nsrcs, size_t begin, size_t n,
+                      Finish finish) {
   using A = typename Accum<T>::type;
   const Op op;
   A acc[kBlock];
@@ -66,24 +70,29 @@ void reduceMultiBlock(T* dst, const void* const* srcs, int nsrcs, size_t begin, 
       for (size_t j = 0; j < n; ++j) acc[j] = op(acc[j], wide[j]);
     }
   }
+  if constexpr (!std::is_same<Finish, KeepSum>::value) {
+    for (size_t j = 0; j < n; ++j) acc[j] = finish(acc[j]);
+  }
   narrow(dst + begin, acc, n);
 }
 
-template <typename T, typename Op>
-void reduceMultiLoop(T* dst, const void* const* srcs, int nsrcs, size_t count) {
-  if (nsrcs == 1) {
+template <typename T, typename Op, typename Finish>
+void reduceMultiLoop(T* dst, const void* const* srcs, int nsrcs, size_t count, Finish finish) {
+  constexpr bool kKeep = std::is_same<Finish, KeepSum>::value;
+  if (nsrcs == 1 && kKeep) {
     if (srcs[0] != dst) std::memcpy(dst, srcs[0], count * sizeof(T));
     return;
   }
   if constexpr (kComputesInStorageType<T>) {
     if (nsrcs == 2) {
-      reduceLoop<T, Op>(dst, static_cast<const T*>(srcs[0]), static_cast<const T*>(srcs[1]), count);
+      reduceLoop<T, Op>(dst, static_cast<const T*>(srcs[0]), static_cast<const T*>(srcs[1]), count,
+                        finish);
       return;
     }
   }
   for (size_t begin = 0; begin < count; begin += kBlock) {
     reduceMultiBlock<T, Op>(dst, srcs, nsrcs, begin,
-                            count - begin < kBlock ? count - begin : kBlock);
+                            count - begin < kBlock ? count - begin : kBlock, finish);
   }
 }
 
@@ -127,10 +136,10 @@ void divideLoop(T* dst, const T* src, size_t count, int64_t divisor) {
 template <typename T, typename Op>
 void reduceTwo(T* dst, const T* a, const T* b, size_t count) {
   if constexpr (kComputesInStorageType<T>) {
-    reduceLoop<T, Op>(dst, a, b, count);
+    reduceLoop<T, Op>(dst, a, b, count, KeepSum{});
   } else {
     const void* srcs[2] = {a, b};
-    reduceMultiLoop<T, Op>(dst, srcs, 2, count);
+    reduceMultiLoop<T, Op>(dst, srcs, 2, count, KeepSum{});
   }
 }
 
@@ -146,7 +155,14 @@ Status reduce(void* dst, const void* a, const void* b, size_t count, DType dtype
 Status reduceMulti(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                    RedOp op) {
   DK_DISPATCH_DTYPE(dtype, DK_DISPATCH_REDOP(op, reduceMultiLoop<T, Op>(static_cast<T*>(dst), srcs,
-                                                                        nsrcs, count)));
+                                                                        nsrcs, count, KeepSum{})));
+  return Status::Ok();
+}
+
+Status reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                     int64_t divisor) {
+  DK_DISPATCH_DTYPE(dtype, reduceMultiLoop<T, SumOp>(static_cast<T*>(dst), srcs, nsrcs, count,
+                                                     DivideBy{divisor}));
   return Status::Ok();
 }
 

@@ -80,8 +80,33 @@ struct MinOp {
   }
 };
 
-// Calls fn(FunctorInstance) for a runtime RedOp; AVG reduces as SUM (the caller divides once
-// at the end so that every rank divides the same fully reduced value).
+// What a reduce does with each completed element before storing it, in the compute type (so
+// FP16 / BF16 still round once). KeepSum: SUM, PROD, MAX, MIN and AVG's partial sums.
+struct KeepSum {
+  template <typename A>
+  DK_HOST_DEVICE DK_INLINE A operator()(A sum) const {
+    return sum;
+  }
+};
+
+// AVG's last step, fused into the reduce that completes the sum. Integers truncate toward zero
+// in int64 (so int8 / 300 is 0, not int8 / int8(300)); INT64_MIN / -1 wraps like torch instead
+// of trapping. Floats divide (not multiply by a reciprocal, which is not correctly rounded).
+struct DivideBy {
+  int64_t divisor;
+  template <typename A>
+  DK_HOST_DEVICE DK_INLINE A operator()(A sum) const {
+    if constexpr (std::is_integral<A>::value) {
+      if (divisor == -1) return wrapMul(sum, static_cast<A>(-1));
+      return static_cast<A>(static_cast<int64_t>(sum) / divisor);
+    } else {
+      return sum / static_cast<A>(divisor);
+    }
+  }
+};
+
+// Calls fn(FunctorInstance) for a runtime RedOp; AVG reduces as SUM (the caller divides once,
+// with DivideBy in the reduce that completes the sum, so every rank divides the same value).
 #define DK_DISPATCH_REDOP(op, ...)                                                        \
   switch (op) {                                                                           \
     case ::dk::RedOp::kSum:                                                               \
