@@ -50,28 +50,42 @@ void reduceLoop(T* dst, const T* a, const T* b, size_t count, Finish finish) {
   for (size_t i = 0; i < count; ++i) dst[i] = finish(op(a[i], b[i]));
 }
 
+// acc = finish(op(acc, src)) over one block in L1.
+template <typename A, typename Op, typename Finish>
+void accumulate(A* acc, const A* src, size_t n, Finish finish) {
+  const Op op;
+  for (size_t j = 0; j < n; ++j) acc[j] = finish(op(acc[j], src[j]));
+}
+
 // One block of a multi-source reduce: acc = src0; acc = op(acc, src_s) for each further source;
-// finish (AVG's divide, or nothing) while acc is still in L1 and in FP32; one rounding when acc
-// is narrowed into dst.
+// finish (AVG's divide, or nothing) rides in the last source's loop, on the FP32 sum; one
+// rounding when acc is narrowed into dst.
 template <typename T, typename Op, typename Finish>
 void reduceMultiBlock(T* dst, const void* const* srcs, int nsrcs, size_t begin, size_t n,
                       Finish finish) {
   using A = typename Accum<T>::type;
-  const Op op;
   A acc[kBlock];
   widen(acc, static_cast<const T*>(srcs[0]) + begin, n);
   for (int s = 1; s < nsrcs; ++s) {
     const T* src = static_cast<const T*>(srcs[s]) + begin;
+    const A* operand;
+    A wide[kComputesInStorageType<T> ? 1 : kBlock];
     if constexpr (kComputesInStorageType<T>) {
-      for (size_t j = 0; j < n; ++j) acc[j] = op(acc[j], src[j]);
+      operand = src;
     } else {
-      A wide[kBlock];
       widen(wide, src, n);
-      for (size_t j = 0; j < n; ++j) acc[j] = op(acc[j], wide[j]);
+      operand = wide;
+    }
+    if (s + 1 < nsrcs) {
+      accumulate<A, Op>(acc, operand, n, KeepSum{});
+    } else {
+      accumulate<A, Op>(acc, operand, n, finish);
     }
   }
   if constexpr (!std::is_same<Finish, KeepSum>::value) {
-    for (size_t j = 0; j < n; ++j) acc[j] = finish(acc[j]);
+    if (nsrcs == 1) {
+      for (size_t j = 0; j < n; ++j) acc[j] = finish(acc[j]);
+    }
   }
   narrow(dst + begin, acc, n);
 }
@@ -161,8 +175,9 @@ Status reduceMulti(void* dst, const void* const* srcs, int nsrcs, size_t count, 
 
 Status reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                      int64_t divisor) {
-  DK_DISPATCH_DTYPE(dtype, reduceMultiLoop<T, SumOp>(static_cast<T*>(dst), srcs, nsrcs, count,
-                                                     DivideBy{divisor}));
+  DK_DISPATCH_DTYPE(dtype, withAverageFinish<T>(divisor, [&](auto finish) {
+                      reduceMultiLoop<T, SumOp>(static_cast<T*>(dst), srcs, nsrcs, count, finish);
+                    }));
   return Status::Ok();
 }
 

@@ -126,8 +126,10 @@ Status reduceAverageCuda(void* dst, const void* const* srcs, int nsrcs, size_t c
   if (divisor == 0) return InvalidArgument("reduceAverage: divisor is 0");
   if (count == 0) return Status::Ok();
   auto s = static_cast<cudaStream_t>(stream);
-  DK_DISPATCH_DTYPE(dtype, return launchReduce<T, SumOp>(static_cast<T*>(dst), srcs, nsrcs, count,
-                                                         s, DivideBy{divisor}));
+  DK_DISPATCH_DTYPE(dtype, return withAverageFinish<T>(divisor, [&](auto finish) {
+                      return launchReduce<T, SumOp>(static_cast<T*>(dst), srcs, nsrcs, count, s,
+                                                    finish);
+                    }));
   return Status::Ok();
 }
 
