@@ -67,17 +67,11 @@ Status reduceAverageCpu(void* dst, const void* const* srcs, int nsrcs, size_t co
   return baseline::reduceAverage(dst, srcs, nsrcs, count, dtype, divisor);
 }
 
+// A divide on its own is an average of one source (the same DivideBy / ScaleBy math).
 Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
   if (divisor == 0) return InvalidArgument("divide: divisor is 0");
-  switch (activeCpuIsa()) {
-    case CpuIsa::kAvx512:
-      return avx512::divide(dst, src, count, dtype, divisor);
-    case CpuIsa::kAvx2:
-      return avx2::divide(dst, src, count, dtype, divisor);
-    case CpuIsa::kBaseline:
-      break;
-  }
-  return baseline::divide(dst, src, count, dtype, divisor);
+  const void* srcs[1] = {src};
+  return reduceAverageCpu(dst, srcs, 1, count, dtype, divisor);
 }
 
 }  // namespace dk::kernels

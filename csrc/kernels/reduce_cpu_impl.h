@@ -1,8 +1,8 @@
-// Reduce and divide loops, compiled once per instruction set: a file defines DK_CPU_ISA_NS
-// (baseline, avx2 or avx512) and includes this header; CMake gives *_avx2.cc / *_avx512.cc their
-// -m flags, and GCC vectorises the loops for that set. Everything here has internal linkage or
-// lives in the ISA's namespace, so the builds never merge at link time (an AVX-512 copy of a
-// template must not be picked for the baseline build).
+// Reduce and reduce-and-divide loops, compiled once per instruction set: a file defines
+// DK_CPU_ISA_NS (baseline, avx2 or avx512) and includes this header; CMake gives *_avx2.cc /
+// *_avx512.cc their -m flags, and GCC vectorises the loops for that set. Everything here has
+// internal linkage or lives in the ISA's namespace, so the builds never merge at link time (an
+// AVX-512 copy of a template must not be picked for the baseline build).
 //
 // Invariants:
 //  - FP16 / BF16 are widened to FP32 (Accum<T>), combined, and rounded once on store (RNE).
@@ -98,6 +98,12 @@ void reduceMultiLoop(T* dst, const void* const* srcs, int nsrcs, size_t count, F
     return;
   }
   if constexpr (kComputesInStorageType<T>) {
+    if (nsrcs == 1) {  // a divide on its own (divideCpu)
+      const T* src = static_cast<const T*>(srcs[0]);
+#pragma GCC ivdep
+      for (size_t i = 0; i < count; ++i) dst[i] = finish(src[i]);
+      return;
+    }
     if (nsrcs == 2) {
       reduceLoop<T, Op>(dst, static_cast<const T*>(srcs[0]), static_cast<const T*>(srcs[1]), count,
                         finish);
@@ -107,43 +113,6 @@ void reduceMultiLoop(T* dst, const void* const* srcs, int nsrcs, size_t count, F
   for (size_t begin = 0; begin < count; begin += kBlock) {
     reduceMultiBlock<T, Op>(dst, srcs, nsrcs, begin,
                             count - begin < kBlock ? count - begin : kBlock, finish);
-  }
-}
-
-// Integers truncate toward zero in int64 (so int8 / 300 is 0, not int8 / int8(300)). The one
-// overflowing case, INT64_MIN / -1, wraps like torch instead of trapping.
-template <typename T>
-void divideIntegerLoop(T* dst, const T* src, size_t count, int64_t divisor) {
-  if (divisor == -1) {
-#pragma GCC ivdep
-    for (size_t i = 0; i < count; ++i) dst[i] = wrapMul(src[i], static_cast<T>(-1));
-    return;
-  }
-#pragma GCC ivdep
-  for (size_t i = 0; i < count; ++i)
-    dst[i] = static_cast<T>(static_cast<int64_t>(src[i]) / divisor);
-}
-
-// Floats divide in the compute type (FP32 for FP16 / BF16) and round once.
-template <typename T>
-void divideFloatLoop(T* dst, const T* src, size_t count, int64_t divisor) {
-  using A = typename Accum<T>::type;
-  const A d = static_cast<A>(divisor);
-  A x[kBlock];
-  for (size_t begin = 0; begin < count; begin += kBlock) {
-    const size_t n = count - begin < kBlock ? count - begin : kBlock;
-    widen(x, src + begin, n);
-    for (size_t j = 0; j < n; ++j) x[j] /= d;
-    narrow(dst + begin, x, n);
-  }
-}
-
-template <typename T>
-void divideLoop(T* dst, const T* src, size_t count, int64_t divisor) {
-  if constexpr (std::is_integral<T>::value) {
-    divideIntegerLoop<T>(dst, src, count, divisor);
-  } else {
-    divideFloatLoop<T>(dst, src, count, divisor);
   }
 }
 
@@ -178,12 +147,6 @@ Status reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count
   DK_DISPATCH_DTYPE(dtype, withAverageFinish<T>(divisor, [&](auto finish) {
                       reduceMultiLoop<T, SumOp>(static_cast<T*>(dst), srcs, nsrcs, count, finish);
                     }));
-  return Status::Ok();
-}
-
-Status divide(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
-  DK_DISPATCH_DTYPE(
-      dtype, divideLoop<T>(static_cast<T*>(dst), static_cast<const T*>(src), count, divisor));
   return Status::Ok();
 }
 

@@ -16,7 +16,6 @@
                      RedOp op);                                                                  \
   Status reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype, \
                        int64_t divisor);                                                         \
-  Status divide(void* dst, const void* src, size_t count, DType dtype, int64_t divisor);         \
   Status castScale(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,   \
                    float scale);                                                                 \
   }

@@ -82,22 +82,6 @@ Status launchReduce(T* dst, const void* const* srcs, int nsrcs, size_t count, cu
   return checkLaunch("reduceMultiKernel");
 }
 
-template <typename T>
-__global__ void divideKernel(T* dst, const T* src, size_t count, int64_t divisor) {
-  using A = typename Accum<T>::type;
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += stride) {
-    if constexpr (std::is_integral<A>::value) {
-      // Truncate toward zero in int64; INT64_MIN / -1 wraps (negation in unsigned) like torch.
-      dst[i] = divisor == -1 ? wrapMul(src[i], static_cast<T>(-1))
-                             : static_cast<T>(static_cast<int64_t>(src[i]) / divisor);
-    } else {
-      dst[i] = store<T>(load(src[i]) / static_cast<A>(divisor));
-    }
-  }
-}
-
 Status checkSources(int nsrcs) {
   if (nsrcs < 1) return InvalidArgument("reduceMulti: needs at least one source");
   if (nsrcs > kMaxLaunchSources) {
@@ -139,17 +123,12 @@ Status reduceCuda(void* dst, const void* a, const void* b, size_t count, DType d
   return reduceMultiCuda(dst, srcs, 2, count, dtype, op, stream);
 }
 
+// A divide on its own is an average of one source (the same DivideBy / ScaleBy math).
 Status divideCuda(void* dst, const void* src, size_t count, DType dtype, int64_t divisor,
                   void* stream) {
   if (divisor == 0) return InvalidArgument("divide: divisor is 0");
-  if (count == 0) return Status::Ok();
-  auto s = static_cast<cudaStream_t>(stream);
-  DK_DISPATCH_DTYPE(dtype, {
-    divideKernel<T><<<gridFor(count), kThreadsPerBlock, 0, s>>>(
-        static_cast<T*>(dst), static_cast<const T*>(src), count, divisor);
-    return checkLaunch("divideKernel");
-  });
-  return Status::Ok();
+  const void* srcs[1] = {src};
+  return reduceAverageCuda(dst, srcs, 1, count, dtype, divisor, stream);
 }
 
 }  // namespace dk::kernels
