@@ -256,6 +256,23 @@ def test_reduce_average_of_halves_rounds_once(isa, dtype):
     assert not torch.equal(dst, twice), "the test cannot tell one rounding from two"
 
 
+def test_integer_average_truncates_like_int64_division_at_the_extremes(isa):
+    """The 8- and 32-bit integer divide runs in float / double: exact truncation toward zero
+    against int64 division at the dtype's extremes, for small, huge and negative divisors."""
+    for dtype in INTS:
+        info = torch.iinfo(dtype)
+        values = [info.min, info.min + 1, info.min // 3, -7, -1, 0, 1, 7, info.max // 3]
+        x = torch.tensor(values + [info.max - 1, info.max], dtype=dtype)
+        for divisor in (1, 2, 3, 7, 255, 2**20 + 1, 2**31 - 1, 2**40, 2**62, -1, -2, -3, -(2**33)):
+            dst = torch.empty_like(x)
+            _C.kernels_divide(dst.data_ptr(), x.data_ptr(), x.numel(), dtype_code(dtype), divisor)
+            if divisor == -1:  # negation: INT64_MIN / -1 wraps (torch.div would trap on it)
+                exact = x.to(torch.int64) * -1
+            else:
+                exact = torch.div(x.to(torch.int64), divisor, rounding_mode="trunc")
+            assert torch.equal(dst, exact.to(dtype)), f"{isa} {dtype} / {divisor}: {dst} != {exact}"
+
+
 def test_integer_sum_and_prod_wrap_like_torch(isa):
     for dtype in INTS:
         info = torch.iinfo(dtype)
