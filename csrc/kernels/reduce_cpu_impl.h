@@ -7,8 +7,9 @@
 // Invariants:
 //  - FP16 / BF16 are widened to FP32 (Accum<T>), combined, and rounded once on store (RNE).
 //  - reduceMulti keeps one FP32 accumulator per element across all sources: one rounding total.
-//  - reduceAverage is reduceMulti(SUM) whose completed sum is divided (DivideBy) before that one
-//    rounding: AVG's divide costs no pass of its own over memory.
+//  - reduceAverage is reduceMulti(SUM) whose completed sum is divided (reduce_functors.h:
+//    DivideBy, or ScaleBy for a power of two: the same bits) before that one rounding, so AVG's
+//    divide costs no pass of its own over memory. A divide alone is an average of one source.
 //  - FP32, FP64 and integers compute in place; FP16 / BF16 are staged a block at a time through
 //    FP32 buffers in L1 (cpu_widen_impl.h), which lets the conversions run as vector code.
 //  - dst may alias a source exactly (same start); partial overlap is not supported. Exact
