@@ -86,10 +86,12 @@ def reduce_(
         _check_like(dst, src, f"srcs[{i}]", same_dtype=True)
     device, stream = _device_and_stream(dst)
     operands: List[int] = [dst.data_ptr()] + [s.data_ptr() for s in srcs]
-    kernel_op = ReduceOp.SUM if rop == ReduceOp.AVG else rop
-    _C.kernels_reduce(dst.data_ptr(), operands, dst.numel(), code, int(kernel_op), device, stream)
-    if rop == ReduceOp.AVG:
-        _divide(dst, len(operands), code, device, stream)
+    if rop == ReduceOp.AVG:  # sum and divide in one pass
+        _C.kernels_reduce_average(
+            dst.data_ptr(), operands, dst.numel(), code, len(operands), device, stream
+        )
+    else:
+        _C.kernels_reduce(dst.data_ptr(), operands, dst.numel(), code, int(rop), device, stream)
     return dst
 
 

@@ -156,6 +156,29 @@ def all_reduce_cases(world_size):
     return cases
 
 
+def _check_reduce_scatter(comm, alloc, dtype, op, count):
+    """reduce_scatter: out = chunk `rank` of the reduction of the n inputs (ranks differ)."""
+    rank, n = comm.rank, comm.world_size
+    inputs = [make_input(r, n * count, dtype, op, "rs") for r in range(n)]
+    inp, out = alloc(n * count), alloc(count)
+    inp.copy_(inputs[rank])
+    comm.reduce_scatter(out, inp, op=op)
+    ref = reference(inputs, dtype, op)[rank * count : (rank + 1) * count]
+    check_close(out, ref, dtype, op, n, f"rank {rank}: reduce_scatter {dtype} {op} {count}")
+    assert torch.equal(inp, inputs[rank]), "reduce_scatter modified its input"
+
+
+def _reduce_scatter_cases(cases):
+    """Runs each (dtype, op, count-per-rank) reduce_scatter on plain tensors."""
+    import dist_kernels as dk
+
+    with dk.Communicator() as comm:
+        for dtype, op, count in cases:
+            _check_reduce_scatter(
+                comm, lambda k, d=dtype: torch.empty(k, dtype=d), dtype, op, count
+            )
+
+
 def _scatter_gather_broadcast_cases(cases):
     import torch.distributed as dist
 
@@ -169,14 +192,7 @@ def _scatter_gather_broadcast_cases(cases):
             def alloc(k, dtype=dtype, registered=registered):
                 return comm.empty(k, dtype) if registered else torch.empty(k, dtype=dtype)
 
-            # reduce_scatter: out = chunk `rank` of the reduction of the n inputs
-            inputs = [make_input(r, n * count, dtype, op, "rs") for r in range(n)]
-            inp, out = alloc(n * count), alloc(count)
-            inp.copy_(inputs[rank])
-            comm.reduce_scatter(out, inp, op=op)
-            ref = reference(inputs, dtype, op)[rank * count : (rank + 1) * count]
-            check_close(out, ref, dtype, op, n, f"rank {rank}: reduce_scatter {dtype} {op} {count}")
-            assert torch.equal(inp, inputs[rank]), "reduce_scatter modified its input"
+            _check_reduce_scatter(comm, alloc, dtype, op, count)
             # all_gather: out = concatenation of every rank's input
             pieces = [make_input(r, count, dtype, "SUM", "ag") for r in range(n)]
             inp, out = alloc(count), alloc(n * count)
@@ -299,10 +315,41 @@ def scatter_gather_cases(world_size):
     return cases
 
 
+def avg_edge_sizes(dtype, world_size):
+    """Counts around the edges AVG's fused last step must get right: the ring's 64-byte chunk
+    alignment and, for slots of 512 KiB or any smaller power of two, slice boundaries of the
+    ring's chunks (count / n) and of the tree's halves (count / 2)."""
+    align = 64 // dtype.itemsize
+    slice_elems = (512 << 10) // dtype.itemsize
+    n = world_size
+    return sorted({n * align - 1, n * align + 1, n * slice_elems + 1, 2 * slice_elems - 1})
+
+
+def avg_cases(world_size):
+    """all_reduce AVG with ring and tree forced: every dtype at the chunk and slice edges."""
+    return [
+        (a, d, "AVG", c, False)
+        for a in ("ring", "tree")
+        for d in DTYPES
+        for c in avg_edge_sizes(d, world_size)
+    ]
+
+
+def avg_scatter_cases(world_size):
+    """reduce_scatter AVG: every dtype, a per-rank count off the 64-byte alignment and one just
+    past a slice boundary."""
+    return [
+        (d, "AVG", c) for d in DTYPES for c in (16 * world_size + 1, (512 << 10) // d.itemsize + 1)
+    ]
+
+
 def _collectives(world_size):
     """Everything for one world size in one round trip to the pool."""
     digests = _all_reduce_cases(all_reduce_cases(world_size))
     digests += _scatter_gather_broadcast_cases(scatter_gather_cases(world_size))
+    if world_size <= 4:
+        digests += _all_reduce_cases(avg_cases(world_size))
+        _reduce_scatter_cases(avg_scatter_cases(world_size))
     if world_size in (2, 3):
         _async_reverse_wait([1, 100, 2**18 + 3, 7, 2**20 + 7, 0])
     if world_size > 1:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dist_kernels import _C, ReduceOp, ops
+from dist_kernels._dtypes import dtype_code
 
 SEED = int(os.environ.get("DK_TEST_SEED", "20261130"))
 print(f"test_kernels: seed {SEED} (set DK_TEST_SEED to replay)")
@@ -197,6 +198,79 @@ def test_divide_matches_torch(isa, dtype):
             else:
                 expected = torch.div(x, divisor, rounding_mode="trunc")
             assert torch.equal(dst, expected), f"{isa} {dtype} / {divisor} n={n} (seed {SEED})"
+
+
+def _sum_then_divide(inputs, divisor: int) -> torch.Tensor:
+    """AVG's last step done by torch: the sum in the kernels' compute type (FP32 for FP16 / BF16,
+    the dtype itself otherwise, wrapping for integers), one correctly rounded division (a tensor
+    divisor: torch multiplies by the reciprocal of a scalar), one rounding to the dtype;
+    integers truncate toward zero."""
+    dtype = inputs[0].dtype
+    wide = [x.float() if dtype in HALVES else x for x in inputs]
+    total = wide[0].clone()
+    for x in wide[1:]:
+        total = total + x
+    if not dtype.is_floating_point:
+        return torch.div(total.to(torch.int64), divisor, rounding_mode="trunc").to(dtype)
+    return (total / torch.full_like(total, divisor)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
+def test_reduce_average_sums_and_divides_in_one_pass(isa, dtype):
+    """The fused AVG kernel (the collectives' last reduce step) is bit-exact against torch's sum
+    then divide, for divisors other than the number of sources (a ring's last step adds 2
+    buffers and divides by the world size), sizes around the 1024-element block, dst aliasing
+    srcs[0] and not."""
+    for n in (1, 1023, 1024, 1025, 4099):
+        for nsrcs, divisor in ((1, 3), (2, 2), (2, 4), (3, 7), (4, 3)):
+            gen = _gen(10, n, nsrcs, divisor)
+            inputs = [_random(dtype, n, gen) for _ in range(nsrcs)]
+            expected = _sum_then_divide(inputs, divisor)
+            for alias in (True, False):
+                dst = inputs[0].clone() if alias else torch.empty_like(inputs[0])
+                srcs = [dst if alias else inputs[0]] + inputs[1:]
+                _C.kernels_reduce_average(
+                    dst.data_ptr(), [s.data_ptr() for s in srcs], n, dtype_code(dtype), divisor
+                )
+                what = f"{isa} {dtype} n={n} sources={nsrcs} / {divisor} alias={alias}"
+                assert _same_values(dst, expected), f"{what} (seed {SEED})"
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_reduce_average_of_halves_rounds_once(isa, dtype):
+    """FP16 / BF16 AVG divides the FP32 sum before its one rounding: the bits differ from
+    rounding the sum first, and an FP16 sum beyond 65504 still averages to a finite value."""
+    n = 4099
+    code = dtype_code(dtype)
+    if dtype == torch.float16:
+        a = torch.full((n,), 40000.0, dtype=dtype)
+        dst = a.clone()
+        _C.kernels_reduce_average(dst.data_ptr(), [dst.data_ptr(), a.data_ptr()], n, code, 4)
+        assert torch.equal(dst, torch.full_like(a, 20000.0))
+    gen = _gen(11)
+    x, y = _random(dtype, n, gen), _random(dtype, n, gen)
+    dst = x.clone()
+    _C.kernels_reduce_average(dst.data_ptr(), [dst.data_ptr(), y.data_ptr()], n, code, 3)
+    twice = ((x + y).float() / torch.full((n,), 3.0)).to(dtype)
+    assert torch.equal(dst, _sum_then_divide([x, y], 3)), f"seed {SEED}"
+    assert not torch.equal(dst, twice), "the test cannot tell one rounding from two"
+
+
+def test_integer_average_truncates_like_int64_division_at_the_extremes(isa):
+    """The 8- and 32-bit integer divide runs in float / double: exact truncation toward zero
+    against int64 division at the dtype's extremes, for small, huge and negative divisors."""
+    for dtype in INTS:
+        info = torch.iinfo(dtype)
+        values = [info.min, info.min + 1, info.min // 3, -7, -1, 0, 1, 7, info.max // 3]
+        x = torch.tensor(values + [info.max - 1, info.max], dtype=dtype)
+        for divisor in (1, 2, 3, 7, 255, 2**20 + 1, 2**31 - 1, 2**40, 2**62, -1, -2, -3, -(2**33)):
+            dst = torch.empty_like(x)
+            _C.kernels_divide(dst.data_ptr(), x.data_ptr(), x.numel(), dtype_code(dtype), divisor)
+            if divisor == -1:  # negation: INT64_MIN / -1 wraps (torch.div would trap on it)
+                exact = x.to(torch.int64) * -1
+            else:
+                exact = torch.div(x.to(torch.int64), divisor, rounding_mode="trunc")
+            assert torch.equal(dst, exact.to(dtype)), f"{isa} {dtype} / {divisor}: {dst} != {exact}"
 
 
 def test_integer_sum_and_prod_wrap_like_torch(isa):

@@ -18,9 +18,10 @@ Status CpuCompute::reduceMulti(void* dst, const void* const* srcs, int nsrcs, si
   return kernels::reduceMultiCpu(dst, srcs, nsrcs, count, dtype, op);
 }
 
-Status CpuCompute::divide(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
+Status CpuCompute::reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count,
+                                 DType dtype, int64_t divisor) {
   if (count == 0) return Status::Ok();
-  return kernels::divideCpu(dst, src, count, dtype, divisor);
+  return kernels::reduceAverageCpu(dst, srcs, nsrcs, count, dtype, divisor);
 }
 
 Status CpuCompute::copy(void* dst, const void* src, size_t bytes) {

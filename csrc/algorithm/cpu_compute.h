@@ -11,7 +11,8 @@ class CpuCompute : public Compute {
                 RedOp op) override;
   Status reduceMulti(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                      RedOp op) override;
-  Status divide(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) override;
+  Status reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                       int64_t divisor) override;
   Status copy(void* dst, const void* src, size_t bytes) override;
 };
 

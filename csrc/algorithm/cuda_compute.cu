@@ -20,9 +20,10 @@ Status CudaCompute::reduceMulti(void* dst, const void* const* srcs, int nsrcs, s
   return kernels::reduceMultiCuda(dst, srcs, nsrcs, count, dtype, op, stream_);
 }
 
-Status CudaCompute::divide(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
+Status CudaCompute::reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count,
+                                  DType dtype, int64_t divisor) {
   if (count == 0) return Status::Ok();
-  return kernels::divideCuda(dst, src, count, dtype, divisor, stream_);
+  return kernels::reduceAverageCuda(dst, srcs, nsrcs, count, dtype, divisor, stream_);
 }
 
 Status CudaCompute::copy(void* dst, const void* src, size_t bytes) {

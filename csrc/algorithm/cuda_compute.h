@@ -14,10 +14,11 @@ class CudaCompute final : public Compute {
 
   Status reduce(void* dst, const void* a, const void* b, size_t count, DType dtype,
                 RedOp op) override;
-  // `srcs` is a host array of device pointers, as in reduceMultiCuda.
+  // `srcs` is a host array of device pointers, as in reduceMultiCuda (also reduceAverage).
   Status reduceMulti(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                      RedOp op) override;
-  Status divide(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) override;
+  Status reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                       int64_t divisor) override;
   Status copy(void* dst, const void* src, size_t bytes) override;
 
   void* stream() const { return stream_; }

@@ -85,12 +85,13 @@ Status reduceScatterSlice(Ring& ring, size_t j, const char* in, char* partialBas
     DK_RETURN_IF_ERROR(ring.ch.transport.release(&x, 1));
     DK_RETURN_IF_ERROR(ring.step(partial, r, ring.slice(p - 2 - k, j), &x));
   }
-  // recv-reduce: the last contribution completes chunk p; AVG divides once, here.
+  // recv-reduce: the last contribution completes chunk p; AVG divides once, in this same pass.
   const Range mine = ring.slice(p, j);
-  DK_RETURN_IF_ERROR(c.reduce(owned, at(in, mine), x.data, mine.count, a.dtype, a.op));
-  DK_RETURN_IF_ERROR(ring.ch.transport.release(&x, 1));
-  if (a.op == RedOp::kAvg) DK_RETURN_IF_ERROR(c.divide(owned, owned, mine.count, a.dtype, n));
-  return Status::Ok();
+  const void* last[2] = {at(in, mine), x.data};
+  DK_RETURN_IF_ERROR(a.op == RedOp::kAvg
+                         ? c.reduceAverage(owned, last, 2, mine.count, a.dtype, n)
+                         : c.reduce(owned, last[0], last[1], mine.count, a.dtype, a.op));
+  return ring.ch.transport.release(&x, 1);
 }
 
 // All-gather of slice j: every chunk's final slice lives at out + offset; ours is in place.

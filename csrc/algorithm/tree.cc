@@ -16,28 +16,27 @@ struct TreeWalk {
 
   char* at(Range r) const { return static_cast<char*>(args.dst) + r.offset * elem; }
 
-  // up: receive the children's partial sums of slice `r`, add our own, send to the parent.
+  // up: receive the children's partial sums of slice `r`, add our own, send to the parent. The
+  // root's reduce completes the sum: AVG divides there, in the same pass.
   Status reduceUp(const TreeNode& node, Range r, int worldSize) {
     RecvOp recvs[2];
     for (int i = 0; i < node.numChildren; ++i) recvs[i] = RecvOp{node.children[i], r.count * elem};
     DK_RETURN_IF_ERROR(ch.transport.exchange(nullptr, 0, recvs, node.numChildren));
-    if (node.numChildren > 0) {
-      // Fixed order: own value, then the children in tree order.
-      const void* srcs[3] = {static_cast<const char*>(args.src) + r.offset * elem, recvs[0].data,
-                             recvs[1].data};
+    // Fixed order: own value, then the children in tree order.
+    const void* srcs[3] = {static_cast<const char*>(args.src) + r.offset * elem, recvs[0].data,
+                           recvs[1].data};
+    const int nsrcs = 1 + node.numChildren;
+    const bool root = node.parent < 0;
+    if (root && args.op == RedOp::kAvg) {
       DK_RETURN_IF_ERROR(
-          ch.compute.reduceMulti(at(r), srcs, 1 + node.numChildren, r.count, args.dtype, args.op));
-      DK_RETURN_IF_ERROR(ch.transport.release(recvs, node.numChildren));
+          ch.compute.reduceAverage(at(r), srcs, nsrcs, r.count, args.dtype, worldSize));
+    } else if (nsrcs > 1) {
+      DK_RETURN_IF_ERROR(ch.compute.reduceMulti(at(r), srcs, nsrcs, r.count, args.dtype, args.op));
     } else {
-      DK_RETURN_IF_ERROR(ch.compute.copy(
-          at(r), static_cast<const char*>(args.src) + r.offset * elem, r.count * elem));
+      DK_RETURN_IF_ERROR(ch.compute.copy(at(r), srcs[0], r.count * elem));
     }
-    if (node.parent < 0) {
-      if (args.op == RedOp::kAvg) {
-        DK_RETURN_IF_ERROR(ch.compute.divide(at(r), at(r), r.count, args.dtype, worldSize));
-      }
-      return Status::Ok();
-    }
+    if (node.numChildren > 0) DK_RETURN_IF_ERROR(ch.transport.release(recvs, node.numChildren));
+    if (root) return Status::Ok();
     SendOp send{node.parent, at(r), r.count * elem};
     return ch.transport.exchange(&send, 1, nullptr, 0);
   }

@@ -86,6 +86,29 @@ void reduce(uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, int
         "reduce_");
 }
 
+void reduceAverage(uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, int dtype,
+                   int64_t divisor, int device, uintptr_t stream, bool parallel) {
+  std::vector<const void*> src_ptrs;
+  for (uintptr_t src : srcs) src_ptrs.push_back(asPointer(src));
+  const DType dt = static_cast<DType>(dtype);
+  const int n = static_cast<int>(src_ptrs.size());
+  const size_t bytes = isValidDType(dtype) ? count * dtypeSize(dt) * (n + 1) : 0;
+  check(runOn(device, bytes,
+              [&] {
+#if DK_WITH_CUDA
+                if (device >= 0) {
+                  return kernels::reduceAverageCuda(asPointer(dst), src_ptrs.data(), n, count, dt,
+                                                    divisor, asPointer(stream));
+                }
+#endif
+                return parallel ? kernels::reduceAverageCpuParallel(asPointer(dst), src_ptrs.data(),
+                                                                    n, count, dt, divisor)
+                                : kernels::reduceAverageCpu(asPointer(dst), src_ptrs.data(), n,
+                                                            count, dt, divisor);
+              }),
+        "reduce_average_");
+}
+
 void divide(uintptr_t dst, uintptr_t src, size_t count, int dtype, int64_t divisor, int device,
             uintptr_t stream, bool parallel) {
   const DType dt = static_cast<DType>(dtype);
@@ -150,6 +173,11 @@ DK_REGISTER_BINDINGS(kernels) {
   m.def("kernels_reduce", &reduce, py::arg("dst"), py::arg("srcs"), py::arg("count"),
         py::arg("dtype"), py::arg("op"), py::arg("device") = -1, py::arg("stream") = 0,
         py::arg("parallel") = true, "dst = op(srcs...) element-wise (dst may be srcs[0]).");
+  m.def("kernels_reduce_average", &reduceAverage, py::arg("dst"), py::arg("srcs"), py::arg("count"),
+        py::arg("dtype"), py::arg("divisor"), py::arg("device") = -1, py::arg("stream") = 0,
+        py::arg("parallel") = true,
+        "dst = sum(srcs...) / divisor element-wise in one pass (AVG's last step; dst may be "
+        "srcs[0]; integers truncate toward zero).");
   m.def("kernels_divide", &divide, py::arg("dst"), py::arg("src"), py::arg("count"),
         py::arg("dtype"), py::arg("divisor"), py::arg("device") = -1, py::arg("stream") = 0,
         py::arg("parallel") = true, "dst = src / divisor (integers truncate toward zero).");

@@ -1,4 +1,5 @@
-// Element-wise kernels on local memory: reduce, divide (AVG's last step), cast with scale.
+// Element-wise kernels on local memory: reduce, reduce-and-divide (AVG's last step), divide,
+// cast with scale.
 // They never communicate. CPU versions are single-threaded: the communicator gives each rank
 // one core; ops.py parallelises standalone calls where that pays.
 #pragma once
@@ -19,7 +20,14 @@ Status reduceCpu(void* dst, const void* a, const void* b, size_t count, DType dt
 Status reduceMultiCpu(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                       RedOp op);
 
-// dst[i] = src[i] / divisor: AVG's final step. Integer types truncate toward zero.
+// dst[i] = (srcs[0][i] + ... + srcs[nsrcs-1][i]) / divisor in one pass: AVG's last reduce step,
+// whose divisor (the world size) need not be nsrcs. The sum is reduceMultiCpu's SUM (integers
+// wrap in the dtype; FP16 / BF16 accumulate in FP32); the division is divideCpu's (integers
+// truncate toward zero in int64), done before FP16 / BF16 round once. dst may alias srcs[0].
+Status reduceAverageCpu(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                        int64_t divisor);
+
+// dst[i] = src[i] / divisor, a pass of its own (ops.divide_). Integer types truncate toward zero.
 Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t divisor);
 
 // dst[i] = (dst_dtype)(src[i] * scale) for float32 / float16 / bfloat16 pairs, rounding once to
@@ -31,6 +39,8 @@ Status castScaleCpu(void* dst, DType dst_dtype, const void* src, DType src_dtype
 // across the CPU thread pool (cpu_thread_pool.h) when the call is large enough to gain from it.
 Status reduceMultiCpuParallel(void* dst, const void* const* srcs, int nsrcs, size_t count,
                               DType dtype, RedOp op);
+Status reduceAverageCpuParallel(void* dst, const void* const* srcs, int nsrcs, size_t count,
+                                DType dtype, int64_t divisor);
 Status divideCpuParallel(void* dst, const void* src, size_t count, DType dtype, int64_t divisor);
 Status castScaleCpuParallel(void* dst, DType dst_dtype, const void* src, DType src_dtype,
                             size_t count, float scale);
@@ -45,6 +55,8 @@ Status reduceCuda(void* dst, const void* a, const void* b, size_t count, DType d
                   void* stream);
 Status reduceMultiCuda(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                        RedOp op, void* stream);
+Status reduceAverageCuda(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                         int64_t divisor, void* stream);
 Status divideCuda(void* dst, const void* src, size_t count, DType dtype, int64_t divisor,
                   void* stream);
 Status castScaleCuda(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,

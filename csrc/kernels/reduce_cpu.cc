@@ -1,6 +1,6 @@
-// CPU reduce / divide entry points: check the arguments once, then run the instruction-set build
-// that activeCpuIsa() names (cpu_isa.h). Single-threaded: the communicator gives each rank one
-// core; reduce_cpu_parallel.cc splits standalone calls across the thread pool.
+// CPU reduce / average / divide entry points: check the arguments once, then run the
+// instruction-set build that activeCpuIsa() names (cpu_isa.h). Single-threaded: the communicator
+// gives each rank one core; reduce_cpu_parallel.cc splits standalone calls across the thread pool.
 #include <string>
 
 #include "kernels/cpu_isa.h"
@@ -51,17 +51,27 @@ Status reduceMultiCpu(void* dst, const void* const* srcs, int nsrcs, size_t coun
   return baseline::reduceMulti(dst, srcs, nsrcs, count, dtype, op);
 }
 
-Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
-  if (divisor == 0) return InvalidArgument("divide: divisor is 0");
+Status reduceAverageCpu(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                        int64_t divisor) {
+  if (nsrcs < 1) return InvalidArgument("reduceAverage: needs at least one source");
+  if (divisor == 0) return InvalidArgument("reduceAverage: divisor is 0");
+  DK_RETURN_IF_ERROR(checkDTypeAndOp(dtype, RedOp::kAvg));
   switch (activeCpuIsa()) {
     case CpuIsa::kAvx512:
-      return avx512::divide(dst, src, count, dtype, divisor);
+      return avx512::reduceAverage(dst, srcs, nsrcs, count, dtype, divisor);
     case CpuIsa::kAvx2:
-      return avx2::divide(dst, src, count, dtype, divisor);
+      return avx2::reduceAverage(dst, srcs, nsrcs, count, dtype, divisor);
     case CpuIsa::kBaseline:
       break;
   }
-  return baseline::divide(dst, src, count, dtype, divisor);
+  return baseline::reduceAverage(dst, srcs, nsrcs, count, dtype, divisor);
+}
+
+// A divide on its own is an average of one source (the same DivideBy / ScaleBy math).
+Status divideCpu(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
+  if (divisor == 0) return InvalidArgument("divide: divisor is 0");
+  const void* srcs[1] = {src};
+  return reduceAverageCpu(dst, srcs, 1, count, dtype, divisor);
 }
 
 }  // namespace dk::kernels

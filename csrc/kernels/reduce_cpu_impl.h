@@ -1,12 +1,15 @@
-// Reduce and divide loops, compiled once per instruction set: a file defines DK_CPU_ISA_NS
-// (baseline, avx2 or avx512) and includes this header; CMake gives *_avx2.cc / *_avx512.cc their
-// -m flags, and GCC vectorises the loops for that set. Everything here has internal linkage or
-// lives in the ISA's namespace, so the builds never merge at link time (an AVX-512 copy of a
-// template must not be picked for the baseline build).
+// Reduce and reduce-and-divide loops, compiled once per instruction set: a file defines
+// DK_CPU_ISA_NS (baseline, avx2 or avx512) and includes this header; CMake gives *_avx2.cc /
+// *_avx512.cc their -m flags, and GCC vectorises the loops for that set. Everything here has
+// internal linkage or lives in the ISA's namespace, so the builds never merge at link time (an
+// AVX-512 copy of a template must not be picked for the baseline build).
 //
 // Invariants:
 //  - FP16 / BF16 are widened to FP32 (Accum<T>), combined, and rounded once on store (RNE).
 //  - reduceMulti keeps one FP32 accumulator per element across all sources: one rounding total.
+//  - reduceAverage is reduceMulti(SUM) whose completed sum is divided (reduce_functors.h:
+//    DivideBy, or ScaleBy for a power of two: the same bits) before that one rounding, so AVG's
+//    divide costs no pass of its own over memory. A divide alone is an average of one source.
 //  - FP32, FP64 and integers compute in place; FP16 / BF16 are staged a block at a time through
 //    FP32 buffers in L1 (cpu_widen_impl.h), which lets the conversions run as vector code.
 //  - dst may alias a source exactly (same start); partial overlap is not supported. Exact
@@ -40,97 +43,87 @@ constexpr size_t kBlock = 1024;
 template <typename T>
 constexpr bool kComputesInStorageType = std::is_same<typename Accum<T>::type, T>::value;
 
-// dst = op(a, b) directly in the storage type (FP32, FP64, integers).
-template <typename T, typename Op>
-void reduceLoop(T* dst, const T* a, const T* b, size_t count) {
+// dst = finish(op(a, b)) directly in the storage type (FP32, FP64, integers).
+template <typename T, typename Op, typename Finish>
+void reduceLoop(T* dst, const T* a, const T* b, size_t count, Finish finish) {
   const Op op;
 #pragma GCC ivdep
-  for (size_t i = 0; i < count; ++i) dst[i] = op(a[i], b[i]);
+  for (size_t i = 0; i < count; ++i) dst[i] = finish(op(a[i], b[i]));
+}
+
+// acc = finish(op(acc, src)) over one block in L1.
+template <typename A, typename Op, typename Finish>
+void accumulate(A* acc, const A* src, size_t n, Finish finish) {
+  const Op op;
+  for (size_t j = 0; j < n; ++j) acc[j] = finish(op(acc[j], src[j]));
 }
 
 // One block of a multi-source reduce: acc = src0; acc = op(acc, src_s) for each further source;
-// one rounding when acc is narrowed into dst.
-template <typename T, typename Op>
-void reduceMultiBlock(T* dst, const void* const* srcs, int nsrcs, size_t begin, size_t n) {
+// finish (AVG's divide, or nothing) rides in the last source's loop, on the FP32 sum; one
+// rounding when acc is narrowed into dst.
+template <typename T, typename Op, typename Finish>
+void reduceMultiBlock(T* dst, const void* const* srcs, int nsrcs, size_t begin, size_t n,
+                      Finish finish) {
   using A = typename Accum<T>::type;
-  const Op op;
   A acc[kBlock];
   widen(acc, static_cast<const T*>(srcs[0]) + begin, n);
   for (int s = 1; s < nsrcs; ++s) {
     const T* src = static_cast<const T*>(srcs[s]) + begin;
+    const A* operand;
+    A wide[kComputesInStorageType<T> ? 1 : kBlock];
     if constexpr (kComputesInStorageType<T>) {
-      for (size_t j = 0; j < n; ++j) acc[j] = op(acc[j], src[j]);
+      operand = src;
     } else {
-      A wide[kBlock];
       widen(wide, src, n);
-      for (size_t j = 0; j < n; ++j) acc[j] = op(acc[j], wide[j]);
+      operand = wide;
+    }
+    if (s + 1 < nsrcs) {
+      accumulate<A, Op>(acc, operand, n, KeepSum{});
+    } else {
+      accumulate<A, Op>(acc, operand, n, finish);
+    }
+  }
+  if constexpr (!std::is_same<Finish, KeepSum>::value) {
+    if (nsrcs == 1) {
+      for (size_t j = 0; j < n; ++j) acc[j] = finish(acc[j]);
     }
   }
   narrow(dst + begin, acc, n);
 }
 
-template <typename T, typename Op>
-void reduceMultiLoop(T* dst, const void* const* srcs, int nsrcs, size_t count) {
-  if (nsrcs == 1) {
+template <typename T, typename Op, typename Finish>
+void reduceMultiLoop(T* dst, const void* const* srcs, int nsrcs, size_t count, Finish finish) {
+  constexpr bool kKeep = std::is_same<Finish, KeepSum>::value;
+  if (nsrcs == 1 && kKeep) {
     if (srcs[0] != dst) std::memcpy(dst, srcs[0], count * sizeof(T));
     return;
   }
   if constexpr (kComputesInStorageType<T>) {
+    if (nsrcs == 1) {  // a divide on its own (divideCpu)
+      const T* src = static_cast<const T*>(srcs[0]);
+#pragma GCC ivdep
+      for (size_t i = 0; i < count; ++i) dst[i] = finish(src[i]);
+      return;
+    }
     if (nsrcs == 2) {
-      reduceLoop<T, Op>(dst, static_cast<const T*>(srcs[0]), static_cast<const T*>(srcs[1]), count);
+      reduceLoop<T, Op>(dst, static_cast<const T*>(srcs[0]), static_cast<const T*>(srcs[1]), count,
+                        finish);
       return;
     }
   }
   for (size_t begin = 0; begin < count; begin += kBlock) {
     reduceMultiBlock<T, Op>(dst, srcs, nsrcs, begin,
-                            count - begin < kBlock ? count - begin : kBlock);
-  }
-}
-
-// Integers truncate toward zero in int64 (so int8 / 300 is 0, not int8 / int8(300)). The one
-// overflowing case, INT64_MIN / -1, wraps like torch instead of trapping.
-template <typename T>
-void divideIntegerLoop(T* dst, const T* src, size_t count, int64_t divisor) {
-  if (divisor == -1) {
-#pragma GCC ivdep
-    for (size_t i = 0; i < count; ++i) dst[i] = wrapMul(src[i], static_cast<T>(-1));
-    return;
-  }
-#pragma GCC ivdep
-  for (size_t i = 0; i < count; ++i)
-    dst[i] = static_cast<T>(static_cast<int64_t>(src[i]) / divisor);
-}
-
-// Floats divide in the compute type (FP32 for FP16 / BF16) and round once.
-template <typename T>
-void divideFloatLoop(T* dst, const T* src, size_t count, int64_t divisor) {
-  using A = typename Accum<T>::type;
-  const A d = static_cast<A>(divisor);
-  A x[kBlock];
-  for (size_t begin = 0; begin < count; begin += kBlock) {
-    const size_t n = count - begin < kBlock ? count - begin : kBlock;
-    widen(x, src + begin, n);
-    for (size_t j = 0; j < n; ++j) x[j] /= d;
-    narrow(dst + begin, x, n);
-  }
-}
-
-template <typename T>
-void divideLoop(T* dst, const T* src, size_t count, int64_t divisor) {
-  if constexpr (std::is_integral<T>::value) {
-    divideIntegerLoop<T>(dst, src, count, divisor);
-  } else {
-    divideFloatLoop<T>(dst, src, count, divisor);
+                            count - begin < kBlock ? count - begin : kBlock, finish);
   }
 }
 
 template <typename T, typename Op>
 void reduceTwo(T* dst, const T* a, const T* b, size_t count) {
   if constexpr (kComputesInStorageType<T>) {
-    reduceLoop<T, Op>(dst, a, b, count);
+    reduceLoop<T, Op>(dst, a, b, count, KeepSum{});
   } else {
     const void* srcs[2] = {a, b};
-    reduceMultiLoop<T, Op>(dst, srcs, 2, count);
+    reduceMultiLoop<T, Op>(dst, srcs, 2, count, KeepSum{});
   }
 }
 
@@ -146,13 +139,15 @@ Status reduce(void* dst, const void* a, const void* b, size_t count, DType dtype
 Status reduceMulti(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                    RedOp op) {
   DK_DISPATCH_DTYPE(dtype, DK_DISPATCH_REDOP(op, reduceMultiLoop<T, Op>(static_cast<T*>(dst), srcs,
-                                                                        nsrcs, count)));
+                                                                        nsrcs, count, KeepSum{})));
   return Status::Ok();
 }
 
-Status divide(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
-  DK_DISPATCH_DTYPE(
-      dtype, divideLoop<T>(static_cast<T*>(dst), static_cast<const T*>(src), count, divisor));
+Status reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                     int64_t divisor) {
+  DK_DISPATCH_DTYPE(dtype, withAverageFinish<T>(divisor, [&](auto finish) {
+                      reduceMultiLoop<T, SumOp>(static_cast<T*>(dst), srcs, nsrcs, count, finish);
+                    }));
   return Status::Ok();
 }
 

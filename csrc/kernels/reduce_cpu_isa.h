@@ -9,14 +9,15 @@
 #include "common/dtype.h"
 #include "common/status.h"
 
-#define DK_DECLARE_CPU_KERNELS(isa)                                                            \
-  namespace dk::kernels::isa {                                                                 \
-  Status reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, RedOp op); \
-  Status reduceMulti(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype, \
-                     RedOp op);                                                                \
-  Status divide(void* dst, const void* src, size_t count, DType dtype, int64_t divisor);       \
-  Status castScale(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count, \
-                   float scale);                                                               \
+#define DK_DECLARE_CPU_KERNELS(isa)                                                              \
+  namespace dk::kernels::isa {                                                                   \
+  Status reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, RedOp op);   \
+  Status reduceMulti(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,   \
+                     RedOp op);                                                                  \
+  Status reduceAverage(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype, \
+                       int64_t divisor);                                                         \
+  Status castScale(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,   \
+                   float scale);                                                                 \
   }
 
 DK_DECLARE_CPU_KERNELS(baseline)

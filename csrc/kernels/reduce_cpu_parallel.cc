@@ -44,6 +44,20 @@ const char* byteOffset(const void* base, size_t elements, size_t element_bytes) 
   return static_cast<const char*>(base) + elements * element_bytes;
 }
 
+// Runs kernel(dst slice, source slices, slice count) on the pool for an n-source call.
+template <typename Kernel>
+Status sourceSlices(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                    Kernel kernel) {
+  const size_t size = dtypeSize(dtype);
+  const bool split = worthSplitting(count * size * (nsrcs + 1));
+  return cpuParallelSlices(count, size, split, [&](size_t begin, size_t end) {
+    std::vector<const void*> slice_srcs(nsrcs);
+    for (int s = 0; s < nsrcs; ++s) slice_srcs[s] = byteOffset(srcs[s], begin, size);
+    void* slice_dst = const_cast<char*>(byteOffset(dst, begin, size));
+    return kernel(slice_dst, slice_srcs.data(), end - begin);
+  });
+}
+
 }  // namespace
 
 size_t setCpuParallelMinBytes(size_t bytes) { return parallelMinBytes().exchange(bytes); }
@@ -53,13 +67,18 @@ Status reduceMultiCpuParallel(void* dst, const void* const* srcs, int nsrcs, siz
   if (nsrcs < 1 || !isValidDType(static_cast<int>(dtype))) {
     return reduceMultiCpu(dst, srcs, nsrcs, count, dtype, op);  // reports the error
   }
-  const size_t size = dtypeSize(dtype);
-  const bool split = worthSplitting(count * size * (nsrcs + 1));
-  return cpuParallelSlices(count, size, split, [&](size_t begin, size_t end) {
-    std::vector<const void*> slice_srcs(nsrcs);
-    for (int s = 0; s < nsrcs; ++s) slice_srcs[s] = byteOffset(srcs[s], begin, size);
-    void* slice_dst = const_cast<char*>(byteOffset(dst, begin, size));
-    return reduceMultiCpu(slice_dst, slice_srcs.data(), nsrcs, end - begin, dtype, op);
+  return sourceSlices(dst, srcs, nsrcs, count, dtype, [&](void* d, const void* const* s, size_t n) {
+    return reduceMultiCpu(d, s, nsrcs, n, dtype, op);
+  });
+}
+
+Status reduceAverageCpuParallel(void* dst, const void* const* srcs, int nsrcs, size_t count,
+                                DType dtype, int64_t divisor) {
+  if (nsrcs < 1 || !isValidDType(static_cast<int>(dtype))) {
+    return reduceAverageCpu(dst, srcs, nsrcs, count, dtype, divisor);  // reports the error
+  }
+  return sourceSlices(dst, srcs, nsrcs, count, dtype, [&](void* d, const void* const* s, size_t n) {
+    return reduceAverageCpu(d, s, nsrcs, n, dtype, divisor);
   });
 }
 

@@ -1,6 +1,6 @@
-// CUDA reduce and divide: the functors of reduce_functors.h applied with 16-byte vector loads in
-// a grid-stride loop, plus a bounds-checked scalar tail. Same numerics as the CPU kernels:
-// FP16 / BF16 widen to FP32, combine across every source, and round once on store.
+// CUDA reduce, reduce-and-divide (AVG) and divide: the functors of reduce_functors.h applied with
+// 16-byte vector loads in a grid-stride loop, plus a bounds-checked scalar tail. Same numerics as
+// the CPU kernels: FP16 / BF16 widen to FP32, combine across every source, and round once on store.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -28,18 +28,19 @@ struct SourceList {
   const void* ptr[kMaxLaunchSources];
 };
 
-template <typename T, typename Op>
-__device__ void reduceElement(T* dst, const SourceList& srcs, int nsrcs, size_t i) {
+template <typename T, typename Op, typename Finish>
+__device__ void reduceElement(T* dst, const SourceList& srcs, int nsrcs, size_t i, Finish finish) {
   const Op op;
   auto acc = load(static_cast<const T*>(srcs.ptr[0])[i]);
   for (int s = 1; s < nsrcs; ++s) acc = op(acc, load(static_cast<const T*>(srcs.ptr[s])[i]));
-  dst[i] = store<T>(acc);
+  dst[i] = store<T>(finish(acc));
 }
 
 // Vector part over count / kVecElems packs when `vectorized`; the scalar tail covers the rest.
-template <typename T, typename Op>
-__global__ void reduceMultiKernel(T* dst, SourceList srcs, int nsrcs, size_t count,
-                                  bool vectorized) {
+// `finish` (KeepSum, or AVG's DivideBy) acts on each completed FP32 / storage-type value.
+template <typename T, typename Op, typename Finish>
+__global__ void reduceMultiKernel(T* dst, SourceList srcs, int nsrcs, size_t count, bool vectorized,
+                                  Finish finish) {
   using A = typename Accum<T>::type;
   using P = Pack<T, kVecElems<T>>;
   const Op op;
@@ -58,16 +59,17 @@ __global__ void reduceMultiKernel(T* dst, SourceList srcs, int nsrcs, size_t cou
     }
     P out;
 #pragma unroll
-    for (int k = 0; k < kVecElems<T>; ++k) out.v[k] = store<T>(acc[k]);
+    for (int k = 0; k < kVecElems<T>; ++k) out.v[k] = store<T>(finish(acc[k]));
     reinterpret_cast<P*>(dst)[p] = out;
   }
   for (size_t i = packs * kVecElems<T> + first; i < count; i += stride) {
-    reduceElement<T, Op>(dst, srcs, nsrcs, i);
+    reduceElement<T, Op>(dst, srcs, nsrcs, i, finish);
   }
 }
 
-template <typename T, typename Op>
-Status launchReduce(T* dst, const void* const* srcs, int nsrcs, size_t count, cudaStream_t stream) {
+template <typename T, typename Op, typename Finish>
+Status launchReduce(T* dst, const void* const* srcs, int nsrcs, size_t count, cudaStream_t stream,
+                    Finish finish) {
   SourceList list{};
   bool vectorized = isAligned(dst, 16);
   for (int s = 0; s < nsrcs; ++s) {
@@ -76,39 +78,42 @@ Status launchReduce(T* dst, const void* const* srcs, int nsrcs, size_t count, cu
   }
   const size_t work = vectorized ? count / kVecElems<T> : count;
   reduceMultiKernel<T, Op>
-      <<<gridFor(work), kThreadsPerBlock, 0, stream>>>(dst, list, nsrcs, count, vectorized);
+      <<<gridFor(work), kThreadsPerBlock, 0, stream>>>(dst, list, nsrcs, count, vectorized, finish);
   return checkLaunch("reduceMultiKernel");
 }
 
-template <typename T>
-__global__ void divideKernel(T* dst, const T* src, size_t count, int64_t divisor) {
-  using A = typename Accum<T>::type;
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += stride) {
-    if constexpr (std::is_integral<A>::value) {
-      // Truncate toward zero in int64; INT64_MIN / -1 wraps (negation in unsigned) like torch.
-      dst[i] = divisor == -1 ? wrapMul(src[i], static_cast<T>(-1))
-                             : static_cast<T>(static_cast<int64_t>(src[i]) / divisor);
-    } else {
-      dst[i] = store<T>(load(src[i]) / static_cast<A>(divisor));
-    }
+Status checkSources(int nsrcs) {
+  if (nsrcs < 1) return InvalidArgument("reduceMulti: needs at least one source");
+  if (nsrcs > kMaxLaunchSources) {
+    return InvalidArgument("reduceMultiCuda: at most " + std::to_string(kMaxLaunchSources) +
+                           " sources per call, got " + std::to_string(nsrcs));
   }
+  return Status::Ok();
 }
 
 }  // namespace
 
 Status reduceMultiCuda(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                        RedOp op, void* stream) {
-  if (nsrcs < 1) return InvalidArgument("reduceMulti: needs at least one source");
-  if (nsrcs > kMaxLaunchSources) {
-    return InvalidArgument("reduceMultiCuda: at most " + std::to_string(kMaxLaunchSources) +
-                           " sources per call, got " + std::to_string(nsrcs));
-  }
+  DK_RETURN_IF_ERROR(checkSources(nsrcs));
   if (count == 0) return Status::Ok();
   auto s = static_cast<cudaStream_t>(stream);
-  DK_DISPATCH_DTYPE(dtype, DK_DISPATCH_REDOP(op, return launchReduce<T, Op>(
-                                                     static_cast<T*>(dst), srcs, nsrcs, count, s)));
+  DK_DISPATCH_DTYPE(
+      dtype, DK_DISPATCH_REDOP(op, return launchReduce<T, Op>(static_cast<T*>(dst), srcs, nsrcs,
+                                                              count, s, KeepSum{})));
+  return Status::Ok();
+}
+
+Status reduceAverageCuda(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
+                         int64_t divisor, void* stream) {
+  DK_RETURN_IF_ERROR(checkSources(nsrcs));
+  if (divisor == 0) return InvalidArgument("reduceAverage: divisor is 0");
+  if (count == 0) return Status::Ok();
+  auto s = static_cast<cudaStream_t>(stream);
+  DK_DISPATCH_DTYPE(dtype, return withAverageFinish<T>(divisor, [&](auto finish) {
+                      return launchReduce<T, SumOp>(static_cast<T*>(dst), srcs, nsrcs, count, s,
+                                                    finish);
+                    }));
   return Status::Ok();
 }
 
@@ -118,17 +123,12 @@ Status reduceCuda(void* dst, const void* a, const void* b, size_t count, DType d
   return reduceMultiCuda(dst, srcs, 2, count, dtype, op, stream);
 }
 
+// A divide on its own is an average of one source (the same DivideBy / ScaleBy math).
 Status divideCuda(void* dst, const void* src, size_t count, DType dtype, int64_t divisor,
                   void* stream) {
   if (divisor == 0) return InvalidArgument("divide: divisor is 0");
-  if (count == 0) return Status::Ok();
-  auto s = static_cast<cudaStream_t>(stream);
-  DK_DISPATCH_DTYPE(dtype, {
-    divideKernel<T><<<gridFor(count), kThreadsPerBlock, 0, s>>>(
-        static_cast<T*>(dst), static_cast<const T*>(src), count, divisor);
-    return checkLaunch("divideKernel");
-  });
-  return Status::Ok();
+  const void* srcs[1] = {src};
+  return reduceAverageCuda(dst, srcs, 1, count, dtype, divisor, stream);
 }
 
 }  // namespace dk::kernels

@@ -4,10 +4,13 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 
 #include "transport/shm_layout.h"
 
@@ -24,6 +27,53 @@ Status randomName(std::string* name) {
   std::snprintf(buf, sizeof(buf), "/dk-%016llx", static_cast<unsigned long long>(bits));
   *name = buf;
   return Status::Ok();
+}
+
+// "24.0 MiB (25165824 bytes)": the rounded size for a person, the exact one for a search.
+std::string describeBytes(unsigned long long bytes) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 5) {
+    value /= 1024;
+    ++unit;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.1f %s (%llu bytes)", value, units[unit], bytes);
+  return buf;
+}
+
+// Why a segment could not be reserved, with what /dev/shm has left and what to do about it.
+Status reserveError(const std::string& name, size_t bytes, int err) {
+  std::string message = "cannot reserve " + describeBytes(bytes) + " for segment " + name +
+                        ": posix_fallocate: " + std::strerror(err);
+  struct statvfs fs;
+  if (statvfs("/dev/shm", &fs) == 0) {
+    message += " (/dev/shm has " +
+               describeBytes(static_cast<unsigned long long>(fs.f_bavail) * fs.f_frsize) +
+               " free of " +
+               describeBytes(static_cast<unsigned long long>(fs.f_blocks) * fs.f_frsize) + ")";
+  }
+  if (err == ENOSPC || err == EFBIG) {
+    message +=
+        ". Free space in /dev/shm (stale files, other jobs) or enlarge it: "
+        "`mount -o remount,size=<size> /dev/shm` on a host, `docker run --shm-size=<size>` (or "
+        "--ipc=host) in Docker, a Memory-medium emptyDir at /dev/shm in Kubernetes";
+  }
+  return Status(Code::kSystemError, message);
+}
+
+// Gives the segment its size with every page reserved now. ftruncate alone makes a sparse
+// file: tmpfs then allocates pages on first touch, and a full /dev/shm kills the process with
+// SIGBUS in the middle of a collective instead of failing here. posix_fallocate returns the
+// error number (it does not set errno); a signal can interrupt a large reservation (EINTR).
+Status reserve(const std::string& name, int fd, size_t bytes) {
+  int err;
+  do {
+    err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  } while (err == EINTR);
+  if (err == 0) return Status::Ok();
+  return reserveError(name, bytes, err);
 }
 
 }  // namespace
@@ -48,8 +98,7 @@ Status Segment::create(size_t bytes, std::shared_ptr<Segment>* out) {
   DK_RETURN_IF_ERROR(randomName(&name));
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return SystemError("shm_open(" + name + ")");
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    Status s = SystemError("ftruncate(" + name + ")");
+  if (Status s = reserve(name, fd, bytes); !s.ok()) {
     close(fd);
     shm_unlink(name.c_str());
     return s;

@@ -14,7 +14,8 @@ namespace dk::shm {
 
 class Segment {
  public:
-  // Creates a fresh segment of `bytes` (rounded up to a page) under a new random name.
+  // Creates a fresh segment of `bytes` (rounded up to a page) under a new random name, every
+  // page reserved in /dev/shm now: a full /dev/shm fails here, never later with SIGBUS.
   static Status create(size_t bytes, std::shared_ptr<Segment>* out);
   // Maps an existing segment created by a peer; `bytes` must match the creator's size.
   static Status open(const std::string& name, size_t bytes, std::shared_ptr<Segment>* out);

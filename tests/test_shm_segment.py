@@ -1,0 +1,60 @@
+"""Shared-memory segments reserve their pages when created: a /dev/shm too small for a segment
+raises a clear error at creation instead of killing a process with SIGBUS on first touch.
+
+The real /dev/shm is never filled: tmpfs refuses at once a single fallocate larger than the
+whole file system, which drives the same error path as a full one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+import dist_kernels
+from dist_kernels import _C
+
+SHM = "/dev/shm"
+
+
+def _shm_total_bytes() -> int:
+    st = os.statvfs(SHM)
+    return st.f_blocks * st.f_frsize
+
+
+needs_sized_shm = pytest.mark.skipif(
+    not os.path.isdir(SHM) or _shm_total_bytes() == 0,
+    reason="needs a /dev/shm tmpfs with a size limit",
+)
+
+
+@needs_sized_shm
+def test_segment_larger_than_dev_shm_raises_and_leaves_nothing_behind():
+    asked = _shm_total_bytes() + (1 << 30)
+    with pytest.raises(dist_kernels.CommError) as info:
+        _C.ShmSegment.create(asked)
+    message = str(info.value)
+    page = os.sysconf("SC_PAGE_SIZE")
+    rounded = -(-asked // page) * page
+    assert f"({rounded} bytes)" in message, message
+    assert f"free of {_shm_total_bytes() / 2**30:.1f} GiB" in message, message
+    assert "No space left on device" in message and "--shm-size" in message, message
+    name = re.search(r"/(dk-[0-9a-f]{16})", message)
+    assert name is not None, message
+    assert not os.path.exists(os.path.join(SHM, name.group(1))), "the failed segment leaked"
+
+
+@needs_sized_shm
+def test_created_segment_has_its_pages_reserved():
+    """ftruncate alone would leave a sparse file (no blocks) that a full /dev/shm turns into a
+    SIGBUS later; the segment's blocks are allocated up front."""
+    segment = _C.ShmSegment.create((1 << 20) + 1)
+    try:
+        stat = os.stat(os.path.join(SHM, segment.name.lstrip("/")))
+        assert stat.st_size == segment.size >= (1 << 20) + 1
+        assert stat.st_blocks * 512 >= segment.size
+        memoryview(segment)[segment.size - 1] = 7  # the last byte is usable
+    finally:
+        segment.unlink()
+    assert not os.path.exists(os.path.join(SHM, segment.name.lstrip("/")))
