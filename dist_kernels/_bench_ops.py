@@ -11,6 +11,10 @@ Placement follows nccl-tests: "out-of-place" keeps the input and writes the resu
 output; reduce_scatter: the output is the rank's slice of the input). ``all_reduce`` and
 ``broadcast`` are in place in this API (as in torch.distributed), so their out-of-place form is
 ``out.copy_(inp)`` followed by the in-place call, and the copy is part of the time.
+
+``sendrecv`` is nccl-tests' sendrecv_perf: every rank sends its buffer to rank + 1 while it
+receives rank - 1's into another (a ring shift). It has no in-place form: a rank cannot send a
+buffer while a receive overwrites it (nccl-tests times that case but does not check it).
 """
 
 from __future__ import annotations
@@ -23,9 +27,14 @@ import torch
 
 from ._dtypes import ReduceOp
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv")
 REDUCING_OPS = ("all_reduce", "reduce_scatter")
 PLACEMENTS = ("out_of_place", "in_place")
+# Placements an op does not have, and why: their cells print n/a with this reason.
+NO_PLACEMENT = {
+    ("sendrecv", "in_place"): "sendrecv has no in-place form (a rank cannot send a buffer "
+    "while receiving into it)",
+}
 # Elements compared at a time: bounds the reference's float64 / int64 memory per rank.
 CHECK_BLOCK = 1 << 20
 
@@ -45,8 +54,14 @@ DTYPES: Dict[str, torch.dtype] = {
 REDOPS = ("sum", "prod", "max", "min", "avg")
 
 
+def placements(op: str) -> Tuple[str, ...]:
+    """The placements ``op`` has (every op has out-of-place)."""
+    return tuple(p for p in PLACEMENTS if (op, p) not in NO_PLACEMENT)
+
+
 def bus_factor(op: str, world_size: int) -> float:
-    """nccl-tests' busbw / algbw factor (S is the whole array for reduce_scatter / all_gather)."""
+    """nccl-tests' busbw / algbw factor (S is the whole array for reduce_scatter / all_gather,
+    the bytes each rank sends, and receives, for sendrecv)."""
     n = world_size
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
@@ -135,6 +150,16 @@ class Case:
             return self.count // self.world_size
         return self.count
 
+    @property
+    def send_peer(self) -> int:
+        """sendrecv: the rank this one sends to."""
+        return (self.rank + 1) % self.world_size
+
+    @property
+    def recv_peer(self) -> int:
+        """sendrecv: the rank this one receives from."""
+        return (self.rank - 1) % self.world_size
+
     def input_count(self) -> int:
         return self.shard if self.op == "all_gather" else self.count
 
@@ -152,6 +177,8 @@ class Case:
         n = self.world_size
         if self.op == "broadcast":
             return rank_values(self.root, start, stop, self.dtype, self.redop, n)
+        if self.op == "sendrecv":
+            return rank_values(self.recv_peer, start, stop, self.dtype, self.redop, n)
         if self.op == "all_gather":
             parts = []
             for peer in range(start // self.shard, (stop - 1) // self.shard + 1):
@@ -212,9 +239,15 @@ def make_buffers(case: Case, placement: str, alloc: Alloc) -> Buffers:
     """Allocates (with ``alloc(count)``) the tensors of ``placement`` for ``case``.
 
     The collective is then ``run("all_reduce", t)``, ``run("reduce_scatter", out, inp)``,
-    ``run("all_gather", out, inp)`` or ``run("broadcast", t)`` on ``Buffers.args``.
+    ``run("all_gather", out, inp)``, ``run("broadcast", t)`` or ``run("sendrecv", out, inp)``
+    on ``Buffers.args``. ``placement`` must be one of :func:`placements` of the op.
     """
     op = case.op
+    if (op, placement) in NO_PLACEMENT:
+        raise ValueError(f"placement: {NO_PLACEMENT[op, placement]}")
+    if op == "sendrecv":
+        source, result = alloc(case.count), alloc(case.count)
+        return Buffers(op, source, result, (result, source))
     if op in ("all_reduce", "broadcast"):
         result = alloc(case.count)
         if placement == "in_place":
@@ -259,17 +292,45 @@ def _accepts_algorithm(method: Callable) -> bool:
 
 def algorithm_choices(comm, op: str, requested: List[str]) -> Tuple[List[str], Optional[str]]:
     """Algorithms to run for ``op``, and a note when the method takes no ``algorithm``."""
+    if op == "sendrecv":
+        return ["default"], "sendrecv: point-to-point calls take no algorithm argument"
     if _accepts_algorithm(getattr(comm, op)):
         return requested, None
     return ["default"], f"Communicator.{op} takes no algorithm argument: ran its default"
 
 
+def _ours_sendrecv(comm) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One ring shift: receive ``out`` from rank - 1 while sending ``inp`` to rank + 1.
+
+    On CPU: ``irecv`` posted first, then ``isend``, then both waited (the transport's receive
+    lane never holds up its send lane). The CUDA communicator's ``send_recv`` is one NCCL group
+    per message instead: its ``isend`` and ``irecv`` are ordered on one stream, so a receive
+    issued first would wait for a peer whose send is queued behind its own receive.
+    """
+    send_to = (comm.rank + 1) % comm.world_size
+    recv_from = (comm.rank - 1) % comm.world_size
+    exchange = getattr(comm, "send_recv", None)
+    if exchange is not None:
+        return lambda out, inp: exchange(inp, send_to, out, recv_from)
+
+    def shift(out: torch.Tensor, inp: torch.Tensor) -> None:
+        received = comm.irecv(out, recv_from)
+        sent = comm.isend(inp, send_to)
+        received.wait()
+        sent.wait()
+
+    return shift
+
+
 def ours_runner(comm, algorithm: str, redop: ReduceOp, root: int) -> Runner:
     """Calls the Communicator; ``algorithm="default"`` passes no algorithm argument."""
     extra = {} if algorithm == "default" else {"algorithm": algorithm}
+    shift = _ours_sendrecv(comm)
 
     def run(op: str, *tensors: torch.Tensor) -> None:
-        if op == "all_reduce":
+        if op == "sendrecv":
+            shift(tensors[0], tensors[1])
+        elif op == "all_reduce":
             comm.all_reduce(tensors[0], op=redop, **extra)
         elif op == "reduce_scatter":
             comm.reduce_scatter(tensors[0], tensors[1], op=redop, **extra)
@@ -294,9 +355,12 @@ def gloo_runner(redop: str, root: int, group=None) -> Runner:
     }[redop]
     # all_gather_into_tensor is deprecated in favour of all_gather_single where that exists.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    shift = torch_sendrecv(group)
 
     def run(op: str, *tensors: torch.Tensor) -> None:
-        if op == "all_reduce":
+        if op == "sendrecv":
+            shift(tensors[0], tensors[1])
+        elif op == "all_reduce":
             dist.all_reduce(tensors[0], op=torch_op, group=group)
         elif op == "reduce_scatter":
             dist.reduce_scatter_tensor(tensors[0], tensors[1], op=torch_op, group=group)
@@ -306,3 +370,39 @@ def gloo_runner(redop: str, root: int, group=None) -> Runner:
             dist.broadcast(tensors[0], root, group=group)
 
     return run
+
+
+def torch_sendrecv(
+    group=None, batched: bool = False
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One ring shift with torch.distributed on ``group``: ``irecv`` ``out`` from rank - 1,
+    then ``isend`` ``inp`` to rank + 1, then wait for both. ``batched`` issues the two through
+    ``batch_isend_irecv`` (NCCL: separate calls to one peer share a stream, so a receive issued
+    first would wait for a send queued behind the peer's own receive)."""
+    import torch.distributed as dist
+
+    peers: List[int] = []  # (send_to, recv_from) in global ranks, found on the first call
+
+    def shift(out: torch.Tensor, inp: torch.Tensor) -> None:
+        if not peers:
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            peers.extend(((rank + 1) % world_size, (rank - 1) % world_size))
+            if group is not None:  # irecv / isend name peers by global rank
+                peers[:] = [dist.get_global_rank(group, p) for p in peers]
+        send_to, recv_from = peers
+        if batched:
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.irecv, out, recv_from, group),
+                    dist.P2POp(dist.isend, inp, send_to, group),
+                ]
+            )
+        else:
+            works = [
+                dist.irecv(out, src=recv_from, group=group),
+                dist.isend(inp, dst=send_to, group=group),
+            ]
+        for work in works:
+            work.wait()
+
+    return shift

@@ -207,18 +207,25 @@ def _span(values: List[float], fmt: str) -> str:
     return format(lo, fmt) if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}} - {hi:{fmt}}"
 
 
-def _ok(rows: List[Row]) -> List[Row]:
-    return [r for r in rows if not r["in_place"].get("error")]
+def _ok(rows: List[Row], placement: str = "in_place") -> List[Row]:
+    return [r for r in rows if not r[placement].get("error")]
+
+
+def summary_placement(meta: Dict[str, Any]) -> str:
+    """The placement summarised and plotted: in-place, or out-of-place for an op without it."""
+    return meta.get("summary_placement", "in_place")
 
 
 def summary_lines(rows: List[Row], meta: Dict[str, Any]) -> List[str]:
-    """In-place results at latency-bound and bandwidth-bound sizes, per algorithm."""
+    """In-place (else out-of-place) results at latency- and bandwidth-bound sizes, per algorithm."""
     baseline, ceiling = meta["baseline"], meta["memcpy"]["best_gbps"]
-    lines = [f"# summary (in-place; ranges over sizes; memcpy ceiling {ceiling:.2f} GB/s)"]
+    placement = summary_placement(meta)
+    title = placement.replace("_", "-")
+    lines = [f"# summary ({title}; ranges over sizes; memcpy ceiling {ceiling:.2f} GB/s)"]
     for algorithm in meta["algorithms"] + [baseline]:
-        mine = _ok([r for r in rows if r["algorithm"] == algorithm])
-        small = [r["in_place"] for r in mine if r["size"] <= SMALL_MAX]
-        large = [r["in_place"] for r in mine if r["size"] >= LARGE_MIN]
+        mine = _ok([r for r in rows if r["algorithm"] == algorithm], placement)
+        small = [r[placement] for r in mine if r["size"] <= SMALL_MAX]
+        large = [r[placement] for r in mine if r["size"] >= LARGE_MIN]
         parts = []
         if small:
             part = f"<= 64 KiB: {_span([s['time_us'] for s in small], '.1f')} us"
@@ -252,7 +259,8 @@ def write_json(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
 
 
 def plot(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
-    """busbw against size, log-log, one line per algorithm and the baseline (in-place)."""
+    """busbw against size, log-log, one line per algorithm and the baseline (in-place, or
+    out-of-place for an op without in-place)."""
     try:
         import matplotlib
     except ImportError:
@@ -263,13 +271,16 @@ def plot(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    placement = summary_placement(meta)
     fig, axes = plt.subplots(figsize=(8, 5))
     for algorithm in meta["algorithms"] + [meta["baseline"]]:
-        mine = [r for r in _ok(rows) if r["algorithm"] == algorithm and r["in_place"]["busbw"] > 0]
+        ok = _ok(rows, placement)
+        mine = [r for r in ok if r["algorithm"] == algorithm and r[placement]["busbw"] > 0]
         if mine:
             style = "k--o" if algorithm == meta["baseline"] else "-o"
             sizes = [r["size"] for r in mine]
-            axes.plot(sizes, [r["in_place"]["busbw"] for r in mine], style, ms=3, label=algorithm)
+            busbw = [r[placement]["busbw"] for r in mine]
+            axes.plot(sizes, busbw, style, ms=3, label=algorithm)
     ceiling = meta["memcpy"]["best_gbps"]
     axes.axhline(ceiling, color="grey", ls=":", label=f"memcpy {ceiling:.1f} GB/s")
     axes.set_xscale("log", base=2)
@@ -278,7 +289,8 @@ def plot(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
     axes.set_xlabel("size (bytes)")
     axes.set_ylabel("busbw (GB/s)")
     axes.set_title(
-        f"{meta['op']} {meta['dtype']} {meta['redop']}, {meta['world_size']} ranks, "
+        f"{meta['op']} {placement.replace('_', '-')} {meta['dtype']} {meta['redop']}, "
+        f"{meta['world_size']} ranks, "
         f"{meta['device']}, {meta['buffers']} buffers\n{meta['machine']['cpu']}, "
         f"{meta['machine']['cpus']} cpus, load {meta['machine']['load_average'][0]}, "
         f"{meta['date']}",

@@ -67,8 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("-e", "--maxbytes", type=parse_size, default=DEFAULT_MAX_BYTES, help="largest size")
     add("-f", "--stepfactor", type=int, default=DEFAULT_FACTOR, help="size multiplication factor")
     add("--dtype", choices=tuple(ops.DTYPES), default="float32")
-    add("--redop", choices=ops.REDOPS, default="sum", help="all_reduce / reduce_scatter only")
-    add("--root", type=int, default=0, help="broadcast root")
+    add(
+        "--redop",
+        choices=ops.REDOPS,
+        default="sum",
+        help="all_reduce / reduce_scatter only (the others ignore it)",
+    )
+    add("--root", type=int, default=0, help="broadcast root (the others ignore it)")
     add("--iters", type=int, default=100, help="timed iterations per size, at most")
     add("--warmup", type=int, default=10, help="untimed iterations per size, at most")
     add(
@@ -103,11 +108,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--warmup must be >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    if args.op == "sendrecv":
+        if args.nproc < 2 and not _under_torchrun():
+            parser.error("--op sendrecv needs --nproc >= 2 (every rank sends to the next)")
+        if args.device == "cuda" and not dist.is_nccl_available():
+            parser.error(f"--op sendrecv --device cuda: torch {torch.__version__} has no NCCL")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install matplotlib (or drop --plot)")
     if args.minbytes > args.maxbytes:
         parser.error(f"-b {args.minbytes} is larger than -e {args.maxbytes}")
     return args
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def sizes(args: argparse.Namespace) -> List[int]:
@@ -139,6 +153,8 @@ class _Rank:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if args.op == "broadcast" and not 0 <= args.root < self.world_size:
             raise ValueError(f"--root {args.root} is not a rank of {self.world_size}")
+        if args.op == "sendrecv" and self.world_size < 2:
+            raise ValueError(f"--op sendrecv needs 2 ranks or more, not {self.world_size}")
         self.device = torch.device(args.device)
         if args.device == "cuda":
             torch.cuda.set_device(
@@ -175,6 +191,9 @@ class _Rank:
         ]
         if self.args.device == "cpu":
             baseline = ops.gloo_runner(redop, self.args.root)
+        elif self.args.op == "sendrecv":  # p2p has no algorithm="nccl": torch's NCCL instead
+            shift = ops.torch_sendrecv(dist.new_group(backend="nccl"), batched=True)
+            baseline = lambda _op, out, inp: shift(out, inp)  # noqa: E731
         else:
             baseline = ops.ours_runner(
                 self.comm, "nccl", ops.ReduceOp[redop.upper()], self.args.root
@@ -190,6 +209,13 @@ class _Rank:
             if self.baseline == "gloo"
             else "NCCL through Communicator(algorithm='nccl'), plain tensors"
         )
+        placements = ops.placements(args.op)
+        if args.op == "sendrecv":
+            self.notes.append(_SENDRECV_NOTES[args.device])
+            if args.device == "cuda":
+                baseline_label = (
+                    "torch.distributed NCCL (batch_isend_irecv on a new NCCL group), plain tensors"
+                )
         if args.op in ("all_reduce", "broadcast"):
             self.notes.append(
                 f"{args.op} is in place (as in torch.distributed): out-of-place = "
@@ -223,6 +249,9 @@ class _Rank:
             "algorithms": list(self.algorithms),
             "busbw_factor": ops.bus_factor(args.op, self.world_size),
             "busbw_formula": _FACTOR_FORMULA[args.op],
+            "placements": list(placements),
+            # the placement the summary and the plot read: in-place where the op has it
+            "summary_placement": placements[-1],
             "iteration_policy": (
                 f"per size S: iters = min({args.iters}, max({args.min_iters}, "
                 f"ceil({args.iter_bytes} B / S))), warmup = min({args.warmup}, "
@@ -276,6 +305,13 @@ class _Rank:
         iters, warmup = iterations(count * itemsize, args)
         results = {b.name: {} for b in self.backends}
         for placement in ops.PLACEMENTS:
+            if (args.op, placement) in ops.NO_PLACEMENT:
+                for backend in self.backends:
+                    results[backend.name][placement] = {
+                        "error": ops.NO_PLACEMENT[args.op, placement],
+                        "wrong": None,
+                    }
+                continue
             ours = ops.make_buffers(case, placement, self._alloc(ours=True))
             baseline = ops.make_buffers(case, placement, self._alloc(ours=False))
             for backend in self.backends:
@@ -351,6 +387,13 @@ _FACTOR_FORMULA = {
     "reduce_scatter": "(n-1)/n, S = whole array",
     "all_gather": "(n-1)/n, S = whole array",
     "broadcast": "1",
+    "sendrecv": "1, S = bytes each rank sends",
+}
+_SENDRECV_NOTES = {
+    "cpu": "sendrecv: each rank receives S bytes from rank-1 while sending S bytes to rank+1 "
+    "(irecv posted, then isend, then both waited; Gloo likewise with torch.distributed)",
+    "cuda": "sendrecv: each rank receives S bytes from rank-1 while sending S bytes to rank+1 "
+    "(ours: Communicator.send_recv, one NCCL group per message; NCCL: batch_isend_irecv)",
 }
 
 
@@ -495,7 +538,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m dist_kernels.bench`` and ``dk-bench``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _under_torchrun():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         try:
             run_rank(args, f"torchrun, {dist.get_world_size()} ranks", _command(argv))

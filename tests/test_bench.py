@@ -40,17 +40,22 @@ def _check_rows(result: dict, op: str, world_size: int, algorithms: list) -> Non
     factor = ops.bus_factor(op, world_size)
     assert meta["busbw_factor"] == pytest.approx(factor)
     assert {r["algorithm"] for r in rows} == {*algorithms, "gloo"}
+    assert meta["placements"] == list(ops.placements(op))
     for row in rows:
         assert ROW_KEYS <= set(row), row
         for placement in ops.PLACEMENTS:
             cell = row[placement]
             assert PLACEMENT_KEYS <= set(cell), (row["algorithm"], placement, cell)
+            if placement not in meta["placements"]:  # printed n/a, with the reason
+                assert cell["error"] == ops.NO_PLACEMENT[op, placement]
+                assert cell["wrong"] is None and cell["vs_baseline"] is None
+                continue
             assert cell["error"] is None, (row["algorithm"], row["size"], placement, cell)
             assert cell["wrong"] == 0, (row["algorithm"], row["size"], placement, cell)
             assert cell["time_us"] > 0
             assert cell["algbw"] == pytest.approx(row["size"] / cell["time_us"] / 1e3)
             assert cell["busbw"] == pytest.approx(cell["algbw"] * factor)
-    for placement in ops.PLACEMENTS:  # the ratio is the baseline's time over ours, same size
+    for placement in meta["placements"]:  # the ratio is the baseline's time over ours, same size
         gloo = {r["size"]: r[placement]["time_us"] for r in rows if r["algorithm"] == "gloo"}
         for row in rows:
             ratio = gloo[row["size"]] / row[placement]["time_us"]
@@ -93,12 +98,39 @@ def test_other_ops_three_ranks(tmp_path, op, extra):
         assert all(r["count"] % 3 == 0 for r in result["rows"])
 
 
+@pytest.mark.parametrize(
+    "nproc, extra",
+    [
+        (2, ["--dtype", "int8"]),  # registered buffers (the default)
+        (3, ["--dtype", "bfloat16", "--buffers", "plain", "--redop", "max", "--root", "1"]),
+    ],
+)
+def test_sendrecv_end_to_end(tmp_path, nproc, extra):
+    argv = ["--nproc", str(nproc), "--op", "sendrecv", "-b", "8", "-e", "64K", "-f", "64"]
+    result = _run_bench(tmp_path, *argv, "--iters", "2", "--warmup", "1", *extra)
+    _check_rows(result, "sendrecv", nproc, ["default"])
+    meta, rows = result["meta"], result["rows"]
+    assert meta["placements"] == ["out_of_place"] and meta["summary_placement"] == "out_of_place"
+    assert sorted({r["size"] for r in rows}) == [8, 512, 32768]
+    assert all(r["redop"] == "none" and r["root"] == -1 for r in rows)  # both ignored
+    assert "summary (out-of-place" in result["stdout"]
+    assert "default: <= 64 KiB" in result["stdout"]
+
+
+def test_sendrecv_needs_two_ranks():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--op", "sendrecv", "--nproc", "1"])
+    assert bench.parse_args(["--op", "sendrecv", "--nproc", "2"]).op == "sendrecv"
+
+
 # -- the reference itself ---------------------------------------------------------------------
 
 
 def _torch_collective(case: ops.Case, inputs: list) -> torch.Tensor:
     """Rank ``case.rank``'s correct output from torch ops on every rank's input tensor."""
     stack = torch.stack(inputs)
+    if case.op == "sendrecv":
+        return inputs[(case.rank - 1) % case.world_size].clone()
     if case.op == "broadcast":
         return inputs[case.root].clone()
     if case.op == "all_gather":
@@ -139,6 +171,83 @@ def test_reference_accepts_right_and_counts_wrong(dtype, redop, world_size):
         assert case.wrong(corrupted) == 1, (op, dtype, redop, world_size)
 
 
+@pytest.mark.parametrize("dtype", list(ops.DTYPES.values()), ids=list(ops.DTYPES))
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_sendrecv_check_catches_wrong_peer_and_skipped_receive(dtype, world_size):
+    """The benchmark's own check path (make_buffers, prepare_check, bind, wrong) on fake
+    exchanges: only receiving the previous rank's input passes."""
+    count, rank = 37, world_size - 1
+
+    def input_of(peer: int) -> torch.Tensor:
+        tensor = torch.empty(count, dtype=dtype)
+        ops.Case("sendrecv", dtype, "sum", 0, count, peer, world_size).fill_input(tensor)
+        return tensor
+
+    exchanges = {
+        "right": lambda op, out, inp: out.copy_(input_of((rank - 1) % world_size)),
+        "own input": lambda op, out, inp: out.copy_(inp),
+        "nothing received": lambda op, out, inp: None,
+    }
+    if world_size > 2:  # on 2 ranks the next rank is the previous one
+        exchanges["from rank+1"] = lambda op, out, inp: out.copy_(input_of((rank + 1) % world_size))
+    case = ops.Case("sendrecv", dtype, "sum", 0, count, rank, world_size)
+    for name, exchange in exchanges.items():
+        buffers = ops.make_buffers(case, "out_of_place", lambda n: torch.empty(n, dtype=dtype))
+        ops.prepare_check(case, buffers)
+        buffers.bind(exchange)()  # run("sendrecv", out, inp), as the benchmark calls it
+        wrong = case.wrong(buffers.result)
+        if name == "right":
+            assert wrong == 0
+        else:  # the inputs of two ranks differ in most elements
+            assert wrong > count // 2, (name, wrong)
+    with pytest.raises(ValueError, match="no in-place form"):
+        ops.make_buffers(case, "in_place", lambda n: torch.empty(n, dtype=dtype))
+
+
+class _FakeWork:
+    def __init__(self, calls: list, name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def wait(self) -> bool:
+        self.calls.append(("wait", self.name))
+        return True
+
+
+class _FakeCpuComm:
+    """Records the point-to-point calls ours_runner makes (CPU: isend / irecv)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size, self.calls = rank, world_size, []
+
+    def irecv(self, tensor, src):
+        self.calls.append(("irecv", tensor, src))
+        return _FakeWork(self.calls, "irecv")
+
+    def isend(self, tensor, dst):
+        self.calls.append(("isend", tensor, dst))
+        return _FakeWork(self.calls, "isend")
+
+
+class _FakeCudaComm(_FakeCpuComm):
+    """The CUDA communicator also offers send_recv: one NCCL group for both directions."""
+
+    def send_recv(self, send, dst, recv, src):
+        self.calls.append(("send_recv", send, dst, recv, src))
+
+
+def test_sendrecv_runner_posts_receive_first_and_waits_both():
+    out, inp = torch.zeros(4), torch.ones(4)
+    comm = _FakeCpuComm(rank=0, world_size=3)
+    ops.ours_runner(comm, "default", ops.ReduceOp.SUM, 0)("sendrecv", out, inp)
+    assert [c[0] for c in comm.calls] == ["irecv", "isend", "wait", "wait"]
+    assert comm.calls[0][1] is out and comm.calls[0][2] == 2  # from rank - 1
+    assert comm.calls[1][1] is inp and comm.calls[1][2] == 1  # to rank + 1
+    assert {c[1] for c in comm.calls[2:]} == {"irecv", "isend"}
+    cuda = _FakeCudaComm(rank=2, world_size=3)
+    ops.ours_runner(cuda, "default", ops.ReduceOp.SUM, 0)("sendrecv", out, inp)
+    assert cuda.calls == [("send_recv", inp, 0, out, 1)]
+
+
 def test_inputs_vary_across_ranks_and_elements():
     first, second = (ops.rank_values(r, 0, 64, torch.float32, "sum", 2) for r in (0, 1))
     assert not torch.equal(first, second) and len(set(first.tolist())) > 3
@@ -151,6 +260,8 @@ def test_element_count_and_factors():
     assert ops.bus_factor("all_reduce", 4) == pytest.approx(1.5)
     assert ops.bus_factor("all_gather", 4) == pytest.approx(0.75)
     assert ops.bus_factor("broadcast", 4) == 1.0
+    assert ops.bus_factor("sendrecv", 4) == 1.0  # nccl-tests: busbw = algbw
+    assert ops.element_count("sendrecv", 8, 4, 3) == 2
 
 
 def test_sizes_and_size_aware_iterations():
