@@ -11,9 +11,10 @@ anything runs; :func:`schedule_table` prints them::
 The engine keeps only its rank's stages (``_pipeline_partition`` splits an ``nn.Sequential``).
 A training step splits the batch into micro-batches and runs the rank's list in order on the
 caller's thread: forward and backward of its stages, and each send, started with the
-Communicator's ``isend`` as soon as its tensor exists (``_pipeline_wire``). A receive thread
-runs the list's receives in order with the Communicator's ``recv``, which waits on its own lane
-of the transport, so a receive never holds up a send.
+Communicator's ``isend`` as soon as its tensor exists (``_pipeline_wire``). Receives run on
+the same thread, in list order, when a step needs their tensor: the message waits in the
+peer's shared-memory FIFO until then, and the waiting thread is the one that computes next
+(no hand-over between threads, no GIL contention).
 The last stage averages the micro-batch losses, so the accumulated gradients equal those of the
 whole batch; the loss is then broadcast to every rank of the pipeline.
 
@@ -25,8 +26,6 @@ and close theirs in turn: every rank raises instead of hanging.
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -67,16 +66,6 @@ __all__ = [
 ]
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
-
-
-# GIL switch interval while a step runs (Python's default is 5 ms). A forward holds the GIL
-# for its whole duration (torch's CPU ops in forward do not release it), so a receive that
-# completes meanwhile waits on the receive thread until the forward lets go of the GIL before
-# it can hand its tensor over. Measured with the earlier single transfer thread (bench MLP, 2
-# ranks, 1F1B, shared 2-core machine, three alternating runs): the median delay from the last
-# stage's backward end to the gradient's arrival on rank 0 was 3.35 / 2.77 / 2.00 ms at 5 ms
-# and 1.32 / 2.62 / 0.57 ms at 0.2 ms. Restored when the step ends.
-_TRANSFER_SWITCH_INTERVAL_S = 2e-4
 
 
 class PipelineError(RuntimeError):
@@ -166,43 +155,6 @@ class _SavedCounter:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
-class _Aborted(Exception):
-    """Raised in a waiting thread when the other thread of the step failed first."""
-
-    def __init__(self, original: BaseException) -> None:
-        super().__init__(str(original))
-        self.original = original
-
-
-class _Mailbox:
-    """Received tensors, handed from the receive thread to the compute thread by action key."""
-
-    def __init__(self) -> None:
-        self._items: Dict[Tuple[Kind, int, int], Tuple] = {}
-        self._ready = threading.Condition()
-        self._failure: Optional[BaseException] = None
-
-    def put(self, key: Tuple[Kind, int, int], value: Tuple) -> None:
-        with self._ready:
-            self._items[key] = value
-            self._ready.notify_all()
-
-    def take(self, key: Tuple[Kind, int, int]) -> Tuple:
-        with self._ready:
-            self._ready.wait_for(lambda: key in self._items or self._failure is not None)
-            if key in self._items:
-                value = self._items.pop(key)
-                self._ready.notify_all()
-                return value
-            raise _Aborted(self._failure)
-
-    def fail(self, exc: BaseException) -> None:
-        with self._ready:
-            if self._failure is None:
-                self._failure = exc
-            self._ready.notify_all()
 
 
 class Pipeline:
@@ -359,31 +311,12 @@ class Pipeline:
             self._failed = str(exc)
             self._close_after_failure()
             raise
-        receives = [a for a in self.actions if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
-        switch = sys.getswitchinterval()
-        if receives:
-            sys.setswitchinterval(min(switch, _TRANSFER_SWITCH_INTERVAL_S))
-        try:
-            self._run(receives)
-        finally:
-            sys.setswitchinterval(switch)
-        # With dp > 1 each stage's DDP already averaged its gradients at the end of the stage's
-        # last backward (it waits for its all-reduces before that backward returns).
-        return self._finish_loss()
-
-    def _run(self, receives: List[Action]) -> None:
-        """Computes and sends on this thread, receives on another; then waits for the sends."""
-        receiver = None
-        if receives:
-            receiver = threading.Thread(target=self._run_receives, args=(receives,), daemon=True)
-            receiver.start()
         for action in self._compute_order:
             self._execute(action)
         self._guard(None, "waiting for this step's sends", self._wait_sends)
-        if receiver is not None:
-            receiver.join()
-        if self._receive_error is not None:
-            raise self._receive_error
+        # With dp > 1 each stage's DDP already averaged its gradients at the end of the stage's
+        # last backward (it waits for its all-reduces before that backward returns).
+        return self._finish_loss()
 
     def _wait_sends(self) -> None:
         works, self._send_works = self._send_works, []
@@ -399,10 +332,10 @@ class Pipeline:
             raise ValueError(f"[rank {_global_rank()}] targets: required on the last stage")
         self.inputs = _split(inputs, m, "inputs") if first else None
         self.targets = _split(targets, m, "targets") if last else None
-        self.arrived = _Mailbox()  # (RECV_*, stage, mb) -> (tensors, is_tuple)
+        self.arrived: Dict[Tuple[Kind, int, int], Tuple] = {}  # (RECV_*, s, mb) -> (tensors, tup)
         self.outbox: Dict[Tuple[Kind, int, int], Tuple] = {}  # (SEND_*, stage, mb) -> ditto
         self._send_works: List[Any] = []  # isend works of this step, waited for at its end
-        self._receive_error: Optional[BaseException] = None
+        self._receives = iter(a for a in self.actions if a.kind in _RECVS)  # in list order
         self.saved: Dict[Tuple[int, int], Tuple] = {}  # (stage, mb) -> forward state
         self.losses: List[torch.Tensor] = []
         self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
@@ -423,9 +356,9 @@ class Pipeline:
         """Runs ``fn``; on failure closes the communicators and raises naming ``what``."""
         try:
             return fn()
-        except _Aborted as aborted:  # the other thread failed first and said why
-            raise aborted.original from None
         except Exception as exc:
+            if getattr(exc, "_pipeline_reported", False):
+                raise  # a nested guard (a receive inside a compute step) already reported it
             stages = "/".join(str(s) for s in self.stages)
             stage = action.stage if action is not None else stages
             message = (
@@ -434,7 +367,7 @@ class Pipeline:
             )
             self._failed = message
             error = _same_family(exc, message)
-            self.arrived.fail(error)
+            error._pipeline_reported = True
             self._close_after_failure()
             raise error from exc
 
@@ -450,7 +383,7 @@ class Pipeline:
         if stage == 0:
             tensors, is_tuple = _as_tuple(self.inputs[mb], "inputs")
             return list(tensors), is_tuple
-        return self.arrived.take((Kind.RECV_ACT, stage, mb))
+        return self._take((Kind.RECV_ACT, stage, mb))
 
     def _forward(self, a: Action) -> None:
         tensors, is_tuple = self._stage_inputs(a.stage, a.microbatch)
@@ -480,7 +413,7 @@ class Pipeline:
         if a.stage == self.n_stages - 1:
             roots, grads = list(outs), None
         else:
-            received, _ = self.arrived.take((Kind.RECV_GRAD, a.stage, a.microbatch))
+            received, _ = self._take((Kind.RECV_GRAD, a.stage, a.microbatch))
             floating = [t for t in outs if t.is_floating_point()]
             pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
@@ -508,26 +441,27 @@ class Pipeline:
         detached = [t.detach() for t in tensors]
         if target in self.stages:
             recv_kind = Kind.RECV_ACT if kind is Kind.SEND_ACT else Kind.RECV_GRAD
-            self.arrived.put((recv_kind, target, mb), (detached, is_tuple))
+            self.arrived[(recv_kind, target, mb)] = (detached, is_tuple)
         else:
             self.outbox[(kind, stage, mb)] = (detached, is_tuple)
 
     # ------------------------------------------------------------------ transfers
 
-    def _run_receives(self, receives: List[Action]) -> None:
-        """The receive thread: this rank's receives, in schedule order.
+    def _take(self, key: Tuple[Kind, int, int]) -> Tuple:
+        """The tensors of receive ``key``, receiving in list order until they are here.
 
-        Each one waits on the transport's receive lane while the compute thread goes on
-        computing and sending, so a receive posted early costs nothing and its tensor is ready
-        when the stage needs it. The receive and send orders come from one validated list,
-        whose every send is matched by a receive (and sends never wait for the receiving
-        stage's compute), so the split cannot deadlock.
+        Receives run lazily, when a step needs their tensor, but never out of list order, so
+        every channel's messages are taken in the order its sender sent them. Deadlock-free:
+        this thread blocks only in a receive, receives follow the validated list, and sends
+        never wait for this rank's compute (isend); ``test_pipeline_schedule`` replays every
+        schedule this way.
         """
-        try:
-            for action in receives:
-                self._execute(action)
-        except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
-            self._receive_error = exc
+        while key not in self.arrived:
+            action = next(self._receives, None)
+            if action is None:
+                raise RuntimeError(f"the schedule has no receive for {key}")
+            self._execute(action)
+        return self.arrived.pop(key)
 
     def _send(self, a: Action) -> None:
         tensors, is_tuple = self.outbox.pop((a.kind, a.stage, a.microbatch))
@@ -541,7 +475,7 @@ class Pipeline:
             tag = (ACTIVATION, a.stage - 1, a.microbatch)
         else:
             tag = (GRADIENT, a.stage + 1, a.microbatch)
-        self.arrived.put((a.kind, a.stage, a.microbatch), self.channels.recv(a.peer, tag))
+        self.arrived[(a.kind, a.stage, a.microbatch)] = self.channels.recv(a.peer, tag)
 
     # ------------------------------------------------------------------ after the step
 
@@ -584,7 +518,7 @@ def _eager_sends(actions: Sequence[Action]) -> List[Action]:
     every channel (peer) unless two outputs for one peer were produced in the other order;
     then the planned positions are kept.
     """
-    planned = [a for a in actions if a.kind in (Kind.FORWARD, Kind.BACKWARD, *_SENDS)]
+    planned = [a for a in actions if a.kind not in _RECVS]
     sends = {(a.kind, a.stage, a.microbatch): a for a in planned if a.kind in _SENDS}
     eager: List[Action] = []
     for a in planned:
@@ -607,6 +541,7 @@ def _eager_sends(actions: Sequence[Action]) -> List[Action]:
 
 
 _SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
+_RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
 
 
 def _same_family(exc: Exception, message: str) -> Exception:

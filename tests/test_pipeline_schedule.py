@@ -88,34 +88,38 @@ _RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
 
 def _run_async(schedule: Schedule):
     """Executes a schedule the way the runtime does, independently of simulate(): per rank,
-    computes and sends in ``_eager_sends`` order on one thread (sends never block), receives
-    in list order on another (a receive takes the head of its channel, which must be the
-    item it expects). Returns the actions left undone on each rank (all empty = no
-    deadlock) and the first channel mismatch, if any."""
+    one thread runs computes and sends in ``_eager_sends`` order; sends never block (isend);
+    a compute step whose input is not here takes receives in list order until it is (each
+    receive takes the head of its channel, which must be the item it expects). Returns the
+    actions left undone on each rank (all empty = no deadlock) and the first channel
+    mismatch, if any."""
     p = len(schedule.actions)
     order = [_eager_sends(acts) for acts in schedule.actions]
     recvs = [[a for a in acts if a.kind in _RECVS] for acts in schedule.actions]
     channels = {}  # (src, dst) -> list of (kind, stage, mb) in flight, oldest first
     have = [set() for _ in range(p)]  # received or produced here: (kind, stage, mb)
     pos, rpos = [0] * p, [0] * p
+
+    def receive_one(r):
+        """Takes rank r's next receive if its message is there: True, False, or an error."""
+        a = recvs[r][rpos[r]]
+        queue = channels.get((a.peer, r), [])
+        if not queue:
+            return False
+        got = queue.pop(0)
+        want = (Kind.SEND_ACT, a.stage - 1, a.microbatch)
+        if a.kind is Kind.RECV_GRAD:
+            want = (Kind.SEND_GRAD, a.stage + 1, a.microbatch)
+        if got != want:
+            return f"rank {r} expected {want}, got {got}"
+        have[r].add((a.kind, a.stage, a.microbatch))
+        rpos[r] += 1
+        return True
+
     progress = True
     while progress:
         progress = False
         for r in range(p):
-            while rpos[r] < len(recvs[r]):
-                a = recvs[r][rpos[r]]
-                queue = channels.get((a.peer, r), [])
-                if not queue:
-                    break
-                got = queue.pop(0)
-                want = (Kind.SEND_ACT, a.stage - 1, a.microbatch)
-                if a.kind is Kind.RECV_GRAD:
-                    want = (Kind.SEND_GRAD, a.stage + 1, a.microbatch)
-                if got != want:
-                    return None, f"rank {r} expected {want}, got {got}"
-                have[r].add((a.kind, a.stage, a.microbatch))
-                rpos[r] += 1
-                progress = True
             while pos[r] < len(order[r]):
                 a = order[r][pos[r]]
                 if a.kind in _SENDS:
@@ -126,7 +130,18 @@ def _run_async(schedule: Schedule):
                         need = (Kind.RECV_ACT, a.stage, a.microbatch)
                     if a.kind is Kind.BACKWARD and a.stage < schedule.n_stages - 1:
                         need = (Kind.RECV_GRAD, a.stage, a.microbatch)
-                    if need is not None and need not in have[r]:
+                    blocked = False
+                    while need is not None and need not in have[r]:
+                        if rpos[r] >= len(recvs[r]):
+                            return None, f"rank {r}: no receive left for {need}"
+                        took = receive_one(r)
+                        if isinstance(took, str):
+                            return None, took
+                        if not took:
+                            blocked = True
+                            break
+                        progress = True
+                    if blocked:
                         break
                     # An output for a stage on this same rank arrives without a transfer.
                     out_stage = a.stage + 1 if a.kind is Kind.FORWARD else a.stage - 1
@@ -141,8 +156,8 @@ def _run_async(schedule: Schedule):
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
 def test_runtime_order_async_sends_never_deadlock(name):
-    """The runtime's split (computes + eager sends on one thread, receives on another)
-    finishes every schedule; the eager order keeps every compute step in place."""
+    """The runtime's order (computes and eager isends, receives taken in list order when a step
+    needs one) finishes every schedule; the eager order keeps every compute step in place."""
     moved = 0
     for p in RANKS:
         for m in MICROBATCHES:

@@ -63,7 +63,7 @@ class CpuCommunicator {
   // Runs `request` holding its lanes; a synchronous call (not `queued`) fails if the
   // communicator was closed while it waited for them.
   Status executeLocked(const Request& request, bool queued);
-  Status execute(const Request& request);
+  Status execute(const Request& request, bool queued);
   Status failure() const;
   Status dispatch(const Request& request);
   Status fingerprint(const shm::MessageHeader& header);

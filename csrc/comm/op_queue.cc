@@ -7,6 +7,7 @@ using shm::Lane;
 namespace {
 constexpr int kSend = static_cast<int>(Lane::kSend);
 constexpr int kRecv = static_cast<int>(Lane::kRecv);
+constexpr int kBoth = static_cast<int>(Lane::kBoth);
 }  // namespace
 
 Status OpQueue::start(Execute execute, std::function<Status()> onStart,
@@ -14,26 +15,24 @@ Status OpQueue::start(Execute execute, std::function<Status()> onStart,
   execute_ = std::move(execute);
   std::promise<Status> started;
   auto ready = started.get_future();
-  dispatcher_ =
-      std::thread(&OpQueue::dispatchLoop, this, std::move(onStart), std::move(onStop), &started);
+  workers_[kBoth] =
+      std::thread(&OpQueue::collectiveLoop, this, std::move(onStart), std::move(onStop), &started);
   Status status = ready.get();
   if (!status.ok()) {
-    dispatcher_.join();  // it returned without entering its loop
+    workers_[kBoth].join();  // it returned without entering its loop
     return status;
   }
-  laneWorkers_[kSend] = std::thread(&OpQueue::laneLoop, this, kSend);
-  laneWorkers_[kRecv] = std::thread(&OpQueue::laneLoop, this, kRecv);
+  workers_[kSend] = std::thread(&OpQueue::workerLoop, this, kSend);
+  workers_[kRecv] = std::thread(&OpQueue::workerLoop, this, kRecv);
   return Status::Ok();
 }
 
 Status OpQueue::submit(Request request, std::shared_ptr<Work> work, Lane lane) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    // After stop() nothing would ever run it, and its Work would never complete.
-    if (stopping_) return Status(Code::kPeerFailure, "the communicator is closed");
-    queue_.push_back({std::move(request), std::move(work), lane});
-  }
-  changed_.notify_all();
+  std::lock_guard<std::mutex> lock(mutex_);
+  // After stop() nothing would ever run it, and its Work would never complete.
+  if (stopping_) return Status(Code::kPeerFailure, "the communicator is closed");
+  queue_.push_back({std::move(request), std::move(work), lane});
+  pump();
   return Status::Ok();
 }
 
@@ -69,6 +68,17 @@ std::deque<OpQueue::Op>::iterator OpQueue::startable() {
   return queue_.end();
 }
 
+void OpQueue::pump() {
+  for (auto next = startable(); next != queue_.end(); next = startable()) {
+    const int slot = static_cast<int>(next->lane);
+    if (slot != kRecv) running_[kSend] += 1;
+    if (slot != kSend) running_[kRecv] += 1;
+    handed_[slot] = std::move(*next);
+    queue_.erase(next);
+    handedOver_[slot].notify_one();
+  }
+}
+
 void OpQueue::drain(Lane lane) {
   std::unique_lock<std::mutex> lock(mutex_);
   changed_.wait(lock, [&] { return quiet(lane); });
@@ -77,50 +87,24 @@ void OpQueue::drain(Lane lane) {
 void OpQueue::finished(Lane lane) {
   if (lane != Lane::kRecv) running_[kSend] -= 1;
   if (lane != Lane::kSend) running_[kRecv] -= 1;
+  pump();
   changed_.notify_all();
-}
-
-void OpQueue::dispatchLoop(std::function<Status()> onStart, std::function<void()> onStop,
-                           std::promise<Status>* started) {
-  Status status = onStart();
-  started->set_value(status);
-  if (!status.ok()) return;
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    auto next = queue_.end();
-    changed_.wait(lock, [&] {
-      next = startable();
-      return next != queue_.end() || (queue_.empty() && stopping_ && idle(Lane::kBoth));
-    });
-    if (next == queue_.end()) break;  // stopping, and everything has finished
-    Op op = std::move(*next);
-    queue_.erase(next);
-    const Lane lane = op.lane;
-    if (lane != Lane::kRecv) running_[kSend] += 1;
-    if (lane != Lane::kSend) running_[kRecv] += 1;
-    if (lane != Lane::kBoth) {
-      handed_[static_cast<int>(lane)] = std::move(op);
-      changed_.notify_all();
-      continue;
-    }
-    lock.unlock();
-    op.work->complete(execute_(op.request));
-    lock.lock();
-    finished(lane);
+  if (stopping_ && queue_.empty() && idle(Lane::kBoth)) {
+    for (auto& worker : handedOver_) worker.notify_one();
   }
-  lanesStopping_ = true;
-  changed_.notify_all();
-  lock.unlock();
-  onStop();
 }
 
-void OpQueue::laneLoop(int lane) {
+bool OpQueue::mayExit(int slot) const {
+  return !handed_[slot] && stopping_ && queue_.empty() && idle(Lane::kBoth);
+}
+
+void OpQueue::workerLoop(int slot) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    changed_.wait(lock, [&] { return handed_[lane].has_value() || lanesStopping_; });
-    if (!handed_[lane]) break;
-    Op op = std::move(*handed_[lane]);
-    handed_[lane].reset();
+    handedOver_[slot].wait(lock, [&] { return handed_[slot].has_value() || mayExit(slot); });
+    if (!handed_[slot]) break;
+    Op op = std::move(*handed_[slot]);
+    handed_[slot].reset();
     lock.unlock();
     op.work->complete(execute_(op.request));
     lock.lock();
@@ -128,14 +112,22 @@ void OpQueue::laneLoop(int lane) {
   }
 }
 
+void OpQueue::collectiveLoop(std::function<Status()> onStart, std::function<void()> onStop,
+                             std::promise<Status>* started) {
+  Status status = onStart();
+  started->set_value(status);
+  if (!status.ok()) return;
+  workerLoop(kBoth);
+  onStop();  // nothing runs any more: the queue is empty and every lane idle
+}
+
 void OpQueue::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
+    for (auto& worker : handedOver_) worker.notify_one();
   }
-  changed_.notify_all();
-  if (dispatcher_.joinable()) dispatcher_.join();
-  for (std::thread& worker : laneWorkers_) {
+  for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
   }
 }

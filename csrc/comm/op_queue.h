@@ -1,12 +1,13 @@
 // OpQueue: the asynchronous operations of one communicator, started in issue order.
 //
-// A dispatcher thread starts queued operations. A collective (both lanes) starts once every
-// earlier operation has finished and executes on the dispatcher itself; a send or a receive
-// (one lane) starts once its lane is free and no earlier queued operation wants that lane, and
-// executes on the lane's worker thread. So a send queued behind receives that wait for their
-// peer starts at once. This
-// is what lets isend/irecv pairs be issued in any order, as with torch.distributed: two ranks
-// that both isend a large message and then irecv would otherwise wait for each other forever.
+// Three worker threads: one for collectives (both lanes), one for sends, one for receives.
+// Whoever changes the queue's state (a submit, a finished operation) starts what may start
+// now, so a queued operation reaches its worker in one thread handoff. A collective starts
+// once every earlier operation has finished; a send or a receive once its lane is free and no
+// earlier queued operation wants that lane. So a send queued behind receives that wait for
+// their peer starts at once: isend/irecv pairs may be issued in any order, as with
+// torch.distributed (two ranks that both irecv and then isend a large message would
+// otherwise wait for each other forever).
 //
 // Invariants: operations on one lane start in issue order and one at a time; a collective
 // starts only after every earlier operation has finished, and nothing starts while it runs.
@@ -33,8 +34,9 @@ class OpQueue {
  public:
   using Execute = std::function<Status(const Request&)>;
 
-  // Starts the threads. `onStart` runs first on the dispatcher thread and its status is
-  // returned (nothing runs if it fails); `onStop` runs last on it, after the queue drained.
+  // Starts the threads. `onStart` runs first on the collective worker, which lives as long
+  // as the queue, and its status is returned (nothing runs if it fails); `onStop` runs last
+  // on it, once the queue has drained.
   Status start(Execute execute, std::function<Status()> onStart, std::function<void()> onStop);
   // Fails once stop() has begun.
   Status submit(Request request, std::shared_ptr<Work> work, shm::Lane lane);
@@ -50,9 +52,14 @@ class OpQueue {
     std::shared_ptr<Work> work;
     shm::Lane lane;
   };
-  void dispatchLoop(std::function<Status()> onStart, std::function<void()> onStop,
-                    std::promise<Status>* started);
-  void laneLoop(int lane);
+  // Worker slots: indexed by shm::Lane (kSend, kRecv, kBoth = the collective worker).
+  static constexpr int kWorkers = 3;
+
+  void collectiveLoop(std::function<Status()> onStart, std::function<void()> onStop,
+                      std::promise<Status>* started);
+  void workerLoop(int slot);
+  bool mayExit(int slot) const;          // under mutex_
+  void pump();                           // under mutex_: starts what may start now
   std::deque<Op>::iterator startable();  // under mutex_
   bool idle(shm::Lane lane) const;       // no started operation on `lane` is unfinished
   bool quiet(shm::Lane lane) const;      // ... and none queued uses it either
@@ -61,14 +68,13 @@ class OpQueue {
 
   Execute execute_;
   std::mutex mutex_;
-  std::condition_variable changed_;
-  std::deque<Op> queue_;         // submitted, not started
-  int running_[2] = {0, 0};      // started, unfinished, per lane (a collective on both)
-  std::optional<Op> handed_[2];  // started, waiting for its lane worker to pick it up
-  bool stopping_ = false;        // stop(): run what is queued, then exit
-  bool lanesStopping_ = false;   // the dispatcher has exited: lane workers exit too
-  std::thread dispatcher_;
-  std::thread laneWorkers_[2];
+  std::condition_variable changed_;               // drain() and stop() wait on it
+  std::condition_variable handedOver_[kWorkers];  // a worker waits on its own
+  std::deque<Op> queue_;                          // submitted, not started
+  int running_[2] = {0, 0};             // started, unfinished, per lane (a collective on both)
+  std::optional<Op> handed_[kWorkers];  // started, not yet picked up by its worker
+  bool stopping_ = false;               // stop(): run what is queued, then exit
+  std::thread workers_[kWorkers];
 };
 
 }  // namespace dk
