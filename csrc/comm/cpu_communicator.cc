@@ -69,8 +69,27 @@ Status CpuCommunicator::executeLocked(const Request& request, bool queued) {
 Status CpuCommunicator::submit(Request request, std::shared_ptr<Work>* work) {
   if (closed_) return Status(Code::kPeerFailure, "the communicator is closed");
   *work = std::make_shared<Work>();
+  if (request.kind == CollectiveKind::kSendRecv && request.isSend && sendAtOnce(request, **work)) {
+    return Status::Ok();
+  }
   const shm::Lane lane = laneOf(request);
   return queue_.submit(std::move(request), *work, lane);
+}
+
+// An isend that fits in the free slots of its FIFO runs on the caller's thread: it cannot
+// wait (no slot to wait for, no reader of a registered buffer to wait for), and handing it to
+// the send worker cost more than the copy itself (a thread wake-up and a context switch on
+// the caller's core: ~60 us per 32 KiB send in the pipeline benchmark, against ~3 us inline).
+// Only when nothing queued or running uses the send lane, so issue order is kept.
+bool CpuCommunicator::sendAtOnce(const Request& request, Work& work) {
+  return queue_.ifQuiet(shm::Lane::kSend, [&] {
+    std::unique_lock<std::mutex> lane(sendLane_, std::try_to_lock);
+    if (!lane.owns_lock() || closed_ || !failure().ok()) return false;
+    const size_t bytes = request.args.count * dtypeSize(request.args.dtype);
+    if (!transport_->sendFitsNow(request.args.root, request.args.src, bytes)) return false;
+    work.complete(execute(request, /*queued=*/false));
+    return true;
+  });
 }
 
 Status CpuCommunicator::registerBuffer(uint32_t id, std::shared_ptr<shm::Segment> local,

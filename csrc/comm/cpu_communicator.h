@@ -64,6 +64,7 @@ class CpuCommunicator {
   // communicator was closed while it waited for them.
   Status executeLocked(const Request& request, bool queued);
   Status execute(const Request& request, bool queued);
+  bool sendAtOnce(const Request& request, Work& work);
   Status failure() const;
   Status dispatch(const Request& request);
   Status fingerprint(const shm::MessageHeader& header);

@@ -79,6 +79,12 @@ void OpQueue::pump() {
   }
 }
 
+bool OpQueue::ifQuiet(Lane lane, const std::function<bool()>& fn) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stopping_ || !quiet(lane)) return false;
+  return fn();
+}
+
 void OpQueue::drain(Lane lane) {
   std::unique_lock<std::mutex> lock(mutex_);
   changed_.wait(lock, [&] { return quiet(lane); });

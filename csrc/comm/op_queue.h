@@ -42,6 +42,10 @@ class OpQueue {
   Status submit(Request request, std::shared_ptr<Work> work, shm::Lane lane);
   // Waits until no queued or running operation uses `lane` (kBoth: until nothing is left).
   void drain(shm::Lane lane);
+  // Calls `fn` with the queue locked if nothing queued or running uses `lane` (an operation
+  // on it would start at once anyway) and returns what it returns; else returns false without
+  // calling it. `fn` must not block: every submit() waits for it.
+  bool ifQuiet(shm::Lane lane, const std::function<bool()>& fn);
   // Runs what is queued, then stops and joins the threads. Idempotent.
   void stop();
   ~OpQueue() { stop(); }

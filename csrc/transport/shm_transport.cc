@@ -253,6 +253,16 @@ bool ShmTransport::findRegistered(const void* p, size_t bytes, uint32_t* id,
   return false;
 }
 
+bool ShmTransport::sendFitsNow(int peer, const void* src, size_t bytes) const {
+  if (peer < 0 || peer >= worldSize() || peer == rank_) return false;
+  uint32_t id = 0;
+  uint64_t offset = 0;
+  if (bytes > 0 && findRegistered(src, bytes, &id, &offset)) return false;
+  const uint64_t slices = bytes == 0 ? 1 : (bytes + geometry_.slotBytes - 1) / geometry_.slotBytes;
+  const uint64_t inFlight = sent_[peer] - fifo(rank_, peer)->tail.load(std::memory_order_acquire);
+  return inFlight + slices <= static_cast<uint64_t>(geometry_.slotsPerFifo);
+}
+
 Status ShmTransport::postSend(const SendOp& send) {
   const int peer = send.peer;
   if (peer < 0 || peer >= worldSize() || peer == rank_) return Internal("send to a bad peer");

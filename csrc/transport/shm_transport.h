@@ -66,6 +66,9 @@ class ShmTransport : public Transport {
   // markClosed(); it must be a thread that lives as long as the communicator.
   Status holdLiveness();
   void markClosed();
+  // True if a send of `bytes` from `src` to `peer` can complete now without waiting: every
+  // slice fits in a free slot and none is read in place (registered). Send lane only.
+  bool sendFitsNow(int peer, const void* src, size_t bytes) const;
   // Records a failure in the segment (first one wins) so every rank's waits stop.
   void poison(const Status& failure);
   // OK, or the failure some rank recorded.
