@@ -63,7 +63,7 @@ Status CpuCommunicator::executeLocked(const Request& request, bool queued) {
   // A close() that ran while this thread waited for its lane has cancelled the transport
   // (queued operations still run: close() drains the queue before it cancels).
   if (closed_ && !queued) return Status(Code::kPeerFailure, "the communicator is closed");
-  return execute(request, queued);
+  return execute(request);
 }
 
 Status CpuCommunicator::submit(Request request, std::shared_ptr<Work>* work) {
@@ -87,7 +87,7 @@ bool CpuCommunicator::sendAtOnce(const Request& request, Work& work) {
     if (!lane.owns_lock() || closed_ || !failure().ok()) return false;
     const size_t bytes = request.args.count * dtypeSize(request.args.dtype);
     if (!transport_->sendFitsNow(request.args.root, request.args.src, bytes)) return false;
-    work.complete(execute(request, /*queued=*/false));
+    work.complete(execute(request));
     return true;
   });
 }
@@ -135,7 +135,7 @@ Status CpuCommunicator::failure() const {
   return failed_;
 }
 
-Status CpuCommunicator::execute(const Request& request, bool queued) {
+Status CpuCommunicator::execute(const Request& request) {
   if (Status failed = failure(); !failed.ok()) {
     return Status(failed.code(),
                   "the communicator failed earlier and cannot be used: " + failed.message());
@@ -147,17 +147,10 @@ Status CpuCommunicator::execute(const Request& request, bool queued) {
                             std::chrono::duration<double>(options_.timeoutSec));
   const shm::MessageHeader header = headerOf(r);
   const shm::Lane lane = laneOf(r);
-  // Waits spin long only for a synchronous collective, whose caller has nothing else to run.
-  // A queued call (on an OpQueue worker) runs beside the caller's thread, and a send or
-  // receive usually beside the other lane's: a long spin took the core from them. Measured,
-  // 2 ranks on 2 cores, 8 bytes: irecv + isend + two waits went from 100-150 us to 16-39 us,
-  // async all_reduce + wait from 9-150 us (bimodal) to the sync-like figure of
-  // docs/architecture.md; a synchronous ping-pong stayed at 1.9 us one way.
-  const bool shortSpin = queued || lane != shm::Lane::kBoth;
-  Status status = transport_->begin(header, deadline, lane, shortSpin);
+  Status status = transport_->begin(header, deadline, lane);
   if (status.ok() && options_.debug && lane == shm::Lane::kBoth) {
     status = fingerprint(header);
-    if (status.ok()) status = transport_->begin(header, deadline, lane, shortSpin);
+    if (status.ok()) status = transport_->begin(header, deadline, lane);
   }
   if (status.ok()) status = dispatch(r);
   if (!status.ok()) {

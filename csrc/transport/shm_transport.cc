@@ -232,10 +232,8 @@ Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what)
 }
 
 Status ShmTransport::begin(const MessageHeader& header,
-                           std::chrono::steady_clock::time_point deadline, Lane lane,
-                           bool shortSpin) {
-  const LaneState state{header, lane == Lane::kBoth, shortSpin, deadline,
-                        std::chrono::steady_clock::now()};
+                           std::chrono::steady_clock::time_point deadline, Lane lane) {
+  const LaneState state{header, lane == Lane::kBoth, deadline, std::chrono::steady_clock::now()};
   if (lane != Lane::kRecv) sendLane() = state;
   if (lane != Lane::kSend) recvLane() = state;
   return health();

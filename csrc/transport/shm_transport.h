@@ -54,11 +54,9 @@ class ShmTransport : public Transport {
 
   // Starts one collective (or one send / receive, on its lane): later messages carry `header`,
   // incoming ones must match it, and every wait gives up at `deadline`. Calls on different
-  // lanes may run concurrently; calls on one lane may not. `shortSpin`: waits spin only
-  // briefly before yielding, as when oversubscribed (for calls that run beside other busy
-  // threads of this process; see CpuCommunicator::execute).
+  // lanes may run concurrently; calls on one lane may not.
   Status begin(const MessageHeader& header, std::chrono::steady_clock::time_point deadline,
-               Lane lane = Lane::kBoth, bool shortSpin = false);
+               Lane lane = Lane::kBoth);
   // Makes every wait of this rank (on any thread) fail within one futex timeout: close() uses
   // it so that no thread is left blocked inside a communicator that is going away.
   void cancel() { cancelled_.store(true, std::memory_order_release); }
@@ -87,7 +85,6 @@ class ShmTransport : public Transport {
   struct LaneState {
     MessageHeader header;
     bool both = true;  // a collective (both lanes): errors may report both directions
-    bool shortSpin = false;
     std::chrono::steady_clock::time_point deadline;
     std::chrono::steady_clock::time_point started;
   };
