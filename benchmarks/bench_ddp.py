@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Dict, List
 
@@ -28,6 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+# Run from a source checkout without installing: the repository root (with an in-place build)
+# comes first; the spawned ranks inherit sys.path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -152,10 +157,28 @@ def _run_world(world: int, args) -> tuple:
     ]
     for p in procs:
         p.start()
-    result = queue.get(timeout=1800)
+    result = _first_result(queue, procs)
     for p in procs:
         p.join()
     return result
+
+
+def _first_result(queue, procs, timeout_s: float = 1800.0):
+    """Rank 0's result; raises as soon as a rank has died without one (instead of waiting
+    for the whole timeout while its peers block on it)."""
+    import queue as queue_module
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"benchmark rank(s) died (rank, exit code): {dead}") from None
+    raise TimeoutError(f"no result after {timeout_s:.0f} s")
 
 
 def _free_port() -> int:
