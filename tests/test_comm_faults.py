@@ -265,6 +265,15 @@ def _hierarchical(world_size):
             t = torch.empty(3)
             comm.recv(t, cross)
             assert torch.equal(t, torch.full((3,), float(cross)))
+        # isend/irecv, receives posted first, across hosts (gloo) and on this host (shm).
+        peers = {"cross": cross, "local": rank ^ 1}
+        got = {k: torch.empty(4) for k in peers}
+        works = [comm.irecv(got[k], p) for k, p in peers.items()]
+        works += [comm.isend(torch.full((4,), float(rank)), p) for p in peers.values()]
+        for w in works:
+            w.wait()
+        for k, p in peers.items():
+            assert torch.equal(got[k], torch.full((4,), float(p))), (k, p, got[k])
         comm.barrier()
     return [digest.view(torch.uint8).sum().item() for digest in results]
 
