@@ -62,15 +62,30 @@ Status runOn(int device, size_t bytes, Fn fn) {
 #endif
 }
 
+// The sources of a reduction as pointers, and the bytes it touches (they decide whether the
+// GIL is released: see runOn).
+struct Sources {
+  std::vector<const void*> ptrs;
+  size_t bytes;
+};
+
+Sources sourcesOf(const std::vector<uintptr_t>& srcs, size_t count, int dtype) {
+  Sources s{{}, 0};
+  for (uintptr_t src : srcs) s.ptrs.push_back(asPointer(src));
+  if (isValidDType(dtype)) {
+    s.bytes = count * dtypeSize(static_cast<DType>(dtype)) * (s.ptrs.size() + 1);
+  }
+  return s;
+}
+
 void reduce(uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, int dtype, int op,
             int device, uintptr_t stream, bool parallel) {
-  std::vector<const void*> src_ptrs;
-  for (uintptr_t src : srcs) src_ptrs.push_back(asPointer(src));
+  const Sources sources = sourcesOf(srcs, count, dtype);
+  const auto& src_ptrs = sources.ptrs;
   const DType dt = static_cast<DType>(dtype);
   const RedOp rop = static_cast<RedOp>(op);
   const int n = static_cast<int>(src_ptrs.size());
-  const size_t bytes = isValidDType(dtype) ? count * dtypeSize(dt) * (n + 1) : 0;
-  check(runOn(device, bytes,
+  check(runOn(device, sources.bytes,
               [&] {
 #if DK_WITH_CUDA
                 if (device >= 0) {
@@ -88,12 +103,11 @@ void reduce(uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, int
 
 void reduceAverage(uintptr_t dst, const std::vector<uintptr_t>& srcs, size_t count, int dtype,
                    int64_t divisor, int device, uintptr_t stream, bool parallel) {
-  std::vector<const void*> src_ptrs;
-  for (uintptr_t src : srcs) src_ptrs.push_back(asPointer(src));
+  const Sources sources = sourcesOf(srcs, count, dtype);
+  const auto& src_ptrs = sources.ptrs;
   const DType dt = static_cast<DType>(dtype);
   const int n = static_cast<int>(src_ptrs.size());
-  const size_t bytes = isValidDType(dtype) ? count * dtypeSize(dt) * (n + 1) : 0;
-  check(runOn(device, bytes,
+  check(runOn(device, sources.bytes,
               [&] {
 #if DK_WITH_CUDA
                 if (device >= 0) {
