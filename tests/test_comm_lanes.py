@@ -7,6 +7,7 @@ import datetime
 import threading
 import time
 
+import pytest
 import torch
 from mp_pool import run_ranks, shm_leaks
 
@@ -110,21 +111,34 @@ def test_close_from_another_thread_cancels_a_blocked_recv():
     assert shm_leaks() == []
 
 
-def _isend_irecv_any_order(seed: int):
+def _isend_irecv_any_order(seed: int, registered: bool):
     """Every rank posts its receives before its sends (the order that deadlocks when a
-    pending receive holds up the sends), several messages per peer, larger than the FIFO;
-    then a collective issued after them must see them finished."""
+    pending receive holds up the sends), several messages per peer, larger than the FIFO and
+    small (copied in on the caller's thread, even from registered memory); then a collective
+    issued after them must see them finished."""
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
     nxt, prev = (rank + 1) % n, (rank - 1) % n
-    sizes = [BIG // 4 + 5, 7, 0, BIG // 8]
+    # Small ones first: with the send lane quiet and the FIFO free they are copied in at once.
+    sizes = [7, 100, 3, BIG // 4 + 5, 0, BIG // 8]
     errors = []
     with _comm() as comm:
-        got = [torch.empty(numel, dtype=torch.int32) for numel in sizes]
+
+        def buffer(numel):
+            if not registered:
+                return torch.empty(numel, dtype=torch.int32)
+            return comm.empty((numel,), dtype=torch.int32)  # collective: same order everywhere
+
+        got = [buffer(numel) for numel in sizes]
+        sent = [buffer(numel) for numel in sizes]  # before any irecv: empty() drains the queue
+        for i, (numel, t) in enumerate(zip(sizes, sent)):
+            t.copy_(_payload(rank, numel, seed + i))
         works = [comm.irecv(t, prev) for t in got]
-        sent = [_payload(rank, numel, seed + i) for i, numel in enumerate(sizes)]
-        works += [comm.isend(t, nxt) for t in sent]
+        first = comm.isend(sent[0], nxt)
+        if not first.is_completed():
+            errors.append("a small isend on a quiet send lane did not complete at once")
+        works += [first] + [comm.isend(t, nxt) for t in sent[1:]]
         total = torch.full((3,), float(rank))
         comm.all_reduce(total)  # issued after the sends and receives: runs after them
         for w in works:
@@ -137,11 +151,12 @@ def _isend_irecv_any_order(seed: int):
     return errors
 
 
-def test_isend_irecv_in_any_order_on_a_ring():
+@pytest.mark.parametrize("registered", [False, True], ids=["plain", "registered"])
+def test_isend_irecv_in_any_order_on_a_ring(registered):
     seed = int(time.time()) % 10_000
     print(f"seed {seed}")
     for world_size in (2, 3):
-        assert run_ranks(world_size, _isend_irecv_any_order, seed, timeout=120) == [
+        assert run_ranks(world_size, _isend_irecv_any_order, seed, registered, timeout=120) == [
             [] for _ in range(world_size)
         ]
 

@@ -63,7 +63,8 @@ class CpuCommunicator {
   // Runs `request` holding its lanes; a synchronous call (not `queued`) fails if the
   // communicator was closed while it waited for them.
   Status executeLocked(const Request& request, bool queued);
-  Status execute(const Request& request);
+  // `inPlace` false: sends copy registered bytes instead of publishing them (see sendAtOnce).
+  Status execute(const Request& request, bool inPlace = true);
   bool sendAtOnce(const Request& request, Work& work);
   Status failure() const;
   Status dispatch(const Request& request);

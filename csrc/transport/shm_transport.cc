@@ -232,8 +232,10 @@ Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what)
 }
 
 Status ShmTransport::begin(const MessageHeader& header,
-                           std::chrono::steady_clock::time_point deadline, Lane lane) {
-  const LaneState state{header, lane == Lane::kBoth, deadline, std::chrono::steady_clock::now()};
+                           std::chrono::steady_clock::time_point deadline, Lane lane,
+                           bool inPlace) {
+  const LaneState state{header, lane == Lane::kBoth, inPlace, deadline,
+                        std::chrono::steady_clock::now()};
   if (lane != Lane::kRecv) sendLane() = state;
   if (lane != Lane::kSend) recvLane() = state;
   return health();
@@ -251,11 +253,8 @@ bool ShmTransport::findRegistered(const void* p, size_t bytes, uint32_t* id,
   return false;
 }
 
-bool ShmTransport::sendFitsNow(int peer, const void* src, size_t bytes) const {
+bool ShmTransport::sendFitsNow(int peer, size_t bytes) const {
   if (peer < 0 || peer >= worldSize() || peer == rank_) return false;
-  uint32_t id = 0;
-  uint64_t offset = 0;
-  if (bytes > 0 && findRegistered(src, bytes, &id, &offset)) return false;
   const uint64_t slices = bytes == 0 ? 1 : (bytes + geometry_.slotBytes - 1) / geometry_.slotBytes;
   const uint64_t inFlight = sent_[peer] - fifo(rank_, peer)->tail.load(std::memory_order_acquire);
   return inFlight + slices <= static_cast<uint64_t>(geometry_.slotsPerFifo);
@@ -273,7 +272,7 @@ Status ShmTransport::postSend(const SendOp& send) {
   SlotDescriptor& desc = f->slots[seq % slots];
   uint32_t id = 0;
   uint64_t offset = 0;
-  if (send.bytes > 0 && findRegistered(send.src, send.bytes, &id, &offset)) {
+  if (send.bytes > 0 && sendLane().inPlace && findRegistered(send.src, send.bytes, &id, &offset)) {
     desc.kind = static_cast<uint32_t>(PayloadKind::kRegistered);
     desc.bufferId = id;
     desc.offset = offset;

@@ -54,9 +54,10 @@ class ShmTransport : public Transport {
 
   // Starts one collective (or one send / receive, on its lane): later messages carry `header`,
   // incoming ones must match it, and every wait gives up at `deadline`. Calls on different
-  // lanes may run concurrently; calls on one lane may not.
+  // lanes may run concurrently; calls on one lane may not. `inPlace` false: sends copy even
+  // bytes in registered memory (so they never wait for the peer to read them).
   Status begin(const MessageHeader& header, std::chrono::steady_clock::time_point deadline,
-               Lane lane = Lane::kBoth);
+               Lane lane = Lane::kBoth, bool inPlace = true);
   // Makes every wait of this rank (on any thread) fail within one futex timeout: close() uses
   // it so that no thread is left blocked inside a communicator that is going away.
   void cancel() { cancelled_.store(true, std::memory_order_release); }
@@ -64,9 +65,9 @@ class ShmTransport : public Transport {
   // markClosed(); it must be a thread that lives as long as the communicator.
   Status holdLiveness();
   void markClosed();
-  // True if a send of `bytes` from `src` to `peer` can complete now without waiting: every
-  // slice fits in a free slot and none is read in place (registered). Send lane only.
-  bool sendFitsNow(int peer, const void* src, size_t bytes) const;
+  // True if a send of `bytes` to `peer`, copied (begin() with inPlace false), can complete
+  // now without waiting: every slice fits in a free slot. Send lane only.
+  bool sendFitsNow(int peer, size_t bytes) const;
   // Records a failure in the segment (first one wins) so every rank's waits stop.
   void poison(const Status& failure);
   // OK, or the failure some rank recorded.
@@ -84,7 +85,8 @@ class ShmTransport : public Transport {
   // The call in progress on one lane.
   struct LaneState {
     MessageHeader header;
-    bool both = true;  // a collective (both lanes): errors may report both directions
+    bool both = true;     // a collective (both lanes): errors may report both directions
+    bool inPlace = true;  // registered bytes are published for the peer to read in place
     std::chrono::steady_clock::time_point deadline;
     std::chrono::steady_clock::time_point started;
   };
