@@ -78,9 +78,10 @@ Status CpuCommunicator::submit(Request request, std::shared_ptr<Work>* work) {
 
 // An isend that fits in the free slots of its FIFO runs on the caller's thread, copied even
 // from registered memory: it then cannot wait (no slot, no in-place reader), and handing it to
-// the send worker cost more than the copy itself (a thread wake-up and a context switch on
-// the caller's core: ~60 us per 32 KiB send in the pipeline benchmark, against ~3 us inline).
-// Only when nothing queued or running uses the send lane, so issue order is kept.
+// the send worker costs a thread wake-up and a context switch on the caller's core, far more
+// than copying 32 KiB (the pipeline benchmark's 2-rank 1F1B went from 1.09-1.14x to
+// 1.19-1.29x torch's throughput with this). Only when nothing queued or running uses the send
+// lane, so issue order is kept.
 bool CpuCommunicator::sendAtOnce(const Request& request, Work& work) {
   return queue_.ifQuiet(shm::Lane::kSend, [&] {
     std::unique_lock<std::mutex> lane(sendLane_, std::try_to_lock);
