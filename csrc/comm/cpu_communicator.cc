@@ -85,7 +85,7 @@ Status CpuCommunicator::submit(Request request, std::shared_ptr<Work>* work) {
 bool CpuCommunicator::sendAtOnce(const Request& request, Work& work) {
   return queue_.ifQuiet(shm::Lane::kSend, [&] {
     std::unique_lock<std::mutex> lane(sendLane_, std::try_to_lock);
-    if (!lane.owns_lock() || closed_ || !failure().ok()) return false;
+    if (!lane.owns_lock() || closed_) return false;
     const size_t bytes = request.args.count * dtypeSize(request.args.dtype);
     if (!transport_->sendFitsNow(request.args.root, bytes)) return false;
     work.complete(execute(request, /*inPlace=*/false));
@@ -150,7 +150,7 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
   const shm::Lane lane = laneOf(r);
   Status status = transport_->begin(header, deadline, lane, inPlace);
   if (status.ok() && options_.debug && lane == shm::Lane::kBoth) {
-    status = fingerprint(header);
+    status = fingerprint(header, deadline);
     if (status.ok()) status = transport_->begin(header, deadline, lane, inPlace);
   }
   if (status.ok()) status = dispatch(r);
@@ -190,14 +190,12 @@ Status CpuCommunicator::dispatch(const Request& r) {
 
 // DK_DEBUG: every rank sends its header to every peer and compares, so ranks that disagree
 // fail before any data moves, with a message naming what differs on which rank.
-Status CpuCommunicator::fingerprint(const shm::MessageHeader& mine) {
+Status CpuCommunicator::fingerprint(const shm::MessageHeader& mine,
+                                    std::chrono::steady_clock::time_point deadline) {
   shm::MessageHeader probe;
   probe.collective = static_cast<uint32_t>(CollectiveKind::kFingerprint);
   probe.count = sizeof(shm::MessageHeader);
-  DK_RETURN_IF_ERROR(
-      transport_->begin(probe, std::chrono::steady_clock::now() +
-                                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                       std::chrono::duration<double>(options_.timeoutSec))));
+  DK_RETURN_IF_ERROR(transport_->begin(probe, deadline));
   const int n = worldSize();
   std::vector<SendOp> sends;
   std::vector<RecvOp> recvs;

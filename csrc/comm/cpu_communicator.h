@@ -20,6 +20,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -68,7 +69,9 @@ class CpuCommunicator {
   bool sendAtOnce(const Request& request, Work& work);
   Status failure() const;
   Status dispatch(const Request& request);
-  Status fingerprint(const shm::MessageHeader& header);
+  // Within the deadline of the collective it checks.
+  Status fingerprint(const shm::MessageHeader& header,
+                     std::chrono::steady_clock::time_point deadline);
   shm::MessageHeader headerOf(const Request& request) const;
 
   std::unique_ptr<shm::ShmTransport> transport_;

@@ -218,10 +218,10 @@ Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what)
   // Only a collective owns both directions; a send or receive must not read the other lane's
   // counters, which a concurrent call on that lane may be writing.
   std::string counters;
-  if (lane.both || &lane == &lanes_[static_cast<int>(Lane::kSend)]) {
+  if (lane.lane != Lane::kRecv) {
     counters += "messages to it " + std::to_string(sent_[peer]);
   }
-  if (lane.both || &lane == &lanes_[static_cast<int>(Lane::kRecv)]) {
+  if (lane.lane != Lane::kSend) {
     counters += std::string(counters.empty() ? "" : ", ") + "messages from it " +
                 std::to_string(received_[peer]);
   }
@@ -234,8 +234,7 @@ Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what)
 Status ShmTransport::begin(const MessageHeader& header,
                            std::chrono::steady_clock::time_point deadline, Lane lane,
                            bool inPlace) {
-  const LaneState state{header, lane == Lane::kBoth, inPlace, deadline,
-                        std::chrono::steady_clock::now()};
+  const LaneState state{header, lane, inPlace, deadline, std::chrono::steady_clock::now()};
   if (lane != Lane::kRecv) sendLane() = state;
   if (lane != Lane::kSend) recvLane() = state;
   return health();

@@ -85,8 +85,8 @@ class ShmTransport : public Transport {
   // The call in progress on one lane.
   struct LaneState {
     MessageHeader header;
-    bool both = true;     // a collective (both lanes): errors may report both directions
-    bool inPlace = true;  // registered bytes are published for the peer to read in place
+    Lane lane = Lane::kBoth;  // of the call: errors report only the counters of its lanes
+    bool inPlace = true;      // registered bytes are published for the peer to read in place
     std::chrono::steady_clock::time_point deadline;
     std::chrono::steady_clock::time_point started;
   };
