@@ -21,10 +21,10 @@ def build_info() -> Dict[str, Any]:
     info["nccl_library"] = None
     info["nccl_version"] = None
     try:
-        from . import _nccl
+        from .comm import nccl
     except ImportError:
         return info
-    info.update(_nccl.describe())
+    info.update(nccl.describe())
     return info
 
 
