@@ -75,6 +75,8 @@ _SUBMODULES: Dict[str, str] = {
     "amp": "amp",
     "ddp": "ddp",
     "zero": "zero",
+    "lr": "lr",
+    "train": "train",
 }
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]

@@ -1,0 +1,97 @@
+"""The model seam of the driver: what it trains, as an ``nn.Sequential`` of pipeline-cuttable
+children, with its parameter count and FLOPs per token.
+
+FALLBACK: ``dist_kernels.models.GPT`` (the tensor-parallel issue) is not on main yet. Until it
+is, :func:`build_model` builds the small causal transformer below (GPT-2 layout, pre-norm,
+no dropout, untied head so that the first and last pipeline stages share nothing). It is a
+stand-in to be deleted when ``dist_kernels.models`` lands; the driver uses only
+:func:`build_model`, :func:`flops_per_token` and :func:`loss_fn`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+class _Embed(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(positions)[None]
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.n_head = cfg.n_head
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        heads = [z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v)]
+        y = F.scaled_dot_product_attention(*heads, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class _Head(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln(x))
+
+
+def build_model(cfg: ModelConfig, seed: int) -> nn.Sequential:
+    """The model, initialised from ``seed`` alone (the same on every rank and layout)."""
+    if cfg.vocab_size < 1:
+        raise ValueError("model.vocab_size is not set (build the corpus first)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(_Embed(cfg), *[_Block(cfg) for _ in range(cfg.n_layer)], _Head(cfg))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-character cross-entropy (computed in FP32 under autocast)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul: every block's four linears and the head (the
+    embeddings are lookups; biases and norms are counted, they are a rounding error)."""
+    d = cfg.d_model
+    block = (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d) + 4 * d
+    return cfg.n_layer * block + d * cfg.vocab_size + 2 * d
+
+
+def flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs per token: ``6 N + 12 L T d``.
+
+    ``6 N``: forward 2 FLOPs per matmul parameter per token, backward twice that (Kaplan et al.
+    2020). ``12 L T d``: attention scores ``QK^T`` and ``AV``, 2 matmuls of ``2 T d`` FLOPs per
+    token per layer forward, times 3 with backward; causal masking not subtracted (as in PaLM,
+    appendix B). ``N`` = :func:`matmul_params`, ``L`` layers, ``T`` = seq_len, ``d`` = d_model.
+    """
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+
+
+def describe(cfg: ModelConfig) -> Dict[str, Any]:
+    """The model's identity in checkpoints (resuming another model is refused)."""
+    return {"kind": "dist_kernels.train fallback GPT", **dataclasses.asdict(cfg)}
