@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--global-batch", type=int, default=0, help="samples per step (0: derived)")
     add("--dtype", default=d.dtype, choices=("fp32", "bf16", "fp16"))
     add("--steps", type=int, default=d.steps)
+    add("--stop-after", type=int, default=None, help="stop after this step (resume later)")
     add("--lr", type=float, default=d.lr, help="peak learning rate at --lr-base-batch")
     add("--lr-scaling", default=d.lr_scaling, choices=("none", "linear", "sqrt"))
     add("--lr-base-batch", type=int, default=d.lr_base_batch)
@@ -97,7 +98,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, schedule=args.schedule,
         micro_batch=args.micro_batch, grad_accum=args.grad_accum, global_batch=args.global_batch,
-        dtype=args.dtype, steps=args.steps, lr=args.lr, lr_scaling=args.lr_scaling,
+        dtype=args.dtype, steps=args.steps, stop_after=args.stop_after, lr=args.lr,
+        lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,
         data=args.data, model=model, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, log_every=args.log_every,
@@ -200,6 +202,21 @@ def _spawn(cfg: TrainConfig, world_size: int) -> int:
                 proc.join()
 
 
+def _join_torchrun(timeout_s: float) -> None:
+    """init_process_group under torchrun, its keys under a prefix of this attempt.
+
+    torchrun keeps its store across restarts; without the prefix a restarted group finds the
+    dead attempt's gloo addresses there and fails to connect ("Connection refused").
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"dist_kernels.train/attempt-{attempt}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
@@ -216,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if torchrun:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout))
+        _join_torchrun(cfg.timeout)
         try:
             run_rank(cfg)
         finally:

@@ -67,6 +67,9 @@ class TrainConfig:
     loss scaler: a short run's gradients stay in range, a long one needs bf16)."""
     steps: int = 20
     """Optimizer steps to take (in total, counting those before a resume)."""
+    stop_after: Optional[int] = None
+    """Stop after this step (an interruption to resume from later; the schedule still spans
+    ``steps``). None = run to ``steps``."""
     lr: float = 1e-3
     """Peak learning rate at the reference batch ``lr_base_batch``."""
     lr_scaling: LrScaling = "none"
@@ -103,7 +106,7 @@ class TrainConfig:
     """dk (our engines), torch (torch DDP / FSDP2 over gloo), or both, one after the other."""
     straggler_threshold: float = 0.3
     """A rank is slow when its busy time exceeds the median by this fraction ..."""
-    straggler_min_ms: float = 2.0
+    straggler_min_ms: float = 10.0
     """... and by at least this many milliseconds ..."""
     straggler_patience: int = 2
     """... for this many consecutive intervals."""

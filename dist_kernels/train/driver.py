@@ -143,11 +143,12 @@ class _Run:
         interval: List[StepTimes] = []
         loss = math.nan
         wall = time.perf_counter()
-        for step in range(self.start_step, cfg.steps):
+        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+        for step in range(self.start_step, end):
             loss, times = self.engine.step(step, self.sampler)
             interval.append(times)
             done = step + 1
-            if done % cfg.log_every == 0 or done == cfg.steps:
+            if done % cfg.log_every == 0 or done == end:
                 self._log(done, loss, interval, time.perf_counter() - wall)
                 interval = []
                 wall = time.perf_counter()
@@ -161,7 +162,7 @@ class _Run:
         if cfg.checkpoint_dir is None or self.engine_name != "dk":
             return False
         every = cfg.checkpoint_every
-        return done == cfg.steps or (every > 0 and done % every == 0)
+        return done in (cfg.steps, cfg.stop_after) or (every > 0 and done % every == 0)
 
     def _maybe_die(self, done: int) -> None:
         fault = self.cfg.kill_after_checkpoint
