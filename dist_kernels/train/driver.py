@@ -105,6 +105,7 @@ class _Run:
         self.ident = checkpoints.identity(cfg, describe(cfg.model), corpus.fingerprint())
         resume = checkpoints.resolve_resume(cfg, self.ident)
         model = build_model(cfg.model, cfg.seed)
+        self.flops_per_token = flops_per_token(cfg.model, model)  # the whole model, not a stage
         self.engine = build_engine(cfg, model, engine, world.mesh, world.rank, world.world_size)
         self.start_step = 0
         if resume is not None:
@@ -116,7 +117,6 @@ class _Run:
         )
         self.result = RunResult(engine, self.start_step)
         self.peak_flops = matmul_peak_flops(seconds=0.1)
-        self.flops_per_token = flops_per_token(cfg.model)
         self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
         self.progress = Progress(
             cfg.progress and self.is_rank0, cfg.steps, self.start_step, f"train[{engine}]"

@@ -116,8 +116,11 @@ class Progress:
     def __init__(self, enabled: bool, total: int, initial: int, desc: str) -> None:
         self._bar = None
         if enabled:
-            from tqdm import tqdm
-
+            try:
+                from tqdm import tqdm
+            except ImportError:  # the optional extra is missing: metrics still print, per line
+                print("no progress bar: pip install dist_kernels[train] for tqdm", flush=True)
+                return
             self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", leave=True)
 
     def update(self, steps: int, **fields: str) -> None:

@@ -1,11 +1,12 @@
 """The model seam of the driver: what it trains, as an ``nn.Sequential`` of pipeline-cuttable
-children, with its parameter count and FLOPs per token.
+children (embedding, blocks, head), with its FLOPs per token.
 
-FALLBACK: ``dist_kernels.models.GPT`` (the tensor-parallel issue) is not on main yet. Until it
-is, :func:`build_model` builds the small causal transformer below (GPT-2 layout, pre-norm,
-no dropout, untied head so that the first and last pipeline stages share nothing). It is a
-stand-in to be deleted when ``dist_kernels.models`` lands; the driver uses only
-:func:`build_model`, :func:`flops_per_token` and :func:`loss_fn`.
+:func:`build_model` builds ``dist_kernels.models.GPT`` (untied head, so that the first and last
+pipeline stages share nothing; no dropout) as ``GPT.as_sequential()`` when that package is
+importable. FALLBACK: until the tensor-parallel issue lands ``dist_kernels.models`` on main, it
+builds the small causal transformer below instead (the same GPT-2 layout: pre-norm blocks, fused
+qkv, 4x MLP). The stand-in is to be deleted then; the driver uses only :func:`build_model`,
+:func:`flops_per_token`, :func:`describe` and :func:`loss_fn`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,28 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Sequential:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        gpt = _library_gpt(cfg)
+        if gpt is not None:
+            return gpt.as_sequential()
         return nn.Sequential(_Embed(cfg), *[_Block(cfg) for _ in range(cfg.n_layer)], _Head(cfg))
+
+
+def _library_gpt(cfg: ModelConfig):
+    try:
+        from ..models import GPT, GPTConfig
+    except ImportError:
+        return None
+    return GPT(
+        GPTConfig(
+            vocab_size=cfg.vocab_size,
+            block_size=cfg.seq_len,
+            n_layers=cfg.n_layer,
+            n_heads=cfg.n_head,
+            dim=cfg.d_model,
+            dropout=0.0,
+            tie_embeddings=False,
+        )
+    )
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -73,15 +95,15 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul: every block's four linears and the head (the
-    embeddings are lookups; biases and norms are counted, they are a rounding error)."""
-    d = cfg.d_model
-    block = (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d) + 4 * d
-    return cfg.n_layer * block + d * cfg.vocab_size + 2 * d
+def matmul_params(model: nn.Module) -> int:
+    """Parameters that take part in a matmul: the weights and biases of every ``nn.Linear``
+    (the embeddings are lookups, norms a rounding error)."""
+    return sum(
+        p.numel() for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()
+    )
 
 
-def flops_per_token(cfg: ModelConfig) -> int:
+def flops_per_token(cfg: ModelConfig, model: nn.Module) -> int:
     """Training FLOPs per token: ``6 N + 12 L T d``.
 
     ``6 N``: forward 2 FLOPs per matmul parameter per token, backward twice that (Kaplan et al.
@@ -89,9 +111,18 @@ def flops_per_token(cfg: ModelConfig) -> int:
     token per layer forward, times 3 with backward; causal masking not subtracted (as in PaLM,
     appendix B). ``N`` = :func:`matmul_params`, ``L`` layers, ``T`` = seq_len, ``d`` = d_model.
     """
-    return 6 * matmul_params(cfg) + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+    return 6 * matmul_params(model) + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
 
 
 def describe(cfg: ModelConfig) -> Dict[str, Any]:
     """The model's identity in checkpoints (resuming another model is refused)."""
-    return {"kind": "dist_kernels.train fallback GPT", **dataclasses.asdict(cfg)}
+    kind = "dist_kernels.models.GPT" if _has_library_gpt() else "dist_kernels.train fallback GPT"
+    return {"kind": kind, **dataclasses.asdict(cfg)}
+
+
+def _has_library_gpt() -> bool:
+    try:
+        from ..models import GPT  # noqa: F401
+    except ImportError:
+        return False
+    return True
