@@ -83,9 +83,10 @@ class World:
                 obj.close()
 
 
-def train(cfg: TrainConfig, engine: Optional[str] = None) -> RunResult:
+def train(cfg: TrainConfig, engine: Optional[str] = None, append_log: bool = False) -> RunResult:
     """Trains ``cfg`` (layout already resolved by ``cfg.with_layout``) with ``engine``
-    ("dk" or "torch"; default ``cfg.engine``). Collective: every rank calls it."""
+    ("dk" or "torch"; default ``cfg.engine``). Collective: every rank calls it. The JSON log
+    is appended to when ``append_log`` or when the run resumes a checkpoint."""
     engine = engine or cfg.engine
     corpus = CharCorpus.build(cfg.data, cfg.model.seq_len)
     cfg = dataclasses.replace(
@@ -93,13 +94,15 @@ def train(cfg: TrainConfig, engine: Optional[str] = None) -> RunResult:
     )
     world = World(cfg, need_mesh=engine == "dk")
     try:
-        return _Run(cfg, engine, world, corpus).run()
+        return _Run(cfg, engine, world, corpus, append_log).run()
     finally:
         world.close()
 
 
 class _Run:
-    def __init__(self, cfg: TrainConfig, engine: str, world: World, corpus: CharCorpus) -> None:
+    def __init__(
+        self, cfg: TrainConfig, engine: str, world: World, corpus: CharCorpus, append_log: bool
+    ) -> None:
         self.cfg, self.engine_name, self.world = cfg, engine, world
         self.sampler = Sampler(corpus, cfg.model.seq_len, cfg.global_batch, cfg.seed)
         self.ident = checkpoints.identity(cfg, describe(cfg.model), corpus.fingerprint())
@@ -121,7 +124,9 @@ class _Run:
         self.progress = Progress(
             cfg.progress and self.is_rank0, cfg.steps, self.start_step, f"train[{engine}]"
         )
-        self.json = JsonLines(cfg.json if self.is_rank0 else None)
+        self.json = JsonLines(
+            cfg.json if self.is_rank0 else None, append=append_log or resume is not None
+        )
         if self.is_rank0 and resume is not None:
             self.progress.write(f"resumed from {resume['path']} at step {self.start_step}")
 

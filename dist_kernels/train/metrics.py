@@ -94,10 +94,11 @@ def peak_memory_mb() -> float:
 
 
 class JsonLines:
-    """One JSON object per logged step (rank 0), flushed as written."""
+    """One JSON object per logged step (rank 0), flushed as written; ``append`` continues a
+    file (a resumed run, or the second engine of ``--engine both``)."""
 
-    def __init__(self, path: Optional[str]) -> None:
-        self._file = open(path, "w") if path else None
+    def __init__(self, path: Optional[str], append: bool = False) -> None:
+        self._file = open(path, "a" if append else "w") if path else None
 
     def write(self, record: Dict[str, Any]) -> None:
         if self._file is not None:
