@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--micro-batch", type=int, default=d.micro_batch, help="samples per forward per rank")
     add("--grad-accum", type=int, default=0, help="micro-batches per step (0: derived)")
     add("--global-batch", type=int, default=0, help="samples per step (0: derived)")
+    add(
+        "--bucket-cap-mb",
+        type=float,
+        default=d.bucket_cap_mb,
+        help="gradient bucket MiB (both engines)",
+    )
+    add("--first-bucket-mb", type=float, default=d.first_bucket_mb, help="first bucket MiB (ours)")
     add("--dtype", default=d.dtype, choices=("fp32", "bf16", "fp16"))
     add("--steps", type=int, default=d.steps)
     add("--stop-after", type=int, default=None, help="stop after this step (resume later)")
@@ -98,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, schedule=args.schedule,
         micro_batch=args.micro_batch, grad_accum=args.grad_accum, global_batch=args.global_batch,
+        bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
         dtype=args.dtype, steps=args.steps, stop_after=args.stop_after, lr=args.lr,
         lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,

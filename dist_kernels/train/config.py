@@ -62,6 +62,10 @@ class TrainConfig:
     0 = global_batch / (micro_batch x dp)."""
     global_batch: int = 0
     """Samples per optimizer step over all replicas; 0 = micro_batch x grad_accum x dp."""
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size in MiB, the same for our DDP / ZeRO and torch's DDP (torch: 25)."""
+    first_bucket_mb: float = 1.0
+    """Cap of the first bucket (ours; torch DDP's is fixed at 1 MiB)."""
     dtype: Dtype = "fp32"
     """Compute dtype: fp32, or bf16 / fp16 autocast over FP32 weights (fp16 runs without a
     loss scaler: a short run's gradients stay in range, a long one needs bf16)."""

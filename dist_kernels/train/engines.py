@@ -92,7 +92,12 @@ class DataParallel:
             from ..zero import ShardedOptimizer
 
             opt = ShardedOptimizer(
-                model.parameters(), torch.optim.AdamW, dp_comm, stage=cfg.zero, **kwargs
+                model.parameters(),
+                torch.optim.AdamW,
+                dp_comm,
+                stage=cfg.zero,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                **kwargs,
             )
             return model, opt, lambda last: contextlib.nullcontext() if last else opt.no_sync()
         if engine == "torch" and cfg.zero and world > 1:
@@ -103,9 +108,14 @@ class DataParallel:
         if engine == "dk":
             from ..ddp import DistributedDataParallel
 
-            ddp = DistributedDataParallel(model, dp_comm)
+            ddp = DistributedDataParallel(
+                model,
+                dp_comm,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                first_bucket_mb=min(cfg.first_bucket_mb, cfg.bucket_cap_mb),
+            )
         else:
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
         return ddp, opt, lambda last: contextlib.nullcontext() if last else ddp.no_sync()
 
     def start(self, start_step: int) -> None:
