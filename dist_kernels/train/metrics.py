@@ -16,6 +16,7 @@ training every rank's step time is the same: the fast ranks wait in ``comm``).
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import sys
@@ -69,10 +70,12 @@ class LastGradClock:
         self._handles = []
 
 
+@functools.cache
 def matmul_peak_flops(size: int = 512, seconds: float = 0.3) -> float:
     """FP32 FLOP/s of this process, from square matmuls repeated for about ``seconds``.
 
-    Run on every rank at once, so ranks sharing cores measure the share they really get.
+    Run on every rank at once, so ranks sharing cores measure the share they really get; once
+    per process, so both engines of ``--engine both`` are held to the same peak.
     """
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)  # warm-up
