@@ -83,9 +83,13 @@ def _key_bias_mask(numel: int) -> torch.Tensor:
 
 
 def _assert_params_close(a, b, lr=3e-3, steps=10, **tol):
-    """Parameters after AdamW steps, to FP32 rounding.
+    """Parameters after AdamW steps, to FP32 rounding as Adam propagates it.
 
-    Except the key third of ``qkv.bias``: its gradient is zero in exact arithmetic (softmax
+    Adam divides each gradient by its own root mean square, so the rounding in a tiny gradient
+    (an embedding row of a rare character) moves its parameter by a fraction of ``lr``: the
+    callers' ``atol`` is 1% of one step (3e-5 at lr 3e-3).
+
+    The key third of ``qkv.bias`` is looser still: its gradient is zero in exact arithmetic (softmax
     ignores a constant added to every key), and Adam divides that rounding noise by its own
     root mean square, so those entries wander by up to ``lr`` a step in either direction. They
     are held to that bound only."""
@@ -119,7 +123,7 @@ def test_dp2_matches_single_process(reference, engine):
     losses = ranks[0]["losses"]
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     for r in ranks:
-        _assert_params_close(r["params"], ref_params, rtol=1e-5, atol=1e-6)
+        _assert_params_close(r["params"], ref_params, rtol=1e-5, atol=3e-5)
     # the check sees a wrong answer: the reference shifted by one step is far off
     assert abs(losses[1] - ref_losses[0]) > 1e-3
     rec = ranks[0]["records"][-1]
@@ -142,7 +146,7 @@ def test_dp2_zero2_matches_single_process(reference):
     ref_losses, ref_params = reference
     ranks = run_ranks(2, _on_ranks, _cfg(dp=2, zero=2, global_batch=8), timeout=180)
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
-    _assert_params_close(ranks[1]["params"], ref_params, rtol=1e-5, atol=1e-6)
+    _assert_params_close(ranks[1]["params"], ref_params, rtol=1e-5, atol=3e-5)
 
 
 # ------------------------------------------------------------------ stragglers
@@ -199,7 +203,7 @@ def test_resume_on_fewer_ranks_reshards(tmp_path):
     resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=180)
     straight = run_ranks(2, _on_ranks, cfg, timeout=180)
     assert resumed[0]["start"] == 4
-    _assert_params_close(resumed[0]["params"], straight[0]["params"], rtol=1e-5, atol=1e-6)
+    _assert_params_close(resumed[0]["params"], straight[0]["params"], rtol=1e-5, atol=3e-5)
     torch.testing.assert_close(
         resumed[0]["losses"][-1], straight[0]["losses"][-1], rtol=1e-5, atol=0
     )
