@@ -142,6 +142,14 @@ def test_pp2_matches_single_process(reference):
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
 
 
+def test_dp2_x_tp1_x_pp2_matches_single_process(reference):
+    """4 ranks: two pipelines of two stages, their stage gradients averaged by DDP."""
+    ref_losses, _ = reference
+    cfg = _cfg(dp=2, pp=2, global_batch=8, micro_batch=2)
+    ranks = run_ranks(4, _on_ranks, cfg, timeout=240)
+    torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
+
+
 def test_dp2_zero2_matches_single_process(reference):
     ref_losses, ref_params = reference
     ranks = run_ranks(2, _on_ranks, _cfg(dp=2, zero=2, global_batch=8), timeout=180)
