@@ -91,10 +91,11 @@ def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str
     return {**record, "path": path}
 
 
-def save(cfg, engine, ident, step: int, pp_rank: int, barrier) -> str:
-    """Collective over the world: every stage saves, then rank 0 commits COMPLETE.json."""
+def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
+    """Collective over the world: every stage (and tensor shard) saves, then rank 0 commits
+    COMPLETE.json. ``shard``: this rank's directory name (``stage-1``, ``stage-0-tp-1``)."""
     root = step_dir(cfg, step)
-    stage = os.path.join(root, f"stage-{pp_rank}")
+    stage = os.path.join(root, shard)
     extra = {"step": step, "samples": step * cfg.global_batch, "identity": ident}
     if cfg.zero:
         dk_checkpoint.save(stage, model=engine.module, optimizer=engine.optimizer, extra=extra)
@@ -123,9 +124,9 @@ def _write_json_atomic(path: str, record: Dict[str, Any]) -> None:
         os.close(fd)
 
 
-def load(cfg, engine, resume: Dict[str, Any], pp_rank: int) -> int:
+def load(cfg, engine, resume: Dict[str, Any], shard: str) -> int:
     """Restores model and optimizer from ``resume``; returns the step to continue from."""
-    stage = os.path.join(resume["path"], f"stage-{pp_rank}")
+    stage = os.path.join(resume["path"], shard)
     if cfg.zero:
         dk_checkpoint.load(stage, model=engine.module, optimizer=engine.optimizer)
     else:

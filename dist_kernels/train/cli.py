@@ -13,7 +13,6 @@ in the launching process, before any rank starts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -124,18 +123,21 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Every check that can fail before a rank starts; returns the resolved config."""
     from .checkpoints import identity, resolve_resume
     from .data import CharCorpus
-    from .model import describe
+    from .driver import model_config
+    from .model import describe, has_library_gpt
 
     cfg = cfg.with_layout(world_size)
-    if cfg.tp > 1:
+    if cfg.tp > 1 and not has_library_gpt():
         raise ConfigError(
             f"tp({cfg.tp}) > 1 needs dist_kernels.tensor_parallel and dist_kernels.models, "
-            "which are not on this branch yet"
+            "which this installation does not have"
         )
+    if cfg.tp > 1 and cfg.engine != "dk":
+        raise ConfigError(f"engine={cfg.engine!r} supports tp=1 only (tp={cfg.tp})")
     if cfg.engine != "dk" and cfg.checkpoint_dir is not None:
         raise ConfigError(f"checkpoints are written by --engine dk only (engine={cfg.engine!r})")
     corpus = CharCorpus.build(cfg.data, cfg.model.seq_len)
-    model = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
+    model = model_config(cfg, corpus)
     resolve_resume(cfg, identity(cfg, describe(model), corpus.fingerprint()))
     if cfg.plot is not None:
         try:

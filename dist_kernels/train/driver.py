@@ -61,8 +61,18 @@ class World:
             dist.all_gather_object(self.hosts, socket.gethostname())
             self.comm = Communicator()
             if need_mesh:
-                self.mesh = ProcessMesh(dp=cfg.dp, pp=cfg.pp)
+                # tp joins the mesh with the tensor-parallel issue; tp=1 keeps main's signature
+                tp = {"tp": cfg.tp} if cfg.tp > 1 else {}
+                self.mesh = ProcessMesh(dp=cfg.dp, pp=cfg.pp, **tp)
         self.pp_rank = self.mesh.pp_rank if self.mesh is not None else 0
+        self.tp_rank = getattr(self.mesh, "tp_rank", 0)
+        self.tp_comm = getattr(self.mesh, "tp_comm", None) if cfg.tp > 1 else None
+
+    @property
+    def shard_name(self) -> str:
+        """This rank's piece of the model: its stage, and its tensor shard when tp > 1."""
+        tp = f"-tp-{self.tp_rank}" if self.tp_comm is not None else ""
+        return f"stage-{self.pp_rank}{tp}"
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
         """``[world_size, len(row)]``: every rank's row (one all-gather)."""
@@ -83,15 +93,20 @@ class World:
                 obj.close()
 
 
+def model_config(cfg: TrainConfig, corpus: CharCorpus):
+    """The model size with the corpus's vocabulary, padded to a multiple of tp (the head and
+    embedding are split by vocabulary; the padding ids never occur)."""
+    vocab = -(-corpus.vocab_size // cfg.tp) * cfg.tp
+    return dataclasses.replace(cfg.model, vocab_size=vocab)
+
+
 def train(cfg: TrainConfig, engine: Optional[str] = None, append_log: bool = False) -> RunResult:
     """Trains ``cfg`` (layout already resolved by ``cfg.with_layout``) with ``engine``
     ("dk" or "torch"; default ``cfg.engine``). Collective: every rank calls it. The JSON log
     is appended to when ``append_log`` or when the run resumes a checkpoint."""
     engine = engine or cfg.engine
     corpus = CharCorpus.build(cfg.data, cfg.model.seq_len)
-    cfg = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
-    )
+    cfg = dataclasses.replace(cfg, model=model_config(cfg, corpus))
     world = World(cfg, need_mesh=engine == "dk")
     try:
         return _Run(cfg, engine, world, corpus, append_log).run()
@@ -107,12 +122,15 @@ class _Run:
         self.sampler = Sampler(corpus, cfg.model.seq_len, cfg.global_batch, cfg.seed)
         self.ident = checkpoints.identity(cfg, describe(cfg.model), corpus.fingerprint())
         resume = checkpoints.resolve_resume(cfg, self.ident)
-        model = build_model(cfg.model, cfg.seed)
-        self.flops_per_token = flops_per_token(cfg.model, model)  # the whole model, not a stage
-        self.engine = build_engine(cfg, model, engine, world.mesh, world.rank, world.world_size)
+        full, _ = build_model(cfg.model, cfg.seed)
+        self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
+        model, loss = (
+            (full, _) if world.tp_comm is None else build_model(cfg.model, cfg.seed, world.tp_comm)
+        )
+        self.engine = build_engine(cfg, model, loss, engine, world.mesh, world.rank)
         self.start_step = 0
         if resume is not None:
-            self.start_step = checkpoints.load(cfg, self.engine, resume, world.pp_rank)
+            self.start_step = checkpoints.load(cfg, self.engine, resume, world.shard_name)
         self.engine.start(self.start_step)
         self.is_rank0 = world.rank == 0
         self.detector = StragglerDetector(
@@ -158,7 +176,9 @@ class _Run:
                 interval = []
                 wall = time.perf_counter()
             if self._checkpoint_due(done):
-                checkpoints.save(cfg, self.engine, self.ident, done, self.world.pp_rank, self.world)
+                checkpoints.save(
+                    cfg, self.engine, self.ident, done, self.world.shard_name, self.world
+                )
                 self._maybe_die(done)
                 wall = time.perf_counter()  # checkpoint time is not training throughput
 

@@ -23,7 +23,6 @@ from .. import lr as dk_lr
 from .config import TrainConfig
 from .data import Sampler
 from .metrics import LastGradClock, StepTimes
-from .model import loss_fn
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -67,14 +66,17 @@ class DataParallel:
         self,
         cfg: TrainConfig,
         model: nn.Sequential,
+        loss_fn: Callable,
         engine: str,
-        dp_comm: Any,
+        mesh: Any,
         rank: int,
-        world_size: int,
     ) -> None:
-        self.cfg, self.engine, self.module = cfg, engine, model
-        self.dp_rank = rank  # pp = tp = 1: the data-parallel group is the world
+        self.cfg, self.engine, self.module, self.loss_fn = cfg, engine, model, loss_fn
+        # torch's engine (no mesh) runs pp = tp = 1: its data-parallel group is the world
+        self.dp_rank = mesh.dp_rank if mesh is not None else rank
+        dp_comm = mesh.dp_comm if mesh is not None else None
         self.delay = _Delay(cfg, rank)
+        world_size = cfg.dp
         self.forward, self.optimizer, self._no_sync = self._wrap(
             cfg, model, engine, dp_comm, world_size
         )
@@ -149,7 +151,7 @@ class DataParallel:
         if first:
             self.delay()
         with _autocast(self.cfg.dtype):
-            loss = loss_fn(self.forward(x), y) / self.cfg.grad_accum
+            loss = self.loss_fn(self.forward(x), y) / self.cfg.grad_accum
         t1 = time.perf_counter()
         self.clock.stamp = None
         loss.backward()
@@ -190,7 +192,9 @@ def _fsdp2(model: nn.Sequential, kwargs: Dict[str, Any]):
 class Pipelined:
     """dk.Pipeline over ``mesh`` (dp x pp); grad_accum micro-batches per step."""
 
-    def __init__(self, cfg: TrainConfig, model: nn.Sequential, mesh: Any, rank: int) -> None:
+    def __init__(
+        self, cfg: TrainConfig, model: nn.Sequential, loss_fn: Callable, mesh: Any, rank: int
+    ) -> None:
         from ..pipeline import Pipeline
 
         self.cfg, self.mesh = cfg, mesh
@@ -245,13 +249,12 @@ def _autocast(dtype: str):
 def build_engine(
     cfg: TrainConfig,
     model: nn.Sequential,
+    loss_fn: Callable,
     engine: str,
     mesh: Optional[Any],
     rank: int,
-    world_size: int,
 ):
     """The engine of ``cfg``'s layout; ``mesh`` is None for the torch engine and one process."""
     if cfg.pp > 1:
-        return Pipelined(cfg, model, mesh, rank)
-    dp_comm = mesh.dp_comm if mesh is not None else None
-    return DataParallel(cfg, model, engine, dp_comm, rank, world_size)
+        return Pipelined(cfg, model, loss_fn, mesh, rank)
+    return DataParallel(cfg, model, loss_fn, engine, mesh, rank)

@@ -12,7 +12,7 @@ qkv, 4x MLP). The stand-in is to be deleted then; the driver uses only :func:`bu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
@@ -60,16 +60,24 @@ class _Head(nn.Module):
         return self.lm_head(self.ln(x))
 
 
-def build_model(cfg: ModelConfig, seed: int) -> nn.Sequential:
-    """The model, initialised from ``seed`` alone (the same on every rank and layout)."""
+def build_model(
+    cfg: ModelConfig, seed: int, tp_comm: Any = None
+) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
+    layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel)."""
     if cfg.vocab_size < 1:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         gpt = _library_gpt(cfg)
-        if gpt is not None:
-            return gpt.as_sequential()
-        return nn.Sequential(_Embed(cfg), *[_Block(cfg) for _ in range(cfg.n_layer)], _Head(cfg))
+        if gpt is None:
+            if tp_comm is not None and tp_comm.world_size > 1:
+                raise ValueError("tp > 1 needs dist_kernels.models (not importable)")
+            blocks = [_Block(cfg) for _ in range(cfg.n_layer)]
+            return nn.Sequential(_Embed(cfg), *blocks, _Head(cfg)), loss_fn
+    if tp_comm is not None and tp_comm.world_size > 1:
+        gpt.parallelize(tp_comm)  # slices the unsharded initialisation: same model as tp=1
+    return gpt.as_sequential(), gpt.loss
 
 
 def _library_gpt(cfg: ModelConfig):
@@ -103,7 +111,7 @@ def matmul_params(model: nn.Module) -> int:
     )
 
 
-def flops_per_token(cfg: ModelConfig, model: nn.Module) -> int:
+def flops_per_token(cfg: ModelConfig, model: nn.Module) -> int:  # model: unsharded
     """Training FLOPs per token: ``6 N + 12 L T d``.
 
     ``6 N``: forward 2 FLOPs per matmul parameter per token, backward twice that (Kaplan et al.
@@ -116,11 +124,11 @@ def flops_per_token(cfg: ModelConfig, model: nn.Module) -> int:
 
 def describe(cfg: ModelConfig) -> Dict[str, Any]:
     """The model's identity in checkpoints (resuming another model is refused)."""
-    kind = "dist_kernels.models.GPT" if _has_library_gpt() else "dist_kernels.train fallback GPT"
+    kind = "dist_kernels.models.GPT" if has_library_gpt() else "dist_kernels.train fallback GPT"
     return {"kind": kind, **dataclasses.asdict(cfg)}
 
 
-def _has_library_gpt() -> bool:
+def has_library_gpt() -> bool:
     try:
         from ..models import GPT  # noqa: F401
     except ImportError:
