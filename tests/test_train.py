@@ -226,6 +226,18 @@ def test_resume_on_fewer_ranks_reshards(tmp_path):
     )
 
 
+def test_resume_auto_skips_an_incomplete_checkpoint(tmp_path):
+    from dist_kernels.train.checkpoints import COMPLETE, newest_complete
+
+    assert newest_complete(str(tmp_path / "missing")) is None
+    for step, complete in ((3, True), (6, False), (12, True), (20, False)):
+        os.makedirs(tmp_path / f"step-{step:08d}" / "stage-0")
+        if complete:
+            (tmp_path / f"step-{step:08d}" / COMPLETE).write_text("{}")
+    (tmp_path / "step-junk").mkdir()
+    assert newest_complete(str(tmp_path)) == str(tmp_path / "step-00000012")
+
+
 # ------------------------------------------------------------------ bad input
 
 
