@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dist_kernels
-from dist_kernels import _cuda_comm
+from dist_kernels.comm import cuda as _cuda_comm
 
 CUDA_DEVICE = torch.device("cuda", 0)  # a device object; nothing is allocated on it
 
@@ -233,7 +233,7 @@ def test_async_error_surfaces_at_the_next_call(fake_cuda):
 
 def test_module_level_api_reaches_a_cuda_communicator(monkeypatch):
     """dk.init(device="cuda"); dk.all_reduce(t): the default communicator may be a CUDA one."""
-    from dist_kernels import communicator
+    from dist_kernels.comm import communicator
 
     calls = []
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from dist_kernels import _cuda_comm
+from dist_kernels.comm import cuda as _cuda_comm
 
 pytestmark = pytest.mark.gpu
 

@@ -34,7 +34,7 @@ void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 const dk::nccl::NcclLibrary& library() {
   const dk::nccl::NcclLibrary* loaded = dk::nccl::loadedNccl();
   if (loaded == nullptr) {
-    throw std::runtime_error("NCCL is not loaded: call dist_kernels._nccl.load() first");
+    throw std::runtime_error("NCCL is not loaded: call dist_kernels.comm.nccl.load() first");
   }
   return *loaded;
 }

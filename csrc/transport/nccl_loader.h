@@ -1,5 +1,5 @@
 // Loads NCCL at run time (design decision 3): dlopen of an absolute path, then dlsym of every
-// entry of the typed table in nccl_api.h. The Python layer (dist_kernels/_nccl.py) chooses the
+// entry of the typed table in nccl_api.h. The Python layer (dist_kernels/comm/nccl.py) chooses the
 // path; this file only loads it. A loaded library is never unloaded: communicators created from
 // it may live until the process exits.
 #pragma once
