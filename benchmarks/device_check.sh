@@ -43,8 +43,8 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN} # NCCL says why it fails, and nothing more
 REFERENCE_BUDGET=360
 STEP_ORDER=(precheck driver toolchain device build info gpu_tests bench_ws1 bench_ws2 bench_kernels)
 declare -A LIMIT=(
-  [precheck]=5 [driver]=10 [toolchain]=10 [device]=20 [build]=100 [info]=15
-  [gpu_tests]=100 [bench_ws1]=30 [bench_ws2]=45 [bench_kernels]=25
+  [precheck]=5 [driver]=10 [toolchain]=10 [device]=20 [build]=90 [info]=15
+  [gpu_tests]=120 [bench_ws1]=25 [bench_ws2]=40 [bench_kernels]=25
 )
 BUDGET=${DK_CHECK_BUDGET_S:-$REFERENCE_BUDGET}
 total=0

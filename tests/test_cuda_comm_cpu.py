@@ -60,6 +60,7 @@ class _FakeNcclComm:
         self.error = None
         self.aborts = 0
         self.closes = 0
+        self.closed = False
 
     def async_error(self):
         return self.error
@@ -69,9 +70,11 @@ class _FakeNcclComm:
 
     def abort(self):
         self.aborts += 1
+        self.closed = True
 
     def close(self):
         self.closes += 1
+        self.closed = True
 
 
 class _FakeEvent:
@@ -110,13 +113,14 @@ class _FakeCuda:
         self.current = {0: _FakeStream("current of cuda:0"), 1: _FakeStream("current of cuda:1")}
         self.current_device = 0  # the current device is NOT the communicator's (cuda:1)
         self.events = []
+        self.new_events_done = False
 
     def current_stream(self, device=None):
         index = self.current_device if device is None else torch.device(device).index
         return self.current[index]
 
     def Event(self):  # noqa: N802 - torch's name
-        event = _FakeEvent()
+        event = _FakeEvent(done=self.new_events_done)
         self.events.append(event)
         return event
 
@@ -229,6 +233,26 @@ def test_async_error_surfaces_at_the_next_call(fake_cuda):
     assert message.startswith("[rank 0] all_reduce: NCCL reported an asynchronous error")
     assert "NCCL error 6" in message and "fake last error" in message
     assert launched == [] and comm._comm.aborts == 1  # nothing enqueued on a failed comm
+
+
+def test_close_waits_for_the_stream_then_destroys_and_later_waits_are_no_error(fake_cuda):
+    comm = _fake_communicator()
+    work = comm._run("all_reduce", [_FakeTensor()], lambda s: None, async_op=True)
+    fake_cuda.events[0].done = True  # the comm stream has finished by the time close() looks
+    fake_cuda.new_events_done = True
+    nccl = comm._comm
+    comm.close()
+    assert comm.closed and nccl.closes == 1 and nccl.aborts == 0
+    assert work.wait(timeout=1.0) is True  # nothing left to ask NCCL: no error
+
+
+def test_close_times_out_and_aborts(fake_cuda):
+    comm = _fake_communicator()
+    comm.timeout = datetime.timedelta(seconds=0.05)
+    nccl = comm._comm
+    with pytest.raises(dist_kernels.CommError, match=r"\[rank 0\] close: not finished after"):
+        comm.close()
+    assert comm.closed and nccl.aborts == 1 and nccl.closes == 0
 
 
 def test_module_level_api_reaches_a_cuda_communicator(monkeypatch):

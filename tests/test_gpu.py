@@ -176,7 +176,7 @@ _TWO_RANKS_ENV = {
     "NCCL_SOCKET_IFNAME": "lo",
 }
 #: A call on two ranks ends well inside benchmarks/device_check.sh's per-test pytest timeout
-#: (60 s), so a hang shows up as run_ranks' TimeoutError naming the ranks still running.
+#: (72 s), so a hang shows up as run_ranks' TimeoutError naming the ranks still running.
 TWO_RANK_TIMEOUT_S = 50
 #: Each rank's communicator: a host wait longer than this is a CommError, not a hang.
 COMM_TIMEOUT_S = 20

@@ -110,8 +110,9 @@ def as_cuda_tensor(obj: Any, device: torch.device, arg: str) -> torch.Tensor:
 class NcclWatch:
     """Turns a hang or NCCL's asynchronous error into ``CommError`` (see the module docstring).
 
-    ``comm`` is an ``_C.NcclComm`` (or anything with ``async_error()``, ``last_error()`` and
-    ``abort()``). Once it has failed, :attr:`failure` holds the first error's message.
+    ``comm`` is an ``_C.NcclComm`` (or anything with ``closed``, ``async_error()``,
+    ``last_error()`` and ``abort()``). Once it has failed, :attr:`failure` holds the first
+    error's message.
     """
 
     def __init__(self, comm: Any, rank: int) -> None:
@@ -127,6 +128,8 @@ class NcclWatch:
                 f"[rank {self.rank}] {what}: the communicator was aborted after an earlier "
                 f"failure: {self.failure}"
             )
+        if self._comm.closed:  # closed cleanly (a Work waited after close()): nothing to ask
+            return
         error = self._comm.async_error()
         if error is not None:
             self.abort(what, f"NCCL reported an asynchronous error: {error}")
@@ -562,8 +565,10 @@ class CudaCommunicator:
         self._transport = None
         self._held = []
         comm, self._comm = self._comm, None
+        if comm.closed:  # NcclWatch aborted it already
+            return
         if aborted:
-            comm.abort()  # a no-op when NcclWatch aborted it already
+            comm.abort()
         else:
             comm.close()
 
