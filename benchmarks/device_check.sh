@@ -18,7 +18,9 @@
 #
 # Output as it goes: with $OUT set (the device tool's output folder) the log is written there
 # line by line and the report (.md and .json) after every step, so a check stopped by its time
-# limit still returns what ran. At the end the report also goes to benchmarks/results/.
+# limit still returns what ran; pytest's JUnit XML and the benchmarks' JSON rows go there too
+# (at most 6 files: the device tool returns 8). At the end the report also goes to
+# benchmarks/results/.
 #
 # Knobs: PYTHON (default python3), DK_CUDA_ARCHS (default 90), DK_CHECK_BUDGET_S,
 # DK_BENCH_ARGS (replace the short default sweep of python -m dist_kernels.bench),
@@ -239,7 +241,7 @@ fi
 # 3. The gpu tier. Per-test timeout below the step's limit, so a hang still ends in pytest's
 # summary (the 2-rank tests set the NCCL socket variables per rank themselves).
 GPU_LIMIT=$(limit_of gpu_tests)
-PYTEST_ARGS=(-q -m gpu -rs -p no:cacheprovider --timeout=$((GPU_LIMIT * 6 / 10)))
+PYTEST_ARGS=(-q -m gpu -rs -p no:cacheprovider --durations=10 --timeout=$((GPU_LIMIT * 6 / 10)))
 if "$PY" -c 'import inspect, pytest_timeout, sys; sys.exit("session_timeout" not in inspect.getsource(pytest_timeout))' 2>/dev/null; then
   PYTEST_ARGS+=(--session-timeout=$((GPU_LIMIT * 85 / 100)))
 fi
@@ -253,16 +255,19 @@ fi
 
 # 4. Benchmarks: our collectives against NCCL at world size 1 (one rank) and 2 (two ranks on the
 # one GPU over sockets); our kernels.
+# Each benchmark's rows as JSON beside the report, where $OUT is set.
+bench_json() { [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && echo "--json $OUT/$1.json"; }
 if ((!BUILT)); then
   skip bench_ws1 "the build failed"
   skip bench_ws2 "the build failed"
 elif [ "$DRY" = 1 ] || "$PY" -m dist_kernels.bench --help 2>&1 | grep -q -- "--device"; then
   # shellcheck disable=SC2086
-  step bench_ws1 "$PY" -m dist_kernels.bench --device cuda --nproc 1 $BENCH_SWEEP
+  step bench_ws1 "$PY" -m dist_kernels.bench --device cuda --nproc 1 $BENCH_SWEEP \
+    $(bench_json bench_ws1)
   # shellcheck disable=SC2086
   step bench_ws2 "${TWO_RANK_ENV[@]}" "$PY" -m torch.distributed.run --standalone \
     --nproc_per_node=2 --no-python "$WORK/rank_env.sh" "$PY" -m dist_kernels.bench --device cuda \
-    $BENCH_SWEEP
+    $BENCH_SWEEP $(bench_json bench_ws2)
 else
   missing bench_ws1 "dist_kernels.bench with a --device option is not in this checkout"
   missing bench_ws2 "dist_kernels.bench with a --device option is not in this checkout"

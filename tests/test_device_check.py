@@ -92,6 +92,8 @@ def test_dry_run_passes_every_step_and_writes_log_and_report(tmp_path):
     assert "--nproc 1" in commands["bench_ws1"]
     assert "NCCL_NET=Socket" in commands["bench_ws2"]
     assert "--nproc_per_node=2" in commands["bench_ws2"]
+    assert f"--json {out}/bench_ws2.json" in commands["bench_ws2"]
+    assert "--durations=10" in commands["gpu_tests"]
     # pytest's per-test timeout is shorter than the step's limit: a hang ends in a summary.
     timeout = int(re.search(r"--timeout=(\d+)", commands["gpu_tests"]).group(1))
     assert timeout < report["steps"][STEPS.index("gpu_tests")]["limit_s"]
