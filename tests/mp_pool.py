@@ -135,7 +135,13 @@ class _Pool:
     ) -> List[Any]:
         for conn in self.conns:
             conn.send((fn, args, kwargs, env))
-        return self._collect(timeout, what=getattr(fn, "__name__", str(fn)))
+        try:
+            return self._collect(timeout, what=getattr(fn, "__name__", str(fn)))
+        except BaseException:
+            # Interrupted while ranks still run (pytest-timeout, Ctrl-C): their late results
+            # would be read as the next call's, so this pool is done.
+            self.close(kill=True)
+            raise
 
     def _collect(self, timeout: float, what: str) -> List[Any]:
         results: List[Any] = [None] * self.world_size
