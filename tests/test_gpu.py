@@ -314,6 +314,7 @@ def _side_stream_case(comm, rank, algorithm):
     held back by a sleep) and before its later work (a clone)."""
     side = torch.cuda.Stream()
     x = torch.zeros(1 << 16, device="cuda", dtype=torch.float32)
+    side.wait_stream(torch.cuda.current_stream())  # x's zeros are written before the side works
     with torch.cuda.stream(side):
         torch.cuda._sleep(HOLD_CYCLES)
         x.fill_(rank + 1)
