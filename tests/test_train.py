@@ -119,7 +119,8 @@ def reference():
 @pytest.mark.parametrize("engine", ["dk", "torch"])
 def test_dp2_matches_single_process(reference, engine):
     ref_losses, ref_params = reference
-    ranks = run_ranks(2, _on_ranks, _cfg(dp=2, global_batch=8), engine, timeout=180)
+    cfg = _cfg(dp=2, global_batch=8, reference_tokens_per_s=1000.0)
+    ranks = run_ranks(2, _on_ranks, cfg, engine, timeout=180)
     losses = ranks[0]["losses"]
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     for r in ranks:
@@ -132,6 +133,7 @@ def test_dp2_matches_single_process(reference, engine):
         assert key in rec, key
     assert rec["comm_ms"] is not None and rec["comm_ms"] >= 0
     assert len(rec["peak_mem_mb"]) == 2 and 0 < rec["mfu"]
+    assert rec["scaling_efficiency"] == pytest.approx(rec["tokens_per_s"] / (2 * 1000.0))
     assert ranks[0]["stragglers"] == []  # no delay: nobody named
 
 
@@ -164,6 +166,15 @@ def test_dp2_zero2_matches_single_process(reference):
     ranks = run_ranks(2, _on_ranks, _cfg(dp=2, zero=2, global_batch=8), timeout=180)
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
     _assert_params_close(ranks[1]["params"], ref_params, rtol=1e-5, atol=3e-5)
+
+
+def test_lr_scaling_reaches_the_optimizer():
+    """sqrt scaling from a base batch of 2 to 8 doubles the peak rate; each record holds the
+    rate its step used (half of it in the first of 2 warm-up steps)."""
+    cfg = _cfg(steps=3, global_batch=8, lr_scaling="sqrt", lr_base_batch=2, warmup=2)
+    cfg = dataclasses.replace(cfg, decay="constant")
+    records = train(cfg.with_layout(1)).records
+    assert [r["lr"] for r in records] == pytest.approx([3e-3, 6e-3, 6e-3], rel=1e-12)
 
 
 # ------------------------------------------------------------------ stragglers

@@ -125,7 +125,8 @@ class DataParallel:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        """The learning rate the last step used (the scheduler has moved on since)."""
+        return self._last_lr
 
     def step(self, step: int, sampler: Sampler) -> Tuple[float, StepTimes]:
         cfg, times = self.cfg, StepTimes()
@@ -138,6 +139,7 @@ class DataParallel:
             with self._no_sync(k == cfg.grad_accum - 1):
                 loss_sum += self._micro_step(inputs[part], targets[part], times, k == 0)
         t0 = time.perf_counter()
+        self._last_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -227,6 +229,7 @@ class Pipelined:
         with _autocast(cfg.dtype):
             loss = float(self.pipe.step(inputs, targets))
         t0 = time.perf_counter()
+        self._last_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
