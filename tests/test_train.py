@@ -267,6 +267,8 @@ def test_batch_arithmetic_errors():
         ConfigError, match=r"global_batch\(10\) is not a multiple of micro_batch\(4\) x dp\(2\) = 8"
     ):
         TrainConfig(dp=2, micro_batch=4, global_batch=10).with_layout(2)
+    with pytest.raises(ConfigError, match=r"zero\(2\) shards over data-parallel ranks"):
+        TrainConfig(zero=2).with_layout(1)
     ok = TrainConfig(dp=2, micro_batch=4, global_batch=32).with_layout(2)
     assert ok.grad_accum == 4
 

@@ -181,6 +181,8 @@ class TrainConfig:
             raise ConfigError(f"d_model({m.d_model}) is not a multiple of n_head({m.n_head})")
 
     def _check_layout(self) -> None:
+        if self.zero and self.dp == 1:
+            raise ConfigError(f"zero({self.zero}) shards over data-parallel ranks: needs dp > 1")
         if self.pp > 1 and self.zero:
             raise ConfigError(f"zero({self.zero}) with pp({self.pp}) > 1 is not supported yet")
         if self.pp > 1 and self.engine != "dk":
