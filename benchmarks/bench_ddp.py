@@ -6,12 +6,18 @@ Spawns its own ranks (gloo process group through a TCPStore on localhost, one to
 rank). Each rank trains a ~20M-parameter transformer; both engines run in the same processes,
 alternating in rounds so that machine noise hits both alike. Per engine and world size it prints:
 
-- step time (median over rounds of the mean of ``--steps`` steps: forward, backward, SGD step),
+- step time (median over ``--rounds`` rounds of the mean of ``--steps`` steps: forward,
+  backward, SGD step; 5 x 5 by default),
 - samples/s over all ranks, and scaling efficiency = samples/s(n) / (n * samples/s(1)),
 - hidden fraction of all-reduce time: 1 - (T_step - T_local) / T_allreduce, where T_local is the
   same step under ``no_sync()`` (no communication) and T_allreduce is the time of all-reducing
   the engine's buckets back to back with nothing else running. 1 = communication fully hidden
   behind backward, 0 = fully exposed.
+
+Correctness first: before anything is timed, both engines run one forward and backward on the
+same batch from the same initial model, and their averaged gradients must agree (max relative
+difference at most 1e-5 for FP32 gradients, 4 ulp of the wire dtype for BF16 / FP16); otherwise
+every rank stops. The difference is printed.
 """
 
 from __future__ import annotations
@@ -80,6 +86,31 @@ class _Null:
         return False
 
 
+def _gradients(model, tokens) -> List[torch.Tensor]:
+    logits = model(tokens[:, :-1])
+    nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _check_engines_agree(engines, tokens, args) -> float:
+    """Both engines' averaged gradients for one batch, compared before any timing; stops every
+    rank when they differ by more than the wire dtype's rounding."""
+    ours, theirs = (_gradients(model, tokens) for _name, model, _, _ in engines)
+    for _name, model, _, _ in engines:
+        model.zero_grad(set_to_none=True)
+    scale = max(t.abs().max().item() for t in theirs)
+    diff = torch.tensor([max((a - b).abs().max().item() for a, b in zip(ours, theirs)) / scale])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    wire = DTYPES[args.grad_dtype]
+    tolerance = 1e-5 if wire is None else 4 * torch.finfo(wire).eps
+    if not diff.item() <= tolerance:  # NaN stops too
+        raise SystemExit(
+            f"bench_ddp: dist_kernels and torch DDP gradients differ before timing: max "
+            f"relative difference {diff.item():.3e} > {tolerance:g}"
+        )
+    return diff.item()
+
+
 def _time_steps(model, opt, batches, steps: int, sync: bool) -> float:
     dist.barrier()
     start = time.perf_counter()
@@ -128,6 +159,7 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)]
     results: Dict[str, Dict[str, List[float]]] = {}
     engines = _engines(args, world)
+    grad_diff = _check_engines_agree(engines, batches[0], args)
     for _name, model, _, _ in engines:  # warm-up (and the first-iteration bucket rebuild)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         for _ in range(2):
@@ -143,7 +175,7 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
                 r["allreduce"].append(_time_allreduce(bufs, reduce))
     if rank == 0:
         nparams = sum(p.numel() for p in engines[0][1].parameters())
-        queue.put((world, nparams, results))
+        queue.put((world, nparams, results, grad_diff))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -192,7 +224,7 @@ def _free_port() -> int:
 def _summarise(args, runs) -> List[dict]:
     rows = []
     base = {}
-    for world, nparams, results in runs:
+    for world, nparams, results, grad_diff in runs:
         for name, r in results.items():
             step = statistics.median(r["step"])
             local = statistics.median(r["local"])
@@ -207,6 +239,7 @@ def _summarise(args, runs) -> List[dict]:
                 "local_ms": local * 1e3,
                 "samples_per_s": samples,
                 "scaling": samples / (world * base[name]) if name in base else None,
+                "grad_rel_diff": grad_diff,
             }
             if r["allreduce"]:
                 comm = statistics.median(r["allreduce"])
@@ -222,6 +255,9 @@ def _print(rows: List[dict], args) -> None:
         f"seq {args.seq} per rank, grad dtype {args.grad_dtype}, bucket {args.bucket_mb} MiB, "
         f"{args.rounds} rounds x {args.steps} steps (median); machine shared, timings noisy"
     )
+    for world in sorted({r["world"] for r in rows}):
+        diff = next(r["grad_rel_diff"] for r in rows if r["world"] == world)
+        print(f"# {world} ranks: gradients checked before timing, max rel diff {diff:.2e}")
     header = f"{'engine':>13} {'ranks':>5} {'step ms':>9} {'no-comm ms':>10} {'samples/s':>9} "
     header += f"{'scaling':>7} {'allred ms':>9} {'hidden':>6}"
     print(header)
@@ -244,8 +280,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--grad-dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=8000)
