@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -76,6 +77,23 @@ class _BackwardPass:
         self.works: List[Any] = [None] * len(layouts)
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self.pre_scale = 1.0
+        #: Weak reference to the end-of-backward callback queued on autograd: it dies unrun
+        #: when autograd abandons the backward (an exception midway).
+        self.end: Optional[weakref.ref] = None
+
+    def abandoned(self) -> bool:
+        """True once autograd has dropped this pass's end-of-backward callback unrun."""
+        return self.end is None or self.end() is None
+
+
+class _EndOfBackward:
+    """The callback queued on the autograd engine at the start of a synchronised backward."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+
+    def __call__(self) -> None:
+        self._finish()
 
 
 class DistributedDataParallel(nn.Module):
@@ -181,7 +199,9 @@ class DistributedDataParallel(nn.Module):
         self._broadcast_state(list(module.parameters()) + self._module_buffers)
         self._buffer_flat = self._alloc_bytes(self._module_buffers)
 
-        self._require_backward_grad_sync = True  # False inside no_sync()
+        #: Whether forwards arm their backward to synchronise (torch DDP's attribute): False inside
+        #: :meth:`no_sync`, and scripts may set it themselves (nanoGPT sets it per micro-step).
+        self.require_backward_grad_sync = True
         self._armed = False  # whether the next backward synchronises
         self._sync_switch = True  # set_requires_gradient_sync; persistent, like FSDP2's
         self._unused_at_forward: List[int] = []
@@ -333,6 +353,7 @@ class DistributedDataParallel(nn.Module):
 
         ``.grad`` tensors that are bucket views are copied out first, so they stay valid.
         """
+        self._abandon_if_stale()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
@@ -341,6 +362,10 @@ class DistributedDataParallel(nn.Module):
                 param.grad = view.clone()
         if self._owns_comm and hasattr(self.comm, "close"):
             self.comm.close()
+
+    def _abandon_if_stale(self) -> None:
+        if self._pass is not None and self._pass.abandoned():
+            self._abandon_pass()
 
     @property
     def reductions_launched(self) -> int:
@@ -376,9 +401,10 @@ class DistributedDataParallel(nn.Module):
         """Runs the module. With gradients enabled it also decides whether the next backward
         synchronises: yes, unless inside :meth:`no_sync` or with the gradient sync switch off
         (a forward under ``torch.no_grad()`` leaves the decision as it was)."""
+        self._abandon_if_stale()
         deciding = torch.is_grad_enabled()
         if deciding:
-            self._armed = self._require_backward_grad_sync and self._sync_switch
+            self._armed = self.require_backward_grad_sync and self._sync_switch
         if self.broadcast_buffers and self._buffer_flat is not None:
             _broadcast_bytes(self.comm, self._buffer_flat, self._module_buffers)
         output = self.module(*args, **kwargs)
@@ -410,12 +436,12 @@ class DistributedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes of forwards run inside accumulate gradients locally, without comms."""
-        previous = self._require_backward_grad_sync
-        self._require_backward_grad_sync = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._require_backward_grad_sync = previous
+            self.require_backward_grad_sync = previous
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Switches gradient synchronisation on or off, deciding for the next backward at once.
@@ -444,6 +470,7 @@ class DistributedDataParallel(nn.Module):
                 "requires_gradient_sync: expected a bool, got "
                 f"{type(requires_gradient_sync).__name__}"
             )
+        self._abandon_if_stale()
         if self._pass is not None:
             raise RuntimeError(
                 f"[rank {self.rank}] DistributedDataParallel.set_requires_gradient_sync: called "
@@ -457,18 +484,16 @@ class DistributedDataParallel(nn.Module):
 
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
+            self._abandon_if_stale()
             # A started pass finishes even if a forward re-decides meanwhile (non-reentrant
             # checkpointing recomputes forwards inside backward).
             if self._pass is None and not self._armed:
                 return
-            try:
-                if self._pass is None:
-                    self._start_pass()
-                self._mark_ready(index, used=True)
-            except BaseException:
-                self._pass = None
-                self._armed = False
-                raise
+            # An exception here leaves the pass for _abandon_pass (autograd then drops the
+            # end-of-backward callback), which releases the peers waiting for our buckets.
+            if self._pass is None:
+                self._start_pass()
+            self._mark_ready(index, used=True)
 
         return hook
 
@@ -478,9 +503,30 @@ class DistributedDataParallel(nn.Module):
         self._pass.pre_scale = self._pre_scale
         if self._grad_views and inv_loss_scale is not None:
             self._pass.pre_scale *= inv_loss_scale
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        end = _EndOfBackward(self._finish_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+        self._pass.end = weakref.ref(end)
         for index in self._unused_at_forward:
             self._mark_ready(index, used=False)
+
+    def _abandon_pass(self) -> None:
+        """Completes the collectives of a backward that autograd abandoned midway.
+
+        An exception inside backward (a user's tensor hook, a failing op) stops autograd before
+        the end-of-backward callback; peers are then waiting in the all-reduces of buckets this
+        rank never launched. They are launched now, flagged ``STATUS_ABORTED``, and the results
+        discarded; every peer's backward raises instead of waiting for the timeout, and every
+        rank starts the next backward clean. Runs at this rank's next forward or gradient hook
+        (or :meth:`close`). ``.grad`` of the abandoned step is unspecified: zero it.
+        """
+        state = self._pass
+        try:
+            if not self._local:
+                self._launch_from(state, plan.STATUS_ABORTED)
+                self._wait_reductions(state)
+        finally:
+            self._pass = None
+            self._armed = False
 
     def _mark_ready(self, index: int, used: bool) -> None:
         state = self._pass
@@ -501,6 +547,12 @@ class DistributedDataParallel(nn.Module):
             self._launch(state.next_launch, plan.STATUS_OK)
             state.next_launch += 1
 
+    def _launch_from(self, state: _BackwardPass, status: int) -> None:
+        """Launches every bucket not launched yet, with ``status`` in the status slots."""
+        for bucket_index in range(state.next_launch, len(self._layouts)):
+            self._launch(bucket_index, status)
+        state.next_launch = len(self._layouts)
+
     def _launch(self, bucket_index: int, status: int) -> None:
         """Packs one bucket and starts its all-reduce asynchronously."""
         layout, bucket, state = self._layouts[bucket_index], self._buckets[bucket_index], self._pass
@@ -520,8 +572,9 @@ class DistributedDataParallel(nn.Module):
             unscale_(in_place, state.pre_scale, state.found_inf)
         if layout.status_offset is not None:
             slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
+            slots.copy_(torch.tensor(plan.status_slots(status, False), dtype=slots.dtype))
+            # Read on the device: no host synchronisation for the flag.
             slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
-            slots[plan.ERROR_SLOT] = float(status != plan.STATUS_OK)
         if self._debug:
             self._check_fingerprint(layout, status)
         self._sequence += 1
@@ -555,31 +608,43 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward: launch the rest, wait, check the status slots, unpack into .grad."""
         state = self._pass
-        if state is None:  # a hook raised and abandoned this backward
-            return
-        if self._local:
-            try:
-                self._finish_local(state)
-            finally:
-                self._pass = None
-                self._armed = False
+        if state is None:
             return
         try:
+            if self._local:
+                self._finish_local(state)
+                return
             local_error = self._launch_remaining(state)
-            used_work = self._reduce_used_mask(state)
-            for work in state.works:
-                work.wait()
-            status = self._read_status()
-            if local_error or status[plan.ERROR_SLOT] > 0:
-                raise RuntimeError(local_error or self._peer_error(status[plan.ERROR_SLOT]))
-            if used_work is not None:
-                used_work.wait()
+            status = self._wait_reductions(state)
+            self._raise_on_status(local_error, status)
             self._unpack_all(status[plan.FOUND_INF_SLOT] > 0)
             if not self._rebuilt:
                 self._rebuild(state.ready_order)
         finally:
             self._pass = None
             self._armed = False
+
+    def _wait_reductions(self, state: _BackwardPass) -> List[float]:
+        """Waits for every collective of the pass; returns the summed status slots.
+
+        Every rank issues the same collectives in the same order here, whether its backward
+        finished, was incomplete or was abandoned (and a joined rank shadows them).
+        """
+        used_work = self._reduce_used_mask(state)
+        for work in state.works:
+            work.wait()
+        status = self._read_status()
+        if used_work is not None:
+            used_work.wait()
+        return status
+
+    def _raise_on_status(self, local_error: Optional[str], status: List[float]) -> None:
+        if local_error:
+            raise RuntimeError(local_error)
+        if status[plan.ABORTED_SLOT] > 0:
+            raise RuntimeError(self._aborted_error(status[plan.ABORTED_SLOT]))
+        if status[plan.ERROR_SLOT] > 0:
+            raise RuntimeError(self._peer_error(status[plan.ERROR_SLOT]))
 
     def _launch_remaining(self, state: _BackwardPass) -> Optional[str]:
         """Marks gradient-less parameters ready, or launches the rest flagged as an error."""
@@ -591,9 +656,7 @@ class DistributedDataParallel(nn.Module):
                 self._mark_ready(index, used=False)
             return None
         # Peers may be waiting on these buckets: send them, flagged, so every rank raises.
-        for bucket_index in range(state.next_launch, len(self._layouts)):
-            self._launch(bucket_index, plan.STATUS_INCOMPLETE)
-        state.next_launch = len(self._layouts)
+        self._launch_from(state, plan.STATUS_INCOMPLETE)
         return self._no_gradient_message(missing)
 
     def _no_gradient_message(self, missing: Sequence[int]) -> str:
@@ -634,6 +697,13 @@ class DistributedDataParallel(nn.Module):
             return [0.0] * plan.STATUS_SLOTS
         slots = self._buckets[-1][last.status_offset : last.status_offset + plan.STATUS_SLOTS]
         return slots.float().tolist()
+
+    def _aborted_error(self, count: float) -> str:
+        return (
+            f"[rank {self.rank}] DistributedDataParallel: {int(round(count))} other rank(s) "
+            "abandoned this backward midway (an exception there, e.g. from a user hook; see "
+            "their error); this step's gradients are not averaged: zero them and carry on."
+        )
 
     def _peer_error(self, count: float) -> str:
         return (
