@@ -62,7 +62,9 @@ _LAZY: Dict[str, str] = {
     "Pipeline": "pipeline",
     "ProcessMesh": "mesh",
 }
-_SUBMODULES = ("ops", "checkpoint", "optim", "pipeline", "bucketing", "bench", "info")
+_SUBMODULES = (
+    "ops", "checkpoint", "optim", "pipeline", "bucketing", "bench", "info", "ddp_hooks"
+)  # fmt: skip
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
 

@@ -35,16 +35,21 @@ parameter got a gradient, unscales for the loss scaler and flags inf/NaN, in pla
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import time
 import weakref
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_leaves
 
 from . import _ddp_plan as plan
 from . import communicator
+from ._ddp_grad_bucket import GradBucket, Reductions
+from ._ddp_join import DDPJoinHook
 from ._dtypes import DTYPE_CODES, ReduceOp
 from .bucketing import pack, plan_buckets, unpack, unscale_
 
@@ -74,7 +79,9 @@ class _BackwardPass:
         self.used = [False] * num_params
         self.ready_order: List[int] = []
         self.next_launch = 0
-        self.works: List[Any] = [None] * len(layouts)
+        self.works: List[Any] = [None] * len(layouts)  # Work, or (Future, buffer) with a hook
+        self.status = plan.STATUS_OK  # the worst status a bucket was launched with
+        self.shadow = False  # a joined rank's stand-in for the others' backward (zeros)
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self.pre_scale = 1.0
         #: Weak reference to the end-of-backward callback queued on autograd: it dies unrun
@@ -96,7 +103,7 @@ class _EndOfBackward:
         self._finish()
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism over a dist_kernels Communicator, with torch DDP's options.
 
     Which backward passes synchronise: a backward all-reduces when it is *armed* as it starts.
@@ -155,6 +162,7 @@ class DistributedDataParallel(nn.Module):
         loss_scaler: Any = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         _check_options(
             module, bucket_cap_mb, first_bucket_mb, grad_dtype, gradient_predivide_factor
         )
@@ -176,6 +184,7 @@ class DistributedDataParallel(nn.Module):
         # on the way out. When that is 1 and the wire dtype is the parameters' own (FP32 or
         # BF16), contiguous parameters' .grad become views of the registered buckets and nothing
         # is copied out; the inverse loss scale then joins the pre-scale too.
+        self._predivide = gradient_predivide_factor
         factor = float(gradient_predivide_factor or self.world_size)
         self._pre_scale, self._post_scale = 1.0 / factor, factor / self.world_size
         self._grad_views = (
@@ -207,6 +216,12 @@ class DistributedDataParallel(nn.Module):
         self._unused_at_forward: List[int] = []
         self._pass: Optional[_BackwardPass] = None
         self._sequence = 0
+        self._divide_by_initial_world_size = True  # set by join()
+        self._join_work: Any = None  # the Join all-reduce counting the active ranks
+        self._reductions = None if self._local else Reductions(self.comm, algorithm)
+        self._comm_hook: Any = None
+        self._comm_hook_state: Any = None
+        self._hook_status: Optional[torch.Tensor] = None  # status slots when a hook runs
         self._rebuilt = self._local
         #: Whether the last synchronised backward had an inf/NaN gradient on any rank.
         self.found_inf = False
@@ -367,6 +382,59 @@ class DistributedDataParallel(nn.Module):
         if self._pass is not None and self._pass.abandoned():
             self._abandon_pass()
 
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Reduces every bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
+
+        Torch's contract (``torch.nn.parallel.DistributedDataParallel.register_comm_hook``):
+        ``bucket`` is a :class:`dist_kernels.ddp_hooks.GradBucket` holding this rank's summed
+        gradients (not divided by the world size); the hook returns a
+        ``torch.futures.Future`` whose value is the reduced buffer (a tensor of the buffer's
+        size, or a one-element list of it), copied back into the bucket and from there into
+        ``.grad``. Shipped hooks are in :mod:`dist_kernels.ddp_hooks`; torch's own hooks
+        (over ``torch.distributed``) work too. Register once, before the first backward.
+
+        With a hook, ``grad_dtype`` and ``gradient_predivide_factor`` must be None (the hook
+        decides the wire format and the division), and the found-inf and error status travel
+        in a separate 3-element all-reduce. On one rank nothing is reduced and the hook is
+        not called.
+        """
+        self._abandon_if_stale()
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel.register_comm_hook: a hook "
+                f"({_hook_name(self._comm_hook)}) is already registered; register once"
+            )
+        if not callable(hook):
+            raise TypeError(
+                f"[rank {self.rank}] DistributedDataParallel.register_comm_hook: hook must be "
+                f"callable as hook(state, bucket), got {type(hook).__name__}"
+            )
+        if self._pass is not None:
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel.register_comm_hook: called during "
+                "a synchronised backward; register before the first backward"
+            )
+        if self.grad_dtype is not None or self._predivide is not None:
+            raise ValueError(
+                f"[rank {self.rank}] DistributedDataParallel.register_comm_hook: the hook "
+                "decides the wire dtype and the division; construct without grad_dtype "
+                f"(got {self.grad_dtype}) and gradient_predivide_factor"
+            )
+        self._comm_hook, self._comm_hook_state = hook, state
+        self._pre_scale = 1.0  # the hook divides (torch's hooks get undivided gradients)
+        if not self._local:
+            self._hook_status = self.comm.empty((plan.STATUS_SLOTS,), torch.float32)
+
+    @property
+    def bytes_all_reduced(self) -> int:
+        """Payload bytes this rank has handed to all-reduces in backward passes (read-only).
+
+        Buckets (or what a comm hook sends instead), status slots and used masks; not the
+        construction-time broadcasts. A ring all-reduce moves ``2 (n - 1) / n`` times this per
+        rank. The difference over one step is that step's cost on the wire.
+        """
+        return 0 if self._reductions is None else self._reductions.bytes
+
     @property
     def reductions_launched(self) -> int:
         """Bucket all-reduces launched since construction (read-only).
@@ -402,11 +470,15 @@ class DistributedDataParallel(nn.Module):
         synchronises: yes, unless inside :meth:`no_sync` or with the gradient sync switch off
         (a forward under ``torch.no_grad()`` leaves the decision as it was)."""
         self._abandon_if_stale()
+        join_work = Join.notify_join_context(self)  # None unless under join()
         deciding = torch.is_grad_enabled()
         if deciding:
             self._armed = self.require_backward_grad_sync and self._sync_switch
-        if self.broadcast_buffers and self._buffer_flat is not None:
-            _broadcast_bytes(self.comm, self._buffer_flat, self._module_buffers)
+        self._sync_buffers(active=True)
+        if self._join_config.enable:
+            # Tell joined ranks whether a synchronised backward follows (they shadow it).
+            self._join_flag(deciding and self._armed)
+            self._join_work = None if self._divide_by_initial_world_size else join_work
         output = self.module(*args, **kwargs)
         if deciding:
             # Only an overlap optimisation (see _start_pass): the end of backward finds any
@@ -479,6 +551,108 @@ class DistributedDataParallel(nn.Module):
         self._sync_switch = self._armed = requires_gradient_sync
         if not requires_gradient_sync:
             self._unused_at_forward = []
+
+    # ----------------------------------------------------------------- uneven inputs
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for uneven inputs across ranks (torch DDP's ``join``).
+
+        Inside it, a rank that has run out of batches shadows the collectives of the ranks
+        still training (zero gradients), so nobody hangs; on exit every rank has the
+        parameters and buffers of the last rank to join. Gradients are divided by the
+        initial world size (joined ranks contribute zeros), or with
+        ``divide_by_initial_world_size=False`` by the number of ranks still training.
+        ``throw_on_early_termination=True`` instead raises ``RuntimeError`` on every rank as
+        soon as one has run out. Under ``join()`` the forward decides whether its backward
+        synchronises (``set_requires_gradient_sync`` between forward and backward would
+        leave joined ranks shadowing the wrong thing). See torch's
+        ``torch.distributed.algorithms.Join``.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook :class:`torch.distributed.algorithms.Join` runs on a joined rank."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The torch process group of the Communicator (Join counts active ranks on it)."""
+        return getattr(self.comm, "group", None)
+
+    def _sync_buffers(self, active: bool) -> None:
+        """Broadcasts buffers before a forward: from rank 0, or under join() from the highest
+        rank still training (a joined rank's buffers stopped updating), as torch does."""
+        if not self.broadcast_buffers or self._buffer_flat is None:
+            return
+        src = self._common_rank(active) if self._join_config.enable else 0
+        _broadcast_bytes(self.comm, self._buffer_flat, self._module_buffers, src)
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest rank for which ``candidate`` holds (every rank calls this)."""
+        mine = torch.tensor([float(self.rank if candidate else -1)], device=self._device)
+        self.comm.all_reduce(mine, op=ReduceOp.MAX)
+        return int(mine.item())
+
+    def _join_flag(self, mine: bool) -> bool:
+        """Whether any rank said True (every rank calls this)."""
+        if self._local:
+            return mine
+        flag = torch.tensor([float(mine)], device=self._device)
+        self.comm.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    def _shadow_iteration(self) -> None:
+        """A joined rank: the collectives of one iteration of the others, in their order."""
+        self._abandon_if_stale()
+        self._sync_buffers(active=False)
+        if not self._join_flag(False) or self._local:
+            return
+        state = _BackwardPass(self._layouts, len(self._params), self._device)
+        state.shadow = True
+        self._pass = state
+        try:
+            self._launch_from(state, plan.STATUS_OK)
+            self._wait_reductions(state)
+            if not self._rebuilt:
+                self._rebuild([])
+        finally:
+            self._pass = None
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """After join: parameters and buffers from the last rank to join, on every rank."""
+        if self._local:
+            return
+        src = self._common_rank(is_last_joiner)
+        tensors = list(self.module.parameters()) + self._module_buffers
+        flat = self._alloc_bytes(tensors)
+        if flat is not None:
+            _broadcast_bytes(self.comm, flat, tensors, src)
+
+    def _rescale_for_joined(self) -> None:
+        """``divide_by_initial_world_size=False``: the average over the active ranks only."""
+        work, self._join_work = self._join_work, None
+        if work is None:
+            return
+        work.wait()
+        active = float(work.result()[0].item())
+        if active < self.world_size:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self.world_size / active)
 
     # ----------------------------------------------------------------- backward
 
@@ -556,6 +730,26 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket_index: int, status: int) -> None:
         """Packs one bucket and starts its all-reduce asynchronously."""
         layout, bucket, state = self._layouts[bucket_index], self._buckets[bucket_index], self._pass
+        if state.shadow:  # a joined rank contributes zeros
+            bucket.zero_()
+        else:
+            self._fill(layout, bucket, state)
+        if layout.status_offset is not None:
+            slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
+            slots.copy_(torch.tensor(plan.status_slots(status, False), dtype=slots.dtype))
+            # Read on the device: no host synchronisation for the flag.
+            slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
+        state.status = max(state.status, status)
+        if self._debug:
+            self._check_fingerprint(layout, status)
+        self._sequence += 1
+        if self._comm_hook is not None:
+            state.works[bucket_index] = self._run_comm_hook(bucket_index)
+        else:
+            state.works[bucket_index] = self._reductions.all_reduce(bucket)
+
+    def _fill(self, layout: plan.BucketLayout, bucket: torch.Tensor, state: _BackwardPass) -> None:
+        """This rank's gradients into the bucket, times the pre-scale; flags inf/NaN."""
         present, in_place = [], []
         for index, offset, size in zip(layout.param_indices, layout.offsets, layout.sizes):
             grad, view = self._params[index].grad, self._views[index]
@@ -570,17 +764,27 @@ class DistributedDataParallel(nn.Module):
             pack(grads, bucket, offsets, state.pre_scale, state.found_inf)
         if in_place:
             unscale_(in_place, state.pre_scale, state.found_inf)
-        if layout.status_offset is not None:
-            slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
-            slots.copy_(torch.tensor(plan.status_slots(status, False), dtype=slots.dtype))
-            # Read on the device: no host synchronisation for the flag.
-            slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
-        if self._debug:
-            self._check_fingerprint(layout, status)
-        self._sequence += 1
-        state.works[bucket_index] = self.comm.all_reduce(
-            bucket, op=ReduceOp.SUM, algorithm=self.algorithm, async_op=True
+
+    def _run_comm_hook(self, bucket_index: int) -> Tuple[torch.futures.Future, torch.Tensor]:
+        """Hands one bucket (without its status slots) to the comm hook."""
+        layout, bucket = self._layouts[bucket_index], self._buckets[bucket_index]
+        end = layout.status_offset if layout.status_offset is not None else layout.numel
+        grad_bucket = GradBucket(
+            bucket_index,
+            bucket[:end],
+            [self._params[i] for i in layout.param_indices],
+            layout.offsets,
+            bucket_index == len(self._layouts) - 1,
+            self._reductions,
         )
+        future = self._comm_hook(self._comm_hook_state, grad_bucket)
+        if not isinstance(future, torch._C.Future):  # then() returns the C++ base class
+            raise TypeError(
+                f"[rank {self.rank}] DistributedDataParallel: the comm hook "
+                f"{_hook_name(self._comm_hook)} returned {type(future).__name__} for bucket "
+                f"{bucket_index}; it must return a torch.futures.Future of the reduced buffer"
+            )
+        return future, bucket[:end]
 
     def _check_fingerprint(self, layout: plan.BucketLayout, status: int) -> None:
         """DK_DEBUG=1: all ranks compare what they are about to all-reduce; raise on mismatch."""
@@ -618,6 +822,7 @@ class DistributedDataParallel(nn.Module):
             status = self._wait_reductions(state)
             self._raise_on_status(local_error, status)
             self._unpack_all(status[plan.FOUND_INF_SLOT] > 0)
+            self._rescale_for_joined()
             if not self._rebuilt:
                 self._rebuild(state.ready_order)
         finally:
@@ -631,12 +836,58 @@ class DistributedDataParallel(nn.Module):
         finished, was incomplete or was abandoned (and a joined rank shadows them).
         """
         used_work = self._reduce_used_mask(state)
-        for work in state.works:
-            work.wait()
+        if self._comm_hook is not None:
+            status_work = self._reduce_hook_status(state)
+            self._complete_hook_futures(state)
+            status_work.wait()
+        else:
+            for work in state.works:
+                work.wait()
         status = self._read_status()
         if used_work is not None:
             used_work.wait()
         return status
+
+    def _reduce_hook_status(self, state: _BackwardPass) -> Any:
+        """With a hook the buckets carry only gradients: the status slots travel alone."""
+        slots = self._hook_status
+        slots.copy_(torch.tensor(plan.status_slots(state.status, False), dtype=slots.dtype))
+        slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
+        return self._reductions.all_reduce(slots)
+
+    def _complete_hook_futures(self, state: _BackwardPass) -> None:
+        """Completes the hooks' all-reduces in issue order, then copies each result in."""
+        try:
+            self._reductions.drain()
+        except BaseException:
+            self._reductions.discard()
+            raise
+        deadline = time.monotonic() + _seconds(self.comm)
+        for bucket_index, (future, buffer) in enumerate(state.works):
+            while not future.done():  # a torch.distributed future completes on its own
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"[rank {self.rank}] DistributedDataParallel: the comm hook "
+                        f"{_hook_name(self._comm_hook)}'s Future for bucket {bucket_index} "
+                        "did not complete within the communicator's timeout after all of its "
+                        "all-reduces ran; the hook must complete it (e.g. from a then() callback)"
+                    )
+                time.sleep(1e-4)
+            result = future.wait()
+            if isinstance(result, (list, tuple)) and len(result) == 1:
+                result = result[0]  # dist.all_reduce(...).get_future() yields a list
+            self._take_hook_result(bucket_index, result, buffer)
+
+    def _take_hook_result(self, bucket_index: int, result: Any, buffer: torch.Tensor) -> None:
+        if not torch.is_tensor(result) or result.numel() != buffer.numel():
+            got = tuple(result.shape) if torch.is_tensor(result) else type(result).__name__
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel: the comm hook "
+                f"{_hook_name(self._comm_hook)}'s Future for bucket {bucket_index} holds {got}; "
+                f"expected a tensor of the bucket buffer's {buffer.numel()} elements"
+            )
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result.reshape(-1))
 
     def _raise_on_status(self, local_error: Optional[str], status: List[float]) -> None:
         if local_error:
@@ -689,9 +940,11 @@ class DistributedDataParallel(nn.Module):
         if not self.find_unused_parameters:
             return None
         self._used_mask[: len(state.used)].copy_(torch.tensor(state.used, dtype=torch.float32))
-        return self.comm.all_reduce(self._used_mask, op=ReduceOp.SUM, async_op=True)
+        return self._reductions.all_reduce(self._used_mask)
 
     def _read_status(self) -> List[float]:
+        if self._comm_hook is not None:
+            return self._hook_status.tolist()
         last = self._layouts[-1] if self._layouts else None
         if last is None:
             return [0.0] * plan.STATUS_SLOTS
@@ -791,6 +1044,17 @@ def _check_options(
         raise TypeError("module: sparse parameters are not supported")
 
 
+def _hook_name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def _seconds(comm: Any) -> float:
+    timeout = getattr(comm, "timeout", None)
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return 1800.0
+
+
 def _is_view(grad: Optional[torch.Tensor], view: torch.Tensor) -> bool:
     return grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
 
@@ -827,19 +1091,21 @@ def _scaler_enabled(scaler: Any) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
-def _broadcast_bytes(comm: Any, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Rank 0's bytes of ``tensors`` to every rank through one registered byte buffer."""
+def _broadcast_bytes(
+    comm: Any, flat: torch.Tensor, tensors: Sequence[torch.Tensor], src: int = 0
+) -> None:
+    """Rank ``src``'s bytes of ``tensors`` to every rank through one registered byte buffer."""
     views: List[Tuple[torch.Tensor, int, int]] = []
     offset = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         views.append((t, offset, nbytes))
         offset += nbytes
-    if comm.rank == 0:
+    if comm.rank == src:
         for t, start, nbytes in views:
             flat[start : start + nbytes].copy_(_as_bytes(t.detach()))
-    comm.broadcast(flat, 0)
-    if comm.rank != 0:
+    comm.broadcast(flat, src)
+    if comm.rank != src:
         with torch.no_grad():
             for t, start, nbytes in views:
                 _copy_bytes_into(t, flat[start : start + nbytes])
