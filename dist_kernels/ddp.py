@@ -59,13 +59,35 @@ _WIRE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 _MB = 1024 * 1024
 
 
+def _resolve_comm(module: nn.Module, comm: Any, process_group: Any) -> Tuple[Any, bool]:
+    """(communicator, created here) from ``comm`` or torch's ``process_group`` argument."""
+    if comm is not None and process_group is not None:
+        raise ValueError(
+            "DistributedDataParallel: pass comm or process_group, not both (comm is a "
+            "dist_kernels Communicator, process_group a torch ProcessGroup)"
+        )
+    if process_group is None:
+        return (comm, False) if comm is not None else _default_comm(module)
+    try:
+        default = communicator.get_default_communicator()
+    except RuntimeError:
+        default = None
+    if default is not None and default.group is process_group:
+        return default, False
+    return communicator.Communicator(group=process_group, device=_module_device(module)), True
+
+
+def _module_device(module: nn.Module) -> str:
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
 def _default_comm(module: nn.Module) -> Tuple[Any, bool]:
     """(communicator, created here): the default one if ``dk.init()`` ran, else a new one."""
     try:
         return communicator.get_default_communicator(), False
     except RuntimeError:
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        return communicator.Communicator(device="cuda" if device.type == "cuda" else "cpu"), True
+        return communicator.Communicator(device=_module_device(module)), True
 
 
 class _BackwardPass:
@@ -145,6 +167,21 @@ class DistributedDataParallel(nn.Module, Joinable):
             usual but not ``scaler.unscale_`` (the gradients already are; the hand-off is
             :meth:`dist_kernels.LossScaler.mark_unscaled`). One synchronised backward per
             ``scaler.update()``.
+        process_group: torch's argument: a torch ProcessGroup to average over (the default
+            Communicator if it is that group's, else a new one over it, closed by
+            :meth:`close`). Not together with ``comm``.
+        device_ids, output_device: torch's; checked only (None for CPU modules, a CUDA
+            module's own device): the module is not moved.
+        dim: torch's scatter dimension; must be 0 (nothing is scattered).
+        gradient_as_bucket_view: ``.grad`` of contiguous parameters become views of the
+            buckets, so nothing is copied out after the all-reduce (torch's meaning). Our
+            default is True (torch's is False): the views save a copy per step and differ only
+            in that ``.grad`` tensors alias the buckets. Has no effect with a low-precision
+            wire or a ``gradient_predivide_factor`` (the result is cast or scaled on the way
+            out).
+        static_graph: torch's: the set of used parameters is the same every iteration, found
+            in the first one; unused parameters are then allowed without
+            ``find_unused_parameters`` (see :meth:`_set_static_graph`).
     """
 
     def __init__(
@@ -160,14 +197,24 @@ class DistributedDataParallel(nn.Module, Joinable):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         loss_scaler: Any = None,
+        process_group: Any = None,
+        device_ids: Optional[Sequence[Any]] = None,
+        output_device: Any = None,
+        dim: int = 0,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
         _check_options(
             module, bucket_cap_mb, first_bucket_mb, grad_dtype, gradient_predivide_factor
         )
+        _check_devices(module, device_ids, output_device, dim)
         self.module = module
-        self.comm, self._owns_comm = (comm, False) if comm is not None else _default_comm(module)
+        self.device_ids = None if device_ids is None else list(device_ids)
+        self.output_device = output_device
+        self.dim = dim
+        self.comm, self._owns_comm = _resolve_comm(module, comm, process_group)
         self._device = torch.device(getattr(self.comm, "device", "cpu"))
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
@@ -175,6 +222,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.grad_dtype = grad_dtype
         self.algorithm = algorithm
         self.find_unused_parameters = find_unused_parameters
+        #: torch's attribute: True when constructed so or after :meth:`_set_static_graph`.
+        self.static_graph = False
+        self._static_unused: Optional[List[int]] = None  # learnt in the first forward
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.bucket_bytes_cap = int(bucket_cap_mb * _MB)
         self.broadcast_buffers = broadcast_buffers
         self.loss_scaler = loss_scaler
         self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
@@ -188,7 +240,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         factor = float(gradient_predivide_factor or self.world_size)
         self._pre_scale, self._post_scale = 1.0 / factor, factor / self.world_size
         self._grad_views = (
-            not self._local
+            gradient_as_bucket_view
+            and not self._local
             and self._post_scale == 1.0
             and all(
                 grad_dtype in (None, p.dtype) and p.dtype != torch.float16
@@ -235,6 +288,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
         ]
+        if static_graph:
+            self._set_static_graph()
 
     # ----------------------------------------------------------------- construction
 
@@ -484,9 +539,45 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Only an overlap optimisation (see _start_pass): the end of backward finds any
             # parameter still without a gradient, so a later set_requires_gradient_sync(True)
             # after a no_sync() forward stays correct with the empty list.
-            track = self._armed and self.find_unused_parameters and not self._local
-            self._unused_at_forward = self._unused_in_graph(output) if track else []
+            self._unused_at_forward = self._unused_for(output)
         return output
+
+    def _unused_for(self, output: Any) -> List[int]:
+        """Parameters to mark ready (unused) when the armed backward starts."""
+        if not self._armed or self._local or not self._allow_unused:
+            return []
+        if not self.static_graph:
+            return self._unused_in_graph(output)
+        if self._static_unused is None:  # a static graph is walked once
+            self._static_unused = self._unused_in_graph(output)
+        return list(self._static_unused)
+
+    @property
+    def _allow_unused(self) -> bool:
+        """Parameters may go without a gradient (torch: find_unused_parameters or a static
+        graph, whose unused set is found in the first iteration)."""
+        return self.find_unused_parameters or self.static_graph
+
+    def _set_static_graph(self) -> None:
+        """Declares the graph static (torch's private API, which scripts call).
+
+        What carries over from torch: the set of parameters used in a backward is the same
+        every iteration, so it is found once (in the first forward) and parameters unused
+        there are allowed without ``find_unused_parameters``. Not supported: a parameter
+        receiving its gradient more than once in one backward (torch allows it with a static
+        graph, for reentrant checkpointing); that still raises. Call before the first forward.
+        """
+        if self._sequence:
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel._set_static_graph: call it before "
+                "the first synchronised backward (or pass static_graph=True)"
+            )
+        self.static_graph = True
+
+    @property
+    def process_group(self) -> Any:
+        """The torch process group of the Communicator (torch's attribute)."""
+        return getattr(self.comm, "group", None)
 
     def _unused_in_graph(self, output: Any) -> List[int]:
         """Parameters the autograd graph of ``output`` cannot reach (torch DDP's traversal)."""
@@ -902,7 +993,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         missing = [i for i, ready in enumerate(state.ready) if not ready]
         if not missing:
             return None
-        if self.find_unused_parameters:
+        if self._allow_unused:
             for index in missing:
                 self._mark_ready(index, used=False)
             return None
@@ -927,7 +1018,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         :attr:`found_inf`); unused parameters keep ``.grad`` untouched.
         """
         missing = [i for i, ready in enumerate(state.ready) if not ready]
-        if missing and not self.find_unused_parameters:
+        if missing and not self._allow_unused:
             raise RuntimeError(self._no_gradient_message(missing))
         inv_scale = self._inv_loss_scale()
         grads = [p.grad for p in self._params if p.grad is not None]
@@ -937,7 +1028,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.loss_scaler.mark_unscaled(state.found_inf)
 
     def _reduce_used_mask(self, state: _BackwardPass) -> Any:
-        if not self.find_unused_parameters:
+        if not self._allow_unused:
             return None
         self._used_mask[: len(state.used)].copy_(torch.tensor(state.used, dtype=torch.float32))
         return self._reductions.all_reduce(self._used_mask)
@@ -973,7 +1064,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Inf/NaN in what is written (e.g. an FP16 sum that overflowed although every rank's
         # inputs were finite); identical on every rank since the reduced buckets are.
         written_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
-        globally_used = self._used_mask.tolist() if self.find_unused_parameters else None
+        globally_used = self._used_mask.tolist() if self._allow_unused else None
         for layout, bucket in zip(self._layouts, self._buckets):
             targets, strided = [], []
             for index, offset in zip(layout.param_indices, layout.offsets):
@@ -1042,6 +1133,42 @@ def _check_options(
         raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if any(p.is_sparse for p in module.parameters()):
         raise TypeError("module: sparse parameters are not supported")
+
+
+def _check_devices(
+    module: nn.Module, device_ids: Optional[Sequence[Any]], output_device: Any, dim: int
+) -> None:
+    """torch's rules: CPU modules take no device ids; a CUDA module at most its own device.
+
+    The module stays where it is (nothing is moved or scattered), so the ids only have to
+    agree with it; ``dim`` (the scatter dimension of torch's single-process multi-device
+    mode) must be 0.
+    """
+    devices = {p.device for p in module.parameters()}
+    if dim != 0:
+        raise ValueError(
+            f"DistributedDataParallel: dim must be 0 (nothing is scattered), got {dim}"
+        )
+    if device_ids is None and output_device is None:
+        return
+    cuda = [d for d in devices if d.type == "cuda"]
+    if len(devices) != 1 or not cuda or (device_ids is not None and len(device_ids) != 1):
+        raise ValueError(
+            "DistributedDataParallel: device_ids and output_device work with single-device "
+            f"CUDA modules only (as in torch), got device_ids {device_ids}, output_device "
+            f"{output_device} and module parameters on {sorted(map(str, devices))}"
+        )
+    given_ids = (device_ids or [None])[0]
+    for what, given in (("device_ids[0]", given_ids), ("output_device", output_device)):
+        if given is not None and _as_cuda(given) != cuda[0]:
+            raise ValueError(
+                f"DistributedDataParallel: {what}={given} but the module is on {cuda[0]} "
+                "(this DDP does not move modules)"
+            )
+
+
+def _as_cuda(device: Any) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
 def _hook_name(hook: Any) -> str:
