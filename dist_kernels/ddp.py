@@ -179,6 +179,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             in that ``.grad`` tensors alias the buckets. Has no effect with a low-precision
             wire or a ``gradient_predivide_factor`` (the result is cast or scaled on the way
             out).
+        init_sync: torch's: broadcast rank 0's parameters and buffers at construction (the
+            structure is compared across ranks either way).
         static_graph: torch's: the set of used parameters is the same every iteration, found
             in the first one; unused parameters are then allowed without
             ``find_unused_parameters`` (see :meth:`_set_static_graph`).
@@ -203,6 +205,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         dim: int = 0,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
+        init_sync: bool = True,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -258,7 +261,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._module_buffers = [b for _, b in module.named_buffers()]
         self._check_models_agree()
         self._check_trainable()
-        self._broadcast_state(list(module.parameters()) + self._module_buffers)
+        if init_sync:
+            self._broadcast_state(list(module.parameters()) + self._module_buffers)
         self._buffer_flat = self._alloc_bytes(self._module_buffers)
 
         #: Whether forwards arm their backward to synchronise (torch DDP's attribute): False inside
@@ -573,6 +577,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "the first synchronised backward (or pass static_graph=True)"
             )
         self.static_graph = True
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether forwards broadcast the module's buffers (torch's method)."""
+        return self.broadcast_buffers and bool(self._module_buffers) and not self._local
 
     @property
     def process_group(self) -> Any:
