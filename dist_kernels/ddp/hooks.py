@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ._ddp_grad_bucket import GradBucket, all_reduce_future, average_future, check_state
-from ._ddp_powersgd import PowerSGDState, powerSGD_hook
-from .bucketing import pack, unpack
+from ..amp.bucketing import pack, unpack
+from .grad_bucket import GradBucket, all_reduce_future, average_future, check_state
+from .powersgd import PowerSGDState, powerSGD_hook
 
 __all__ = [
     "GradBucket",

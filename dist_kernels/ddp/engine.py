@@ -46,12 +46,12 @@ import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_leaves
 
-from . import _ddp_plan as plan
-from . import communicator
-from ._ddp_grad_bucket import GradBucket, Reductions
-from ._ddp_join import DDPJoinHook
-from ._dtypes import DTYPE_CODES, ReduceOp
-from .bucketing import pack, plan_buckets, unpack, unscale_
+from .. import comm as communicator
+from ..amp.bucketing import pack, plan_buckets, unpack, unscale_
+from ..dtypes import DTYPE_CODES, ReduceOp
+from . import plan
+from .grad_bucket import GradBucket, Reductions
+from .join import DDPJoinHook
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -445,12 +445,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Reduces every bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
 
         Torch's contract (``torch.nn.parallel.DistributedDataParallel.register_comm_hook``):
-        ``bucket`` is a :class:`dist_kernels.ddp_hooks.GradBucket` holding this rank's summed
+        ``bucket`` is a :class:`dist_kernels.ddp.hooks.GradBucket` holding this rank's summed
         gradients (not divided by the world size); the hook returns a
         ``torch.futures.Future`` whose value is the reduced buffer (a tensor of the buffer's
         size, or a one-element list of it), copied back into the bucket and from there into
-        ``.grad``. Shipped hooks are in :mod:`dist_kernels.ddp_hooks`; torch's own hooks
-        (over ``torch.distributed``) work too. Register once, before the first backward.
+        ``.grad``. Shipped hooks are in :mod:`dist_kernels.ddp.hooks` (``dk.ddp_hooks``);
+        torch's own hooks (over ``torch.distributed``) work too. Register once, before the
+        first backward.
 
         With a hook, ``grad_dtype`` and ``gradient_predivide_factor`` must be None (the hook
         decides the wire format and the division), and the found-inf and error status travel

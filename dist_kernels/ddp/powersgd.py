@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ._ddp_grad_bucket import GradBucket, all_reduce_future, average_future, check_state
+from .grad_bucket import GradBucket, all_reduce_future, average_future, check_state
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
 
@@ -253,7 +253,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
 
     Three all-reduces per compressed bucket (uncompressed tensors, P, Q) instead of one of the
     whole bucket. The returned Future's value is the bucket buffer holding the decompressed
-    average; it completes at the end of backward (see :mod:`dist_kernels.ddp_hooks`).
+    average; it completes at the end of backward (see :mod:`dist_kernels.ddp.hooks`).
     """
     check_state(state.process_group, bucket, "powerSGD_hook")
     buffer = bucket.buffer()
