@@ -66,6 +66,21 @@ def _join_cases() -> Dict[str, object]:
         out[name] = _rel_diff(mine, ref)
         out[name + " digest"] = hash(tuple(torch.cat([p.reshape(-1) for p in mine.values()])
                                            .tolist()))  # fmt: skip
+    # A comm hook under join: joined ranks run it on zero buckets (PowerSGD compresses from
+    # step 2, so rank 1 shadows compressed rounds), as torch does.
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    ours = dk.DDP(copy.deepcopy(base))
+    ours.register_comm_hook(
+        dk.ddp_hooks.PowerSGDState(None, start_powerSGD_iter=2), dk.ddp_hooks.powerSGD_hook
+    )
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    theirs.register_comm_hook(
+        torch_psgd.PowerSGDState(None, start_powerSGD_iter=2), torch_psgd.powerSGD_hook
+    )
+    _train_joined(ours, batches)
+    _train_joined(theirs, batches)
+    out["powersgd"] = _rel_diff(_params(ours), _params(theirs))
     # Without join() the same data would leave rank 0 waiting; with throw_on_early_termination
     # every rank raises instead.
     ours = dk.DDP(copy.deepcopy(base))
@@ -84,6 +99,7 @@ def test_uneven_inputs_under_join_match_torch_join():
         print(f"rank {rank}: {r}")
         assert r["initial"] < FP32_RTOL, r
         assert r["active"] < FP32_RTOL, r
+        assert r["powersgd"] < FP32_RTOL, r
         assert r["initial seconds"] < 30, r  # no rank waited for the 120 s timeout
         assert "exhausted" in r["throw"], r
     # Every rank ends with the same model (the last joiner's).
