@@ -183,6 +183,13 @@ def _hook_pair(name: str):
     return (getattr(dk.ddp_hooks, full), None), (torch_hook, None)
 
 
+#: PowerSGD rows use one bucket on both engines: torch's powerSGD_hook over gloo issues the P
+#: and Q all-reduces from future callbacks (gloo's threads), which race with the next bucket's
+#: all-reduce from the backward thread; with several buckets the ranks issued them in
+#: different orders here and gloo aborted ("collective mismatch"). Ours orders them.
+ONE_BUCKET_MB = 1024.0
+
+
 class _CountingAllReduce:
     """Wraps ``torch.distributed.all_reduce`` to count the bytes torch's hooks send."""
 
@@ -216,11 +223,11 @@ def _hooks_rank_main(rank: int, world: int, port: int, args, queue) -> None:
     results: Dict[str, dict] = {}
     for name in args.hooks:
         (our_hook, our_state), (torch_hook, torch_state) = _hook_pair(name)
-        ours = dk.DDP(_make_model(args), bucket_cap_mb=args.bucket_mb)
+        cap = ONE_BUCKET_MB if name.startswith("powersgd") else args.bucket_mb
+        # torch: an explicit bucket_cap_mb caps the first bucket too; ours: first_bucket_mb.
+        ours = dk.DDP(_make_model(args), bucket_cap_mb=cap, first_bucket_mb=cap)
         ours.register_comm_hook(our_state, our_hook)
-        theirs = nn.parallel.DistributedDataParallel(
-            _make_model(args), bucket_cap_mb=args.bucket_mb
-        )
+        theirs = nn.parallel.DistributedDataParallel(_make_model(args), bucket_cap_mb=cap)
         theirs.register_comm_hook(torch_state, torch_hook)
         engines = [("dist_kernels", ours, lambda m=ours: m.bytes_all_reduced),
                    ("torch+gloo", theirs, lambda: counter.bytes)]  # fmt: skip
@@ -258,8 +265,8 @@ def _print_hooks(runs, args) -> List[dict]:
     print(
         f"# bench_ddp --hooks: {rows[0]['params_M']:.1f}M-parameter transformer, batch "
         f"{args.batch} x seq {args.seq} per rank, bucket {args.bucket_mb} MiB, {args.rounds} "
-        f"rounds x {args.steps} steps (median); PowerSGD from step {POWERSGD_START}; machine "
-        "shared, timings noisy"
+        f"rounds x {args.steps} steps (median); PowerSGD from step {POWERSGD_START}, in one "
+        f"bucket ({ONE_BUCKET_MB:.0f} MiB cap, both engines); machine shared, timings noisy"
     )
     print(f"{'hook':>10} {'ranks':>5} {'engine':>13} {'step ms':>9} {'MB/step':>9} "
           f"{'vs full':>7} {'ours/torch':>10} {'param diff':>10}")  # fmt: skip
