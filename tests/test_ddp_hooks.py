@@ -168,6 +168,16 @@ def _powersgd_cases() -> Dict[str, object]:
         out[f"rank {approx_rank} diffs"] = diffs
         out[f"rank {approx_rank} bytes"] = _step_bytes(ours, data, rank)
         out[f"rank {approx_rank} expected"] = 4 * _powersgd_expected_numel(base, approx_rank)
+    # Several buckets: the hooks' chained all-reduces interleave across buckets, in the same
+    # order on every rank (torch's hook over gloo issues them from callback threads).
+    many = dk.DDP(copy.deepcopy(base), bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    many.register_comm_hook(
+        dk.ddp_hooks.PowerSGDState(None, start_powerSGD_iter=START_ITER), dk.ddp_hooks.powerSGD_hook
+    )
+    _train(many, data, rank)
+    out["buckets"] = len(many.bucket_layouts)
+    out["many bytes"] = _step_bytes(many, data, rank)
+    out["many params"] = torch.cat([p.detach().reshape(-1) for p in many.parameters()]).tolist()
     # The comparison has teeth: another seed gives another trajectory.
     other = ours_model(1, seed=1)
     _train(other, data, rank)
@@ -181,7 +191,11 @@ def _powersgd_cases() -> Dict[str, object]:
 
 def test_powersgd_matches_torch_powersgd_hook():
     print(f"seed {SEED}")
-    for rank, r in enumerate(run_ranks(2, _powersgd_cases, timeout=120)):
+    results = run_ranks(2, _powersgd_cases, timeout=120)
+    assert results[0]["many params"] == results[1]["many params"]  # identical on every rank
+    for rank, r in enumerate(results):
+        assert r["buckets"] > 1 and r["many bytes"] == r["rank 1 expected"] + 12, r
+        r.pop("many params")
         print(f"rank {rank}: {r}")
         for approx_rank in (1, 2):
             diffs = r[f"rank {approx_rank} diffs"]
