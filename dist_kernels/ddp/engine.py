@@ -13,20 +13,26 @@ How one backward runs (details in docs/ddp.md):
    order), its gradients are brought into the bucket multiplied by 1 / world_size (cast to a
    low-precision wire dtype, or, when ``.grad`` already is a view of the bucket, scaled in
    place; one fused pass that also flags inf/NaN) and its all-reduce starts asynchronously,
-   overlapping the rest of backward.
+   overlapping the rest of backward. With a comm hook (``register_comm_hook``), the bucket
+   goes to the hook instead, undivided (``ddp/hooks.py``, ``ddp/grad_bucket.py``).
 2. A callback queued on the autograd engine runs when backward ends: it launches what is left
    (parameters without gradients under ``find_unused_parameters``), waits, and points ``.grad``
    at its bucket view (same dtype on the wire) or unpacks into it (cast back, one pass).
 3. After the first synchronised backward the buckets are re-planned in the order gradients
    actually became ready on rank 0, broadcast so that all ranks agree.
 
-The last bucket carries two status elements summed by its own all-reduce: "found inf" (for loss
-scaling, so skipping a step costs no extra collective) and "incomplete backward" (a rank had a
-parameter without a gradient: every rank raises instead of one hanging).
+The last bucket carries three status elements summed by its own all-reduce: "found inf" (for
+loss scaling, so skipping a step costs no extra collective), "incomplete backward" (a rank had a
+parameter without a gradient) and "aborted" (a rank's backward raised midway; it sends its
+remaining buckets at its next forward): every rank raises instead of one hanging.
 
-Whether a backward synchronises is decided before it starts: by its forward (not inside
-``no_sync()``), or by :meth:`DistributedDataParallel.set_requires_gradient_sync`, whichever ran
-last; while that switch is off, forwards do not arm at all.
+Uneven inputs: under :meth:`DistributedDataParallel.join` a rank out of batches shadows the
+others' collectives (``ddp/join.py``).
+
+Whether a backward synchronises is decided before it starts: by its forward (with
+``require_backward_grad_sync`` True, i.e. not inside ``no_sync()``), or by
+:meth:`DistributedDataParallel.set_requires_gradient_sync`, whichever ran last; while that
+switch is off, forwards do not arm at all.
 
 On one rank nothing is bucketed or sent: a synchronised backward only checks that every
 parameter got a gradient, unscales for the loss scaler and flags inf/NaN, in place.
@@ -131,9 +137,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     Which backward passes synchronise: a backward all-reduces when it is *armed* as it starts.
     Three things set the arming, the last one to run wins:
 
-    * a forward with gradients enabled arms when run outside :meth:`no_sync` with the gradient
-      sync switch on, and disarms otherwise (a forward under ``torch.no_grad()`` changes
-      nothing);
+    * a forward with gradients enabled arms when :attr:`require_backward_grad_sync` is True
+      (torch's attribute: False inside :meth:`no_sync`, and scripts may set it) and the
+      gradient sync switch is on, and disarms otherwise (a forward under ``torch.no_grad()``
+      changes nothing);
     * :meth:`set_requires_gradient_sync` sets the switch and arms or disarms at once, so it
       also decides for a backward whose forward already ran (inside ``no_sync()`` or not);
     * the end of a synchronised backward disarms (one reduction per forward, as in torch DDP):
