@@ -1,6 +1,7 @@
 """DDP training-step benchmark: dist_kernels DDP against torch DDP (Gloo), 1 and 2 CPU ranks.
 
     python benchmarks/bench_ddp.py [--nproc 1 2] [--grad-dtype bf16] [--steps 6] [--rounds 3]
+    python benchmarks/bench_ddp.py --hooks allreduce bf16 powersgd1 powersgd2 powersgd4 --nproc 2
 
 Spawns its own ranks (gloo process group through a TCPStore on localhost, one torch thread per
 rank). Each rank trains a ~20M-parameter transformer; both engines run in the same processes,
@@ -9,6 +10,10 @@ alternating in rounds so that machine noise hits both alike. Per engine and worl
 - step time (median over ``--rounds`` rounds of the mean of ``--steps`` steps: forward,
   backward, SGD step; 5 x 5 by default),
 - samples/s over all ranks, and scaling efficiency = samples/s(n) / (n * samples/s(1)),
+- with ``--hooks``: per comm hook, step time and bytes all-reduced per step and rank, for our DDP
+  with ``dk.ddp_hooks`` and torch DDP with torch's hook of the same name over gloo (bytes counted
+  by wrapping ``torch.distributed.all_reduce``), after a check that both engines' parameters
+  agree after the warm-up steps (PowerSGD starts compressing at step 2);
 - hidden fraction of all-reduce time: 1 - (T_step - T_local) / T_allreduce, where T_local is the
   same step under ``no_sync()`` (no communication) and T_allreduce is the time of all-reducing
   the engine's buckets back to back with nothing else running. 1 = communication fully hidden
@@ -180,13 +185,146 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def _run_world(world: int, args) -> tuple:
+# ----------------------------------------------------------------------------- comm hooks
+
+HOOKS = ("allreduce", "bf16", "fp16", "powersgd1", "powersgd2", "powersgd4")
+POWERSGD_START = 2  # compress from the third step (the first iterations rebuild buckets)
+
+
+def _hook_pair(name: str):
+    """(our hook, state), (torch's hook, state) for a ``--hooks`` name."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    import dist_kernels as dk
+
+    if name.startswith("powersgd"):
+        rank = int(name[len("powersgd") :])
+        kwargs = dict(matrix_approximation_rank=rank, start_powerSGD_iter=POWERSGD_START)
+        return (
+            (dk.ddp_hooks.powerSGD_hook, dk.ddp_hooks.PowerSGDState(None, **kwargs)),
+            (torch_psgd.powerSGD_hook, torch_psgd.PowerSGDState(None, **kwargs)),
+        )
+    full = {"allreduce": "allreduce_hook", "bf16": "bf16_compress_hook",
+            "fp16": "fp16_compress_hook"}[name]  # fmt: skip
+    theirs = getattr(default_hooks, full)
+
+    def torch_hook(state, bucket):  # torch refuses bf16_compress_hook by name without NCCL
+        return theirs(state, bucket)
+
+    return (getattr(dk.ddp_hooks, full), None), (torch_hook, None)
+
+
+#: PowerSGD rows use one bucket on both engines: torch's powerSGD_hook over gloo issues the P
+#: and Q all-reduces from future callbacks (gloo's threads), which race with the next bucket's
+#: all-reduce from the backward thread; with several buckets the ranks issued them in
+#: different orders here and gloo aborted ("collective mismatch"). Ours orders them.
+ONE_BUCKET_MB = 1024.0
+
+
+class _CountingAllReduce:
+    """Wraps ``torch.distributed.all_reduce`` to count the bytes torch's hooks send."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._inner = dist.all_reduce
+
+    def __call__(self, tensor, *args, **kwargs):
+        self.bytes += tensor.numel() * tensor.element_size()
+        return self._inner(tensor, *args, **kwargs)
+
+
+def _max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    pairs = list(zip(a.parameters(), b.parameters()))
+    scale = max(q.detach().abs().max().item() for _, q in pairs)
+    return max((p.detach() - q.detach()).abs().max().item() for p, q in pairs) / scale
+
+
+def _hooks_rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    import dist_kernels as dk
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=(rank == 0), timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    counter = _CountingAllReduce()
+    dist.all_reduce = counter  # torch's hooks look it up at call time
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)]
+    results: Dict[str, dict] = {}
+    for name in args.hooks:
+        (our_hook, our_state), (torch_hook, torch_state) = _hook_pair(name)
+        cap = ONE_BUCKET_MB if name.startswith("powersgd") else args.bucket_mb
+        # torch: an explicit bucket_cap_mb caps the first bucket too; ours: first_bucket_mb.
+        ours = dk.DDP(_make_model(args), bucket_cap_mb=cap, first_bucket_mb=cap)
+        ours.register_comm_hook(our_state, our_hook)
+        theirs = nn.parallel.DistributedDataParallel(_make_model(args), bucket_cap_mb=cap)
+        theirs.register_comm_hook(torch_state, torch_hook)
+        engines = [("dist_kernels", ours, lambda m=ours: m.bytes_all_reduced),
+                   ("torch+gloo", theirs, lambda: counter.bytes)]  # fmt: skip
+        opts = {n: torch.optim.SGD(m.parameters(), lr=1e-4) for n, m, _ in engines}
+        for _ in range(POWERSGD_START + 1):  # warm-up: rebuild, then compressed steps
+            for n, model, _ in engines:
+                _step(model, opts[n], batches[0])
+        r = results[name] = {"vs_torch": _max_rel_diff(ours, theirs)}
+        for _ in range(args.rounds):
+            for n, model, sent in engines:
+                before = sent()
+                t = _time_steps(model, opts[n], batches, args.steps, sync=True)
+                r.setdefault(n, {"step": [], "bytes": []})
+                r[n]["step"].append(t)
+                r[n]["bytes"].append((sent() - before) / args.steps)
+        ours.close()
+    if rank == 0:
+        nparams = sum(p.numel() for p in _make_model(args).parameters())
+        queue.put((world, nparams, results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print_hooks(runs, args) -> List[dict]:
+    rows = []
+    for world, nparams, results in runs:
+        for name, r in results.items():
+            for engine in ("dist_kernels", "torch+gloo"):
+                rows.append({
+                    "hook": name, "engine": engine, "world": world, "params_M": nparams / 1e6,
+                    "step_ms": statistics.median(r[engine]["step"]) * 1e3,
+                    "bytes_per_step": statistics.median(r[engine]["bytes"]),
+                    "vs_torch": r["vs_torch"],
+                })  # fmt: skip
+    print(
+        f"# bench_ddp --hooks: {rows[0]['params_M']:.1f}M-parameter transformer, batch "
+        f"{args.batch} x seq {args.seq} per rank, bucket {args.bucket_mb} MiB, {args.rounds} "
+        f"rounds x {args.steps} steps (median); PowerSGD from step {POWERSGD_START}, in one "
+        f"bucket ({ONE_BUCKET_MB:.0f} MiB cap, both engines); machine shared, timings noisy"
+    )
+    print(f"{'hook':>10} {'ranks':>5} {'engine':>13} {'step ms':>9} {'MB/step':>9} "
+          f"{'vs full':>7} {'ours/torch':>10} {'param diff':>10}")  # fmt: skip
+    full = {
+        (r["world"], r["engine"]): r["bytes_per_step"] for r in rows if r["hook"] == "allreduce"
+    }
+    for r in rows:
+        base = full.get((r["world"], r["engine"]))
+        ratio = f"{base / r['bytes_per_step']:.1f}x" if base and r["bytes_per_step"] else "-"
+        other = next(o for o in rows if o["hook"] == r["hook"] and o["world"] == r["world"]
+                     and o["engine"] != r["engine"])  # fmt: skip
+        speed = f"{r['step_ms'] / other['step_ms']:.2f}" if r["engine"] == "dist_kernels" else ""
+        mb = r["bytes_per_step"] / 1e6
+        print(
+            f"{r['hook']:>10} {r['world']:>5} {r['engine']:>13} {r['step_ms']:>9.1f} {mb:>9.3f} "
+            f"{ratio:>7} {speed:>10} {r['vs_torch']:>10.1e}"
+        )
+    return rows
+
+
+def _run_world(world: int, args, target=None) -> tuple:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, args, queue)) for r in range(world)
-    ]
+    target = target or _rank_main
+    procs = [ctx.Process(target=target, args=(r, world, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     result = _first_result(queue, procs)
@@ -289,7 +427,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument(
+        "--hooks", nargs="+", choices=HOOKS, help="compare comm hooks instead (2+ ranks)"
+    )
     args = parser.parse_args()
+    if args.hooks:
+        runs = [_run_world(n, args, _hooks_rank_main) for n in args.nproc if n > 1]
+        rows = _print_hooks(runs, args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        return
     runs = [_run_world(n, args) for n in args.nproc]
     rows = _summarise(args, runs)
     _print(rows, args)
