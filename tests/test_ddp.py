@@ -233,7 +233,7 @@ class _MutatedComm:
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
-    def all_reduce(self, tensor, op=None, algorithm="auto", async_op=False):
+    def all_reduce(self, tensor, op="sum", algorithm="auto", async_op=False):
         if self._mutation == "last_rank_dropped" and self.rank == self.world_size - 1:
             tensor.zero_()
         work = self._comm.all_reduce(tensor, op=op, algorithm=algorithm, async_op=True)
