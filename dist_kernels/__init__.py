@@ -76,6 +76,8 @@ _SUBMODULES: Dict[str, str] = {
     "ddp": "ddp",
     "zero": "zero",
     "ddp_hooks": "ddp.hooks",
+    "lr": "lr",
+    "train": "train",
 }
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
