@@ -272,29 +272,37 @@ def _fp16_overflow_is_skipped_everywhere(stage):
 
     comm = make_comm()
     model = make_model(dtype=torch.float16)
+    extra = {"module": model} if stage == 3 else {}
     opt = dk.ShardedOptimizer(
-        model.parameters(), FusedAdamW, comm, stage=stage, bucket_cap_mb=0.0002, lr=1e-2
+        model.parameters(), FusedAdamW, comm, stage=stage, bucket_cap_mb=0.0002, lr=1e-2, **extra
     )
     scaler = dk.LossScaler(init_scale=8.0, comm=comm)
     history = []
+
+    def values():
+        with opt.full_parameters():
+            return [p.detach().clone() for p in model.parameters()]
+
     for step, poison in ((0, False), (1, True), (2, False)):
         x, y = batch(step, comm.world_size, comm.rank)
+        before = values()
         loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
-        if poison and comm.rank == 0:
-            loss = loss + model[0].weight[0, 0].float() * 1e5  # 8e5 > FP16 max: inf
-        before = [p.detach().clone() for p in model.parameters()]
+        if poison:  # on every rank (stage 3 gathers collectively), nonzero on rank 0 only
+            with opt.full_parameters():  # stage 3: the weight exists only while gathered
+                weight = 1e5 if comm.rank == 0 else 0.0  # 8e5 > FP16 max: inf
+                loss = loss + model[0].weight[0, 0].float() * weight
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        changed = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        changed = any(not torch.equal(p, b) for p, b in zip(values(), before))
         history.append((changed, scaler.skipped_steps, scaler.get_scale()))
     opt.close()
     comm.close()
     return history
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp16_loss_scaler_overflow_skips_the_step_on_every_rank(stage):
     pytest.importorskip("dist_kernels.loss_scaler", reason="dk.LossScaler not merged yet")
     rows = run_ranks(4, _fp16_overflow_is_skipped_everywhere, stage, timeout=120)
@@ -420,6 +428,8 @@ def test_bad_arguments_name_the_argument():
 
     model = make_model()
     with pytest.raises(ValueError, match="stage"):
+        dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), stage=4)
+    with pytest.raises(ValueError, match="module="):
         dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), stage=3)
     with pytest.raises(TypeError, match="grad_dtype"):
         dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), grad_dtype=torch.int32)
