@@ -32,6 +32,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+_LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # no forward of their own: never units
 
 
 def _numel(module: torch.nn.Module) -> int:
@@ -39,10 +40,11 @@ def _numel(module: torch.nn.Module) -> int:
 
 
 def choose_units(root: torch.nn.Module, cap_bytes: int) -> List[torch.nn.Module]:
-    """The default units: top-down, a child becomes a unit whole unless it is a container
-    (``Sequential``, ``ModuleList``, ``ModuleDict``) bigger than ``cap_bytes``, whose children
-    are visited instead. Other modules are never split: their forward may use a child's
-    parameters without calling the child (``MultiheadAttention`` uses ``out_proj.weight``)."""
+    """The default units: top-down, a child becomes a unit whole unless it is a
+    ``ModuleList`` / ``ModuleDict`` (no forward of their own, so no hook would fire) or a
+    ``Sequential`` bigger than ``cap_bytes``: their children are visited instead. Other
+    modules are never split: their forward may use a child's parameters without calling the
+    child (``MultiheadAttention`` uses ``out_proj.weight``)."""
     units: List[torch.nn.Module] = []
 
     def visit(module: torch.nn.Module) -> None:
@@ -50,7 +52,7 @@ def choose_units(root: torch.nn.Module, cap_bytes: int) -> List[torch.nn.Module]
             size = sum(p.numel() * p.element_size() for p in child.parameters())
             if size == 0:
                 continue
-            if isinstance(child, _CONTAINERS) and size > cap_bytes:
+            if isinstance(child, _LISTS) or (isinstance(child, _CONTAINERS) and size > cap_bytes):
                 visit(child)
             else:
                 units.append(child)
