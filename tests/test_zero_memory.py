@@ -97,7 +97,7 @@ def test_bytes_per_rank_equal_the_zero_formula(world_size):
 
 def test_the_check_rejects_a_redundant_master_copy():
     """The report's check fails when a shard-sized FP32 tensor is added to the state."""
-    from dist_kernels._zero_memory import (
+    from dist_kernels.zero.memory import (
         GroupCounts,
         MemoryReport,
         formula_bytes,

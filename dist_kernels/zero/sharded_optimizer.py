@@ -5,7 +5,7 @@
     loss.backward(); opt.step(); opt.zero_grad()
 
 Every parameter lives in a flat buffer (one per param group and dtype; at stage 3 one per unit
-of modules, param group and dtype) laid out by the pure plan of ``_partition.py``: buckets split
+of modules, param group and dtype) laid out by the pure plan of ``partition.py``: buckets split
 into equal, aligned per-rank slices. Rank ``r`` owns slice ``r`` of every bucket; the
 concatenation of its slices is its *shard*: the only parameters its optimizer steps and the only
 optimizer state it holds. The local optimizer steps one tensor per bucket slice: for FP32
@@ -23,7 +23,7 @@ of one FP32 master shard. How one iteration runs:
    is left and waits.
 2. ``step()``: the local optimizer steps the shard (16-bit shards one bucket at a time, through
    one FP32 bucket-slice buffer), then stages 1 and 2 all-gather every bucket back in place.
-   Stage 3 keeps only the shard: ``_zero_stage3`` gathers each unit's full parameters just
+   Stage 3 keeps only the shard: ``stage3.py`` gathers each unit's full parameters just
    before its forward and again before its backward, and frees them after.
 
 Loss scaling: ``dk.LossScaler(comm=opt.comm)`` used as ``torch.amp.GradScaler`` is calls
@@ -46,9 +46,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from . import _zero_memory as memory
-from ._dtypes import ReduceOp
-from ._partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_partition
+from ..dtypes import ReduceOp
+from . import memory
+from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_partition
 
 __all__ = ["ShardedOptimizer"]
 
@@ -59,7 +59,7 @@ _STAGING_SLOTS = 2  # stages 2, 3: one bucket filling while the previous one is 
 
 def _default_comm() -> Any:
     """The default communicator (``dk.init()``), else a new one over the default group."""
-    from .communicator import Communicator, get_default_communicator
+    from ..comm import Communicator, get_default_communicator
 
     try:
         return get_default_communicator()
@@ -162,7 +162,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gatherer = None
         unit_of = None
         if stage == 3:
-            from ._zero_stage3 import ParameterGatherer
+            from .stage3 import ParameterGatherer
 
             self._gatherer = ParameterGatherer(self, module, units)
             unit_of = self._gatherer.unit_of_param
@@ -743,7 +743,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> memory.MemoryReport:
         """Bytes per rank by kind, measured from the tensors this engine and its optimizer
-        hold, beside the ZeRO paper's formula (see ``_zero_memory``). Optimizer state is
+        hold, beside the ZeRO paper's formula (see ``memory.py``). Optimizer state is
         counted once it exists (after the first step)."""
         fgs = self.flat_groups
         live_grads = [p.grad for fg in fgs for p in fg.params if p.grad is not None]
