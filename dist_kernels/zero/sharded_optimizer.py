@@ -268,10 +268,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             fg.grad_shard = self.comm.empty((plan.shard_numel,), dtype)
             fg.grad_shard.zero_()
-        for b in range(len(plan.buckets)):
-            source = fg.master if fg.master is not None else None
-            view = self._shard_slice(fg, b, source)
-            fg.pieces.append(torch.nn.Parameter(view))
+        for b in range(len(plan.buckets)):  # what the optimizer steps: views, no copies
+            fg.pieces.append(torch.nn.Parameter(self._shard_slice(fg, b, fg.master)))
         self._set_piece_grads(fg)
         return fg
 
