@@ -75,6 +75,7 @@ _SUBMODULES: Dict[str, str] = {
     "amp": "amp",
     "ddp": "ddp",
     "zero": "zero",
+    "ddp_hooks": "ddp.hooks",
 }
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
