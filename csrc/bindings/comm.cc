@@ -184,6 +184,20 @@ void bindCommunicator(py::module_& m) {
              return runRequest(c, makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, peer, 0),
                                asyncOp);
            })
+      .def("all_to_all",
+           [](PyCommunicator& c, uintptr_t out, uintptr_t in, std::vector<size_t> sendCounts,
+              std::vector<size_t> recvCounts, int dtype, bool asyncOp) {
+             const size_t n = static_cast<size_t>(c.live("all_to_all")->worldSize());
+             if (sendCounts.size() != n || recvCounts.size() != n) {
+               check(InvalidArgument("send and receive counts must have world_size (" +
+                                     std::to_string(n) + ") entries"),
+                     c.context("all_to_all"));
+             }
+             Request r = makeRequest(K::kAllToAll, in, out, 0, dtype, 0, 0, 0);
+             r.sendCounts = std::move(sendCounts);
+             r.recvCounts = std::move(recvCounts);
+             return runRequest(c, std::move(r), asyncOp);
+           })
       .def("barrier",
            [](PyCommunicator& c, bool asyncOp) {
              return runRequest(c, makeRequest(K::kBarrier, 0, 0, 0, 0, 0, 0, 0), asyncOp);
