@@ -19,10 +19,9 @@ with our CommError's message.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,18 +38,19 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from .._dtypes import DTYPE_CODES
+from .._dtypes import DTYPE_CODES, ReduceOp
 from ..errors import CommError
 from . import BACKEND_NAME
 from .routes import Routes, device_backends
 from .work import Completions, DkWork, to_dist_error
 
+# torch's ReduceOp kind -> ours (PREMUL_SUM becomes SUM after scaling)
 _RED_OPS = {
-    dist.ReduceOp.SUM: "SUM",
-    dist.ReduceOp.AVG: "AVG",
-    dist.ReduceOp.PRODUCT: "PROD",
-    dist.ReduceOp.MIN: "MIN",
-    dist.ReduceOp.MAX: "MAX",
+    dist.ReduceOp.RedOpType.SUM: ReduceOp.SUM,
+    dist.ReduceOp.RedOpType.AVG: ReduceOp.AVG,
+    dist.ReduceOp.RedOpType.PRODUCT: ReduceOp.PROD,
+    dist.ReduceOp.RedOpType.MIN: ReduceOp.MIN,
+    dist.ReduceOp.RedOpType.MAX: ReduceOp.MAX,
 }
 
 
@@ -66,14 +66,6 @@ def create_process_group(common_opts, caller_frame) -> ProcessGroupDK:
     )
 
 
-@contextlib.contextmanager
-def _dist_errors() -> Iterator[None]:
-    try:
-        yield
-    except CommError as e:
-        raise to_dist_error(e) from e
-
-
 def _device_of(args: Sequence[Any]) -> Optional[torch.device]:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -87,16 +79,20 @@ def _device_of(args: Sequence[Any]) -> Optional[torch.device]:
 
 def _routed(torch_name: str) -> Callable:
     """Runs the method on our communicator, or hands the call to the torch backend of the
-    tensors' device (as ``torch_name``, the Backend's name for it)."""
+    tensors' device (as ``torch_name``, the Backend's name for it); our CommError becomes
+    torch's DistBackendError."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def method(self: ProcessGroupDK, *args: Any, **kwargs: Any) -> Any:
-            backend = self._routes.delegate(_device_of([*args, *kwargs.values()]))
-            if backend is not None:
-                return getattr(backend, torch_name)(*args, **kwargs)
-            with _dist_errors():
+            if self._routes.delegates:  # only mixed-device groups pay for the lookup
+                backend = self._routes.delegate(_device_of([*args, *kwargs.values()]))
+                if backend is not None:
+                    return getattr(backend, torch_name)(*args, **kwargs)
+            try:
                 return fn(self, *args, **kwargs)
+            except CommError as e:
+                raise to_dist_error(e) from e
 
         return method
 
@@ -148,6 +144,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         self._routes = Routes(
             store, rank, world_size, timeout, backends or {"cpu": BACKEND_NAME}, label
         )
+        self._cpu = self._routes.ours_on_cpu()
 
     # -- identity (torch's DeviceMesh, FSDP2 and functional collectives look groups up by name)
 
@@ -172,12 +169,19 @@ class ProcessGroupDK(dist.ProcessGroup):
             f"name={self._group_name!r}, devices={self._routes.backends})"
         )
 
+    def communicator(self, device: str = "cpu") -> Any:
+        """Our communicator serving ``device`` in this group (the benchmark times it directly,
+        beside the same collectives through this group, to show this layer's overhead)."""
+        return self._routes.comm(torch.device(device), "communicator")
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _what(self, what: str) -> str:
         return f"[rank {self._rank}] dk backend: {what}"
 
     def _comm(self, tensor: Optional[torch.Tensor], what: str) -> Any:
+        if self._cpu is not None and (tensor is None or tensor.is_cpu):
+            return self._cpu  # the common case, without the routing table's lookups
         return self._routes.comm(tensor.device if tensor is not None else None, what)
 
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -202,18 +206,18 @@ class ProcessGroupDK(dist.ProcessGroup):
                     f"{like.device}; uneven sizes are not supported (pad to one size)"
                 )
 
-    def _op(self, op: Any, t: torch.Tensor, what: str) -> Tuple[str, Optional[Any]]:
-        """(our op name, PREMUL_SUM factor or None) for torch's ReduceOp."""
+    def _op(self, op: Any, t: torch.Tensor, what: str) -> Tuple[ReduceOp, Optional[Any]]:
+        """(our op, PREMUL_SUM factor or None) for torch's ReduceOp."""
         kind = getattr(op, "op", op)
+        ours = _RED_OPS.get(kind)
+        if ours is not None:
+            return ours, None
         if kind == dist.ReduceOp.PREMUL_SUM:
             if not t.is_floating_point():
                 raise NotImplementedError(
                     f"{self._what(what)}: PREMUL_SUM on {t.dtype}; it needs a floating dtype"
                 )
-            return "SUM", op.factor
-        for torch_op, name in _RED_OPS.items():
-            if kind == torch_op:
-                return name, None
+            return ReduceOp.SUM, op.factor
         raise NotImplementedError(
             f"{self._what(what)}: ReduceOp {kind} is not supported (SUM, AVG, PRODUCT, MIN, "
             f"MAX, PREMUL_SUM are); for bitwise ops use a gloo group"
@@ -229,6 +233,11 @@ class ProcessGroupDK(dist.ProcessGroup):
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "allreduce")
         op, factor = self._op(opts.reduceOp, t, "allreduce")
+        if t.is_contiguous():  # the hot path (DDP buckets, dist.all_reduce): no staging
+            if factor is not None:
+                t.mul_(factor)
+            handle = self._comm(t, "allreduce").all_reduce(t, op, async_op=opts.asyncOp)
+            return DkWork((handle,), tensors, None, self._completions)
         staged = _Staged(t)
         if factor is not None:
             staged.buf.mul_(factor)
@@ -586,6 +595,7 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Closes the communicators (torch's destroy_process_group calls this)."""
+        self._cpu = None
         self._routes.close()
         self._completions.close()
 

@@ -63,6 +63,8 @@ class Routes:
         self.timeout, self.backends, self.label = timeout, dict(backends), label
         self._ours: Dict[str, Any] = {}
         self._torch: Dict[str, Any] = {}
+        # Whether any device goes to a torch backend (else calls skip the device lookup).
+        self.delegates = any(b in TORCH_BACKENDS for b in self.backends.values())
         self._lock = threading.Lock()
         if self.backends.get("cpu") == BACKEND_NAME:
             from ..communicator import Communicator
@@ -98,6 +100,10 @@ class Routes:
             if kind not in self._ours:
                 self._ours[kind] = self._cuda_comm(device)
             return self._ours[kind]
+
+    def ours_on_cpu(self) -> Optional[Any]:
+        """Our CPU communicator, or None when CPU tensors go elsewhere."""
+        return self._ours.get("cpu")
 
     def default_device(self) -> str:
         """The device of calls without tensors (barrier): CPU when this group serves it."""

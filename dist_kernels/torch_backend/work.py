@@ -57,10 +57,9 @@ class DkWork(dist.Work):
         self._result = result
         self._finish = finish
         self._completions = completions
-        self._lock = threading.Lock()
-        self._done = False
         self._future: Optional[torch.futures.Future] = None
-        if not self._handles:
+        self._done = not self._handles and finish is None  # a synchronous call: nothing left
+        if not self._handles and finish is not None:
             self._complete()
 
     def _complete(self) -> None:
@@ -73,16 +72,17 @@ class DkWork(dist.Work):
     def wait(self, timeout: Any = None) -> bool:
         """Blocks until done; raises DistBackendError (our CommError's message) on failure or
         when ``timeout`` passes first (the call itself keeps running)."""
+        if self._done:
+            return True
         seconds = _seconds(timeout)
-        with self._lock:
-            if self._done:
-                return True
-            try:
-                for handle in self._handles:
-                    handle.wait(seconds)
-            except CommError as e:
-                raise to_dist_error(e) from e
-            self._complete()
+        try:
+            for handle in self._handles:  # without a lock: our handles may be waited by many
+                handle.wait(seconds)
+        except CommError as e:
+            raise to_dist_error(e) from e
+        with self._completions.lock:
+            if not self._done:
+                self._complete()
         return True
 
     def is_completed(self) -> bool:
@@ -110,7 +110,7 @@ class DkWork(dist.Work):
         return self._result
 
     def get_future(self) -> torch.futures.Future:
-        with self._lock:
+        with self._completions.lock:
             if self._future is None:
                 self._future = torch.futures.Future()
                 if self._done:
@@ -127,6 +127,8 @@ class Completions:
         self._queue: queue.SimpleQueue[Optional[DkWork]] = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        # Guards every DkWork of the group: its copy-outs run once, its future is made once.
+        self.lock = threading.Lock()
 
     def watch(self, work: DkWork) -> None:
         with self._lock:
