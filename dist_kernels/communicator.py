@@ -393,6 +393,11 @@ class Communicator:
         recvs = self._block_counts(recv_counts, output, "recv_counts")
         if output.numel() and input.numel() and output.data_ptr() == input.data_ptr():
             raise ValueError(f"[rank {self.rank}] all_to_all: output must not be input")
+        if sends[self.rank] != recvs[self.rank]:
+            raise ValueError(
+                f"[rank {self.rank}] all_to_all: send_counts[{self.rank}] "
+                f"({sends[self.rank]}) must equal recv_counts[{self.rank}] ({recvs[self.rank]})"
+            )
         handle = self._backend.all_to_all(output, input, sends, recvs, code, async_op)
         return self._finish(handle, (output, input), async_op)
 

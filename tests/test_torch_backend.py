@@ -244,6 +244,8 @@ def _bad_arguments():
             ),  # noqa: E501
             lambda: group.allreduce([t, t]),
             lambda: group.recv_anysource([t], 0),
+            # the communicator underneath checks too: rank 0 would send itself 1, expect 3
+            lambda: group.communicator().all_to_all(torch.empty(4), t, [1, 3], [3, 1]),
         ]
         for call in bad:
             with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
@@ -258,8 +260,9 @@ def _bad_arguments():
 def test_bad_arguments_raise_before_anything_is_sent():
     messages = run_ranks(2, _bad_arguments)[0]
     print("\n".join(messages))
-    assert len(messages) == 8
-    assert all(m.startswith("[rank 0] dk backend: ") for m in messages), messages
+    assert len(messages) == 9
+    assert all(m.startswith("[rank 0] dk backend: ") for m in messages[:8]), messages
+    assert messages[8].startswith("[rank 0] all_to_all: send_counts[0] (1)"), messages[8]
     assert "BAND" in messages[0] and "gloo" in messages[0]
     assert "all_to_all_single" in messages[4] and "split sizes" in messages[4]
     assert "NotImplemented" not in messages[7] and "name the source" in messages[7]
