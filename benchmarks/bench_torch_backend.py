@@ -10,7 +10,9 @@ rank) and trains the ~20M-parameter transformer of bench_ddp.py with unmodified 
 
 each once on the gloo group and once on a ``new_group(backend="dk")``, in the same processes,
 alternating in rounds so that machine noise hits both alike. Prints the median step time
-(forward, backward, SGD step) per engine and backend and the ratio dk / gloo.
+(forward, backward, SGD step) per engine and backend and the ratio dk / gloo, and, for DDP,
+the same step under ``no_sync()`` (no communication): the difference is the communication
+that backward did not hide, the most any backend can save.
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ def _fsdp2(args, group):
 ENGINES = {"torch DDP": _ddp, "FSDP2": _fsdp2}
 
 
-def _time_steps(model, opt, batches, steps: int) -> float:
+def _time_steps(model, opt, batches, steps: int, sync: bool = True) -> float:
     dist.barrier()
     start = time.perf_counter()
     for i in range(steps):
-        _step(model, opt, batches[i % len(batches)])
+        _step(model, opt, batches[i % len(batches)], sync)
     dist.barrier()
     return (time.perf_counter() - start) / steps
 
@@ -90,6 +92,9 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
         for engine, backend, model, opt in runs:
             seconds = _time_steps(model, opt, batches, args.steps)
             results.setdefault(engine, {}).setdefault(backend, []).append(seconds)
+            if engine == "torch DDP":  # the same step without communication (no_sync)
+                local = _time_steps(model, opt, batches, args.steps, sync=False)
+                results.setdefault("DDP no_sync", {}).setdefault(backend, []).append(local)
     if rank == 0:
         nparams = sum(p.numel() for p in _make_model(args).parameters())
         queue.put((nparams, results, os.getloadavg()))
@@ -130,12 +135,19 @@ def main() -> None:
         f"{args.steps} steps (median); load average {start_load[0]:.1f} at start, "
         f"{end_load[0]:.1f} at end on {os.cpu_count()} cpus (machine shared: timings noisy)"
     )
-    print(f"{'engine':>10} {'gloo ms':>9} {'dk ms':>9} {'dk / gloo':>9}")
+    print(f"{'engine':>11} {'gloo ms':>9} {'dk ms':>9} {'dk / gloo':>9}")
     rows = []
     for engine, by in results.items():
         gloo, dk = (statistics.median(by[b]) * 1e3 for b in BACKENDS)
         rows.append({"engine": engine, "gloo_ms": gloo, "dk_ms": dk, "ratio": dk / gloo})
-        print(f"{engine:>10} {gloo:>9.1f} {dk:>9.1f} {dk / gloo:>9.2f}")
+        print(f"{engine:>11} {gloo:>9.1f} {dk:>9.1f} {dk / gloo:>9.2f}")
+    if "DDP no_sync" in results:
+        by = {r["engine"]: r for r in rows}
+        exposed = {b: by["torch DDP"][f"{b}_ms"] - by["DDP no_sync"][f"{b}_ms"] for b in BACKENDS}
+        print(
+            "# torch DDP step minus its no_sync step (communication not hidden by backward): "
+            + ", ".join(f"{b} {ms:.1f} ms" for b, ms in exposed.items())
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "raw": results}, f, indent=1)
