@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from .._dtypes import DTYPE_CODES, ReduceOp
+from ..dtypes import DTYPE_CODES, ReduceOp
 from ..errors import CommError
 from . import BACKEND_NAME
 from .routes import Routes, device_backends

@@ -67,7 +67,7 @@ class Routes:
         self.delegates = any(b in TORCH_BACKENDS for b in self.backends.values())
         self._lock = threading.Lock()
         if self.backends.get("cpu") == BACKEND_NAME:
-            from ..communicator import Communicator
+            from ..comm.communicator import Communicator
 
             self._ours["cpu"] = Communicator(
                 store=dist.PrefixStore("cpu/", store),
@@ -110,7 +110,7 @@ class Routes:
         return "cpu" if "cpu" in self.backends else next(iter(self.backends))
 
     def _cuda_comm(self, device: Optional[torch.device]) -> Any:
-        from ..communicator import Communicator
+        from ..comm.communicator import Communicator
 
         index = device.index if device is not None and device.index is not None else None
         return Communicator(

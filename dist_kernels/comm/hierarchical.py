@@ -1,6 +1,6 @@
 """Hierarchical CPU collectives across hosts (design decision 4).
 
-Inside a host the ranks use shared memory (:class:`dist_kernels._shm.ShmBackend`); between
+Inside a host the ranks use shared memory (:class:`dist_kernels.comm.shm.ShmBackend`); between
 hosts the host leaders (lowest group rank of each host) use a torch.distributed gloo group,
 and point-to-point between hosts goes through gloo too (:func:`gloo_links` makes both: from
 torch groups for a Communicator of a torch group, straight from the Store for one built from a
@@ -27,7 +27,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._dtypes import ReduceOp
+from ..dtypes import ReduceOp
+from .work import DoneWork
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -125,9 +126,7 @@ class HierarchicalBackend:
         return [r for r in range(self.world_size) if self.hosts[r] == self.hosts[rank]].index(rank)
 
     def _done(self, async_op: bool):
-        from .communicator import _DoneWork
-
-        return _DoneWork() if async_op else None
+        return DoneWork() if async_op else None
 
     def all_reduce(self, t: torch.Tensor, code: int, op: int, algo: int, async_op: bool):
         op = ReduceOp(op)
