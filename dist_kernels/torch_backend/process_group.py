@@ -44,13 +44,14 @@ from . import BACKEND_NAME
 from .routes import Routes, device_backends
 from .work import Completions, DkWork, to_dist_error
 
-# torch's ReduceOp kind -> ours (PREMUL_SUM becomes SUM after scaling)
+# torch's ReduceOp kind (its int value: hashing the pybind enum costs more than the rest of
+# the call's checks) -> ours; PREMUL_SUM becomes SUM after scaling
 _RED_OPS = {
-    dist.ReduceOp.RedOpType.SUM: ReduceOp.SUM,
-    dist.ReduceOp.RedOpType.AVG: ReduceOp.AVG,
-    dist.ReduceOp.RedOpType.PRODUCT: ReduceOp.PROD,
-    dist.ReduceOp.RedOpType.MIN: ReduceOp.MIN,
-    dist.ReduceOp.RedOpType.MAX: ReduceOp.MAX,
+    dist.ReduceOp.RedOpType.SUM.value: ReduceOp.SUM,
+    dist.ReduceOp.RedOpType.AVG.value: ReduceOp.AVG,
+    dist.ReduceOp.RedOpType.PRODUCT.value: ReduceOp.PROD,
+    dist.ReduceOp.RedOpType.MIN.value: ReduceOp.MIN,
+    dist.ReduceOp.RedOpType.MAX.value: ReduceOp.MAX,
 }
 
 
@@ -208,8 +209,8 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     def _op(self, op: Any, t: torch.Tensor, what: str) -> Tuple[ReduceOp, Optional[Any]]:
         """(our op, PREMUL_SUM factor or None) for torch's ReduceOp."""
-        kind = getattr(op, "op", op)
-        ours = _RED_OPS.get(kind)
+        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        ours = _RED_OPS.get(kind.value)
         if ours is not None:
             return ours, None
         if kind == dist.ReduceOp.PREMUL_SUM:
@@ -237,6 +238,8 @@ class ProcessGroupDK(dist.ProcessGroup):
             if factor is not None:
                 t.mul_(factor)
             handle = self._comm(t, "allreduce").all_reduce(t, op, async_op=opts.asyncOp)
+            if handle is None:
+                return DkWork.done(tensors, self._completions)
             return DkWork((handle,), tensors, None, self._completions)
         staged = _Staged(t)
         if factor is not None:
