@@ -528,6 +528,13 @@ _WORLD_SCRIPT = textwrap.dedent(
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t, group=mesh.get_group())
     assert torch.equal(t, torch.full((4,), 3.0)), t
+    mesh2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))  # sub-groups per dim
+    assert dist.get_backend(mesh2.get_group("dp")) == "dk", dist.get_backend(mesh2.get_group("dp"))
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=mesh2.get_group("dp"))
+    assert torch.equal(t, torch.full((4,), 3.0)), t
+    dist.all_reduce(t, group=mesh2.get_group("tp"))  # one rank: unchanged
+    assert torch.equal(t, torch.full((4,), 3.0)), t
     sub = dist.new_group([0, 1], backend="dk")
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(4, 2))
