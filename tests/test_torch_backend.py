@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -272,7 +273,8 @@ def test_bad_arguments_raise_before_anything_is_sent():
 
 
 def _peer_failure(kind):
-    """Rank 1 dies (or stays away); rank 0's all-reduce raises DistBackendError."""
+    """Rank 1 dies (or stays away past the group's timeout); rank 0's all-reduce raises
+    DistBackendError, and with ``timeout`` a shorter ``Work.wait(timeout)`` gives up first."""
     import torch.distributed as dist
 
     group = dist.new_group(backend="dk", timeout=datetime.timedelta(seconds=3))
@@ -280,11 +282,20 @@ def _peer_failure(kind):
     if rank == 1:
         if kind == "dead":
             os._exit(0)
+        time.sleep(5)  # alive, but never calls: rank 0's collective runs into its timeout
         dist.destroy_process_group(group)
         return None
     try:
-        dist.all_reduce(torch.ones(1 << 16), group=group)
+        if kind == "timeout":  # Work.wait(timeout) gives up first; the collective runs on
+            work = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True)
+            with pytest.raises(dist.DistBackendError, match=r"\[rank 0\] all_reduce"):
+                work.wait(datetime.timedelta(seconds=0.2))
+            assert not work.is_completed()
+            work.wait()  # until the group's 3 s timeout fails it
+        else:
+            dist.all_reduce(torch.ones(1 << 16), group=group)
     except dist.DistBackendError as e:
+        assert kind != "timeout" or work.is_completed()
         return f"{type(e).__name__}: {e}"
     finally:
         dist.destroy_process_group(group)
@@ -296,6 +307,7 @@ def test_dead_peer_or_timeout_raises_dist_backend_error(kind):
     results = run_ranks(2, _peer_failure, kind, expect_death=kind == "dead", timeout=120)
     print(results[0])
     assert results[0].startswith("DistBackendError: [rank 0] all_reduce"), results[0]
+    assert ("died" if kind == "dead" else "timed out") in results[0], results[0]
     if kind == "dead":
         assert isinstance(results[1], RankDied)
     assert shm_leaks() == []
