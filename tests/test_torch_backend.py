@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 from mp_pool import RankDied, run_ranks, shm_leaks
-from test_comm import check_close, make_input, reference
+from test_comm import UNIT_ROUNDOFF, check_close, error_bound, make_input, reference
 
 import dist_kernels  # noqa: F401 - registers "dk" (the workers import this module too)
 
@@ -77,6 +77,18 @@ def _inputs(n, count, dtype, op, tag, scale=1.0):
 # -- every collective x dtype x op -----------------------------------------------------------
 
 
+def _bound(scaled, dtype, op, scale):
+    """The reduction's rounding bound; PREMUL_SUM (``scale != 1``) also rounds each rank's
+    pre-multiplied input to the dtype once: at most ``u`` of each term, ``u * sum |x_r|``."""
+    if not dtype.is_floating_point:
+        return None  # integers compare exactly
+    bound = error_bound(scaled, dtype, op)
+    if scale != 1.0:
+        u = UNIT_ROUNDOFF[dtype] + (2.0**-24 if dtype.itemsize == 2 else 0.0)
+        bound = bound + u * torch.stack([x.double().abs() for x in scaled]).sum(0)
+    return bound
+
+
 def _reductions(group, dtype, count):
     """all_reduce (sync and async + future), coalesced, reduce, reduce_scatter (both forms)."""
     import torch.distributed as dist
@@ -85,32 +97,37 @@ def _reductions(group, dtype, count):
     for name, ref_op, scale in _op_cases(dtype):
         op = _torch_op(name, dtype)
         xs, scaled = _inputs(n, count, dtype, ref_op, f"ar{name}", scale)
-        ref = reference(scaled, dtype, ref_op)
+        ref, bound = reference(scaled, dtype, ref_op), _bound(scaled, dtype, ref_op, scale)
         what = f"rank {rank}/{n} {dtype} {name}"
         t = xs[rank].clone()
         dist.all_reduce(t, op=op, group=group)
-        check_close(t, ref, dtype, ref_op, n, f"all_reduce {what}")
+        check_close(t, ref, dtype, ref_op, f"all_reduce {what}", bound)
         t = xs[rank].clone()
         future = dist.all_reduce(t, op=op, group=group, async_op=True).get_future()
-        check_close(future.wait()[0], ref, dtype, ref_op, n, f"all_reduce async {what}")
+        check_close(future.wait()[0], ref, dtype, ref_op, f"all_reduce async {what}", bound)
         pair = [xs[rank].clone(), xs[rank][: count // 2].clone()]
         dist.all_reduce_coalesced(pair, op=op, group=group)
-        check_close(pair[0], ref, dtype, ref_op, n, f"all_reduce_coalesced {what}")
-        check_close(pair[1], ref[: count // 2], dtype, ref_op, n, f"coalesced[1] {what}")
+        check_close(pair[0], ref, dtype, ref_op, f"all_reduce_coalesced {what}", bound)
+        half = slice(0, count // 2)
+        half_bound = None if bound is None else bound[half]
+        check_close(pair[1], ref[half], dtype, ref_op, f"coalesced[1] {what}", half_bound)
         t = xs[rank].clone()
         dist.reduce(t, dst=dist.get_global_rank(group, n - 1), op=op, group=group)
         if rank == n - 1:
-            check_close(t, ref, dtype, ref_op, n, f"reduce {what}")
+            check_close(t, ref, dtype, ref_op, f"reduce {what}", bound)
         else:
             assert torch.equal(t, xs[rank]), f"reduce changed a non-root tensor: {what}"
         ys, yscaled = _inputs(n, n * count, dtype, ref_op, f"rs{name}", scale)
-        chunk = reference(yscaled, dtype, ref_op)[rank * count : (rank + 1) * count]
+        mine = slice(rank * count, (rank + 1) * count)
+        chunk = reference(yscaled, dtype, ref_op)[mine]
+        chunk_bound = _bound(yscaled, dtype, ref_op, scale)
+        chunk_bound = None if chunk_bound is None else chunk_bound[mine]
         out = torch.empty(count, dtype=dtype)
         dist.reduce_scatter_tensor(out, ys[rank], op=op, group=group)
-        check_close(out, chunk, dtype, ref_op, n, f"reduce_scatter_tensor {what}")
+        check_close(out, chunk, dtype, ref_op, f"reduce_scatter_tensor {what}", chunk_bound)
         out = torch.empty(count, dtype=dtype)
         dist.reduce_scatter(out, list(ys[rank].chunk(n)), op=op, group=group)
-        check_close(out, chunk, dtype, ref_op, n, f"reduce_scatter {what}")
+        check_close(out, chunk, dtype, ref_op, f"reduce_scatter {what}", chunk_bound)
 
 
 def _data_movement(group, dtype, count):
@@ -215,10 +232,11 @@ def test_reference_check_rejects_wrong_answers():
     """The checks above fail on a doubled result and on a result that misses a rank."""
     xs = [make_input(r, 13, torch.float32, "SUM", "arSUM") for r in range(3)]
     ref = reference(xs, torch.float32, "SUM")
-    check_close(ref.float(), ref, torch.float32, "SUM", 3, "right")
+    bound = error_bound(xs, torch.float32, "SUM")
+    check_close(ref.float(), ref, torch.float32, "SUM", "right", bound)
     for wrong in (ref.float() * 2, (xs[0] + xs[1]).float()):
         with pytest.raises(AssertionError):
-            check_close(wrong, ref, torch.float32, "SUM", 3, "wrong")
+            check_close(wrong, ref, torch.float32, "SUM", "wrong", bound)
 
 
 # -- bad arguments ----------------------------------------------------------------------------
@@ -465,11 +483,16 @@ def _functional(compiled):
     xs = [make_input(r, 2 * n * 3, torch.float32, "SUM", "fc").view(2 * n, 3) for r in range(n)]
     summed, gathered, scattered = (torch.as_tensor(t) for t in fn(xs[rank].clone()))
     total = torch.stack(xs).double().sum(0)
-    check_close(summed.view(-1), (total + 1).view(-1), torch.float32, "SUM", n, "all_reduce")
+    # the sum's rounding bound, plus the rounding of the added 1
+    bound = error_bound([x.view(-1) for x in xs], torch.float32, "SUM")
+    bound = bound + (total + 1).abs().view(-1) * 2.0**-24
+    check_close(summed.view(-1), (total + 1).view(-1), torch.float32, "SUM", "all_reduce", bound)
     assert torch.equal(gathered, torch.cat([x * 2 for x in xs])), "all_gather_tensor"
     rows = 2 * n * n // n
     ref = (n * torch.cat([x * 2 for x in xs]).double()).view(n, rows, 3)[rank]
-    check_close(scattered.view(-1), ref.reshape(-1), torch.float32, "SUM", n, "reduce_scatter")
+    gathered_in = torch.cat([x * 2 for x in xs]).view(n, rows, 3)[rank].reshape(-1)
+    bound = error_bound([gathered_in] * n, torch.float32, "SUM")
+    check_close(scattered.view(-1), ref.reshape(-1), torch.float32, "SUM", "reduce_scatter", bound)
     return True
 
 
