@@ -62,7 +62,17 @@ _LAZY: Dict[str, str] = {
     "Pipeline": "pipeline",
     "ProcessMesh": "mesh",
 }
-_SUBMODULES = ("ops", "checkpoint", "optim", "pipeline", "bucketing", "bench", "info")
+_SUBMODULES = (
+    "ops",
+    "checkpoint",
+    "optim",
+    "pipeline",
+    "bucketing",
+    "bench",
+    "info",
+    "tensor_parallel",
+    "models",
+)
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
 
