@@ -39,6 +39,8 @@ def _resolve_sizes(dp: Optional[int], pp: Optional[int], world_size: int, tp: in
         _check_size(arg, value)
     tp_text = f" x tp({tp})" if tp != 1 else ""
     if dp is None and pp is None:
+        if world_size % tp:
+            raise ValueError(f"world_size({world_size}) is not a multiple of tp({tp})")
         pp = 1
     if dp is None or pp is None:
         known, name = (pp, "pp") if dp is None else (dp, "dp")

@@ -151,11 +151,29 @@ def _rank_errors():
         with pytest.raises(ValueError) as info:
             _model(**overrides).parallelize(comm)
         messages.append(str(info.value))
+    # DK_DEBUG=1 (set by the test): ids that differ on one tp rank raise at once, on every rank
+    model = _model().parallelize(comm)
+    ids, targets = _batches(1)[0]
+    model(ids, targets)  # the same ids everywhere: fine
+    if dist.get_rank() == 3:
+        ids = ids.flip(0)
+    with pytest.raises(tp.TensorParallelDesyncError) as info:
+        model(ids, targets)
+    messages.append(str(info.value))
     comm.close()
     return messages
 
 
-def test_gpt_sharding_errors_show_the_arithmetic():
-    results = run_ranks(4, _rank_errors, timeout=60)
-    print(results[0])
-    assert results[0] == ["GPT: n_heads(6) % tp(4) != 0", "GPT: vocab_size(30) % tp(4) != 0"]
+def test_gpt_sharding_errors_show_the_arithmetic_and_desync_names_the_layer():
+    results = run_ranks(4, _rank_errors, timeout=60, env={"DK_DEBUG": "1"})
+    for rank, messages in enumerate(results):
+        print(messages)
+        assert messages[:2] == [
+            "GPT: n_heads(6) % tp(4) != 0",
+            "GPT: vocab_size(30) % tp(4) != 0",
+        ]
+        assert (
+            f"[rank {rank}] VocabParallelEmbedding 'embedding.wte': tensor-parallel"
+            in (messages[2])
+        )
+        assert "tp ranks [3] differ" in messages[2]
