@@ -102,7 +102,7 @@ print(json.dumps(info, indent=2))
 assert info["cuda_compiled"], "the build has no CUDA"
 assert info["device_count"] > 0, "the extension sees no CUDA device"
 assert info["nccl_version"], "NCCL was not found (set DK_NCCL_LIBRARY)"
-from dist_kernels import _cuda_comm
+from dist_kernels.comm import cuda as _cuda_comm
 assert _cuda_comm.unavailable_reason() is None, _cuda_comm.unavailable_reason()
 PYEOF
 

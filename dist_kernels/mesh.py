@@ -124,7 +124,7 @@ class ProcessMesh:
         coords = mesh_coords(self.rank, self.tp, self.pp)
         self.dp_rank, self.tp_rank, self.pp_rank = coords["dp"], coords["tp"], coords["pp"]
         if communicator_factory is None:
-            from .communicator import Communicator
+            from .comm import Communicator
 
             communicator_factory = lambda group: Communicator(group=group)  # noqa: E731
         groups = mesh_groups(self.dp, self.pp, self.tp)

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from dist_kernels import _bench_ops as ops
-from dist_kernels import bench
+from dist_kernels.bench import cli as bench
+from dist_kernels.bench import ops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACEMENT_KEYS = {"time_us", "algbw", "busbw", "wrong", "vs_baseline", "error"}
@@ -277,7 +277,7 @@ def test_sizes_and_size_aware_iterations():
 
 
 def test_report_prints_refused_combinations_as_na():
-    from dist_kernels import _bench_report as report
+    from dist_kernels.bench import report
 
     ok = {"time_us": 10.0, "algbw": 0.8, "busbw": 0.8, "wrong": 0, "vs_baseline": 50.0}
     refused = {"time_us": None, "algbw": None, "busbw": None, "wrong": None}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dist_kernels
-from dist_kernels import _cuda_comm
+from dist_kernels.comm import cuda as _cuda_comm
 
 CUDA_DEVICE = torch.device("cuda", 0)  # a device object; nothing is allocated on it
 

@@ -13,8 +13,9 @@ import os
 import pytest
 import torch
 
-from dist_kernels import _C, _cuda_comm
-from dist_kernels._dtypes import DTYPE_CODES, ReduceOp
+from dist_kernels import _C
+from dist_kernels.comm import cuda as _cuda_comm
+from dist_kernels.dtypes import DTYPE_CODES, ReduceOp
 
 _REASON = _cuda_comm.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=str(_REASON))]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_kernels import _C, _nccl
+from dist_kernels import _C
+from dist_kernels.comm import nccl as _nccl
 
 
 @pytest.fixture
@@ -211,7 +212,7 @@ def test_fake_nccl_loads_and_reports_its_version(tmp_path):
     lib = _build_fake_nccl(tmp_path, "v22805", "VERSION=22805")
     other = _build_fake_nccl(tmp_path, "v22106", "VERSION=22106")
     code = (
-        "from dist_kernels import _C, _nccl\n"
+        "from dist_kernels import _C\nfrom dist_kernels.comm import nccl as _nccl\n"
         "print(_nccl.load())\n"
         "print(_nccl.describe())\n"
         f"try:\n    _C.nccl_load({str(other)!r})\nexcept ValueError as e:\n    print('ERR', e)\n"
@@ -231,7 +232,7 @@ def test_fake_nccl_loads_and_reports_its_version(tmp_path):
 def test_too_old_nccl_is_refused_with_its_version(tmp_path):
     lib = _build_fake_nccl(tmp_path, "v2708", "VERSION=2708")  # NCCL's pre-2.9 encoding
     result = _in_fresh_process(
-        "from dist_kernels import _nccl; _nccl.load()", DK_NCCL_LIBRARY=str(lib)
+        "from dist_kernels.comm import nccl; nccl.load()", DK_NCCL_LIBRARY=str(lib)
     )
     assert result.returncode != 0
     assert "NCCL 2.7.8" in result.stderr and "too old" in result.stderr
@@ -240,7 +241,7 @@ def test_too_old_nccl_is_refused_with_its_version(tmp_path):
 def test_fake_nccl_missing_a_symbol_names_it(tmp_path):
     lib = _build_fake_nccl(tmp_path, "partial", "VERSION=22805", "DROP_BROADCAST")
     result = _in_fresh_process(
-        "from dist_kernels import _nccl; _nccl.load()", DK_NCCL_LIBRARY=str(lib)
+        "from dist_kernels.comm import nccl; nccl.load()", DK_NCCL_LIBRARY=str(lib)
     )
     assert result.returncode != 0
     assert "symbol ncclBroadcast not found" in result.stderr and str(lib) in result.stderr

@@ -26,8 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _bench_ops as ops
-from . import _bench_report as report
+from . import ops, report
 
 ALGORITHMS = ("ring", "tree", "auto")
 DEFAULT_MIN_BYTES = 8

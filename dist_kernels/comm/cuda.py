@@ -25,8 +25,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _C, _nccl
-from ._dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from .. import _C
+from ..dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from . import nccl
+from .work import Work
 
 #: Staging for NcclTransport receives: 8 slots of 4 MiB (32 MiB per communicator). A slot is the
 #: largest message of one algorithm step (ring and tree cut their slices to fit); the ring holds
@@ -172,7 +174,7 @@ class CudaCommunicator:
             raise ValueError(f"rank: {rank} is not in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
         self.device = _cuda_device(device)
-        _nccl.load()
+        nccl.load()
         if rank == 0:
             store.set("nccl_unique_id", _C.nccl_unique_id())
         if timeout is not None:
@@ -437,10 +439,6 @@ class CudaCommunicator:
         )
 
 
-def _public_work(work: CudaWork, tensors: Tuple[torch.Tensor, ...]) -> Any:
-    """``dist_kernels.Work`` around ``work`` where communicator.py defines it, else ``work``."""
-    try:
-        from .communicator import Work
-    except ImportError:
-        return work
+def _public_work(work: CudaWork, tensors: Tuple[torch.Tensor, ...]) -> Work:
+    """The public :class:`Work` around ``work``, keeping ``tensors`` alive until it is waited."""
     return Work(work, tensors)
