@@ -18,6 +18,7 @@ so splitting its rows into ``tp`` contiguous shards gives each rank whole heads.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -88,7 +89,8 @@ class CausalSelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, -1, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
         p = self.dropout if self.training else 0.0
-        with tp.get_rng_tracker().fork():  # heads are sharded: per-tp-rank masks
+        # Heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn).
+        with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * d]
         return self.drop(self.proj(y))

@@ -74,6 +74,9 @@ class _ColumnLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm, sequence_parallel):
         total = mappings.all_gather(x, 0, comm) if sequence_parallel else x
+        # Under sequence parallelism this keeps the gathered input (tp x the shard) for the
+        # weight gradient; Megatron instead re-gathers it in backward, trading memory for an
+        # all-gather overlapped with the input-gradient matmul.
         ctx.save_for_backward(total, weight)
         ctx.comm, ctx.sequence_parallel, ctx.has_bias = comm, sequence_parallel, bias is not None
         return F.linear(total, weight, bias)
