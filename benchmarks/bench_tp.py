@@ -1,6 +1,6 @@
 """Tensor-parallel GPT step time: dist_kernels.tensor_parallel against torch DTensor (gloo).
 
-    python benchmarks/bench_tp.py [--tp 1 2 4] [--steps 5] [--rounds 3] [--json out.json]
+    python benchmarks/bench_tp.py [--tp 1 2 4] [--steps 20] [--dim 128 --seq 64 ...] [--json f]
 
 For each tp size it spawns ``tp`` CPU ranks (gloo process group on localhost, one torch thread
 per rank). Every rank builds the same ``dist_kernels.models.GPT`` twice from one seed and
@@ -13,10 +13,11 @@ shards it two ways:
   embedding, ColwiseParallel head with a Shard(-1) output and ``loss_parallel``) over gloo.
 
 Correctness first: both first-step losses must equal the unsharded model's. Then the two
-engines alternate in rounds (so machine noise hits both alike); each round times ``--steps``
-training steps (forward, backward, AdamW). Reported per engine: step time and forward+backward
-time (median over rounds of the per-step mean), and dk / dtensor. tp=1 runs the unsharded
-model (both columns are the same code) as the baseline for scaling.
+engines alternate step by step (so the machine's load hits both alike) for ``--steps`` training
+steps each (forward, backward, AdamW; all ranks start a step together). Reported per engine:
+the median step time and forward+backward time, dk / dtensor of those medians, and the median
+over steps of dk's time over the DTensor step that ran right after it (robust to load that
+drifts). tp=1 runs the unsharded model as the baseline for scaling.
 """
 
 from __future__ import annotations
@@ -97,22 +98,19 @@ def _scalar(loss) -> float:
     return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
 
-def _time_steps(model, opt, batch, engine: str, steps: int) -> Dict[str, float]:
+def _time_step(model, opt, batch, engine: str) -> Dict[str, float]:
+    """One training step (all ranks start together); seconds for fwd+bwd and the whole step."""
     ids, targets = batch
-    fwd_bwd = total = 0.0
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        with _loss_context(engine):
-            loss = model(ids, targets)
-            loss.backward()
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
-        fwd_bwd += t1 - t0
-        total += t2 - t0
-    return {"step": total / steps, "fwd_bwd": fwd_bwd / steps}
+    dist.barrier()
+    t0 = time.perf_counter()
+    with _loss_context(engine):
+        loss = model(ids, targets)
+        loss.backward()
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t2 = time.perf_counter()
+    return {"step": t2 - t0, "fwd_bwd": t1 - t0}
 
 
 def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
@@ -139,13 +137,14 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
             losses[name] = _scalar(model(*batch))
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in engines.items()}
     for name, model in engines.items():  # warm-up (allocations, DTensor's sharding caches)
-        _time_steps(model, opts[name], batch, name, 1)
-    rounds: Dict[str, List[Dict[str, float]]] = {n: [] for n in engines}
-    for _ in range(args.rounds):
+        _time_step(model, opts[name], batch, name)
+    # The engines alternate step by step, so that the machine's load hits both alike.
+    steps: Dict[str, List[Dict[str, float]]] = {n: [] for n in engines}
+    for _ in range(args.steps):
         for name, model in engines.items():
-            rounds[name].append(_time_steps(model, opts[name], batch, name, args.steps))
+            steps[name].append(_time_step(model, opts[name], batch, name))
     if rank == 0:
-        queue.put({"tp": world, "ref_loss": ref_loss, "losses": losses, "rounds": rounds})
+        queue.put({"tp": world, "ref_loss": ref_loss, "losses": losses, "steps": steps})
     if comm is not None:
         comm.close()
     dist.destroy_process_group()
@@ -168,28 +167,38 @@ def _run(world: int, args) -> Dict:
     return result
 
 
-def _median(rounds: List[Dict[str, float]], key: str) -> float:
-    return statistics.median(r[key] for r in rounds)
+def _median(steps: List[Dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in steps)
+
+
+def _pair_ratio(res: Dict) -> float:
+    """Median over steps of dk's step time / the DTensor step that ran right after it."""
+    pairs = zip(res["steps"]["dk"], res["steps"]["dtensor"])
+    return statistics.median(a["step"] / b["step"] for a, b in pairs)
 
 
 def _report(results: List[Dict], args) -> str:
     lines = [
         f"GPT dim={args.dim} layers={args.layers} heads={args.heads} vocab={args.vocab} "
         f"seq={args.seq} batch={args.batch}, sequence_parallel={args.sequence_parallel}, "
-        f"{args.rounds} rounds x {args.steps} steps, AdamW",
+        f"{args.steps} steps per engine (alternating), AdamW",
         "",
-        "| tp | engine | step (ms) | fwd+bwd (ms) | loss - unsharded | dk / dtensor (step) |",
-        "|---|---|---|---|---|---|",
+        "| tp | engine | step (ms, median) | fwd+bwd (ms) | loss - unsharded "
+        "| dk / dtensor (medians) | dk / dtensor (median of step pairs) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for res in results:
-        step = {n: _median(r, "step") for n, r in res["rounds"].items()}
-        for name, rounds in res["rounds"].items():
-            ratio = f"{step['dk'] / step['dtensor']:.2f}" if "dtensor" in step else "-"
+        step = {n: _median(r, "step") for n, r in res["steps"].items()}
+        for name, steps in res["steps"].items():
+            ratios = ["", ""]
+            if name == "dk" and "dtensor" in step:
+                ratios = [f"{step['dk'] / step['dtensor']:.2f}", f"{_pair_ratio(res):.2f}"]
+            elif name == "dk":
+                ratios = ["-", "-"]
             lines.append(
                 f"| {res['tp']} | {name} | {1e3 * step[name]:.1f} | "
-                f"{1e3 * _median(rounds, 'fwd_bwd'):.1f} | "
-                f"{res['losses'][name] - res['ref_loss']:+.1e} | "
-                f"{ratio if name == 'dk' else ''} |"
+                f"{1e3 * _median(steps, 'fwd_bwd'):.1f} | "
+                f"{res['losses'][name] - res['ref_loss']:+.1e} | {ratios[0]} | {ratios[1]} |"
             )
     return "\n".join(lines)
 
@@ -197,14 +206,13 @@ def _report(results: List[Dict], args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args()
