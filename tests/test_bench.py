@@ -123,6 +123,21 @@ def test_sendrecv_needs_two_ranks():
     assert bench.parse_args(["--op", "sendrecv", "--nproc", "2"]).op == "sendrecv"
 
 
+def test_cuda_spawns_at_most_one_rank_per_gpu(monkeypatch, capsys):
+    """World size 1 on one GPU is --nproc 1; two spawned ranks on it would make NCCL refuse
+    ("Duplicate GPU detected"), so the benchmark says so before it starts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("RANK", raising=False)
+    assert bench.parse_args(["--device", "cuda", "--nproc", "1"]).nproc == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda", "--nproc", "2"])
+    assert "1 CUDA device(s)" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")  # under torchrun the launcher decides
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert bench.parse_args(["--device", "cuda"]).device == "cuda"
+
+
 # -- the reference itself ---------------------------------------------------------------------
 
 

@@ -353,6 +353,11 @@ class Communicator:
             raise TypeError(f"[rank {self.rank}] empty: {e}") from None
         return self._backend.empty(shape, dtype)
 
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
     def close(self) -> None:
         """Waits for outstanding collectives, then releases the shared memory."""
         if self._closed:
@@ -393,7 +398,7 @@ def init(group: Optional[dist.ProcessGroup] = None, device=None) -> Communicator
 
 def get_default_communicator() -> Communicator:
     """The communicator made by :func:`init`; raises if there is none."""
-    if _default is None or _default._closed:
+    if _default is None or _default.closed:  # a CPU or a CUDA communicator
         raise RuntimeError("dist_kernels: call dist_kernels.init() first")
     return _default
 
