@@ -81,6 +81,8 @@ _SUBMODULES: Dict[str, str] = {
     "ddp_hooks": "ddp.hooks",
     "lr": "lr",
     "train": "train",
+    "tensor_parallel": "tensor_parallel",
+    "models": "models",
 }
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
