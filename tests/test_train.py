@@ -24,7 +24,6 @@ from mp_pool import run_ranks  # noqa: E402
 from dist_kernels.train import ConfigError, ModelConfig, TrainConfig, train  # noqa: E402
 from dist_kernels.train.cli import main as cli_main  # noqa: E402
 from dist_kernels.train.cli import preflight  # noqa: E402
-from dist_kernels.train.model import has_library_gpt  # noqa: E402
 from dist_kernels.train.stragglers import StragglerDetector  # noqa: E402
 
 SEED = 1234
@@ -70,15 +69,12 @@ def _single(cfg: TrainConfig):
 
 
 def _key_bias_mask(numel: int) -> torch.Tensor:
-    """Where the key biases sit in a fused qkv bias: the middle third ([q; k; v], the fallback
-    model), or the middle of each head's [q, k, v] (dist_kernels.models.GPT)."""
+    """Where the key biases sit in a fused qkv bias: the middle of each head's [q, k, v]
+    (dist_kernels.models.GPT lays the fused qkv out head by head)."""
     mask = torch.zeros(numel, dtype=torch.bool)
-    if has_library_gpt():
-        hd = TINY.d_model // TINY.n_head
-        for h in range(TINY.n_head):
-            mask[h * 3 * hd + hd : h * 3 * hd + 2 * hd] = True
-    else:
-        mask[numel // 3 : 2 * numel // 3] = True
+    hd = TINY.d_model // TINY.n_head
+    for h in range(TINY.n_head):
+        mask[h * 3 * hd + hd : h * 3 * hd + 2 * hd] = True
     return mask
 
 
@@ -152,7 +148,6 @@ def test_dp2_x_tp1_x_pp2_matches_single_process(reference):
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
 
 
-@pytest.mark.skipif(not has_library_gpt(), reason="tp needs dist_kernels.models (issue 19)")
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, tp=2)], ids=["tp2", "dp2xtp2"])
 def test_tensor_parallel_matches_single_process(reference, layout):
     ref_losses, _ = reference

@@ -124,14 +124,9 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
     from .checkpoints import identity, resolve_resume
     from .data import CharCorpus
     from .driver import model_config
-    from .model import describe, has_library_gpt
+    from .model import describe
 
     cfg = cfg.with_layout(world_size)
-    if cfg.tp > 1 and not has_library_gpt():
-        raise ConfigError(
-            f"tp({cfg.tp}) > 1 needs dist_kernels.tensor_parallel and dist_kernels.models, "
-            "which this installation does not have"
-        )
     if cfg.tp > 1 and cfg.engine != "dk":
         raise ConfigError(f"engine={cfg.engine!r} supports tp=1 only (tp={cfg.tp})")
     if cfg.engine != "dk" and cfg.checkpoint_dir is not None:

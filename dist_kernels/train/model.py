@@ -2,10 +2,8 @@
 children (embedding, blocks, head), with its FLOPs per token.
 
 :func:`build_model` builds ``dist_kernels.models.GPT`` (untied head, so that the first and last
-pipeline stages share nothing; no dropout) as ``GPT.as_sequential()`` when that package is
-importable. FALLBACK: until the tensor-parallel issue lands ``dist_kernels.models`` on main, it
-builds the small causal transformer below instead (the same GPT-2 layout: pre-norm blocks, fused
-qkv, 4x MLP). The stand-in is to be deleted then; the driver uses only :func:`build_model`,
+pipeline stages share nothing; no dropout) as ``GPT.as_sequential()``, sharded over the tensor-
+parallel communicator when there is one. The driver uses only :func:`build_model`,
 :func:`flops_per_token`, :func:`describe` and :func:`loss_fn`.
 """
 
@@ -18,46 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..models import GPT, GPTConfig
 from .config import ModelConfig
-
-
-class _Embed(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.tok(idx) + self.pos(positions)[None]
-
-
-class _Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        d = cfg.d_model
-        self.n_head = cfg.n_head
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        heads = [z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v)]
-        y = F.scaled_dot_product_attention(*heads, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class _Head(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln(x))
 
 
 def build_model(
@@ -69,22 +29,13 @@ def build_model(
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        gpt = _library_gpt(cfg)
-        if gpt is None:
-            if tp_comm is not None and tp_comm.world_size > 1:
-                raise ValueError("tp > 1 needs dist_kernels.models (not importable)")
-            blocks = [_Block(cfg) for _ in range(cfg.n_layer)]
-            return nn.Sequential(_Embed(cfg), *blocks, _Head(cfg)), loss_fn
+        gpt = _gpt(cfg)
     if tp_comm is not None and tp_comm.world_size > 1:
         gpt.parallelize(tp_comm)  # slices the unsharded initialisation: same model as tp=1
     return gpt.as_sequential(), gpt.loss
 
 
-def _library_gpt(cfg: ModelConfig):
-    try:
-        from ..models import GPT, GPTConfig
-    except ImportError:
-        return None
+def _gpt(cfg: ModelConfig) -> GPT:
     return GPT(
         GPTConfig(
             vocab_size=cfg.vocab_size,
@@ -124,13 +75,4 @@ def flops_per_token(cfg: ModelConfig, model: nn.Module) -> int:  # model: unshar
 
 def describe(cfg: ModelConfig) -> Dict[str, Any]:
     """The model's identity in checkpoints (resuming another model is refused)."""
-    kind = "dist_kernels.models.GPT" if has_library_gpt() else "dist_kernels.train fallback GPT"
-    return {"kind": kind, **dataclasses.asdict(cfg)}
-
-
-def has_library_gpt() -> bool:
-    try:
-        from ..models import GPT  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return {"kind": "dist_kernels.models.GPT", **dataclasses.asdict(cfg)}
