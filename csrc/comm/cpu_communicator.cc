@@ -128,6 +128,7 @@ shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {
   h.op = reduces ? static_cast<uint32_t>(r.args.op) : 0;
   h.root = r.kind == CollectiveKind::kBroadcast ? r.args.root : -1;
   h.count = r.args.count;
+  h.seq = r.kind == CollectiveKind::kSendRecv ? 0 : collectiveSeq_ + 1;
   return h;
 }
 
@@ -149,17 +150,29 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
   const shm::MessageHeader header = headerOf(r);
   const shm::Lane lane = laneOf(r);
   Status status = transport_->begin(header, deadline, lane, inPlace);
+  if (lane == shm::Lane::kBoth) {
+    collectiveSeq_ = header.seq;
+    transport_->announce(header);
+  }
   if (status.ok() && options_.debug && lane == shm::Lane::kBoth) {
     status = fingerprint(header, deadline);
     if (status.ok()) status = transport_->begin(header, deadline, lane, inPlace);
   }
   if (status.ok()) status = dispatch(r);
+  if (status.ok() && needsAgreement(r)) status = transport_->agree();
   if (!status.ok()) {
     transport_->poison(status);
     std::lock_guard<std::mutex> lock(failedMutex_);
     if (failed_.ok()) failed_ = status;
   }
   return status;
+}
+
+// See ShmTransport::agree(): a broadcast root receives nothing, and a zero-byte collective
+// may move no bytes, so neither learns from its data flow what the other ranks called.
+bool CpuCommunicator::needsAgreement(const Request& r) {
+  if (r.kind == CollectiveKind::kSendRecv || r.kind == CollectiveKind::kBarrier) return false;
+  return r.kind == CollectiveKind::kBroadcast || r.args.count == 0;
 }
 
 Status CpuCommunicator::dispatch(const Request& r) {

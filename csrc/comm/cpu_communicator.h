@@ -15,6 +15,10 @@
 // running on other threads (they fail, which poisons the segment like any failure) and
 // returns once they have left.
 //
+// Disagreement: every collective carries a descriptor (kind, count, dtype, op, root, its
+// sequence number) in each message and in the rank's announcement (ShmTransport::announce),
+// so ranks that called different things all fail with CommError, in the default mode.
+//
 // Failure: the first failed call poisons the communicator (every later call fails at once
 // with the same cause) and the shared segment (every peer's waits stop).
 #pragma once
@@ -73,11 +77,13 @@ class CpuCommunicator {
   Status fingerprint(const shm::MessageHeader& header,
                      std::chrono::steady_clock::time_point deadline);
   shm::MessageHeader headerOf(const Request& request) const;
+  static bool needsAgreement(const Request& request);
 
   std::unique_ptr<shm::ShmTransport> transport_;
   CpuCompute compute_;
   Options options_;
   std::vector<char> scratch_;
+  uint64_t collectiveSeq_ = 0;  // collectives started; changed with both lanes held
 
   OpQueue queue_;
   std::mutex sendLane_;  // one call at a time per transport lane; collectives take both
