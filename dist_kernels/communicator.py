@@ -14,11 +14,13 @@ between host leaders). ``device="cuda"`` hands over to ``dist_kernels._cuda_comm
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import os
 import socket
 import threading
+import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -51,6 +53,20 @@ _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # the same order, so the n-th one of a group gets the same store prefix on every rank.
 _creation_counters: Dict[Tuple[int, ...], itertools.count[int]] = {}
 _creation_lock = threading.Lock()
+
+# Open CPU communicators: at interpreter exit (a KeyboardInterrupt that reached the top, say)
+# they are failed, not drained, so a queued call that waits for a peer cannot hold the exit
+# up until its timeout, and the peers learn at once that this rank is gone.
+_open_communicators: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _abort_open_communicators() -> None:
+    for comm in list(_open_communicators):
+        backend = getattr(comm, "_backend", None)
+        if backend is not None and not comm._closed and hasattr(backend, "abort"):
+            backend.abort("exited with the communicator open")
+            comm.close()
 
 
 class Work:
@@ -155,6 +171,7 @@ class Communicator:
         self._pending_lock = threading.Lock()
         self._closed = False
         self._backend = self._connect()
+        _open_communicators.add(self)
 
     # -- setup ---------------------------------------------------------------------------
 

@@ -132,6 +132,12 @@ shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {
   return h;
 }
 
+void CpuCommunicator::abort(const Status& cause) {
+  transport_->poison(cause);
+  std::lock_guard<std::mutex> lock(failedMutex_);
+  if (failed_.ok()) failed_ = cause;
+}
+
 Status CpuCommunicator::failure() const {
   std::lock_guard<std::mutex> lock(failedMutex_);
   return failed_;
@@ -149,22 +155,18 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
                             std::chrono::duration<double>(options_.timeoutSec));
   const shm::MessageHeader header = headerOf(r);
   const shm::Lane lane = laneOf(r);
-  Status status = transport_->begin(header, deadline, lane, inPlace);
+  Status status = transport_->begin(header, deadline, lane, inPlace, r.interruptible);
   if (lane == shm::Lane::kBoth) {
     collectiveSeq_ = header.seq;
     transport_->announce(header);
   }
   if (status.ok() && options_.debug && lane == shm::Lane::kBoth) {
     status = fingerprint(header, deadline);
-    if (status.ok()) status = transport_->begin(header, deadline, lane, inPlace);
+    if (status.ok()) status = transport_->begin(header, deadline, lane, inPlace, r.interruptible);
   }
   if (status.ok()) status = dispatch(r);
   if (status.ok() && needsAgreement(r)) status = transport_->agree();
-  if (!status.ok()) {
-    transport_->poison(status);
-    std::lock_guard<std::mutex> lock(failedMutex_);
-    if (failed_.ok()) failed_ = status;
-  }
+  if (!status.ok()) abort(status);
   return status;
 }
 

@@ -62,6 +62,9 @@ class CpuCommunicator {
   Status registerBuffer(uint32_t id, std::shared_ptr<shm::Segment> local,
                         std::vector<std::shared_ptr<shm::Segment>> peers);
   Status close();
+  // Fails the communicator on every rank with `cause` (first failure wins): Ctrl-C during a
+  // Work.wait, or the interpreter exiting with calls still queued.
+  void abort(const Status& cause);
 
  private:
   explicit CpuCommunicator(std::unique_ptr<shm::ShmTransport> transport, Options options);

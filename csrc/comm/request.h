@@ -11,6 +11,8 @@ struct Request {
   algo::Algorithm algorithm = algo::Algorithm::kAuto;
   algo::CollectiveArgs args;
   bool isSend = false;  // kSendRecv: send (else receive)
+  // A synchronous call on the thread Python delivers signals to: Ctrl-C ends its waits.
+  bool interruptible = false;
 };
 
 // "all_reduce", "send", "recv", ...: the name users call it by, for errors.

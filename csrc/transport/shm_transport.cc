@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "common/dtype.h"
+#include "common/interrupt.h"
 #include "transport/shm_backoff.h"
 
 namespace dk::shm {
@@ -197,6 +198,7 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
                              const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
                              Ready ready) {
   Backoff backoff(oversubscribed_);
+  bool armed = false;
   for (uint64_t seen = word.load(std::memory_order_acquire); !ready(seen);
        seen = word.load(std::memory_order_acquire)) {
     if (header()->abortRank.load(std::memory_order_relaxed) != 0) return health();
@@ -207,6 +209,13 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
                                               "rank " +
                                               std::to_string(peer) + " (" + what + ")");
       }
+      if (lane.interruptible) {
+        if (!armed && backoff.sleeping()) {
+          interrupt::armSigint();
+          armed = true;
+        }
+        if (interrupt::sigintCount() != lane.sigintsAtStart) return interrupted(lane, peer, what);
+      }
       DK_RETURN_IF_ERROR(peerAlive(peer));
       DK_RETURN_IF_ERROR(peerCallAgrees(lane, peer));
       if (std::chrono::steady_clock::now() >= lane.deadline) return timedOut(lane, peer, what);
@@ -214,6 +223,13 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
     backoff.pause(word, seen, sleepers);
   }
   return Status::Ok();
+}
+
+Status ShmTransport::interrupted(const LaneState& lane, int peer, const char* what) const {
+  return Status(Code::kInterrupted, "rank " + std::to_string(rank_) +
+                                        " was interrupted (SIGINT) while waiting for rank " +
+                                        std::to_string(peer) + " (" + describeHeader(lane.header) +
+                                        "; " + what + ")");
 }
 
 Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what) const {
@@ -277,11 +293,17 @@ Status ShmTransport::agree() {
 }
 
 Status ShmTransport::begin(const MessageHeader& header,
-                           std::chrono::steady_clock::time_point deadline, Lane lane,
-                           bool inPlace) {
-  const uint64_t collectiveSeq = lane == Lane::kBoth ? header.seq : announcedSeq_ + 1;
-  const LaneState state{header,        lane,     inPlace,
-                        collectiveSeq, deadline, std::chrono::steady_clock::now()};
+                           std::chrono::steady_clock::time_point deadline, Lane lane, bool inPlace,
+                           bool interruptible) {
+  LaneState state;
+  state.header = header;
+  state.lane = lane;
+  state.inPlace = inPlace;
+  state.collectiveSeq = lane == Lane::kBoth ? header.seq : announcedSeq_ + 1;
+  state.interruptible = interruptible;
+  state.sigintsAtStart = interruptible ? interrupt::sigintCount() : 0;
+  state.deadline = deadline;
+  state.started = std::chrono::steady_clock::now();
   if (lane != Lane::kRecv) sendLane() = state;
   if (lane != Lane::kSend) recvLane() = state;
   return health();

@@ -56,8 +56,9 @@ class ShmTransport : public Transport {
   // incoming ones must match it, and every wait gives up at `deadline`. Calls on different
   // lanes may run concurrently; calls on one lane may not. `inPlace` false: sends copy even
   // bytes in registered memory (so they never wait for the peer to read them).
+  // `interruptible`: a SIGINT from now on ends every wait of the call (Code::kInterrupted).
   Status begin(const MessageHeader& header, std::chrono::steady_clock::time_point deadline,
-               Lane lane = Lane::kBoth, bool inPlace = true);
+               Lane lane = Lane::kBoth, bool inPlace = true, bool interruptible = false);
   // Posts this rank's descriptor of the collective it starts (header.seq > 0; both lanes
   // held) before anything is sent: while a peer waits for this rank it compares, so ranks
   // that called different things fail at once instead of at the deadline.
@@ -102,6 +103,8 @@ class ShmTransport : public Transport {
     // or for a send / receive the next one, which no peer may start while this call waits
     // for it (this rank cannot join it before the call ends). 0: no comparison.
     uint64_t collectiveSeq = 0;
+    bool interruptible = false;
+    uint64_t sigintsAtStart = 0;  // interrupt::sigintCount() when the call began
     std::chrono::steady_clock::time_point deadline;
     std::chrono::steady_clock::time_point started;
   };
@@ -112,6 +115,7 @@ class ShmTransport : public Transport {
   Status waitFor(const LaneState& lane, int peer, const char* what,
                  const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers, Ready ready);
   Status timedOut(const LaneState& lane, int peer, const char* what) const;
+  Status interrupted(const LaneState& lane, int peer, const char* what) const;
   // Fails if `peer` announced a collective this call cannot be paired with (see announce()).
   Status peerCallAgrees(const LaneState& lane, int peer) const;
   // The peer's announcement of collective `seq`, if it has made it (false otherwise).
