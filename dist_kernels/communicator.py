@@ -46,7 +46,7 @@ __all__ = [
     "ReduceOp",
 ]
 
-ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2}
+ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "one_shot": 3}
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Communicators of one group are told apart by creation order: every member creates them in
@@ -272,7 +272,9 @@ class Communicator:
         Args:
             tensor: contiguous CPU tensor, the same shape and dtype on every rank.
             op: SUM, AVG, PROD, MIN or MAX (``torch.distributed.ReduceOp`` accepted).
-            algorithm: "ring" (bandwidth), "tree" (latency at many ranks) or "auto".
+            algorithm: "ring" (bandwidth), "tree" (latency at many ranks), "one_shot" (small
+                messages: every rank reduces every input itself; up to one shared-memory
+                slot, ``_C.shm_slot_bytes(world_size)``) or "auto" (by the cost model).
             async_op: return a :class:`Work` instead of waiting.
         """
         self._check_open("all_reduce")

@@ -280,7 +280,8 @@ void bindTopology(py::module_& m) {
       [](int n, size_t bytes) {
         const auto model = algo::shmCostModel();
         return py::make_tuple(algo::ringAllReduceUs(model, n, bytes),
-                              algo::treeAllReduceUs(model, n, bytes));
+                              algo::treeAllReduceUs(model, n, bytes),
+                              algo::oneShotAllReduceUs(model, n, bytes));
       },
       py::arg("world_size"), py::arg("bytes"));
 }

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "algorithm/one_shot.h"
 #include "algorithm/point_to_point.h"
 #include "algorithm/ring.h"
 #include "algorithm/select.h"
@@ -111,12 +112,20 @@ Status CpuCommunicator::close() {
   return Status::Ok();
 }
 
+// "one_shot" on a message larger than one slot runs what auto picks among ring and tree.
 algo::Algorithm CpuCommunicator::resolve(const Request& r) const {
-  if (r.kind != CollectiveKind::kAllReduce || r.algorithm != algo::Algorithm::kAuto) {
-    return r.algorithm == algo::Algorithm::kAuto ? algo::Algorithm::kRing : r.algorithm;
+  using algo::Algorithm;
+  if (r.kind != CollectiveKind::kAllReduce) {
+    return r.algorithm == Algorithm::kAuto ? Algorithm::kRing : r.algorithm;
   }
   const size_t bytes = r.args.count * dtypeSize(r.args.dtype);
-  return algo::chooseAllReduce(algo::shmCostModel(), worldSize(), bytes);
+  const bool fits = algo::oneShotFits(*transport_, bytes);
+  if (r.algorithm == Algorithm::kRing || r.algorithm == Algorithm::kTree ||
+      (r.algorithm == Algorithm::kOneShot && fits)) {
+    return r.algorithm;
+  }
+  return algo::chooseAllReduce(algo::shmCostModel(), worldSize(), bytes,
+                               fits && r.algorithm == Algorithm::kAuto);
 }
 
 shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {
@@ -155,6 +164,8 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
                             std::chrono::duration<double>(options_.timeoutSec));
   const shm::MessageHeader header = headerOf(r);
   const shm::Lane lane = laneOf(r);
+  // One-shot sends copy: a rank overwrites its input (in place) while peers may still read it.
+  if (r.algorithm == algo::Algorithm::kOneShot) inPlace = false;
   Status status = transport_->begin(header, deadline, lane, inPlace, r.interruptible);
   if (lane == shm::Lane::kBoth) {
     collectiveSeq_ = header.seq;
@@ -184,6 +195,7 @@ Status CpuCommunicator::dispatch(const Request& r) {
   const bool ring = r.algorithm == algo::Algorithm::kRing;
   switch (r.kind) {
     case CollectiveKind::kAllReduce:
+      if (r.algorithm == algo::Algorithm::kOneShot) return algo::oneShotAllReduce(ch, args);
       return ring ? algo::ringAllReduce(ch, args) : algo::treeAllReduce(ch, args);
     case CollectiveKind::kReduceScatter:
       return algo::ringReduceScatter(ch, args);
