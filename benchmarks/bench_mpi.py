@@ -154,6 +154,42 @@ def _python_overhead(comm, mpi_comm, iters: int = 2000) -> str:
     )
 
 
+def _measure(comm, mpi_comm, nbytes: int, args):
+    """Checks, then times ours, MPI and Gloo on one tensor of `nbytes`; (medians, #wrong)."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    rank, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    count = nbytes // 4
+    t = comm.empty(count) if args.buffers == "registered" else torch.empty(count)
+    view = t.numpy()
+    calls = {
+        "ours": lambda: comm.all_reduce(t),
+        "mpi": lambda: mpi_comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM),
+        "gloo": (lambda: None) if args.no_gloo else (lambda: dist.all_reduce(t)),
+    }
+    # Correctness: small integers, exact in fp32; every rank checks the exact sum.
+    base = torch.arange(count, dtype=torch.float32) % 13
+    expect = base * n + sum(range(n))
+    wrong = {}
+    for impl, call in calls.items():
+        t.copy_(base + rank)
+        call()
+        bad = 0 if impl == "gloo" and args.no_gloo else int((t != expect).sum())
+        wrong[impl] = mpi_comm.allreduce(bad, op=MPI.SUM)
+    iters = iterations(nbytes, args.iter_bytes)
+    for impl in IMPLS:  # warm-up
+        _time_block(mpi_comm, calls[impl], max(1, iters // 10))
+    times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
+    for impl in block_order(args.blocks):
+        times[impl].append(_time_block(mpi_comm, calls[impl], iters))
+    medians = summarize(times)
+    if args.no_gloo:
+        medians["gloo"] = float("nan")
+    return medians, wrong
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-b", "--minbytes", type=parse_size, default=8)
@@ -181,42 +217,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     comm = dk.Communicator()
     previous = previous_times(args.previous, n)
     out = print if rank == 0 else (lambda *a, **k: None)
-    out(f"# bench_mpi: {n} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, ")
+    import mpi4py
+
+    mpi_name = " ".join(MPI.Get_library_version().split()[:3])  # "MPICH Version: 5.0.2"
     out(
-        f"# mpi4py {__import__('mpi4py').__version__}, torch {torch.__version__}, buffers {args.buffers}"
+        f"# bench_mpi: {n} ranks; {mpi_name}, mpi4py {mpi4py.__version__}, "
+        f"torch {torch.__version__}"
     )
+    out(f"# buffers {args.buffers}; fp32 sum, in place")
     out(f"# load average {os.getloadavg()}, usable cores {len(os.sched_getaffinity(0))}")
     out(_python_overhead(comm, mpi_comm))
     out(header(bool(previous)))
     for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
-        count = nbytes // 4
-        t = comm.empty(count) if args.buffers == "registered" else torch.empty(count)
-        view = t.numpy()
-        calls = {
-            "ours": lambda: comm.all_reduce(t),
-            "mpi": lambda: mpi_comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM),
-            "gloo": (lambda: None) if args.no_gloo else (lambda: dist.all_reduce(t)),
-        }
-        # Correctness: small integers, exact in fp32; every rank checks the exact sum.
-        base = torch.arange(count, dtype=torch.float32) % 13
-        expect = base * n + sum(range(n))
-        wrong = {}
-        for impl, call in calls.items():
-            t.copy_(base + rank)
-            call()
-            bad = int((t != expect).sum()) if not (impl == "gloo" and args.no_gloo) else 0
-            wrong[impl] = mpi_comm.allreduce(bad, op=MPI.SUM)
-        iters = iterations(nbytes, args.iter_bytes)
-        for impl in IMPLS:  # warm-up
-            _time_block(mpi_comm, calls[impl], max(1, iters // 10))
-        times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
-        for impl in block_order(args.blocks):
-            times[impl].append(_time_block(mpi_comm, calls[impl], iters))
-        medians = summarize(times)
-        if args.no_gloo:
-            medians["gloo"] = float("nan")
+        medians, wrong = _measure(comm, mpi_comm, nbytes, args)
         out(row(nbytes, n, medians, wrong, previous.get(nbytes)), flush=True)
-        del t, view
     out(f"# load average at end {os.getloadavg()}")
     comm.close()
     dist.destroy_process_group()
