@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from dist_kernels import bucketing as bk
+from dist_kernels.amp import bucketing as bk
 
 PACK_SCALE = 0.125  # e.g. 1 / world_size
 INV_LOSS_SCALE = 2.0**-16

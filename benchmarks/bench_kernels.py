@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from dist_kernels import _C, ReduceOp, ops
-from dist_kernels._dtypes import dtype_code
+from dist_kernels.dtypes import dtype_code
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import dist_kernels as dk  # noqa: E402
-from dist_kernels._pipeline_partition import build_stage, plan_partition  # noqa: E402
+from dist_kernels.pipeline.partition import build_stage, plan_partition  # noqa: E402
 
 TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",

@@ -35,34 +35,47 @@ def _use_installed_extension() -> None:
 
 _use_installed_extension()
 
-from ._dtypes import ReduceOp  # noqa: E402
 from ._version import __version__  # noqa: E402
+from .dtypes import ReduceOp  # noqa: E402
 
 # public name -> module (relative to this package) that defines it
 _LAZY: Dict[str, str] = {
     "CommError": "errors",
     "build_info": "info",
-    "Communicator": "communicator",
-    "Work": "communicator",
-    "init": "communicator",
-    "get_default_communicator": "communicator",
-    "all_reduce": "communicator",
-    "reduce_scatter": "communicator",
-    "all_gather": "communicator",
-    "broadcast": "communicator",
-    "barrier": "communicator",
-    "send": "communicator",
-    "recv": "communicator",
-    "isend": "communicator",
-    "irecv": "communicator",
-    "LossScaler": "loss_scaler",
+    "Communicator": "comm",
+    "Work": "comm",
+    "init": "comm",
+    "get_default_communicator": "comm",
+    "all_reduce": "comm",
+    "reduce_scatter": "comm",
+    "all_gather": "comm",
+    "broadcast": "comm",
+    "barrier": "comm",
+    "send": "comm",
+    "recv": "comm",
+    "isend": "comm",
+    "irecv": "comm",
+    "LossScaler": "amp",
     "DistributedDataParallel": "ddp",
     "DDP": "ddp",
     "ShardedOptimizer": "zero",
     "Pipeline": "pipeline",
     "ProcessMesh": "mesh",
 }
-_SUBMODULES = ("ops", "checkpoint", "optim", "pipeline", "bucketing", "bench", "info")
+# public submodule name -> module (relative to this package); ``bucketing`` kept its old name
+_SUBMODULES: Dict[str, str] = {
+    "ops": "ops",
+    "checkpoint": "checkpoint",
+    "optim": "optim",
+    "pipeline": "pipeline",
+    "bucketing": "amp.bucketing",
+    "bench": "bench",
+    "info": "info",
+    "comm": "comm",
+    "amp": "amp",
+    "ddp": "ddp",
+    "zero": "zero",
+}
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
 
@@ -74,7 +87,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        module = importlib.import_module(f".{name}", __name__)
+        module = importlib.import_module(f".{_SUBMODULES[name]}", __name__)
         globals()[name] = module
         return module
     raise AttributeError(f"module 'dist_kernels' has no attribute {name!r}")

@@ -448,7 +448,7 @@ def _agreed(optimizer: Any, prepare):
         error, result = e, None
         failed.fill_(1.0)
     if optimizer.world_size > 1:
-        from ._dtypes import ReduceOp
+        from .dtypes import ReduceOp
 
         optimizer.comm.all_reduce(failed, op=ReduceOp.MAX)
     if error is not None:

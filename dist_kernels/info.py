@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence
 
 from . import _C
 from ._version import __version__
@@ -21,14 +22,19 @@ def build_info() -> Dict[str, Any]:
     info["nccl_library"] = None
     info["nccl_version"] = None
     try:
-        from . import _nccl
+        from .comm import nccl
     except ImportError:
         return info
-    info.update(_nccl.describe())
+    info.update(nccl.describe())
     return info
 
 
-def main() -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m dist_kernels.info",
+        description="Print, as JSON, what dist_kernels was compiled with and what it finds here "
+        "(CUDA runtime and devices, the NCCL library that would be loaded).",
+    ).parse_args(argv)
     print(json.dumps(build_info(), indent=2, sort_keys=False))
 
 

@@ -73,7 +73,7 @@ class ProcessMesh:
         self.dp, self.pp = _resolve_sizes(dp, pp, self.world_size)
         self.pp_rank, self.dp_rank = divmod(self.rank, self.dp)
         if communicator_factory is None:
-            from .communicator import Communicator
+            from .comm import Communicator
 
             communicator_factory = lambda group: Communicator(group=group)  # noqa: E731
         dp_groups, pp_groups = mesh_groups(self.dp, self.pp)

@@ -22,7 +22,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from . import _C
-from ._dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from .dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
 
 __all__ = ["reduce_", "divide_", "cast_", "cpu_isa", "set_cpu_isa", "supported_cpu_isas"]
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from ._dtypes import dtype_code
+from .dtypes import dtype_code
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")

@@ -6,12 +6,13 @@ world size instead of spawning per test. Every worker has ``torch.distributed`` 
 
     from mp_pool import run_ranks
 
-    def _check_sum(shape):                    # module level, so the workers can import it
+    def _check_sum(count, seed):              # module level, so the workers can import it
         ...                                   # runs on every rank; dist.get_rank() tells which
         return value                          # picklable
 
     def test_sum():
-        results = run_ranks(4, _check_sum, (3, 5))   # per-rank return values, rank order
+        results = run_ranks(4, _check_sum, 1000, 7)  # fn's arguments one by one, not a tuple
+        # results: the per-rank return values, in rank order
 
 A rank that raises makes ``run_ranks`` raise :class:`RanksFailed` with every failing rank's
 traceback. A rank that dies (a test may SIGKILL it on purpose, with ``expect_death=True``) comes
@@ -134,7 +135,13 @@ class _Pool:
     ) -> List[Any]:
         for conn in self.conns:
             conn.send((fn, args, kwargs, env))
-        return self._collect(timeout, what=getattr(fn, "__name__", str(fn)))
+        try:
+            return self._collect(timeout, what=getattr(fn, "__name__", str(fn)))
+        except BaseException:
+            # Interrupted while ranks still run (pytest-timeout, Ctrl-C): their late results
+            # would be read as the next call's, so this pool is done.
+            self.close(kill=True)
+            raise
 
     def _collect(self, timeout: float, what: str) -> List[Any]:
         results: List[Any] = [None] * self.world_size

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from dist_kernels import _bench_ops as ops
-from dist_kernels import bench
+from dist_kernels.bench import cli as bench
+from dist_kernels.bench import ops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACEMENT_KEYS = {"time_us", "algbw", "busbw", "wrong", "vs_baseline", "error"}
@@ -121,6 +121,21 @@ def test_sendrecv_needs_two_ranks():
     with pytest.raises(SystemExit):
         bench.parse_args(["--op", "sendrecv", "--nproc", "1"])
     assert bench.parse_args(["--op", "sendrecv", "--nproc", "2"]).op == "sendrecv"
+
+
+def test_cuda_spawns_at_most_one_rank_per_gpu(monkeypatch, capsys):
+    """World size 1 on one GPU is --nproc 1; two spawned ranks on it would make NCCL refuse
+    ("Duplicate GPU detected"), so the benchmark says so before it starts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("RANK", raising=False)
+    assert bench.parse_args(["--device", "cuda", "--nproc", "1"]).nproc == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda", "--nproc", "2"])
+    assert "1 CUDA device(s)" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")  # under torchrun the launcher decides
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert bench.parse_args(["--device", "cuda"]).device == "cuda"
 
 
 # -- the reference itself ---------------------------------------------------------------------
@@ -277,7 +292,7 @@ def test_sizes_and_size_aware_iterations():
 
 
 def test_report_prints_refused_combinations_as_na():
-    from dist_kernels import _bench_report as report
+    from dist_kernels.bench import report
 
     ok = {"time_us": 10.0, "algbw": 0.8, "busbw": 0.8, "wrong": 0, "vs_baseline": 50.0}
     refused = {"time_us": None, "algbw": None, "busbw": None, "wrong": None}

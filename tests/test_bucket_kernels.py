@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from dist_kernels import bucketing as bk
+from dist_kernels.amp import bucketing as bk
 
 _C = pytest.importorskip("dist_kernels._C")
 from dist_kernels import ops  # noqa: E402  (needs the extension)

@@ -145,7 +145,7 @@ def _exit_with_queued_call():
     import torch.distributed as dist
 
     import dist_kernels as dk
-    from dist_kernels.communicator import _abort_open_communicators
+    from dist_kernels.comm.communicator import _abort_open_communicators
 
     rank = dist.get_rank()
     comm = _comm()

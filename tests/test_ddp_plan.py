@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from dist_kernels import _ddp_plan as plan
-from dist_kernels.bucketing import plan_buckets
+from dist_kernels.amp.bucketing import plan_buckets
+from dist_kernels.ddp import plan
 
 SEED = 7
 

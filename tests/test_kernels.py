@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dist_kernels import _C, ReduceOp, ops
-from dist_kernels._dtypes import dtype_code
+from dist_kernels.dtypes import dtype_code
 
 SEED = int(os.environ.get("DK_TEST_SEED", "20261130"))
 print(f"test_kernels: seed {SEED} (set DK_TEST_SEED to replay)")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dist_kernels as dk
-from dist_kernels.loss_scaler import LossScaler
+from dist_kernels.amp.loss_scaler import LossScaler
 
 SEED = 1234
 

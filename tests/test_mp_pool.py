@@ -46,3 +46,32 @@ def test_a_dead_rank_is_reported_and_the_pool_rebuilt():
     out = run_ranks(2, _die_on_last, expect_death=True)
     assert out[0] == "alive" and isinstance(out[1], RankDied)
     assert run_ranks(2, _rank_and_sum)[0][2] == 3.0
+
+
+def _sleep_then_mark(seconds):
+    import time
+
+    time.sleep(seconds)
+    return "late"
+
+
+def test_an_interrupted_call_leaves_no_late_results_behind():
+    """pytest-timeout interrupts a test inside run_ranks (SIGALRM): the ranks' late results
+    must not come back as the next call's."""
+
+    class Interrupted(BaseException):  # as pytest-timeout's and Ctrl-C's are
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    run_ranks(2, _rank_and_sum)  # the pool is up: the interrupt lands inside the call
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(Interrupted):
+            run_ranks(2, _sleep_then_mark, 3.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert [r[0] for r in run_ranks(2, _rank_and_sum)] == [0, 1]  # fresh answers, not "late"

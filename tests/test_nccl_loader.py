@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_kernels import _C, _nccl
+from dist_kernels import _C
+from dist_kernels.comm import nccl as _nccl
 
 
 @pytest.fixture
@@ -164,13 +165,32 @@ def test_build_info_reports_nccl_keys():
 # -- a fake NCCL built from C: the success path, in a fresh process each (one NCCL per process) --
 
 _FAKE_NCCL = r"""
+#include <string.h>
 typedef struct { char internal[128]; } ncclUniqueId;
+/* What the tests steer (through ctypes) and read back. */
+static int fake_async_error = 0, fake_call_result = 0, fake_aborts = 0, fake_comms = 0;
+static char fake_last[256] = "";
+static char fake_comm_storage[64];
+void fake_set_async_error(int r) { fake_async_error = r; }
+void fake_set_call_result(int r) { fake_call_result = r; }
+void fake_set_last_error(const char* s) { strncpy(fake_last, s, sizeof(fake_last) - 1); }
+int fake_abort_count(void) { return fake_aborts; }
+
 int ncclGetVersion(int* v) { *v = VERSION; return 0; }
-const char* ncclGetErrorString(int r) { return "fake error"; }
+const char* ncclGetErrorString(int r) { return r == 6 ? "fake remote error" : "fake error"; }
+#ifndef DROP_LAST_ERROR
+const char* ncclGetLastError(void* comm) { return fake_last; }
+#endif
+int ncclCommInitRank(void** comm, int nranks, ncclUniqueId id, int rank) {
+  *comm = &fake_comm_storage[fake_comms++ % 64];
+  return 0;
+}
+int ncclCommGetAsyncError(void* comm, int* error) { *error = fake_async_error; return 0; }
+int ncclCommAbort(void* comm) { fake_aborts++; return 0; }
+int ncclAllReduce() { return fake_call_result; }
 #define STUB(name) int name() { return 0; }
-STUB(ncclGetUniqueId) STUB(ncclCommInitRank) STUB(ncclCommDestroy) STUB(ncclCommAbort)
-STUB(ncclCommGetAsyncError) STUB(ncclGroupStart) STUB(ncclGroupEnd) STUB(ncclSend)
-STUB(ncclRecv) STUB(ncclAllReduce) STUB(ncclReduceScatter) STUB(ncclAllGather)
+STUB(ncclGetUniqueId) STUB(ncclCommDestroy) STUB(ncclGroupStart) STUB(ncclGroupEnd) STUB(ncclSend)
+STUB(ncclRecv) STUB(ncclReduceScatter) STUB(ncclAllGather)
 #ifndef DROP_BROADCAST
 STUB(ncclBroadcast)
 #endif
@@ -211,7 +231,7 @@ def test_fake_nccl_loads_and_reports_its_version(tmp_path):
     lib = _build_fake_nccl(tmp_path, "v22805", "VERSION=22805")
     other = _build_fake_nccl(tmp_path, "v22106", "VERSION=22106")
     code = (
-        "from dist_kernels import _C, _nccl\n"
+        "from dist_kernels import _C\nfrom dist_kernels.comm import nccl as _nccl\n"
         "print(_nccl.load())\n"
         "print(_nccl.describe())\n"
         f"try:\n    _C.nccl_load({str(other)!r})\nexcept ValueError as e:\n    print('ERR', e)\n"
@@ -231,7 +251,7 @@ def test_fake_nccl_loads_and_reports_its_version(tmp_path):
 def test_too_old_nccl_is_refused_with_its_version(tmp_path):
     lib = _build_fake_nccl(tmp_path, "v2708", "VERSION=2708")  # NCCL's pre-2.9 encoding
     result = _in_fresh_process(
-        "from dist_kernels import _nccl; _nccl.load()", DK_NCCL_LIBRARY=str(lib)
+        "from dist_kernels.comm import nccl; nccl.load()", DK_NCCL_LIBRARY=str(lib)
     )
     assert result.returncode != 0
     assert "NCCL 2.7.8" in result.stderr and "too old" in result.stderr
@@ -240,7 +260,124 @@ def test_too_old_nccl_is_refused_with_its_version(tmp_path):
 def test_fake_nccl_missing_a_symbol_names_it(tmp_path):
     lib = _build_fake_nccl(tmp_path, "partial", "VERSION=22805", "DROP_BROADCAST")
     result = _in_fresh_process(
-        "from dist_kernels import _nccl; _nccl.load()", DK_NCCL_LIBRARY=str(lib)
+        "from dist_kernels.comm import nccl; nccl.load()", DK_NCCL_LIBRARY=str(lib)
     )
     assert result.returncode != 0
     assert "symbol ncclBroadcast not found" in result.stderr and str(lib) in result.stderr
+
+
+# -- NCCL's errors through the fake: abort, asynchronous errors, timeouts, NCCL's messages ------
+
+_WATCH_PRELUDE = """
+import ctypes, json, time
+from dist_kernels import _C
+from dist_kernels.comm import nccl as _nccl
+from dist_kernels.comm.cuda import NcclWatch
+from dist_kernels.errors import CommError
+path, _ = _nccl.load()
+fake = ctypes.CDLL(path)  # the same handle: the tests steer the library dist_kernels loaded
+out = {}
+def new_comm(rank=1):
+    return _C.NcclComm(_C.nccl_unique_id(), rank, 2, -1)  # -1: no CUDA device is bound
+def error_of(call):
+    try:
+        call()
+    except CommError as error:
+        return str(error)
+    return None
+"""
+
+
+def _run_watch_case(tmp_path, body: str, *defines: str) -> dict:
+    import json
+
+    lib = _build_fake_nccl(tmp_path, "watch", "VERSION=22805", *defines)
+    result = _in_fresh_process(
+        _WATCH_PRELUDE + body + "\nprint(json.dumps(out))", DK_NCCL_LIBRARY=str(lib)
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_async_error_aborts_and_names_rank_operation_and_nccl_message(tmp_path):
+    out = _run_watch_case(
+        tmp_path,
+        """
+comm = new_comm(rank=1)
+watch = NcclWatch(comm, comm.rank)
+watch.check("all_reduce")  # nothing reported yet: no error
+out["before"] = fake.fake_abort_count()
+fake.fake_set_async_error(6)
+fake.fake_set_last_error(b"socket to peer rank 0 closed")
+out["error"] = error_of(lambda: watch.wait(lambda: False, 30.0, "all_reduce"))
+out["aborts"] = fake.fake_abort_count()
+out["closed"] = comm.closed
+out["later"] = error_of(lambda: watch.check("broadcast"))
+""",
+    )
+    assert out["before"] == 0
+    error = out["error"]
+    assert error.startswith("[rank 1] all_reduce: NCCL reported an asynchronous error"), error
+    assert "NCCL error 6 (fake remote error)" in error, error
+    assert "socket to peer rank 0 closed" in error, error  # ncclGetLastError's words
+    assert "aborted" in error
+    assert out["aborts"] == 1 and out["closed"] is True
+    assert out["later"].startswith("[rank 1] broadcast: the communicator was aborted"), out
+    assert "earlier failure" in out["later"]
+
+
+def test_wait_times_out_aborts_and_raises_comm_error(tmp_path):
+    out = _run_watch_case(
+        tmp_path,
+        """
+comm = new_comm(rank=0)
+watch = NcclWatch(comm, 0)
+start = time.monotonic()
+out["error"] = error_of(lambda: watch.wait(lambda: False, 0.3, "barrier"))
+out["seconds"] = time.monotonic() - start
+out["aborts"] = fake.fake_abort_count()
+polls = []
+done = lambda: polls.append(1) or len(polls) > 5  # finishes on the sixth poll
+out["done_error"] = error_of(lambda: NcclWatch(new_comm(), 1).wait(done, 30.0, "x"))
+out["polls"] = len(polls)
+out["aborts_after_done"] = fake.fake_abort_count()
+""",
+    )
+    assert out["error"].startswith("[rank 0] barrier: not finished after 0.3 s (timeout)"), out
+    assert "aborted" in out["error"]
+    assert 0.3 <= out["seconds"] < 5.0, out
+    assert out["aborts"] == 1
+    assert out["done_error"] is None and out["polls"] == 6  # a wait that ends is no error
+    assert out["aborts_after_done"] == 1
+
+
+def test_failed_nccl_call_carries_nccl_last_error(tmp_path):
+    out = _run_watch_case(
+        tmp_path,
+        """
+comm = new_comm(rank=1)
+fake.fake_set_call_result(5)
+fake.fake_set_last_error(b"invalid usage: count mismatch seen by rank 1")
+out["error"] = error_of(lambda: comm.all_reduce(0, 0, 4, 0, 0, 0))
+""",
+    )
+    error = out["error"]
+    assert error.startswith("[rank 1] all_reduce: "), error
+    assert "failed: NCCL error 5 (fake error)" in error
+    assert "NCCL's last error: invalid usage: count mismatch seen by rank 1" in error
+
+
+def test_nccl_without_get_last_error_still_loads_and_reports(tmp_path):
+    """ncclGetLastError came in NCCL 2.13: an older library loads, and errors say less."""
+    out = _run_watch_case(
+        tmp_path,
+        """
+comm = new_comm(rank=0)
+out["last"] = comm.last_error()
+fake.fake_set_async_error(6)
+out["async"] = comm.async_error()
+""",
+        "DROP_LAST_ERROR",
+    )
+    assert out["last"] == ""
+    assert out["async"] == "NCCL error 6 (fake remote error)"

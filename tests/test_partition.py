@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dist_kernels._partition import ALIGN_BYTES, ParamSpec, plan_flat_group, plan_partition
+from dist_kernels.zero.partition import ALIGN_BYTES, ParamSpec, plan_flat_group, plan_partition
 
 SEED = 7
 

@@ -5,8 +5,9 @@ import random
 import pytest
 import torch.nn as nn
 
-from dist_kernels._pipeline_partition import build_stage, format_partition, plan_partition
-from dist_kernels._pipeline_schedules import (
+from dist_kernels.pipeline.partition import build_stage, format_partition, plan_partition
+from dist_kernels.pipeline.runtime import _eager_sends
+from dist_kernels.pipeline.schedules import (
     Action,
     Kind,
     Schedule,
@@ -16,7 +17,6 @@ from dist_kernels._pipeline_schedules import (
     schedule_table,
     simulate,
 )
-from dist_kernels.pipeline import _eager_sends
 
 RANKS = range(1, 9)
 MICROBATCHES = range(1, 17)

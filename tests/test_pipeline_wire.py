@@ -5,7 +5,7 @@ import collections
 import pytest
 import torch
 
-from dist_kernels._pipeline_wire import ACTIVATION, GRADIENT, Channels
+from dist_kernels.pipeline.wire import ACTIVATION, GRADIENT, Channels
 
 
 class _Loopback:

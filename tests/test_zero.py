@@ -296,7 +296,7 @@ def _fp16_overflow_is_skipped_everywhere(stage):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_loss_scaler_overflow_skips_the_step_on_every_rank(stage):
-    pytest.importorskip("dist_kernels.loss_scaler", reason="dk.LossScaler not merged yet")
+    pytest.importorskip("dist_kernels.amp.loss_scaler", reason="dk.LossScaler not merged yet")
     rows = run_ranks(4, _fp16_overflow_is_skipped_everywhere, stage, timeout=120)
     print(rows)
     for history in rows:

@@ -1,39 +1,40 @@
-// Python classes over NCCL (CUDA builds only; CPU-only builds register nothing here):
+// Python classes over NCCL:
 //   _C.nccl_unique_id() -> bytes
-//   _C.NcclComm(unique_id, rank, world_size, device): NCCL's own collectives (algorithm="nccl")
-//   _C.NcclTransport(comm, stream, staging, slot_bytes, num_slots).send_recv(...)
+//   _C.NcclComm(unique_id, rank, world_size, device): NCCL's own collectives (algorithm="nccl"),
+//       abort, async_error, last_error. In every build: a CPU-only build drives a fake NCCL in
+//       the tests of the error paths (device -1 = no cudaSetDevice).
+//   _C.NcclTransport(comm, stream, staging, slot_bytes, num_slots).send_recv(...): CUDA builds.
 // Pointers and streams travel as integers (data_ptr(), cuda_stream); calls release the GIL.
 #include <pybind11/pybind11.h>
-
-#include "bindings/registry.h"
-
-#if DK_WITH_CUDA
 
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 
-#include "algorithm/cuda_compute.h"
-#include "algorithm/pairwise_exchange.h"
 #include "bindings/errors.h"
+#include "bindings/registry.h"
 #include "transport/nccl_collectives.h"
 #include "transport/nccl_comm.h"
+
+#if DK_WITH_CUDA
+#include "algorithm/cuda_compute.h"
+#include "algorithm/pairwise_exchange.h"
 #include "transport/nccl_transport.h"
+#endif
 
 namespace py = pybind11;
 
 namespace {
 
 using dk::nccl::NcclComm;
-using dk::nccl::NcclTransport;
 
 void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
 const dk::nccl::NcclLibrary& library() {
   const dk::nccl::NcclLibrary* loaded = dk::nccl::loadedNccl();
   if (loaded == nullptr) {
-    throw std::runtime_error("NCCL is not loaded: call dist_kernels._nccl.load() first");
+    throw std::runtime_error("NCCL is not loaded: call dist_kernels.comm.nccl.load() first");
   }
   return *loaded;
 }
@@ -83,8 +84,19 @@ void bindComm(py::module_& m) {
       .def_property_readonly("device", &NcclComm::device)
       .def("close", [](NcclComm& c) { callReleased(c, "close", [&] { return c.close(); }); })
       .def("abort", [](NcclComm& c) { callReleased(c, "abort", [&] { return c.abort(); }); })
-      .def("check_async_error",
-           [](NcclComm& c) { dk::bindings::check(c.asyncError(), "NCCL communicator"); })
+      .def_property_readonly("closed", &NcclComm::closed)
+      .def(
+          "async_error",
+          [](NcclComm& c) -> py::object {
+            std::string message;
+            dk::bindings::check(c.asyncError(&message),
+                                "[rank " + std::to_string(c.rank()) + "] async_error");
+            return message.empty() ? py::object(py::none()) : py::object(py::str(message));
+          },
+          "NCCL's asynchronous error in words, or None while there is none.")
+      .def(
+          "last_error", [](NcclComm& c) { return dk::nccl::lastError(c.api()); },
+          "ncclGetLastError's text ('' when none, or NCCL older than 2.13).")
       .def("all_reduce",
            [](NcclComm& c, uintptr_t send, uintptr_t recv, size_t count, int dtype, int op,
               uintptr_t stream) {
@@ -119,6 +131,10 @@ void bindComm(py::module_& m) {
         });
       });
 }
+
+#if DK_WITH_CUDA
+
+using dk::nccl::NcclTransport;
 
 // A transport and the compute on its stream, bound together for Python.
 struct TransportHandle {
@@ -157,16 +173,14 @@ void bindTransport(py::module_& m) {
           py::arg("recv_bytes"), py::arg("recv_peer"));
 }
 
+#endif  // DK_WITH_CUDA
+
 }  // namespace
 
 DK_REGISTER_BINDINGS(nccl_comm) {
   m.def("nccl_unique_id", &uniqueId, "A new ncclUniqueId (128 bytes) from the loaded NCCL.");
   bindComm(m);
-  bindTransport(m);
+#if DK_WITH_CUDA
+  bindTransport(m);  // CPU-only builds have none; dist_kernels' CUDA communicator says why
+#endif
 }
-
-#else  // CPU-only build: the NCCL classes do not exist; dist_kernels._cuda_comm says why.
-
-DK_REGISTER_BINDINGS(nccl_comm) {}
-
-#endif  // DK_WITH_CUDA

@@ -1,7 +1,9 @@
 // The part of NCCL's C API that dist_kernels uses, declared here rather than taken from nccl.h
 // (design decision 3): NCCL is dlopen'ed at run time by absolute path, so the build needs neither
 // its headers nor its 350 MB wheel. These declarations follow NCCL's stable ABI (unchanged
-// since 2.10 for everything below; ncclAvg, the newest entry used, appeared in 2.10).
+// since 2.10 for everything below; ncclAvg, the newest required entry, appeared in 2.10).
+// ncclGetLastError (2.13) is optional: older libraries load without it and errors then carry
+// only ncclGetErrorString's text.
 // CUDA streams are passed as void*: cudaStream_t is an opaque pointer, so the table is the same
 // in CPU-only builds, which can still load and describe a library.
 #pragma once
@@ -62,6 +64,8 @@ using ncclCommDestroy_fn = ncclResult_t (*)(ncclComm_t comm);
 using ncclCommAbort_fn = ncclResult_t (*)(ncclComm_t comm);
 using ncclCommGetAsyncError_fn = ncclResult_t (*)(ncclComm_t comm, ncclResult_t* async_error);
 using ncclGetErrorString_fn = const char* (*)(ncclResult_t result);
+// NCCL's last error in words (e.g. which socket closed); `comm` is unused by NCCL (may be null).
+using ncclGetLastError_fn = const char* (*)(ncclComm_t comm);
 using ncclGroupStart_fn = ncclResult_t (*)();
 using ncclGroupEnd_fn = ncclResult_t (*)();
 using ncclSend_fn = ncclResult_t (*)(const void* sendbuff, size_t count, ncclDataType_t datatype,
@@ -82,7 +86,8 @@ using ncclBroadcast_fn = ncclResult_t (*)(const void* sendbuff, void* recvbuff, 
                                           ncclDataType_t datatype, int root, ncclComm_t comm,
                                           cudaStreamOpaque stream);
 
-// The typed function table: every entry is resolved by the loader, or the load fails.
+// The typed function table: every entry is resolved by the loader, or the load fails; only
+// getLastError may stay null (a library older than NCCL 2.13).
 struct NcclApi {
   ncclGetVersion_fn getVersion = nullptr;
   ncclGetUniqueId_fn getUniqueId = nullptr;
@@ -91,6 +96,7 @@ struct NcclApi {
   ncclCommAbort_fn commAbort = nullptr;
   ncclCommGetAsyncError_fn commGetAsyncError = nullptr;
   ncclGetErrorString_fn getErrorString = nullptr;
+  ncclGetLastError_fn getLastError = nullptr;  // optional
   ncclGroupStart_fn groupStart = nullptr;
   ncclGroupEnd_fn groupEnd = nullptr;
   ncclSend_fn send = nullptr;

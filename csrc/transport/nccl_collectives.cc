@@ -1,8 +1,6 @@
 // NCCL's own collectives: see nccl_collectives.h.
 #include "transport/nccl_collectives.h"
 
-#if DK_WITH_CUDA
-
 #include <string>
 
 namespace dk::nccl {
@@ -48,5 +46,3 @@ Status broadcast(NcclComm& comm, const void* send, void* recv, size_t count, DTy
 }
 
 }  // namespace dk::nccl
-
-#endif  // DK_WITH_CUDA

@@ -1,10 +1,9 @@
 // NCCL's own collectives on an NcclComm: algorithm="nccl", the baseline that ring and tree are
 // measured against and a fallback users can choose. Counts follow torch.distributed: all_reduce
 // and broadcast `count` elements; reduce_scatter and all_gather `count` elements per rank.
-// Each call enqueues on `stream` (a cudaStream_t) and returns. CUDA builds only.
+// Each call enqueues on `stream` (a cudaStream_t) and returns. In every build (through the loaded
+// table only), like NcclComm.
 #pragma once
-
-#if DK_WITH_CUDA
 
 #include <cstddef>
 
@@ -27,5 +26,3 @@ Status broadcast(NcclComm& comm, const void* send, void* recv, size_t count, DTy
                  void* stream);
 
 }  // namespace dk::nccl
-
-#endif  // DK_WITH_CUDA

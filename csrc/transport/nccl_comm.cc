@@ -1,13 +1,27 @@
 // NcclComm: see nccl_comm.h.
 #include "transport/nccl_comm.h"
 
-#if DK_WITH_CUDA
-
 #include <string>
 
 #include "cuda/cuda_status.h"
 
 namespace dk::nccl {
+
+namespace {
+
+// NCCL binds the communicator to the calling thread's current device; -1 keeps that device.
+Status bindDevice(int device) {
+  if (device < 0) return Status::Ok();
+#if DK_WITH_CUDA
+  DK_CHECK_CUDA(cudaSetDevice(device));
+  return Status::Ok();
+#else
+  return Unsupported("NCCL communicator on CUDA device " + std::to_string(device) +
+                     ": dist_kernels was built without CUDA");
+#endif
+}
+
+}  // namespace
 
 Status NcclComm::newUniqueId(const NcclLibrary& library, ncclUniqueId* id) {
   DK_CHECK_NCCL(library.api, getUniqueId(id));
@@ -20,8 +34,7 @@ Status NcclComm::create(const NcclLibrary& library, const ncclUniqueId& id, int 
     return InvalidArgument("rank " + std::to_string(rank) +
                            " is not in [0, world_size=" + std::to_string(world_size) + ")");
   }
-  // NCCL binds the communicator to the calling thread's current device.
-  DK_CHECK_CUDA(cudaSetDevice(device));
+  DK_RETURN_IF_ERROR(bindDevice(device));
   ncclComm_t comm = nullptr;
   DK_CHECK_NCCL(library.api, commInitRank(&comm, world_size, id, rank));
   out->reset(new NcclComm(library, comm, rank, world_size, device));
@@ -54,16 +67,15 @@ Status NcclComm::abort() {
   return Status::Ok();
 }
 
-Status NcclComm::asyncError() const {
+Status NcclComm::asyncError(std::string* message) const {
+  message->clear();
   DK_RETURN_IF_ERROR(checkOpen());
   ncclResult_t pending = ncclSuccess;
   DK_CHECK_NCCL(library_.api, commGetAsyncError(comm_, &pending));
   if (pending != ncclSuccess && pending != ncclInProgress) {
-    return ncclError(library_.api, pending, "NCCL communicator (asynchronous error)");
+    *message = describeResult(library_.api, pending);
   }
   return Status::Ok();
 }
 
 }  // namespace dk::nccl
-
-#endif  // DK_WITH_CUDA

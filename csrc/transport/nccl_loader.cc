@@ -45,6 +45,9 @@ Status resolveAll(void* handle, const std::string& path, NcclApi* api) {
   DK_RETURN_IF_ERROR(resolve(handle, path, "ncclCommAbort", &api->commAbort));
   DK_RETURN_IF_ERROR(resolve(handle, path, "ncclCommGetAsyncError", &api->commGetAsyncError));
   DK_RETURN_IF_ERROR(resolve(handle, path, "ncclGetErrorString", &api->getErrorString));
+  // Optional (NCCL 2.13+): a missing symbol leaves the entry null; the failed lookup's dlerror
+  // is cleared by the next resolve().
+  api->getLastError = reinterpret_cast<ncclGetLastError_fn>(dlsym(handle, "ncclGetLastError"));
   DK_RETURN_IF_ERROR(resolve(handle, path, "ncclGroupStart", &api->groupStart));
   DK_RETURN_IF_ERROR(resolve(handle, path, "ncclGroupEnd", &api->groupEnd));
   DK_RETURN_IF_ERROR(resolve(handle, path, "ncclSend", &api->send));
@@ -117,11 +120,22 @@ std::string versionString(int code) {
   return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(code % 100);
 }
 
-Status ncclError(const NcclApi& api, ncclResult_t result, const char* what) {
+std::string lastError(const NcclApi& api) {
+  const char* text = api.getLastError ? api.getLastError(nullptr) : nullptr;
+  return text ? std::string(text) : std::string();
+}
+
+std::string describeResult(const NcclApi& api, ncclResult_t result) {
   const char* text = api.getErrorString ? api.getErrorString(result) : nullptr;
-  return Status(Code::kNcclError, std::string(what) + " failed: NCCL error " +
-                                      std::to_string(static_cast<int>(result)) +
-                                      (text ? std::string(" (") + text + ")" : std::string()));
+  std::string words = "NCCL error " + std::to_string(static_cast<int>(result)) +
+                      (text ? std::string(" (") + text + ")" : std::string());
+  std::string last = lastError(api);
+  if (!last.empty()) words += "; NCCL's last error: " + last;
+  return words;
+}
+
+Status ncclError(const NcclApi& api, ncclResult_t result, const char* what) {
+  return Status(Code::kNcclError, std::string(what) + " failed: " + describeResult(api, result));
 }
 
 Status toNcclType(DType dtype, ncclDataType_t* out) {

@@ -1,5 +1,5 @@
 // Loads NCCL at run time (design decision 3): dlopen of an absolute path, then dlsym of every
-// entry of the typed table in nccl_api.h. The Python layer (dist_kernels/_nccl.py) chooses the
+// entry of the typed table in nccl_api.h. The Python layer (dist_kernels/comm/nccl.py) chooses the
 // path; this file only loads it. A loaded library is never unloaded: communicators created from
 // it may live until the process exits.
 #pragma once
@@ -29,7 +29,13 @@ const NcclLibrary* loadedNccl();
 // "2.28.5" from NCCL's version code (both the pre-2.9 and the current encodings).
 std::string versionString(int code);
 
-// A failed NCCL call as a Status naming the call and NCCL's own message.
+// ncclGetLastError's text, or "" (none, or a library older than 2.13).
+std::string lastError(const NcclApi& api);
+
+// "NCCL error 6 (remote process exited or there was a network error); NCCL's last error: ...".
+std::string describeResult(const NcclApi& api, ncclResult_t result);
+
+// A failed NCCL call as a Status naming the call and NCCL's own messages (describeResult).
 Status ncclError(const NcclApi& api, ncclResult_t result, const char* what);
 
 // NCCL's datatype and op for ours; InvalidArgument/TypeError when NCCL has no equivalent.

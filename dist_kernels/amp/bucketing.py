@@ -28,7 +28,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ._dtypes import DTYPE_CODES
+from ..dtypes import DTYPE_CODES
 
 __all__ = [
     "BucketSlot",
@@ -256,7 +256,7 @@ def plan_buckets(
 
 
 def _ext():
-    from . import _C
+    from .. import _C
 
     return _C
 

@@ -19,7 +19,7 @@ import importlib.util
 import os
 from typing import Dict, List, Optional, Tuple
 
-from . import _C
+from .. import _C
 
 ENV_VAR = "DK_NCCL_LIBRARY"
 #: Where the NCCL wheels put the library, relative to a directory of the ``nvidia`` package.

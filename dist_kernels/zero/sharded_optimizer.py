@@ -4,7 +4,7 @@
     loss.backward(); opt.step(); opt.zero_grad()
 
 Every parameter lives in a flat buffer (one per param group and dtype, registered with
-``comm.empty``) laid out by the pure plan of ``_partition.py``: buckets split into equal, aligned
+``comm.empty``) laid out by the pure plan of ``partition.py``: buckets split into equal, aligned
 per-rank slices. Rank ``r`` owns slice ``r`` of every bucket; the concatenation of its slices is
 its *shard*: the only parameters its optimizer steps and the only optimizer state it holds (an FP32
 master copy for 16-bit parameters). How one iteration runs:
@@ -40,8 +40,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from ._dtypes import ReduceOp
-from ._partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_partition
+from ..dtypes import ReduceOp
+from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_partition
 
 __all__ = ["ShardedOptimizer"]
 
@@ -52,7 +52,7 @@ _STAGING_SLOTS = 2  # stage 2: one bucket filling while the previous one is on t
 
 def _default_comm() -> Any:
     """The default communicator (``dk.init()``), else a new one over the default group."""
-    from .communicator import Communicator, get_default_communicator
+    from ..comm import Communicator, get_default_communicator
 
     try:
         return get_default_communicator()

@@ -26,8 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _bench_ops as ops
-from . import _bench_report as report
+from . import ops, report
 
 ALGORITHMS = ("ring", "tree", "auto")
 DEFAULT_MIN_BYTES = 8
@@ -60,7 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         "-e or --iter-bytes shortens the large ones; --iters gives steadier small sizes.",
     )
     add = parser.add_argument
-    add("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    add(
+        "--nproc",
+        type=int,
+        default=2,
+        help="local ranks to spawn (ignored under torchrun); with --device cuda at most one per "
+        "GPU (--nproc 1: world size 1, one rank)",
+    )
     add("--op", choices=ops.OPS, default="all_reduce")
     add("--algorithm", choices=(*ALGORITHMS, "all"), default="all", help="all = ring, tree, auto")
     add("-b", "--minbytes", type=parse_size, default=DEFAULT_MIN_BYTES, help="smallest size")
@@ -108,6 +113,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--warmup must be >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    if args.device == "cuda" and not _under_torchrun():
+        gpus = torch.cuda.device_count()
+        if args.nproc > gpus:  # spawned ranks share no GPU: NCCL refuses a duplicate GPU
+            parser.error(
+                f"--device cuda --nproc {args.nproc}: this machine has {gpus} CUDA device(s), "
+                f"one rank each; use --nproc {gpus}, or run ranks that share a GPU under "
+                "torchrun with NCCL's socket transport and one NCCL_HOSTID per rank (docs/gpu.md)"
+            )
     if args.op == "sendrecv":
         if args.nproc < 2 and not _under_torchrun():
             parser.error("--op sendrecv needs --nproc >= 2 (every rank sends to the next)")

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ._dtypes import ReduceOp
+from ..dtypes import ReduceOp
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv")
 REDUCING_OPS = ("all_reduce", "reduce_scatter")

@@ -42,10 +42,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from . import _ddp_plan as plan
-from . import communicator
-from ._dtypes import DTYPE_CODES, ReduceOp
-from .bucketing import pack, plan_buckets, unpack, unscale_
+from .. import comm as communicator
+from ..amp.bucketing import pack, plan_buckets, unpack, unscale_
+from ..dtypes import DTYPE_CODES, ReduceOp
+from . import plan
 
 __all__ = ["DistributedDataParallel", "DDP"]
 

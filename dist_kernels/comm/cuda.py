@@ -8,8 +8,19 @@ ordered after the caller's current stream (the comm stream waits on an event rec
 before later work on it (the caller's stream waits on an event recorded after the collective).
 Only events are used, never host synchronisation, so a collective can be captured in a CUDA
 graph. ``async_op=True`` returns a ``dist_kernels.Work`` (around a :class:`CudaWork`) instead of
-making the caller's stream wait; its ``wait()`` makes the then-current stream wait, as
-torch.distributed's NCCL work does.
+making the caller's stream wait; its ``wait()`` makes the then-current stream of the
+communicator's device wait, as torch.distributed's NCCL work does, and ``wait(timeout)`` also
+blocks the host until the collective ends or ``timeout`` seconds pass.
+
+Failures (:class:`NcclWatch`): every call first asks NCCL for an asynchronous error (a dead peer,
+a closed socket); a host wait (``wait(timeout)``, ``barrier()``, ``close()``) polls for it while
+it waits. An error or a timeout aborts the NCCL communicator (``ncclCommAbort``, which also ends
+its kernels still waiting on the device) and raises ``CommError`` naming the rank, the operation
+and NCCL's own message; every later call raises ``CommError`` too.
+
+Memory: every input gets ``record_stream(comm stream)`` (torch's allocator then keeps its block
+until the collective is done); arrays from other libraries (CuPy) are not torch's to keep, so
+the communicator holds them until the event after the collective has completed.
 
 Inputs: torch CUDA tensors, and any array with ``__dlpack__`` or ``__cuda_array_interface__``
 (CuPy), viewed as a torch tensor without a copy.
@@ -20,13 +31,17 @@ from __future__ import annotations
 import datetime
 import itertools
 import threading
+import time
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _C, _nccl
-from ._dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from .. import _C
+from ..dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from ..errors import CommError
+from . import nccl
+from .work import Work
 
 #: Staging for NcclTransport receives: 8 slots of 4 MiB (32 MiB per communicator). A slot is the
 #: largest message of one algorithm step (ring and tree cut their slices to fit); the ring holds
@@ -39,14 +54,19 @@ ALGORITHMS = ("auto", "ring", "tree", "nccl")
 _ALGORITHM_CODES = {"ring": 1, "tree": 2}
 
 DeviceLike = Union[torch.device, int, str, None]
+#: Per-collective timeout for host waits (barrier, close, the unique id), as on CPU.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+#: Host polling while waiting: starts at 0.1 ms (short collectives end fast) and doubles up to
+#: 10 ms, so a long wait costs the host little and an error is seen within 10 ms.
+_POLL_FIRST_S, _POLL_MAX_S = 1e-4, 1e-2
 
 
 def unavailable_reason() -> Optional[str]:
     """Why a CUDA communicator cannot be made here, or None when it can."""
     if not getattr(_C, "build_info", lambda: {})().get("cuda_compiled", False):
         return "dist_kernels was built without CUDA (DK_WITH_CUDA=0 or no nvcc at build time)"
-    if not hasattr(_C, "NcclComm"):
-        return "this build of dist_kernels._C has no NCCL communicator"
+    if not hasattr(_C, "NcclTransport"):
+        return "this build of dist_kernels._C has no NCCL transport"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device (CPU build of torch, no driver, or no GPU)"
     return None
@@ -87,20 +107,93 @@ def as_cuda_tensor(obj: Any, device: torch.device, arg: str) -> torch.Tensor:
     return tensor
 
 
+class NcclWatch:
+    """Turns a hang or NCCL's asynchronous error into ``CommError`` (see the module docstring).
+
+    ``comm`` is an ``_C.NcclComm`` (or anything with ``closed``, ``async_error()``,
+    ``last_error()`` and ``abort()``). Once it has failed, :attr:`failure` holds the first
+    error's message.
+    """
+
+    def __init__(self, comm: Any, rank: int) -> None:
+        self._comm = comm
+        self.rank = rank
+        self.failure: Optional[str] = None
+
+    def check(self, what: str) -> None:
+        """Raises ``CommError`` if the communicator failed earlier or NCCL reports an error now
+        (and then aborts it)."""
+        if self.failure is not None:
+            raise CommError(
+                f"[rank {self.rank}] {what}: the communicator was aborted after an earlier "
+                f"failure: {self.failure}"
+            )
+        if self._comm.closed:  # closed cleanly (a Work waited after close()): nothing to ask
+            return
+        error = self._comm.async_error()
+        if error is not None:
+            self.abort(what, f"NCCL reported an asynchronous error: {error}")
+
+    def wait(self, is_done: Callable[[], bool], timeout: float, what: str) -> None:
+        """Blocks the host until ``is_done()``; polls NCCL's error meanwhile; after ``timeout``
+        seconds aborts and raises ``CommError``."""
+        deadline = time.monotonic() + timeout
+        delay = _POLL_FIRST_S
+        while not is_done():
+            self.check(what)
+            if time.monotonic() >= deadline:
+                self.abort(what, f"not finished after {timeout:g} s (timeout)")
+            time.sleep(delay)
+            delay = min(2 * delay, _POLL_MAX_S)
+
+    def abort(self, what: str, why: str) -> NoReturn:
+        """Aborts the NCCL communicator and raises ``CommError`` saying why."""
+        last = self._comm.last_error()
+        message = f"{why}" + (f"; NCCL's last error: {last}" if last and last not in why else "")
+        self.failure = f"{what}: {message}"
+        try:
+            self._comm.abort()
+        except Exception as error:  # noqa: BLE001 - the first failure is the one to report
+            message += f" (ncclCommAbort failed too: {error})"
+        raise CommError(f"[rank {self.rank}] {what}: {message}; the NCCL communicator was aborted")
+
+
 class CudaWork:
     """Completion of one collective on the communicator's stream."""
 
-    def __init__(self, done: torch.cuda.Event) -> None:
+    def __init__(self, done: Any, watch: NcclWatch, what: str, device: torch.device) -> None:
         self._done = done
+        self._watch = watch
+        self._what = what
+        self._device = device
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Makes the caller's current stream wait for the collective (no host blocking)."""
-        torch.cuda.current_stream().wait_event(self._done)
+        """Makes the current stream of the communicator's device wait for the collective.
+
+        With ``timeout`` (seconds) the host also waits, polling NCCL's asynchronous error: on
+        an error or after ``timeout`` the communicator is aborted and ``CommError`` raised.
+        (Inside CUDA graph capture nothing can be waited for on the host: only the stream
+        waits.)
+        """
+        self._watch.check(self._what)
+        if timeout is not None and not _capturing(self._device):
+            self._watch.wait(self._done.query, timeout, self._what)
+        torch.cuda.current_stream(self._device).wait_event(self._done)
         return True
 
     def is_completed(self) -> bool:
-        """True once the device has finished the collective."""
-        return self._done.query()
+        """True once the device has finished the collective (or the communicator failed)."""
+        return self._watch.failure is not None or self._done.query()
+
+
+def _capturing(device: torch.device) -> bool:
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _foreign(*objs: Any) -> Tuple[Any, ...]:
+    """The inputs whose memory torch's allocator does not own (CuPy arrays and the like)."""
+    return tuple(o for o in objs if o is not None and not isinstance(o, torch.Tensor))
 
 
 # Communicators of one group are told apart by creation order (every member creates them in
@@ -142,7 +235,9 @@ class CudaCommunicator:
         group: a torch.distributed ProcessGroup; default WORLD (its Store carries the
             ncclUniqueId from rank 0 to the others).
         device: this rank's CUDA device (``"cuda"`` = the current device).
-        timeout: how long to wait for rank 0's ncclUniqueId (a ``datetime.timedelta``).
+        timeout: how long a host wait may take (rank 0's ncclUniqueId, ``barrier()``,
+            ``close()``; a ``datetime.timedelta``, default 30 minutes) before ``CommError``.
+            ``Work.wait(timeout)`` takes its own.
         store, rank, world_size: use this Store and these numbers instead of torch.distributed
             (tests and custom launchers); all three or none.
         slot_bytes, num_slots: NcclTransport staging (a multiple of 256 bytes; at least 1).
@@ -161,6 +256,7 @@ class CudaCommunicator:
         num_slots: int = DEFAULT_NUM_SLOTS,
     ) -> None:
         self._comm = None
+        self._held: List[Tuple[Any, Tuple[Any, ...]]] = []  # (done event, foreign inputs)
         if store is not None and (rank is None or world_size is None):
             raise ValueError("store: pass rank= and world_size= with it")
         reason = unavailable_reason()
@@ -172,15 +268,16 @@ class CudaCommunicator:
             raise ValueError(f"rank: {rank} is not in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
         self.device = _cuda_device(device)
-        _nccl.load()
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        nccl.load()
         if rank == 0:
             store.set("nccl_unique_id", _C.nccl_unique_id())
-        if timeout is not None:
-            store.wait(["nccl_unique_id"], timeout)
+        store.wait(["nccl_unique_id"], self.timeout)
         unique_id = bytes(store.get("nccl_unique_id"))
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
             self._comm = _C.NcclComm(unique_id, rank, world_size, self.device.index)
+            self._watch = NcclWatch(self._comm, rank)
             self._staging = torch.empty(
                 slot_bytes * num_slots, dtype=torch.uint8, device=self.device
             )
@@ -205,6 +302,11 @@ class CudaCommunicator:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close` or :meth:`abort`."""
+        return self._comm is None
+
     def _tensor(self, obj: Any, arg: str, what: str) -> torch.Tensor:
         if self._comm is None:
             raise RuntimeError(f"[rank {self.rank}] {what}: the communicator is closed")
@@ -214,23 +316,40 @@ class CudaCommunicator:
             raise type(e)(f"[rank {self.rank}] {what}: {e}") from None
 
     def _run(
-        self, tensors: Sequence[torch.Tensor], launch: Callable[[int], None], async_op: bool
+        self,
+        what: str,
+        tensors: Sequence[torch.Tensor],
+        launch: Callable[[int], None],
+        async_op: bool,
+        foreign: Tuple[Any, ...] = (),
     ) -> Any:
-        """Runs ``launch(stream_handle)`` on the comm stream, ordered by events around it."""
+        """Runs ``launch(stream_handle)`` on the comm stream, ordered by events around it.
+
+        ``caller`` is the current stream of the communicator's device (not of the current
+        device, which may be another). ``foreign``: inputs held until the collective is done.
+        """
+        self._watch.check(what)
         caller = torch.cuda.current_stream(self.device)
+        capturing = _capturing(self.device)
         self.stream.wait_stream(caller)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             launch(self.stream.cuda_stream)
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        work = CudaWork(done)
-        if not async_op:
-            work.wait()
-            return None
-        if not torch.cuda.is_current_stream_capturing():
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        if not capturing:  # a captured graph's memory is the graph's (and its caller's) to keep
             for tensor in tensors:  # the allocator must not reuse them before the comm stream ends
                 tensor.record_stream(self.stream)
-        return _public_work(work, tuple(tensors))
+            self._hold(done, foreign)
+        if not async_op:
+            caller.wait_event(done)
+            return None
+        return _public_work(CudaWork(done, self._watch, what, self.device), tuple(tensors))
+
+    def _hold(self, done: Any, foreign: Tuple[Any, ...]) -> None:
+        """Keeps ``foreign`` alive until ``done`` completes; drops what finished before."""
+        self._held = [(event, objs) for event, objs in self._held if not event.query()]
+        if foreign:
+            self._held.append((done, foreign))
 
     def _resolve(self, algorithm: str, what: str) -> str:
         """ "auto" is NCCL's own collective on GPUs: its tuning is the better default until our
@@ -305,7 +424,7 @@ class CudaCommunicator:
         else:
             which = _ALGORITHM_CODES[algorithm]
             launch = lambda _s: self._algorithms.all_reduce(ptr, ptr, n, code, red, which)  # noqa: E731
-        return self._run([t], launch, async_op)
+        return self._run("all_reduce", [t], launch, async_op, _foreign(tensor))
 
     def reduce_scatter(
         self,
@@ -326,7 +445,7 @@ class CudaCommunicator:
             launch = lambda s: self._comm.reduce_scatter(*args, s)  # noqa: E731
         else:
             launch = lambda _s: self._algorithms.reduce_scatter(*args)  # noqa: E731
-        return self._run([out, inp], launch, async_op)
+        return self._run("reduce_scatter", [out, inp], launch, async_op, _foreign(output, input))
 
     def all_gather(
         self, output: Any, input: Any, async_op: bool = False, *, algorithm: str = "auto"
@@ -338,7 +457,7 @@ class CudaCommunicator:
             launch = lambda s: self._comm.all_gather(*args, s)  # noqa: E731
         else:
             launch = lambda _s: self._algorithms.all_gather(*args)  # noqa: E731
-        return self._run([out, inp], launch, async_op)
+        return self._run("all_gather", [out, inp], launch, async_op, _foreign(output, input))
 
     def broadcast(
         self, tensor: Any, src: int, async_op: bool = False, *, algorithm: str = "auto"
@@ -351,56 +470,64 @@ class CudaCommunicator:
             launch = lambda s: self._comm.broadcast(ptr, ptr, n, code, src, s)  # noqa: E731
         else:  # chain or heap tree, by size
             launch = lambda _s: self._algorithms.broadcast(ptr, n, code, src)  # noqa: E731
-        return self._run([t], launch, async_op)
+        return self._run("broadcast", [t], launch, async_op, _foreign(tensor))
 
     def send(self, tensor: Any, dst: int) -> None:
         """Sends ``tensor`` to rank ``dst`` (which calls :meth:`recv` with the same size)."""
-        t = self._tensor(tensor, "tensor", "send")
-        self.send_recv(t, self._peer(dst, "dst", "send", allow_self=False), None, -1)
+        self._send_recv("send", (tensor, dst, False), None, False)
 
     def recv(self, tensor: Any, src: int) -> None:
         """Receives into ``tensor`` what rank ``src`` sends."""
-        t = self._tensor(tensor, "tensor", "recv")
-        self.send_recv(None, -1, t, self._peer(src, "src", "recv", allow_self=False))
+        self._send_recv("recv", None, (tensor, src, False), False)
 
     def isend(self, tensor: Any, dst: int) -> Any:
         """Asynchronous :meth:`send` (ordered on the communicator's stream); returns a Work."""
-        t = self._tensor(tensor, "tensor", "isend")
-        return self.send_recv(
-            t, self._peer(dst, "dst", "isend", allow_self=False), None, -1, async_op=True
-        )
+        return self._send_recv("isend", (tensor, dst, False), None, True)
 
     def irecv(self, tensor: Any, src: int) -> Any:
         """Asynchronous :meth:`recv` (ordered on the communicator's stream); returns a Work."""
-        t = self._tensor(tensor, "tensor", "irecv")
-        return self.send_recv(
-            None, -1, t, self._peer(src, "src", "irecv", allow_self=False), async_op=True
-        )
+        return self._send_recv("irecv", None, (tensor, src, False), True)
 
     def send_recv(
         self, send: Optional[Any], dst: int, recv: Optional[Any], src: int, async_op: bool = False
     ) -> Any:
         """Sends ``send`` to ``dst`` while receiving ``recv`` from ``src``, in one NCCL group
         per message (so two ranks may exchange without deadlock). Either side may be None."""
+        return self._send_recv(
+            "send_recv",
+            None if send is None else (send, dst, True),
+            None if recv is None else (recv, src, True),
+            async_op,
+        )
+
+    def _send_recv(self, what: str, send, recv, async_op: bool) -> Any:
+        """``send`` / ``recv``: None or (array, peer, whether the peer may be this rank)."""
         tensors: List[torch.Tensor] = []
-        sides = []
-        for obj, peer, arg in ((send, dst, "send"), (recv, src, "recv")):
-            if obj is None:
+        sides: List[int] = []
+        for side, arg, peer_arg in ((send, "send", "dst"), (recv, "recv", "src")):
+            if side is None:
                 sides += [0, 0, -1]
                 continue
-            t = self._tensor(obj, arg, "send_recv")
+            obj, peer, allow_self = side
+            name = arg if what == "send_recv" else "tensor"
+            t = self._tensor(obj, name, what)
             tensors.append(t)
-            sides += [t.data_ptr(), t.numel() * t.element_size(), self._peer(peer, arg, arg)]
-        return self._run(tensors, lambda _s: self._transport.send_recv(*sides), async_op)
+            peer = self._peer(peer, peer_arg, what, allow_self=allow_self)
+            sides += [t.data_ptr(), t.numel() * t.element_size(), peer]
+        originals = _foreign(*(side[0] for side in (send, recv) if side is not None))
+        launch = lambda _s: self._transport.send_recv(*sides)  # noqa: E731
+        return self._run(what, tensors, launch, async_op, originals)
 
     def barrier(self, async_op: bool = False) -> Any:
         """Every rank reaches it before any leaves (a one-element NCCL all-reduce); without
-        ``async_op`` the host also waits for this communicator's work."""
+        ``async_op`` the host also waits for it, at most the communicator's ``timeout``
+        (then ``CommError``, the communicator aborted)."""
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        work = self.all_reduce(flag, algorithm="nccl", async_op=async_op)
-        if not async_op:
-            torch.cuda.current_stream(self.device).synchronize()
-        return work
+        work = self.all_reduce(flag, algorithm="nccl", async_op=True)
+        if async_op:
+            return work
+        work.wait(self.timeout.total_seconds())
+        return None
 
     def empty(self, shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32):
         """A tensor on this communicator's device. (NCCL-registered memory is future work:
@@ -414,14 +541,36 @@ class CudaCommunicator:
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for this communicator's work, then destroys the NCCL communicator."""
+        """Waits for this communicator's work (at most ``timeout``), then destroys the NCCL
+        communicator. After a failure (or on timeout) it aborts instead of waiting."""
         if self._comm is None:
             return
-        self.stream.synchronize()
+        try:
+            if self._watch.failure is None:
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self._watch.wait(done.query, self.timeout.total_seconds(), "close")
+        finally:
+            self._release(aborted=self._watch.failure is not None)
+
+    def abort(self) -> None:
+        """Aborts the NCCL communicator without waiting (``ncclCommAbort``: its kernels still
+        on the device end too), for a peer that died; the communicator is closed after it."""
+        if self._comm is None:
+            return
+        self._release(aborted=True)
+
+    def _release(self, aborted: bool) -> None:
         self._algorithms = None
         self._transport = None
+        self._held = []
         comm, self._comm = self._comm, None
-        comm.close()
+        if comm.closed:  # NcclWatch aborted it already
+            return
+        if aborted:
+            comm.abort()
+        else:
+            comm.close()
 
     def __enter__(self) -> CudaCommunicator:
         return self
@@ -437,10 +586,6 @@ class CudaCommunicator:
         )
 
 
-def _public_work(work: CudaWork, tensors: Tuple[torch.Tensor, ...]) -> Any:
-    """``dist_kernels.Work`` around ``work`` where communicator.py defines it, else ``work``."""
-    try:
-        from .communicator import Work
-    except ImportError:
-        return work
+def _public_work(work: CudaWork, tensors: Tuple[torch.Tensor, ...]) -> Work:
+    """The public :class:`Work` around ``work``, keeping ``tensors`` alive until it is waited."""
     return Work(work, tensors)

@@ -3,7 +3,7 @@
 On CPU the ranks of one host talk through POSIX shared memory (``_C.CpuCommunicator``: ring
 and double-binary-tree algorithms in C++, a queue of asynchronous calls, the GIL released);
 ranks on different hosts go hierarchical (shared memory inside a host, torch.distributed
-between host leaders). ``device="cuda"`` hands over to ``dist_kernels._cuda_comm``.
+between host leaders). ``device="cuda"`` hands over to ``dist_kernels.comm.cuda``.
 
     import torch.distributed as dist, dist_kernels as dk
     dist.init_process_group("gloo")
@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from ..dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from .work import Work
 
 __all__ = [
     "Communicator",
@@ -69,42 +70,6 @@ def _abort_open_communicators() -> None:
             comm.close()
 
 
-class Work:
-    """Handle of an asynchronous collective (``async_op=True``).
-
-    Keeps the collective's tensors alive until it completes.
-    """
-
-    def __init__(self, handle: Any, tensors: Tuple[torch.Tensor, ...]) -> None:
-        self._handle = handle
-        self._tensors: Optional[Tuple[torch.Tensor, ...]] = tensors
-
-    def wait(self, timeout: Optional[Union[float, datetime.timedelta]] = None) -> bool:
-        """Blocks until the collective has finished; raises :class:`CommError` if it failed.
-
-        Args:
-            timeout: seconds (or a timedelta) to wait at most; ``CommError`` if exceeded
-                (the collective itself keeps running). None waits as long as it takes.
-        """
-        if isinstance(timeout, datetime.timedelta):
-            timeout = timeout.total_seconds()
-        if self._handle is not None:
-            self._handle.wait(timeout)
-        self._tensors = None
-        return True
-
-    def is_completed(self) -> bool:
-        """True once the collective has finished (successfully or not)."""
-        return self._handle is None or self._handle.is_completed()
-
-
-class _DoneWork(Work):
-    """A Work whose operation already ran synchronously (hierarchical path)."""
-
-    def __init__(self) -> None:
-        super().__init__(None, ())
-
-
 def _host_id() -> str:
     return os.environ.get("DK_HOST_ID") or socket.gethostname()
 
@@ -137,7 +102,7 @@ class Communicator:
     def __new__(cls, group=None, device: Union[str, torch.device] = "cpu", timeout=None):
         if cls is Communicator and torch.device(device).type == "cuda":
             try:
-                from ._cuda_comm import CudaCommunicator
+                from .cuda import CudaCommunicator
             except ImportError as e:
                 raise RuntimeError(
                     f"Communicator(device={str(device)!r}): the CUDA communicator is not "
@@ -164,7 +129,7 @@ class Communicator:
             raise ValueError("Communicator: this process is not a member of `group`")
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
             raise TypeError(f"Communicator: timeout must be a datetime.timedelta, got {timeout!r}")
-        from ._shm import group_timeout
+        from .shm import group_timeout
 
         self.timeout = timeout or group_timeout(self.group) or _DEFAULT_TIMEOUT
         self._pending: List[Work] = []
@@ -176,7 +141,7 @@ class Communicator:
     # -- setup ---------------------------------------------------------------------------
 
     def _connect(self):
-        from ._shm import ShmBackend, wait_keys
+        from .shm import ShmBackend, wait_keys
 
         global_ranks = tuple(dist.get_process_group_ranks(self.group))
         with _creation_lock:
@@ -203,7 +168,7 @@ class Communicator:
         )
         if len(local) == self.world_size:
             return shm
-        from ._hierarchical import HierarchicalBackend
+        from .hierarchical import HierarchicalBackend
 
         return HierarchicalBackend(self, shm, hosts, global_ranks)
 
@@ -424,6 +389,11 @@ class Communicator:
             raise TypeError(f"[rank {self.rank}] empty: {e}") from None
         return self._backend.empty(shape, dtype)
 
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
     def close(self) -> None:
         """Waits for outstanding collectives, then releases the shared memory."""
         if self._closed:
@@ -464,7 +434,7 @@ def init(group: Optional[dist.ProcessGroup] = None, device=None) -> Communicator
 
 def get_default_communicator() -> Communicator:
     """The communicator made by :func:`init`; raises if there is none."""
-    if _default is None or _default._closed:
+    if _default is None or _default.closed:  # a CPU or a CUDA communicator
         raise RuntimeError("dist_kernels: call dist_kernels.init() first")
     return _default
 

@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterable, List, Literal, Optional, Union
 
 import torch
 
-from ._dtypes import ReduceOp
+from ..dtypes import ReduceOp
 
 __all__ = ["LossScaler"]
 
@@ -56,7 +56,7 @@ def _fresh_optimizer_state() -> Dict[str, Any]:
 def _extension_handles(device_type: str) -> bool:
     """Whether the compiled kernels can unscale tensors on this kind of device."""
     try:
-        from . import _C
+        from .. import _C
     except ImportError:
         return False
     return device_type == "cpu" or (device_type == "cuda" and _C.build_info()["cuda_compiled"])

@@ -1,6 +1,6 @@
 """Hierarchical CPU collectives across hosts (design decision 4).
 
-Inside a host the ranks use shared memory (:class:`dist_kernels._shm.ShmBackend`); between
+Inside a host the ranks use shared memory (:class:`dist_kernels.comm.shm.ShmBackend`); between
 hosts the host leaders (lowest group rank of each host) use a torch.distributed gloo group.
 
     all_reduce:  local all_reduce -> leaders all_reduce -> local broadcast from the leader
@@ -23,7 +23,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ._dtypes import ReduceOp
+from ..dtypes import ReduceOp
+from .work import DoneWork
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -79,9 +80,7 @@ class HierarchicalBackend:
         return self.hosts.index(self.hosts[rank])
 
     def _done(self, async_op: bool):
-        from .communicator import _DoneWork
-
-        return _DoneWork() if async_op else None
+        return DoneWork() if async_op else None
 
     def all_reduce(self, t: torch.Tensor, code: int, op: int, algo: int, async_op: bool):
         op = ReduceOp(op)

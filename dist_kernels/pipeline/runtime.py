@@ -1,6 +1,6 @@
 """Pipeline parallelism: ``dk.Pipeline`` runs one rank's list of a schedule planned as data.
 
-Schedules (``_pipeline_schedules``) are per-rank action lists, simulated and checked before
+Schedules (``pipeline/schedules.py``) are per-rank action lists, simulated and checked before
 anything runs; :func:`schedule_table` prints them::
 
     >>> print(dk.pipeline.schedule_table("1f1b", 2, 3))
@@ -8,10 +8,10 @@ anything runs; :func:`schedule_table` prints them::
     rank 0 | F0 F1 .  B0 F2 B1 .  B2
     rank 1 | .  F0 B0 F1 B1 F2 B2 .
 
-The engine keeps only its rank's stages (``_pipeline_partition`` splits an ``nn.Sequential``).
+The engine keeps only its rank's stages (``pipeline/partition.py`` splits an ``nn.Sequential``).
 A training step splits the batch into micro-batches and runs the rank's list in order on the
 caller's thread: forward and backward of its stages, and each send, started with the
-Communicator's ``isend`` as soon as its tensor exists (``_pipeline_wire``). Receives run on
+Communicator's ``isend`` as soon as its tensor exists (``pipeline/wire.py``). Receives run on
 the same thread, in list order, when a step needs their tensor: the message waits in the
 peer's shared-memory FIFO until then, and the waiting thread is the one that computes next
 (no hand-over between threads, no GIL contention).
@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ._pipeline_partition import StageSpan, build_stage, format_partition, plan_partition
-from ._pipeline_schedules import (
+from .partition import StageSpan, build_stage, format_partition, plan_partition
+from .schedules import (
     SCHEDULES,
     Action,
     Kind,
@@ -45,7 +45,7 @@ from ._pipeline_schedules import (
     schedule_table,
     simulate,
 )
-from ._pipeline_wire import ACTIVATION, GRADIENT, Channels
+from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = [
     "SCHEDULES",
@@ -97,7 +97,7 @@ def _default_comm():
 
     if not (dist.is_available() and dist.is_initialized()):
         return _SoloComm()
-    from .communicator import Communicator, get_default_communicator
+    from ..comm import Communicator, get_default_communicator
 
     try:
         return get_default_communicator()  # the one dk.init() made
@@ -225,7 +225,7 @@ class Pipeline:
 
     @staticmethod
     def _resolve_comm(comm: Any):
-        from .mesh import ProcessMesh
+        from ..mesh import ProcessMesh
 
         if isinstance(comm, ProcessMesh):
             return comm.pp_comm, comm.dp_comm
@@ -271,7 +271,7 @@ class Pipeline:
         """
         if self.dp_comm is None or self.dp_comm.world_size <= 1:
             return {}
-        from .ddp import DistributedDataParallel
+        from ..ddp import DistributedDataParallel
 
         return {
             s: DistributedDataParallel(

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import _C
+from .. import _C
 
 
 def wait_keys(store, keys: Sequence[str], timeout: datetime.timedelta) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from ._bench_ops import PLACEMENTS
+from .ops import PLACEMENTS
 
 Row = Dict[str, Any]
 SMALL_MAX = 64 << 10  # latency-bound sizes summarised below: 8 B .. 64 KiB

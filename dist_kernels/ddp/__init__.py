@@ -1,0 +1,6 @@
+"""Data parallelism: :class:`DistributedDataParallel` (``engine``) over a pure bucket plan
+(``plan``: which parameters share a bucket, in what order their gradients arrive)."""
+
+from .engine import DDP, DistributedDataParallel
+
+__all__ = ["DistributedDataParallel", "DDP"]
