@@ -170,6 +170,16 @@ def _expected(call: dict, rank: int, n: int, salt: int) -> torch.Tensor:
     return ref
 
 
+class _Errors(list):
+    """The report's errors, also printed at once (a rank that later hangs still shows them)."""
+
+    def append(self, message: str) -> None:
+        import sys
+
+        print(message, file=sys.stderr, flush=True)
+        super().append(message)
+
+
 def _comm():
     import dist_kernels as dk
 
@@ -183,7 +193,7 @@ def _fuzz(seed: int, trials: int) -> dict:
 
     os.environ["DK_DEBUG"] = "0"
     rank, n = dist.get_rank(), dist.get_world_size()
-    report = {"exact": 0, "caught": 0, "errors": []}
+    report = {"exact": 0, "caught": 0, "errors": _Errors()}
     comm = _comm()
     try:
         for i, (calls, fault) in enumerate(_plan(seed, n, trials)):
@@ -194,6 +204,10 @@ def _fuzz(seed: int, trials: int) -> dict:
                 got = _run(comm, call, rank, n, salt)
                 if fault is not None and calls[0]["kind"] == "p2p":
                     comm.barrier()  # the sender learns here at the latest
+                elif calls[0]["kind"] == "p2p":
+                    # A pair does not hold up the other ranks: without this, the next trial's
+                    # fault could fail the communicator before the receiver got here.
+                    dist.barrier()
             except dk.CommError as e:
                 elapsed = time.monotonic() - start
                 if fault is None:
