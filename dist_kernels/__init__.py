@@ -75,6 +75,9 @@ _SUBMODULES: Dict[str, str] = {
     "amp": "amp",
     "ddp": "ddp",
     "zero": "zero",
+    "ddp_hooks": "ddp.hooks",
+    "lr": "lr",
+    "train": "train",
 }
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]

@@ -8,6 +8,7 @@ agree to FP32 rounding.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -92,6 +93,32 @@ def make_comm():
         return GlooComm()
 
 
+class MutatedComm:
+    """A Communicator with one deliberate bug in reduce_scatter, for the mutation checks: the
+    equivalence check must reject training on it.
+
+    ``"sum_for_avg"`` sums where the caller asked for the average; ``"last_rank_dropped"``
+    reduces as if the last rank's gradients were zeros."""
+
+    def __init__(self, comm, mutation: str) -> None:
+        self._comm, self._mutation = comm, mutation
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def reduce_scatter(self, out, inp, op="sum", async_op=False):
+        import dist_kernels as dk
+
+        if self._mutation == "sum_for_avg":
+            op = dk.ReduceOp.SUM
+        elif self._comm.rank == self._comm.world_size - 1:
+            inp = torch.zeros_like(inp)
+        work = self._comm.reduce_scatter(out, inp, op=op, async_op=async_op)
+        if work is not None:
+            work.wait()  # the zeros must live until the collective has read them
+        return work
+
+
 def make_model(seed=SEED, dtype=torch.float32):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
@@ -172,9 +199,12 @@ def _equivalence_cases(cases):
     """Runs on every rank: one result line per (stage, optimizer, options) case."""
     import dist_kernels as dk
 
-    comm = make_comm()
+    base_comm = make_comm()
     results = []
     for stage, opt_name, options in cases:
+        comm = base_comm
+        if "mutation" in options:
+            comm = MutatedComm(base_comm, options["mutation"])
         model = make_model()
         cls, kwargs = optimizer_spec(opt_name)
         opt = dk.ShardedOptimizer(
@@ -213,7 +243,7 @@ def _equivalence_cases(cases):
             }
         )
         opt.close()
-    comm.close()
+    base_comm.close()
     return results
 
 
@@ -229,12 +259,45 @@ CASES = [
     (1, "sgd", {"clip": 0.05}),
     (2, "fused", {"grad_dtype": torch.bfloat16}),  # BF16 wire: tolerance of BF16 rounding
     (1, "adamw", {"grad_dtype": torch.float16}),
+    # SGD on every wire dtype: unlike Adam, its update is proportional to the gradient, so a
+    # factor-of-two gradient error moves the parameters far outside the tolerance
+    (1, "sgd", {"grad_dtype": torch.bfloat16}),
+    (2, "sgd", {"grad_dtype": torch.bfloat16}),
+    (1, "sgd", {"grad_dtype": torch.float16}),
+    (2, "sgd", {"grad_dtype": torch.float16}),
 ]
+# Mutation checks: the same check must reject a communicator that gets the gradients wrong
+# (only with more than one rank: on one rank a sum is the average and no rank is dropped).
+MUTATED = [
+    (2, "sgd", {"mutation": "sum_for_avg"}),
+    (1, "sgd", {"mutation": "last_rank_dropped"}),
+    (2, "sgd", {"grad_dtype": torch.bfloat16, "mutation": "sum_for_avg"}),
+    (1, "sgd", {"grad_dtype": torch.float16, "mutation": "last_rank_dropped"}),
+]
+
+
+def tolerance(opt_name, options):
+    """Max relative parameter difference allowed after STEPS steps.
+
+    FP32 wire: FP32 rounding (1e-5). A 16-bit wire rounds each averaged gradient once more
+    (relative 2^-9 BF16, 2^-12 FP16, plus one rounding per reduction step): SGD's update is
+    linear in the gradient, so its parameters move by about that fraction of the update
+    (measured on 1-4 ranks: at most 1.7e-3 BF16, 1.3e-4 FP16). The mutations (a sum for the
+    average, a rank dropped) move them by 0.15-0.95. Adam divides by the gradient's own RMS,
+    which hides a constant factor; its 1e-2 is loose, so SGD carries the wire checks.
+    """
+    wire = options.get("grad_dtype")
+    if wire is None:
+        return 1e-5
+    if opt_name == "sgd":
+        return 5e-3 if wire == torch.bfloat16 else 1e-3
+    return 1e-2
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_sharded_training_equals_single_process(world_size):
-    per_rank = run_ranks(world_size, _equivalence_cases, CASES, timeout=180)
+    mutated = MUTATED if world_size > 1 else []
+    per_rank = run_ranks(world_size, _equivalence_cases, CASES + mutated, timeout=180)
     print(f"seed {SEED}, {STEPS} steps, world size {world_size}, on {per_rank[0][0]['comm']}")
     for i, (stage, opt_name, options) in enumerate(CASES):
         rows = [r[i] for r in per_rank]
@@ -244,8 +307,7 @@ def test_sharded_training_equals_single_process(world_size):
             f"stage {stage} {opt_name:6s} {options}: max rel diff {diff:.2e}, "
             f"state bytes per rank {sizes} (unsharded {rows[0]['ref_state_bytes']})"
         )
-        tolerance = 1e-5 if "grad_dtype" not in options else 1e-2
-        assert diff < tolerance, f"case {CASES[i]}: max relative difference {diff:.3e}"
+        assert diff < tolerance(opt_name, options), f"case {CASES[i]}: max rel diff {diff:.3e}"
         # equal shares: every rank within one alignment unit (per state tensor) of the mean
         tensors_per_param = {"adamw": 2, "fused": 2, "sgd": 1}[opt_name]
         total = sum(sizes)
@@ -262,6 +324,10 @@ def test_sharded_training_equals_single_process(world_size):
         else:
             assert all(all(r["grads_after_backward"]) for r in rows)
             assert all(r["grad_bytes"] >= r["full_grad_bytes"] for r in rows)
+    for i, (stage, opt_name, options) in enumerate(mutated, start=len(CASES)):
+        diff = max(r[i]["diff"] for r in per_rank)
+        print(f"mutation stage {stage} {opt_name} {options}: max rel diff {diff:.2e}")
+        assert diff > 10 * tolerance(opt_name, options), f"mutation {options} not caught"
 
 
 def _fp16_overflow_is_skipped_everywhere(stage):
@@ -272,29 +338,37 @@ def _fp16_overflow_is_skipped_everywhere(stage):
 
     comm = make_comm()
     model = make_model(dtype=torch.float16)
+    extra = {"module": model} if stage == 3 else {}
     opt = dk.ShardedOptimizer(
-        model.parameters(), FusedAdamW, comm, stage=stage, bucket_cap_mb=0.0002, lr=1e-2
+        model.parameters(), FusedAdamW, comm, stage=stage, bucket_cap_mb=0.0002, lr=1e-2, **extra
     )
     scaler = dk.LossScaler(init_scale=8.0, comm=comm)
     history = []
+
+    def values():
+        with opt.full_parameters():
+            return [p.detach().clone() for p in model.parameters()]
+
     for step, poison in ((0, False), (1, True), (2, False)):
         x, y = batch(step, comm.world_size, comm.rank)
+        before = values()
         loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
-        if poison and comm.rank == 0:
-            loss = loss + model[0].weight[0, 0].float() * 1e5  # 8e5 > FP16 max: inf
-        before = [p.detach().clone() for p in model.parameters()]
+        if poison:  # on every rank (stage 3 gathers collectively), nonzero on rank 0 only
+            with opt.full_parameters():  # stage 3: the weight exists only while gathered
+                weight = 1e5 if comm.rank == 0 else 0.0  # 8e5 > FP16 max: inf
+                loss = loss + model[0].weight[0, 0].float() * weight
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        changed = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        changed = any(not torch.equal(p, b) for p, b in zip(values(), before))
         history.append((changed, scaler.skipped_steps, scaler.get_scale()))
     opt.close()
     comm.close()
     return history
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp16_loss_scaler_overflow_skips_the_step_on_every_rank(stage):
     pytest.importorskip("dist_kernels.amp.loss_scaler", reason="dk.LossScaler not merged yet")
     rows = run_ranks(4, _fp16_overflow_is_skipped_everywhere, stage, timeout=120)
@@ -420,6 +494,8 @@ def test_bad_arguments_name_the_argument():
 
     model = make_model()
     with pytest.raises(ValueError, match="stage"):
+        dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), stage=4)
+    with pytest.raises(ValueError, match="module="):
         dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), stage=3)
     with pytest.raises(TypeError, match="grad_dtype"):
         dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), grad_dtype=torch.int32)
@@ -427,3 +503,50 @@ def test_bad_arguments_name_the_argument():
         dk.ShardedOptimizer(model.parameters(), comm=LocalComm(), bucket_cap_mb=0)
     with pytest.raises(ValueError, match="params"):
         dk.ShardedOptimizer([], comm=LocalComm())
+
+
+def _accumulate_without_zero_grad(stages):
+    """Two synchronised backwards (and one under no_sync) before each step, no zero_grad in
+    between: stage 1's in-place reduced slices must reopen as valid local contributions."""
+    import dist_kernels as dk
+
+    comm = make_comm()
+    diffs = []
+    for stage in stages:
+        model = make_model()
+        extra = {"module": model} if stage == 3 else {}
+        opt = dk.ShardedOptimizer(
+            model.parameters(),
+            torch.optim.SGD,
+            comm,
+            stage=stage,
+            bucket_cap_mb=0.0002,
+            lr=5e-2,
+            momentum=0.9,
+            **extra,
+        )
+        ref = make_model()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=5e-2, momentum=0.9)
+        for step in range(2):
+            for micro, sync in ((0, True), (1, False), (2, True)):
+                x, y = batch(3 * step + micro, comm.world_size, comm.rank)
+                ctx = contextlib.nullcontext() if sync else opt.no_sync()
+                with ctx:
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                xr, yr = batch(3 * step + micro, comm.world_size)
+                torch.nn.functional.mse_loss(ref(xr), yr).backward()
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        with opt.full_parameters():
+            diffs.append(max_rel_diff(model, ref))
+        opt.close()
+    comm.close()
+    return diffs
+
+
+def test_accumulation_across_synchronised_backwards_matches_torch():
+    rows = run_ranks(3, _accumulate_without_zero_grad, (1, 2, 3), timeout=120)
+    print(f"seed {SEED}, 3 ranks, stages 1-3: max rel diff per stage {rows[0]}")
+    assert all(d < 1e-5 for r in rows for d in r)
