@@ -11,7 +11,7 @@
 
 namespace dk::algo {
 
-enum class Algorithm : int { kAuto = 0, kRing = 1, kTree = 2 };
+enum class Algorithm : int { kAuto = 0, kRing = 1, kTree = 2, kOneShot = 3 };
 
 struct CollectiveArgs {
   const void* src = nullptr;  // input (may equal dst: in place)

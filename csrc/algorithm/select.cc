@@ -22,9 +22,19 @@ double treeAllReduceUs(const CostModel& m, int n, size_t bytes) {
   return 2.0 * depth * m.alphaUs + 2.0 * static_cast<double>(bytes) * m.betaUsPerB;
 }
 
-Algorithm chooseAllReduce(const CostModel& m, int n, size_t bytes) {
-  return treeAllReduceUs(m, n, bytes) < ringAllReduceUs(m, n, bytes) ? Algorithm::kTree
-                                                                     : Algorithm::kRing;
+double oneShotAllReduceUs(const CostModel& m, int n, size_t bytes) {
+  return m.alphaUs + 2.0 * (n - 1) * static_cast<double>(bytes) * m.betaUsPerB;
+}
+
+Algorithm chooseAllReduce(const CostModel& m, int n, size_t bytes, bool oneShotFits) {
+  Algorithm best = Algorithm::kRing;
+  double bestUs = ringAllReduceUs(m, n, bytes);
+  if (const double us = treeAllReduceUs(m, n, bytes); us < bestUs) {
+    best = Algorithm::kTree;
+    bestUs = us;
+  }
+  if (oneShotFits && oneShotAllReduceUs(m, n, bytes) < bestUs) best = Algorithm::kOneShot;
+  return best;
 }
 
 }  // namespace dk::algo

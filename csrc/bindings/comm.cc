@@ -75,18 +75,41 @@ std::unique_ptr<PyCommunicator> makeCommunicator(SegmentPtr seg, int rank, doubl
   return out;
 }
 
+// Python runs signal handlers on its main thread only, so only a call blocked there can turn
+// a Ctrl-C into KeyboardInterrupt (the thread that imported the extension: the main one).
+bool onMainThread() {
+  static const unsigned long mainThread = PyThread_get_thread_ident();
+  return PyThread_get_thread_ident() == mainThread;
+}
+
+// A wait that a SIGINT ended (the communicator is failed by then): let Python run its SIGINT
+// handler, which raises KeyboardInterrupt; a handler that raises nothing leaves a CommError.
+void checkInterrupted(const Status& s, const std::string& context) {
+  if (s.code() == Code::kInterrupted && PyErr_CheckSignals() != 0) throw py::error_already_set();
+  check(s, context);
+}
+
 // Runs inline (GIL released) or queues and returns a Work.
 py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
   const std::shared_ptr<CpuCommunicator> comm = c.live(requestName(r));
+  r.interruptible = !asyncOp && onMainThread();
   Status s;
   std::shared_ptr<Work> work;
   {
     py::gil_scoped_release nogil;
     s = asyncOp ? comm->submit(r, &work) : comm->run(r);
   }
-  check(s, c.context(r));
+  checkInterrupted(s, c.context(r));
   if (asyncOp) {
     work->context = c.context(r);
+    work->onInterrupt = [weak = std::weak_ptr<CpuCommunicator>(comm), label = c.label,
+                         what = std::string(requestName(r))](const Status&) {
+      if (const auto live = weak.lock()) {
+        live->abort(Status(
+            Code::kInterrupted,
+            "rank " + std::to_string(label) + " was interrupted (SIGINT) in Work.wait of " + what));
+      }
+    };
     return py::cast(work);
   }
   return py::none();
@@ -131,12 +154,14 @@ void bindWork(py::module_& m) {
       .def(
           "wait",
           [](const Work& w, std::optional<double> timeout) {
+            const bool interruptible = onMainThread();
             Status s;
             {
               py::gil_scoped_release nogil;
-              s = w.wait(timeout ? *timeout : -1.0);
+              s = w.wait(timeout ? *timeout : -1.0, interruptible);
+              if (s.code() == Code::kInterrupted && w.onInterrupt) w.onInterrupt(s);
             }
-            check(s, w.context);
+            checkInterrupted(s, w.context);
           },
           py::arg("timeout") = py::none())
       .def("is_completed", &Work::isCompleted);
@@ -144,6 +169,7 @@ void bindWork(py::module_& m) {
 
 void bindCommunicator(py::module_& m) {
   using K = shm::CollectiveKind;
+  onMainThread();  // pins the importing thread (the main one) as the one signals reach
   py::class_<PyCommunicator>(m, "CpuCommunicator")
       .def(py::init(&makeCommunicator), py::arg("segment"), py::arg("rank"), py::arg("timeout_s"),
            py::arg("oversubscribed"), py::arg("debug"), py::arg("label"))
@@ -227,6 +253,14 @@ void bindCommunicator(py::module_& m) {
              }
              check(s, c.context("empty"));
            })
+      .def("abort",
+           [](PyCommunicator& c, const std::string& reason) {
+             const std::shared_ptr<CpuCommunicator> comm = c.comm;
+             if (!comm) return;
+             py::gil_scoped_release nogil;
+             comm->abort(
+                 Status(Code::kPeerFailure, "rank " + std::to_string(c.label) + " " + reason));
+           })
       .def("close", [](PyCommunicator& c) {
         // Later calls see the communicator closed at once; calls running on other threads
         // hold their own reference and are cancelled by close().
@@ -270,7 +304,8 @@ void bindTopology(py::module_& m) {
       [](int n, size_t bytes) {
         const auto model = algo::shmCostModel();
         return py::make_tuple(algo::ringAllReduceUs(model, n, bytes),
-                              algo::treeAllReduceUs(model, n, bytes));
+                              algo::treeAllReduceUs(model, n, bytes),
+                              algo::oneShotAllReduceUs(model, n, bytes));
       },
       py::arg("world_size"), py::arg("bytes"));
 }

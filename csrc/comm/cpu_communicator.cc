@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "algorithm/all_to_all.h"
+#include "algorithm/one_shot.h"
 #include "algorithm/point_to_point.h"
 #include "algorithm/ring.h"
 #include "algorithm/select.h"
@@ -112,12 +113,20 @@ Status CpuCommunicator::close() {
   return Status::Ok();
 }
 
+// "one_shot" on a message larger than one slot runs what auto picks among ring and tree.
 algo::Algorithm CpuCommunicator::resolve(const Request& r) const {
-  if (r.kind != CollectiveKind::kAllReduce || r.algorithm != algo::Algorithm::kAuto) {
-    return r.algorithm == algo::Algorithm::kAuto ? algo::Algorithm::kRing : r.algorithm;
+  using algo::Algorithm;
+  if (r.kind != CollectiveKind::kAllReduce) {
+    return r.algorithm == Algorithm::kAuto ? Algorithm::kRing : r.algorithm;
   }
   const size_t bytes = r.args.count * dtypeSize(r.args.dtype);
-  return algo::chooseAllReduce(algo::shmCostModel(), worldSize(), bytes);
+  const bool fits = algo::oneShotFits(*transport_, bytes);
+  if (r.algorithm == Algorithm::kRing || r.algorithm == Algorithm::kTree ||
+      (r.algorithm == Algorithm::kOneShot && fits)) {
+    return r.algorithm;
+  }
+  return algo::chooseAllReduce(algo::shmCostModel(), worldSize(), bytes,
+                               fits && r.algorithm == Algorithm::kAuto);
 }
 
 shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {
@@ -131,7 +140,14 @@ shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {
   // All-to-all blocks differ in size between pairs: each message's byte count is checked
   // against its receiver's instead.
   h.count = r.kind == CollectiveKind::kAllToAll ? 0 : r.args.count;
+  h.seq = r.kind == CollectiveKind::kSendRecv ? 0 : collectiveSeq_ + 1;
   return h;
+}
+
+void CpuCommunicator::abort(const Status& cause) {
+  transport_->poison(cause);
+  std::lock_guard<std::mutex> lock(failedMutex_);
+  if (failed_.ok()) failed_ = cause;
 }
 
 Status CpuCommunicator::failure() const {
@@ -151,18 +167,28 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
                             std::chrono::duration<double>(options_.timeoutSec));
   const shm::MessageHeader header = headerOf(r);
   const shm::Lane lane = laneOf(r);
-  Status status = transport_->begin(header, deadline, lane, inPlace);
+  // One-shot sends copy: a rank overwrites its input (in place) while peers may still read it.
+  if (r.algorithm == algo::Algorithm::kOneShot) inPlace = false;
+  Status status = transport_->begin(header, deadline, lane, inPlace, r.interruptible);
+  if (lane == shm::Lane::kBoth) {
+    collectiveSeq_ = header.seq;
+    transport_->announce(header);
+  }
   if (status.ok() && options_.debug && lane == shm::Lane::kBoth) {
     status = fingerprint(header, deadline);
-    if (status.ok()) status = transport_->begin(header, deadline, lane, inPlace);
+    if (status.ok()) status = transport_->begin(header, deadline, lane, inPlace, r.interruptible);
   }
   if (status.ok()) status = dispatch(r);
-  if (!status.ok()) {
-    transport_->poison(status);
-    std::lock_guard<std::mutex> lock(failedMutex_);
-    if (failed_.ok()) failed_ = status;
-  }
+  if (status.ok() && needsAgreement(r)) status = transport_->agree();
+  if (!status.ok()) abort(status);
   return status;
+}
+
+// See ShmTransport::agree(): a broadcast root receives nothing, and a zero-byte collective
+// may move no bytes, so neither learns from its data flow what the other ranks called.
+bool CpuCommunicator::needsAgreement(const Request& r) {
+  if (r.kind == CollectiveKind::kSendRecv || r.kind == CollectiveKind::kBarrier) return false;
+  return r.kind == CollectiveKind::kBroadcast || r.args.count == 0;
 }
 
 Status CpuCommunicator::dispatch(const Request& r) {
@@ -172,6 +198,7 @@ Status CpuCommunicator::dispatch(const Request& r) {
   const bool ring = r.algorithm == algo::Algorithm::kRing;
   switch (r.kind) {
     case CollectiveKind::kAllReduce:
+      if (r.algorithm == algo::Algorithm::kOneShot) return algo::oneShotAllReduce(ch, args);
       return ring ? algo::ringAllReduce(ch, args) : algo::treeAllReduce(ch, args);
     case CollectiveKind::kReduceScatter:
       return algo::ringReduceScatter(ch, args);

@@ -15,6 +15,10 @@
 // running on other threads (they fail, which poisons the segment like any failure) and
 // returns once they have left.
 //
+// Disagreement: every collective carries a descriptor (kind, count, dtype, op, root, its
+// sequence number) in each message and in the rank's announcement (ShmTransport::announce),
+// so ranks that called different things all fail with CommError, in the default mode.
+//
 // Failure: the first failed call poisons the communicator (every later call fails at once
 // with the same cause) and the shared segment (every peer's waits stop).
 #pragma once
@@ -58,6 +62,9 @@ class CpuCommunicator {
   Status registerBuffer(uint32_t id, std::shared_ptr<shm::Segment> local,
                         std::vector<std::shared_ptr<shm::Segment>> peers);
   Status close();
+  // Fails the communicator on every rank with `cause` (first failure wins): Ctrl-C during a
+  // Work.wait, or the interpreter exiting with calls still queued.
+  void abort(const Status& cause);
 
  private:
   explicit CpuCommunicator(std::unique_ptr<shm::ShmTransport> transport, Options options);
@@ -73,11 +80,13 @@ class CpuCommunicator {
   Status fingerprint(const shm::MessageHeader& header,
                      std::chrono::steady_clock::time_point deadline);
   shm::MessageHeader headerOf(const Request& request) const;
+  static bool needsAgreement(const Request& request);
 
   std::unique_ptr<shm::ShmTransport> transport_;
   CpuCompute compute_;
   Options options_;
   std::vector<char> scratch_;
+  uint64_t collectiveSeq_ = 0;  // collectives started; changed with both lanes held
 
   OpQueue queue_;
   std::mutex sendLane_;  // one call at a time per transport lane; collectives take both

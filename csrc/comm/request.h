@@ -16,6 +16,8 @@ struct Request {
   bool isSend = false;  // kSendRecv: send (else receive)
   // kAllToAll: elements for / from each rank, blocks back to back in src / dst.
   std::vector<size_t> sendCounts, recvCounts;
+  // A synchronous call on the thread Python delivers signals to: Ctrl-C ends its waits.
+  bool interruptible = false;
 };
 
 // "all_reduce", "send", "recv", ...: the name users call it by, for errors.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -14,10 +15,14 @@ class Work {
   bool isCompleted() const;
   // Waits up to `timeoutSec` (< 0: forever). Returns the collective's status, or kTimeout if
   // it has not finished yet (the collective keeps running; a later wait may succeed).
-  Status wait(double timeoutSec) const;
+  // `interruptible`: a SIGINT ends the wait with Code::kInterrupted (the operation keeps
+  // running; the caller fails the communicator, see onInterrupt).
+  Status wait(double timeoutSec, bool interruptible = false) const;
   void complete(Status status);
   // "[rank 1] all_reduce": prefixed to errors raised by wait().
   std::string context;
+  // Set by the bindings: fails the communicator the operation runs on.
+  std::function<void(const Status&)> onInterrupt;
 
  private:
   mutable std::mutex mutex_;

@@ -20,6 +20,7 @@ enum class Code {
   kTimeout,          // a peer did not answer within the timeout -> CommError
   kPeerFailure,      // a peer died or closed -> CommError
   kMismatch,         // ranks disagree on count / dtype / op -> CommError
+  kInterrupted,      // SIGINT (Ctrl-C) while waiting -> KeyboardInterrupt (csrc/common/interrupt.h)
   kInternal,         // a broken invariant -> RuntimeError
 };
 

@@ -12,16 +12,21 @@
 namespace dk::shm {
 
 namespace {
-// Measured on the 2-core Sapphire Rapids VM: one _mm_pause takes 11-20 ns there, so 2048
-// pauses spin for ~25-40 us: longer than a whole 64 KiB all-reduce (~12 us at 2 ranks), so
-// back-to-back collectives stay in the spin phase while each rank has a core, yet short
-// enough that a rank sharing its core with the peer it waits for (other load on the machine)
-// gives the core away quickly. (8192 steps cost ~300 us per step in that case.)
-constexpr uint32_t kSpinSteps = 2048;
+// One _mm_pause takes 11-20 ns on the 2-core Sapphire Rapids VM, so 512 pauses spin for
+// ~6-10 us: longer than a small all-reduce's handoff (~1 us), so back-to-back collectives stay
+// in the spin phase while each rank has a core, and short, because a rank sharing its core
+// with the peer it waits for (other load on the machine) only wastes that time: it then yields
+// (below). 2048 spins (the value before 2026-12-01) cost 60-120 us per small all-reduce on the
+// loaded EPYC VM; 512 + 1024 yields gave 1.2-1.6 us from 8 B to 8 KiB there (load 5.5).
+constexpr uint32_t kSpinSteps = 512;
 // Oversubscribed: spin only ~3 us before giving the core to the rank we wait for.
 constexpr uint32_t kSpinStepsOversubscribed = 64;
-// Yield steps before sleeping: a yield returns at once when nobody else wants the core.
-constexpr uint32_t kYieldSteps = 64;
+// Yield steps before sleeping: a yield returns at once when nobody else wants the core, and
+// hands it to the peer when the two share a core (a loaded machine puts them together): then
+// the handoff costs a context switch, where a spin would burn the rest of the spin phase and
+// a futex sleep a wake-up (MPICH yields every 1000 polls and never sleeps). 1024 yields last
+// ~0.5-1 ms when the core is free: only waits longer than that go to sleep.
+constexpr uint32_t kYieldSteps = 1024;
 // A futex sleep ends on the writer's wake; the timeout only bounds how late the waiter
 // notices a dead peer, an abort or its deadline.
 constexpr long kSleepNs = 2000000;

@@ -23,6 +23,8 @@ class Backoff {
   // True on the steps where the caller should also check deadline and peer liveness
   // (a clock read and a trylock are cheap, but not free enough for every spin).
   bool shouldCheck() const { return (step_ & 255) == 0 || step_ > spinSteps(); }
+  // Past the spin phase: the wait is slow enough that a system call costs nothing.
+  bool sleeping() const { return step_ > spinSteps(); }
 
  private:
   uint32_t spinSteps() const;

@@ -2,7 +2,8 @@
 // rank, then one FIFO of slots per ordered pair of ranks (sender -> receiver).
 //
 //   offset 0            SegmentHeader        (magic, geometry, abort word + reason)
-//   rankControlOffset   RankControl[n]       (liveness mutex, closed flag), one per rank
+//   rankControlOffset   RankControl[n]       (liveness mutex, closed flag, the rank's last two
+//                                              collective announcements), one per rank
 //   fifoControlOffset   FifoControl[n(n-1)]  (head, tail, slot descriptors), one per pair
 //   slotDataOffset      slot data[n(n-1)][slots][slotBytes], page aligned
 //
@@ -20,7 +21,7 @@ namespace dk::shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
-constexpr uint64_t kMagic = 0x646b2d73686d3031ull;  // "dk-shm01"
+constexpr uint64_t kMagic = 0x646b2d73686d3032ull;  // "dk-shm02"
 constexpr int kMaxSlots = 8;
 constexpr size_t kReasonBytes = 448;
 
@@ -60,21 +61,25 @@ inline const char* collectiveKindName(CollectiveKind kind) {
   return "unknown collective";
 }
 
-// What a collective message claims to belong to: a receiver compares it with its own call, so
-// ranks that disagree on the collective, count, dtype or op fail instead of mixing bytes.
+// What a collective message claims to belong to (the call's descriptor): a receiver compares
+// it with its own call, so ranks that disagree on the collective, count, dtype, op, root or
+// position in the call sequence fail instead of mixing bytes.
 struct MessageHeader {
   uint32_t collective = 0;  // CollectiveKind
   uint32_t dtype = 0;
   uint32_t op = 0;
   int32_t root = 0;    // broadcast root / p2p peer / algorithm, -1 when unused
   uint64_t count = 0;  // elements of the collective (per rank for scatter / gather)
+  // 1 + the number of collectives this communicator ran before (0: a send / receive, which
+  // FIFO order matches, or the DK_DEBUG probe).
+  uint64_t seq = 0;
   bool operator==(const MessageHeader& o) const {
     return collective == o.collective && dtype == o.dtype && op == o.op && root == o.root &&
-           count == o.count;
+           count == o.count && seq == o.seq;
   }
   bool operator!=(const MessageHeader& o) const { return !(*this == o); }
 };
-static_assert(sizeof(MessageHeader) == 24, "MessageHeader is part of the shared layout");
+static_assert(sizeof(MessageHeader) == 32, "MessageHeader is part of the shared layout");
 
 enum class PayloadKind : uint32_t {
   kInline = 0,      // bytes copied into the slot
@@ -104,6 +109,21 @@ static_assert(offsetof(FifoControl, slots) == 2 * kCacheLine, "descriptors after
 static_assert(sizeof(FifoControl) == (2 + kMaxSlots) * kCacheLine, "FifoControl size");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
 
+// A rank's descriptor of the collective it has started, posted before it sends anything, so a
+// peer that waits for it can tell a rank that called something else (and would never send
+// what it waits for) from a slow one, and a broadcast root, which receives nothing, can check
+// every rank's call. Written like a seqlock: `seq` 0 while the header is rewritten.
+struct alignas(kCacheLine) Announcement {
+  std::atomic<uint64_t> seq;       // MessageHeader::seq of `header`, 0 while being written
+  std::atomic<uint32_t> sleepers;  // peers asleep on `seq` (futex)
+  MessageHeader header;
+};
+static_assert(sizeof(Announcement) == kCacheLine, "one announcement per cache line");
+// Two announcements per rank, indexed by seq % 2: a rank finishes collective s only after
+// every rank has announced s (an all-reduce, gather or scatter needs every rank's data; a
+// broadcast checks the announcements), so no rank announces s + 2 while a peer still reads s.
+constexpr int kAnnouncements = 2;
+
 // One per rank. The rank's dispatcher thread (OpQueue) holds `alive` (a robust, process-shared
 // mutex) for the communicator's whole life: when the process dies the kernel marks the mutex
 // owner-dead, and a peer's trylock returns EOWNERDEAD, even while the dead process is still a
@@ -114,9 +134,11 @@ struct alignas(kCacheLine) RankControl {
   std::atomic<uint32_t> closed;                        // 1 after a clean close()
   std::atomic<uint32_t> dead;                          // 1 once a peer saw it owner-dead
   int32_t pid;
+  Announcement announced[kAnnouncements];
 };
 static_assert(sizeof(pthread_mutex_t) <= kCacheLine, "mutex fits one line");
-static_assert(sizeof(RankControl) == 2 * kCacheLine, "RankControl size");
+static_assert(offsetof(RankControl, announced) == 2 * kCacheLine, "announcements on own lines");
+static_assert(sizeof(RankControl) == (2 + kAnnouncements) * kCacheLine, "RankControl size");
 
 struct alignas(kCacheLine) SegmentHeader {
   uint64_t magic;

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "common/dtype.h"
+#include "common/interrupt.h"
 #include "transport/shm_backoff.h"
 
 namespace dk::shm {
@@ -27,7 +28,9 @@ std::string describeHeader(const MessageHeader& h) {
       buf, sizeof(buf), "%s(count=%llu, %s, %s, root=%d, algorithm %u)", kindName(h.collective),
       static_cast<unsigned long long>(h.count), isValidDType(h.dtype) ? dtypeName(dtype) : "?",
       isValidRedOp(h.op) ? redOpName(static_cast<RedOp>(h.op)) : "?", h.root, h.collective >> 8);
-  return buf;
+  std::string out = buf;
+  if (h.seq != 0) out += " as collective #" + std::to_string(h.seq);
+  return out;
 }
 
 Status ShmTransport::formatSegment(Segment& segment, const SegmentGeometry& g) {
@@ -195,6 +198,7 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
                              const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
                              Ready ready) {
   Backoff backoff(oversubscribed_);
+  bool armed = false;
   for (uint64_t seen = word.load(std::memory_order_acquire); !ready(seen);
        seen = word.load(std::memory_order_acquire)) {
     if (header()->abortRank.load(std::memory_order_relaxed) != 0) return health();
@@ -205,12 +209,27 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
                                               "rank " +
                                               std::to_string(peer) + " (" + what + ")");
       }
+      if (lane.interruptible) {
+        if (!armed && backoff.sleeping()) {
+          interrupt::armSigint();
+          armed = true;
+        }
+        if (interrupt::sigintCount() != lane.sigintsAtStart) return interrupted(lane, peer, what);
+      }
       DK_RETURN_IF_ERROR(peerAlive(peer));
+      DK_RETURN_IF_ERROR(peerCallAgrees(lane, peer));
       if (std::chrono::steady_clock::now() >= lane.deadline) return timedOut(lane, peer, what);
     }
     backoff.pause(word, seen, sleepers);
   }
   return Status::Ok();
+}
+
+Status ShmTransport::interrupted(const LaneState& lane, int peer, const char* what) const {
+  return Status(Code::kInterrupted, "rank " + std::to_string(rank_) +
+                                        " was interrupted (SIGINT) while waiting for rank " +
+                                        std::to_string(peer) + " (" + describeHeader(lane.header) +
+                                        "; " + what + ")");
 }
 
 Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what) const {
@@ -231,10 +250,60 @@ Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what)
   return Status(Code::kTimeout, buf);
 }
 
+void ShmTransport::announce(const MessageHeader& header) {
+  Announcement& a = rankControl(rank_)->announced[header.seq % kAnnouncements];
+  a.seq.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  a.header = header;
+  a.seq.store(header.seq, std::memory_order_seq_cst);
+  wakeSleepers(a.seq, a.sleepers);
+  announcedSeq_ = header.seq;
+}
+
+bool ShmTransport::announcement(int peer, uint64_t seq, MessageHeader* out) const {
+  const Announcement& a = rankControl(peer)->announced[seq % kAnnouncements];
+  if (a.seq.load(std::memory_order_acquire) != seq) return false;
+  *out = a.header;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return a.seq.load(std::memory_order_relaxed) == seq;  // not rewritten while we copied
+}
+
+Status ShmTransport::peerCallAgrees(const LaneState& lane, int peer) const {
+  MessageHeader theirs;
+  if (lane.collectiveSeq == 0 || !announcement(peer, lane.collectiveSeq, &theirs)) {
+    return Status::Ok();
+  }
+  if (lane.lane == Lane::kBoth && theirs == lane.header) return Status::Ok();
+  return mismatch(lane, peer, theirs, 0, 0);
+}
+
+Status ShmTransport::agree() {
+  const LaneState& lane = sendLane();
+  const uint64_t seq = lane.collectiveSeq;
+  for (int peer = 0; peer < worldSize(); ++peer) {
+    if (peer == rank_) continue;
+    Announcement& a = rankControl(peer)->announced[seq % kAnnouncements];
+    DK_RETURN_IF_ERROR(waitFor(lane, peer, "waiting for it to start this collective", a.seq,
+                               a.sleepers, [&](uint64_t s) { return s == seq; }));
+    MessageHeader theirs;
+    if (!announcement(peer, seq, &theirs)) return Internal("announcement rewritten while read");
+    if (theirs != lane.header) return mismatch(lane, peer, theirs, 0, 0);
+  }
+  return Status::Ok();
+}
+
 Status ShmTransport::begin(const MessageHeader& header,
-                           std::chrono::steady_clock::time_point deadline, Lane lane,
-                           bool inPlace) {
-  const LaneState state{header, lane, inPlace, deadline, std::chrono::steady_clock::now()};
+                           std::chrono::steady_clock::time_point deadline, Lane lane, bool inPlace,
+                           bool interruptible) {
+  LaneState state;
+  state.header = header;
+  state.lane = lane;
+  state.inPlace = inPlace;
+  state.collectiveSeq = lane == Lane::kBoth ? header.seq : announcedSeq_ + 1;
+  state.interruptible = interruptible;
+  state.sigintsAtStart = interruptible ? interrupt::sigintCount() : 0;
+  state.deadline = deadline;
+  state.started = std::chrono::steady_clock::now();
   if (lane != Lane::kRecv) sendLane() = state;
   if (lane != Lane::kSend) recvLane() = state;
   return health();
@@ -294,6 +363,10 @@ Status ShmTransport::mismatch(const LaneState& lane, int peer, const MessageHead
   std::string msg = "ranks disagree: rank " + std::to_string(peer) + " called " +
                     describeHeader(theirs) + " but rank " + std::to_string(rank_) + " called " +
                     describeHeader(mine);
+  if (lane.lane != Lane::kBoth && theirs.seq != 0) {
+    msg += " (a " + std::string(lane.lane == Lane::kSend ? "send to" : "receive from") +
+           " it, which must end before this rank can join a collective)";
+  }
   if (theirs == mine) {
     msg = "ranks disagree: rank " + std::to_string(peer) + " sent " + std::to_string(bytes) +
           " bytes where rank " + std::to_string(rank_) + " expected " + std::to_string(expected) +

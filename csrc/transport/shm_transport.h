@@ -56,8 +56,20 @@ class ShmTransport : public Transport {
   // incoming ones must match it, and every wait gives up at `deadline`. Calls on different
   // lanes may run concurrently; calls on one lane may not. `inPlace` false: sends copy even
   // bytes in registered memory (so they never wait for the peer to read them).
+  // `interruptible`: a SIGINT from now on ends every wait of the call (Code::kInterrupted).
   Status begin(const MessageHeader& header, std::chrono::steady_clock::time_point deadline,
-               Lane lane = Lane::kBoth, bool inPlace = true);
+               Lane lane = Lane::kBoth, bool inPlace = true, bool interruptible = false);
+  // Posts this rank's descriptor of the collective it starts (header.seq > 0; both lanes
+  // held) before anything is sent: while a peer waits for this rank it compares, so ranks
+  // that called different things fail at once instead of at the deadline.
+  void announce(const MessageHeader& header);
+  // Ends a collective whose data flow does not make every rank check every other (a
+  // broadcast: the root receives nothing; a zero-byte call): waits until every rank has
+  // announced this collective and fails if any announced something else. Collectives that
+  // need every rank's data (all-reduce, reduce-scatter, all-gather, barrier) need not call
+  // it: each rank's last receive depends, through the chain of checked headers, on every
+  // rank having sent this collective's header.
+  Status agree();
   // Makes every wait of this rank (on any thread) fail within one futex timeout: close() uses
   // it so that no thread is left blocked inside a communicator that is going away.
   void cancel() { cancelled_.store(true, std::memory_order_release); }
@@ -87,6 +99,12 @@ class ShmTransport : public Transport {
     MessageHeader header;
     Lane lane = Lane::kBoth;  // of the call: errors report only the counters of its lanes
     bool inPlace = true;      // registered bytes are published for the peer to read in place
+    // The collective a peer's announcement is compared with: the one running (both lanes),
+    // or for a send / receive the next one, which no peer may start while this call waits
+    // for it (this rank cannot join it before the call ends). 0: no comparison.
+    uint64_t collectiveSeq = 0;
+    bool interruptible = false;
+    uint64_t sigintsAtStart = 0;  // interrupt::sigintCount() when the call began
     std::chrono::steady_clock::time_point deadline;
     std::chrono::steady_clock::time_point started;
   };
@@ -97,6 +115,11 @@ class ShmTransport : public Transport {
   Status waitFor(const LaneState& lane, int peer, const char* what,
                  const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers, Ready ready);
   Status timedOut(const LaneState& lane, int peer, const char* what) const;
+  Status interrupted(const LaneState& lane, int peer, const char* what) const;
+  // Fails if `peer` announced a collective this call cannot be paired with (see announce()).
+  Status peerCallAgrees(const LaneState& lane, int peer) const;
+  // The peer's announcement of collective `seq`, if it has made it (false otherwise).
+  bool announcement(int peer, uint64_t seq, MessageHeader* out) const;
   Status peerAlive(int peer);
   Status postSend(const SendOp& send);
   Status completeRecv(RecvOp& recv);
@@ -118,6 +141,7 @@ class ShmTransport : public Transport {
   bool holdsLiveness_ = false;
   LaneState lanes_[2];  // indexed by Lane::kSend, Lane::kRecv
   std::atomic<bool> cancelled_{false};
+  uint64_t announcedSeq_ = 0;            // seq of the last announce(); changed with both lanes held
   std::vector<uint64_t> sent_;           // per peer: messages posted (local copy of head)
   std::vector<uint64_t> received_;       // per peer: messages taken
   std::vector<uint64_t> released_;       // per peer: messages handed back (local copy of tail)

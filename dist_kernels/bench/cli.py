@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU (--nproc 1: world size 1, one rank)",
     )
     add("--op", choices=ops.OPS, default="all_reduce")
-    add("--algorithm", choices=(*ALGORITHMS, "all"), default="all", help="all = ring, tree, auto")
+    add(
+        "--algorithm",
+        choices=(*ALGORITHMS, "one_shot", "all"),
+        default="all",
+        help="all = ring, tree, auto (one_shot: CPU all_reduce of up to one slot)",
+    )
     add("-b", "--minbytes", type=parse_size, default=DEFAULT_MIN_BYTES, help="smallest size")
     add("-e", "--maxbytes", type=parse_size, default=DEFAULT_MAX_BYTES, help="largest size")
     add("-f", "--stepfactor", type=int, default=DEFAULT_FACTOR, help="size multiplication factor")

@@ -218,6 +218,9 @@ class HierarchicalBackend:
     def empty(self, shape, dtype):
         return self.local.empty(shape, dtype)
 
+    def abort(self, reason: str) -> None:
+        self.local.abort(reason)
+
     def close(self) -> None:
         self.local.close()
         if self.leaders is not None:

@@ -153,6 +153,10 @@ class ShmBackend:
     def barrier(self, async_op: bool):
         return self.impl.barrier(async_op)
 
+    def abort(self, reason: str) -> None:
+        """Fails the communicator on every rank (queued calls end at once)."""
+        self.impl.abort(reason)
+
     def close(self) -> None:
         self.impl.close()
 
