@@ -61,6 +61,7 @@ _LAZY: Dict[str, str] = {
     "ShardedOptimizer": "zero",
     "Pipeline": "pipeline",
     "ProcessMesh": "mesh",
+    "LocalSGD": "local_sgd",
 }
 # public submodule name -> module (relative to this package); ``bucketing`` kept its old name
 _SUBMODULES: Dict[str, str] = {
@@ -75,6 +76,7 @@ _SUBMODULES: Dict[str, str] = {
     "amp": "amp",
     "ddp": "ddp",
     "zero": "zero",
+    "local_sgd": "local_sgd",
 }
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
