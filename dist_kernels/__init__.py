@@ -61,6 +61,7 @@ _LAZY: Dict[str, str] = {
     "ShardedOptimizer": "zero",
     "Pipeline": "pipeline",
     "ProcessMesh": "mesh",
+    "ParameterServer": "param_server",
     "LocalSGD": "local_sgd",
 }
 # public submodule name -> module (relative to this package); ``bucketing`` kept its old name
@@ -77,6 +78,7 @@ _SUBMODULES: Dict[str, str] = {
     "ddp": "ddp",
     "zero": "zero",
     "local_sgd": "local_sgd",
+    "param_server": "param_server",
 }
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
