@@ -178,7 +178,7 @@ def _least_squares_run(steps):
 
     import dist_kernels as dk
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     g = torch.Generator().manual_seed(SEED)
     x = torch.randn(60, 4, generator=g, dtype=torch.float64)
     w_star = torch.randn(4, 1, generator=g, dtype=torch.float64)
