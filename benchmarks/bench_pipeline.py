@@ -5,8 +5,12 @@
 
 Spawns its own ranks (gloo process group, one torch thread each). For each world size and
 schedule both engines train the same model (an MLP split evenly) on the same batches; steps
-alternate between the two engines so that noise from a shared machine hits both alike. Before
-timing, the first step's loss of both engines must agree (correctness first).
+alternate between the two engines so that noise from a shared machine hits both alike.
+Correctness first: after one step of each engine from the same model on the same batch, the
+loss, every gradient and every parameter of each rank's stages must agree with torch's (max
+relative difference at most ``--tolerance``, 1e-5 by default), or every rank stops before
+anything is timed. A timed step is only the engine's own step: torch's loss stays on its last
+rank (ours broadcasts its loss inside ``Pipeline.step``, so its time includes that).
 
 Columns: samples/s = batch / median step time; bubble = 1 - (time this rank's stages take to
 compute the step alone, no transfers, timed in the same rounds) / (step time), averaged over
@@ -65,12 +69,18 @@ class _Ours:
             print_partition=False,
         )
         self.opt = torch.optim.SGD(self.pipe.parameters(), lr=1e-3)
+        self.last_loss = None
 
-    def step(self, x, y) -> float:
+    def step(self, x, y) -> None:
         self.opt.zero_grad()
-        loss = self.pipe.step(x, y).item()
+        self.last_loss = self.pipe.step(x, y)  # on every rank: the engine broadcasts it
         self.opt.step()
-        return loss
+
+    def loss(self) -> float:
+        return self.last_loss.item()
+
+    def stage_params(self):
+        return {s: list(m.parameters()) for s, m in self.pipe.stages.items()}
 
 
 class _Torch:
@@ -78,28 +88,72 @@ class _Torch:
         from torch.distributed import pipelining
 
         world, rank = dist.get_world_size(), dist.get_rank()
-        ids, n_stages = _stage_ids(schedule, world, rank)
+        self.ids, n_stages = _stage_ids(schedule, world, rank)
         spans = plan_partition(model, n_stages)
         self.stages = [
             pipelining.PipelineStage(build_stage(model, spans[s]), s, n_stages, torch.device("cpu"))
-            for s in ids
+            for s in self.ids
         ]
         cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
         arg = self.stages if schedule == "interleaved-1f1b" else self.stages[0]
         self.sched = cls(arg, args.microbatches, loss_fn=nn.functional.mse_loss)
-        self.first, self.last = 0 in ids, n_stages - 1 in ids
+        self.first, self.last = 0 in self.ids, n_stages - 1 in self.ids
         params = [p for st in self.stages for p in st.submod.parameters()]
         self.opt = torch.optim.SGD(params, lr=1e-3)
+        self.losses = []
 
-    def step(self, x, y) -> float:
+    def step(self, x, y) -> None:
         self.opt.zero_grad()
-        losses = []
+        self.losses = []
         args = (x,) if self.first else ()
-        self.sched.step(*args, target=y if self.last else None, losses=losses)
+        self.sched.step(*args, target=y if self.last else None, losses=self.losses)
         self.opt.step()
-        value = torch.stack(losses).mean().reshape(1) if self.last else torch.zeros(1)
+
+    def loss(self) -> float:
+        """The last step's loss on every rank: a Gloo broadcast, never inside a timed step."""
+        value = torch.stack(self.losses).mean().reshape(1) if self.last else torch.zeros(1)
         dist.broadcast(value, dist.get_world_size() - 1)
         return value.item()
+
+    def stage_params(self):
+        return {s: list(st.submod.parameters()) for s, st in zip(self.ids, self.stages)}
+
+
+def _rel_diff(ours, theirs) -> float:
+    scale = max(max(t.abs().max().item() for t in theirs), 1e-30)
+    return max((a - b).abs().max().item() for a, b in zip(ours, theirs)) / scale
+
+
+def _check_one_step(schedule, ours, theirs, x, y, tolerance) -> dict:
+    """One step of each engine, then loss, gradients and parameters compared on every rank;
+    every rank stops when any differs by more than ``tolerance``."""
+    ours.step(x, y)
+    theirs.step(x, y)
+    losses = (ours.loss(), theirs.loss())
+    mine, torch_stages = ours.stage_params(), theirs.stage_params()
+    if sorted(mine) != sorted(torch_stages):
+        raise SystemExit(
+            f"{schedule}: stages differ: ours {sorted(mine)}, torch's {sorted(torch_stages)}"
+        )
+    ps = (
+        [p for s in sorted(mine) for p in mine[s]],
+        [p for s in sorted(mine) for p in torch_stages[s]],
+    )
+    diffs = torch.tensor(
+        [
+            abs(losses[0] - losses[1]) / max(1.0, abs(losses[1])),
+            _rel_diff([p.grad for p in ps[0]], [p.grad for p in ps[1]]),
+            _rel_diff([p.detach() for p in ps[0]], [p.detach() for p in ps[1]]),
+        ]
+    )
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    result = dict(zip(("loss", "grad", "param"), diffs.tolist()))
+    if not all(d <= tolerance for d in result.values()):  # NaN stops too
+        raise SystemExit(
+            f"bench_pipeline: {schedule}: ours and torch's differ after one step (max relative "
+            f"difference {result}, tolerance {tolerance:g}); losses {losses}; not timing it"
+        )
+    return result
 
 
 class _Alone:
@@ -132,9 +186,7 @@ def _worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
         base = _model(args.width, args.layers)
         ours = _Ours(copy.deepcopy(base), comm, schedule, args)
         theirs = _Torch(copy.deepcopy(base), schedule, args)
-        first = (ours.step(x, y), theirs.step(x, y))
-        if abs(first[0] - first[1]) > 1e-4 * max(1.0, abs(first[1])):
-            raise AssertionError(f"{schedule}: first-step losses differ: ours {first}")
+        first = _check_one_step(schedule, ours, theirs, x, y, args.tolerance)
         for _ in range(args.warmup):
             ours.step(x, y), theirs.step(x, y)
         alone = _Alone(copy.deepcopy(base), schedule, args)
@@ -173,7 +225,7 @@ def _row(schedule, world, gathered, args, first) -> dict:
         "ideal_bubble": dk.pipeline.simulate(
             dk.pipeline.build_schedule(schedule, world, args.microbatches)
         ).bubble_fraction,
-        "first_loss": first,
+        "first_step_rel_diff": first,
     }
 
 
@@ -202,6 +254,7 @@ def main(argv=None) -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="correctness gate")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.schedules = args.schedules.split(",")
@@ -217,6 +270,14 @@ def main(argv=None) -> None:
         f"{args.microbatches} micro-batches, {os.cpu_count()} CPUs; ours over dk.Communicator"
     )
     _print(results)
+    worst = {
+        k: max(r["first_step_rel_diff"][k] for r in results) for k in ("loss", "grad", "param")
+    }
+    print(
+        "checked before timing, one step of each engine: max relative difference "
+        + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+        + f" (tolerance {args.tolerance:g})"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

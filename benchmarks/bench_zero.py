@@ -6,16 +6,21 @@
 Configurations, each on a fresh copy of the same model, in one process per rank:
 
 * ``dk zero-1`` / ``dk zero-2``: :class:`dist_kernels.ShardedOptimizer` with FusedAdamW;
-* ``dk DDP + AdamW``: dist_kernels DDP with a full (unsharded) torch AdamW on every rank (torch
-  DDP on gloo stands in, labelled so, where dist_kernels.ddp is not available);
+* ``dk DDP + AdamW``: dist_kernels DDP with a full (unsharded) torch AdamW (``fused=True``) on
+  every rank (torch DDP on gloo stands in, labelled so, where dist_kernels.ddp is not available);
 * ``torch ZeRO (gloo)``: ``torch.distributed.optim.ZeroRedundancyOptimizer`` over torch DDP on
-  gloo, the baseline every ratio is taken against.
+  gloo with torch's fused AdamW (``fused=True``, its fastest CPU AdamW), the baseline every ratio
+  is taken against.
 
 A step is forward + backward + optimizer step (+ zero_grad); the median over the timed steps is
 printed, after warm-up steps. State bytes are measured from the optimizer's tensors on rank 0;
 "grad bytes" counts gradient storage the configuration keeps (parameter ``.grad`` plus the
-engine's own buffers). Before timing, every configuration's parameters after the warm-up are
-compared with the baseline's (max relative difference printed): a fast wrong answer is no result.
+engine's own buffers). Correctness comes first: after the warm-up steps, before any timed step,
+every configuration's parameters are compared with the baseline's after its warm-up (same
+model, same batches); a max relative difference above ``--tolerance`` (default 1e-5; measured
+3e-7) stops the run on every rank. Adam's update hardly depends on a constant gradient scale, so
+this gate catches wrong gradients and broken updates, not a factor of two: tests/test_zero.py
+checks that with SGD.
 """
 
 from __future__ import annotations
@@ -105,18 +110,18 @@ def _configs(args, comm) -> List[Tuple[str, Callable]]:
             wrapped = dk.DistributedDataParallel(model, comm)
         else:  # not built in this tree: torch DDP stands in, and the row says so
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
         return wrapped, opt, lambda: _state_bytes(opt), lambda: _grad_bytes(model), 0
 
     def torch_zero(model):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kwargs)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, fused=True, **kwargs)
         return wrapped, opt, lambda: _state_bytes(opt.optim), lambda: _grad_bytes(model), 0
 
     return [
-        ("torch ZeRO (gloo)", torch_zero),
+        ("torch ZeRO fused (gloo)", torch_zero),
         ("dk zero-1", sharded(1)),
         ("dk zero-2", sharded(2)),
         ("dk DDP + AdamW" if has_dk_ddp else "torch DDP + AdamW", dk_ddp),
@@ -127,13 +132,37 @@ def _grad_bytes(model: torch.nn.Module) -> int:
     return _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
 
 
-def _run_config(build, args, rank, world_size) -> Dict[str, Any]:
+def _params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _check_against(reference, params: torch.Tensor, name: str, tolerance: float) -> float:
+    """Max relative difference from the baseline's parameters; stops every rank when it is
+    above ``tolerance`` (the ranks agree on the largest difference first)."""
+    if reference is None:
+        return 0.0
+    diff = torch.tensor([((params - reference).abs().max() / reference.abs().max()).item()])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    if not diff.item() <= tolerance:  # NaN stops too
+        raise SystemExit(
+            f"bench_zero: {name} disagrees with the baseline after the warm-up: max relative "
+            f"difference {diff.item():.3e} > {tolerance:g}; not timing it"
+        )
+    return diff.item()
+
+
+def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
+    """Warm-up steps, the correctness check against ``reference`` (the baseline's parameters
+    after its warm-up; None for the baseline itself), then the timed steps."""
     torch.manual_seed(0)
     model = Transformer(args.vocab, args.d_model, args.layers, args.heads, args.seq)
     wrapped, opt, state_bytes, grad_bytes, master_bytes = build(model)
     g = torch.Generator().manual_seed(1 + rank)
-    times, peak_grad = [], 0
+    times, peak_grad, diff, warm = [], 0, None, None
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            warm = _params(model)
+            diff = _check_against(reference, warm, name, args.tolerance)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
         start = time.perf_counter()
         logits = wrapped(tokens[:, :-1])
@@ -145,13 +174,13 @@ def _run_config(build, args, rank, world_size) -> Dict[str, Any]:
         elapsed = time.perf_counter() - start
         if step >= args.warmup:
             times.append(elapsed)
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     result = {
         "ms": 1e3 * statistics.median(times),
         "state": state_bytes(),
         "master": master_bytes,
         "grad": peak_grad,
-        "params": params,
+        "warm_params": warm,
+        "diff": diff,
     }
     if hasattr(opt, "close"):
         opt.close()
@@ -172,26 +201,31 @@ def _worker(rank: int, world_size: int, port: int, args) -> None:
     )
     comm, comm_kind = _comm()
     rows = []
+    reference = None  # the baseline (first config) after its warm-up
     for name, build in _configs(args, comm):
         dist.barrier()
-        rows.append((name, _run_config(build, args, rank, world_size)))
+        result = _run_config(build, args, rank, name, reference)
+        warm = result.pop("warm_params")
+        reference = warm if reference is None else reference
+        rows.append((name, result))
     comm.close()
     if rank == 0:
         print(
             f"# {world_size} CPU ranks, transformer {numel / 1e6:.1f}M params "
             f"(d={args.d_model}, layers={args.layers}, vocab={args.vocab}), batch {args.batch}"
             f"x{args.seq} per rank, {args.threads} thread(s) per rank, median of {args.steps} "
-            f"steps after {args.warmup} warm-up; dk engines on: {comm_kind}"
+            f"steps after {args.warmup} warm-up; dk engines on: {comm_kind}; parameters "
+            f"checked against the baseline's before timing (tolerance {args.tolerance:g})"
         )
         base = rows[0][1]
         print(
-            f"{'config':20s} {'step ms':>9s} {'vs torch':>9s} {'state MB/rank':>14s} "
+            f"{'config':24s} {'step ms':>9s} {'vs torch':>9s} {'state MB/rank':>14s} "
             f"{'master MB/rank':>15s} {'grad MB/rank':>13s} {'max rel diff':>13s}"
         )
         for name, r in rows:
-            diff = ((r["params"] - base["params"]).abs().max() / base["params"].abs().max()).item()
+            diff = r["diff"]
             print(
-                f"{name:20s} {r['ms']:9.1f} {base['ms'] / r['ms']:8.2f}x "
+                f"{name:24s} {r['ms']:9.1f} {base['ms'] / r['ms']:8.2f}x "
                 f"{r['state'] / 1e6:14.1f} {r['master'] / 1e6:15.1f} {r['grad'] / 1e6:13.1f} "
                 f"{diff:13.2e}"
             )
@@ -211,7 +245,15 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-5,
+        help="max relative parameter difference from the baseline after the warm-up",
+    )
     args = parser.parse_args(argv)
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1: parameters are checked after it")
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     port = store.port
     del store

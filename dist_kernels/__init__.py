@@ -77,6 +77,9 @@ _SUBMODULES: Dict[str, str] = {
     "amp": "amp",
     "ddp": "ddp",
     "zero": "zero",
+    "ddp_hooks": "ddp.hooks",
+    "lr": "lr",
+    "train": "train",
     "local_sgd": "local_sgd",
     "param_server": "param_server",
 }

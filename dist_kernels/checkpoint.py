@@ -590,7 +590,7 @@ def _plan_optimizer_load(path, manifest, layout, meta, model, optimizer):
                 k: v for k, v in optimizer.optim.param_groups[i].items() if k != "params"
             }
             local_state["param_groups"].append({**current_options, **options, "params": [i]})
-        optimizer.optim.load_state_dict(local_state)
+        optimizer.load_local_state_dict(local_state)
         with torch.no_grad():
             for fg, master in zip(optimizer.flat_groups, new_shards):
                 fg.shard.copy_(master)

@@ -92,7 +92,9 @@ def test_other_ops_three_ranks(tmp_path, op, extra):
     argv = ["--nproc", "3", "--op", op, "-b", "8", "-e", "512", "-f", "64"]
     result = _run_bench(tmp_path, *argv, "--iters", "2", "--warmup", "1", *extra)
     algorithms = result["meta"]["algorithms"]
-    assert algorithms in (["ring", "tree", "auto"], ["default"])
+    # reduce_scatter has only the ring ("auto" runs it): rows are named by what ran
+    expected = {"reduce_scatter": ["ring"]}.get(op, ["default"])
+    assert algorithms == expected, algorithms
     _check_rows(result, op, 3, algorithms)
     if op in ("reduce_scatter", "all_gather"):
         assert all(r["count"] % 3 == 0 for r in result["rows"])
@@ -115,6 +117,20 @@ def test_sendrecv_end_to_end(tmp_path, nproc, extra):
     assert all(r["redop"] == "none" and r["root"] == -1 for r in rows)  # both ignored
     assert "summary (out-of-place" in result["stdout"]
     assert "default: <= 64 KiB" in result["stdout"]
+
+
+def test_reduce_scatter_rows_are_named_by_the_algorithm_that_ran():
+    cpu = {"auto": "ring", "ring": "ring"}
+    cuda = {"auto": "nccl", "ring": "ring", "nccl": "nccl"}
+    chosen, note = ops._reduce_scatter_choices(cpu, ["ring", "tree", "auto"])
+    assert chosen == ["ring"]
+    assert "no tree algorithm" in note and "auto runs the ring" in note
+    chosen, note = ops._reduce_scatter_choices(cpu, ["auto"])
+    assert chosen == ["ring"] and "labelled ring" in note
+    chosen, note = ops._reduce_scatter_choices(cuda, ["ring", "tree", "auto"])
+    assert chosen == ["ring"] and "auto is NCCL's own" in note
+    with pytest.raises(ValueError, match="no tree"):
+        ops._reduce_scatter_choices(cpu, ["tree"])
 
 
 def test_sendrecv_needs_two_ranks():
@@ -184,6 +200,22 @@ def test_reference_accepts_right_and_counts_wrong(dtype, redop, world_size):
         corrupted = output.clone()
         corrupted[-1] = ops.sentinel(dtype)
         assert case.wrong(corrupted) == 1, (op, dtype, redop, world_size)
+        for name, wrong in _wrong_outputs(output).items():
+            assert case.wrong(wrong) > 0, (name, op, dtype, redop, world_size)
+
+
+def _wrong_outputs(output: torch.Tensor) -> dict:
+    """Outputs a broken collective could give; floats off by less than 1 included (a check
+    that casts to int64 would truncate them back to the right integer)."""
+    wrong = {"zeros": torch.zeros_like(output), "doubled": output * 2}
+    wrong["doubled"][0] = 1  # some element nonzero, whatever the output held
+    if output.dtype.is_floating_point:
+        for delta in (0.9, -0.9):  # 2 -> 2.9, -3 -> -3.9: an int64 cast truncates them back
+            nudged = output.clone()
+            nudged[0] += delta
+            wrong[f"one element {delta:+}"] = nudged
+    # where the right answer is all zeros (integer AVG can be), "zeros" is not wrong
+    return {name: w for name, w in wrong.items() if not torch.equal(w, output)}
 
 
 @pytest.mark.parametrize("dtype", list(ops.DTYPES.values()), ids=list(ops.DTYPES))

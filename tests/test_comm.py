@@ -86,8 +86,64 @@ def wrap(x, dtype):
     return x.to(dtype)
 
 
-def check_close(got, ref, dtype, op, n, what):
-    """Exact for integers and MIN/MAX; within the rounding of the reduction for floats."""
+# Unit roundoff u of each floating dtype: rounding a real number to the dtype moves it by at most
+# u times its magnitude (half an ulp); below the normal range by at most half the smallest
+# subnormal instead (the absolute term).
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+}
+HALF_SUBNORMAL = {
+    torch.float64: 2.0**-1075,
+    torch.float32: 2.0**-150,
+    torch.float16: 2.0**-25,
+    torch.bfloat16: 2.0**-134,
+}
+
+
+def error_bound(inputs, dtype, op):
+    """Per element, the largest |result - reference| the reduction of ``inputs`` may show.
+
+    The arithmetic (design decision 6): every algorithm combines the n inputs in n - 1
+    additions (or multiplications); a step computes in FP32 (FP64 for float64) and rounds its
+    result to ``dtype`` once, so each addition costs at most a relative ``u``, the unit
+    roundoff (16-bit types: ``u_dtype + 2^-24``, the FP32 sum then the rounding to the dtype).
+    For SUM every value a step rounds is a partial sum of some of the inputs, bounded by
+    ``M = sum_r |x_r|``, so the n - 1 errors, each compounded by the later steps, stay under
+    ``gamma * M`` with ``gamma = (n-1) u / (1 - (n-1) u)`` (Higham, Accuracy and Stability of
+    Numerical Algorithms, section 4.2). AVG divides the finished sum by n and rounds once:
+    ``gamma * M / n + u |avg|``. PROD multiplies factors whose products are exact in FP32, so
+    the relative errors compound to ``gamma * |prod|``. Each step may also lose half a
+    subnormal. The float64 reference obeys the same rule with u = 2^-53, so its own error is
+    added (it matters for float64 only).
+
+    This grows like n (the old tolerance grew like n^2), a few ulps of the terms' magnitude,
+    so zeros, one rank's input, a rank dropped, SUM for AVG and a doubled result fall outside
+    it (``test_error_bound_accepts_per_step_rounding_and_rejects_wrong_answers``).
+    """
+    wide = torch.stack([x.to(torch.float64) for x in inputs])
+    u = UNIT_ROUNDOFF[dtype] + (2.0**-24 if dtype.itemsize == 2 else 0.0)
+    ours = _rounding_bound(wide, op, u, HALF_SUBNORMAL[dtype])
+    return ours + _rounding_bound(wide, op, 2.0**-53, HALF_SUBNORMAL[torch.float64])
+
+
+def _rounding_bound(wide, op, u, half_subnormal):
+    n = wide.shape[0]
+    gamma = (n - 1) * u / (1 - (n - 1) * u)
+    floor = n * half_subnormal
+    if op == "PROD":
+        return gamma * wide.prod(0).abs() + floor
+    magnitude = wide.abs().sum(0)
+    if op == "AVG":
+        return gamma * magnitude / n + u * (wide.sum(0) / n).abs() + floor
+    return gamma * magnitude + floor
+
+
+def check_close(got, ref, dtype, op, what, bound=None):
+    """Exact for integers and MIN/MAX; for floats SUM / AVG / PROD within ``bound``, the
+    per-element error bound of the reduction (:func:`error_bound`)."""
     if not dtype.is_floating_point:
         expected = wrap(ref, dtype)
         assert torch.equal(got, expected), f"{what}: {got[:8]} != {expected[:8]}"
@@ -95,10 +151,15 @@ def check_close(got, ref, dtype, op, n, what):
     if op in ("MIN", "MAX"):
         assert torch.equal(got, ref.to(dtype)), what
         return
-    eps = {torch.float64: 1e-15, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
-    tol = eps[dtype] * 4 * n
-    scale = 16.0 if op != "PROD" else 1.0  # |inputs| ~ 4, partial sums of n of them
-    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * scale * n, msg=what)
+    err = (got.double() - ref).abs()
+    bad = ~(err <= bound)  # NaN is bad
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {got.numel()} elements outside the rounding bound; "
+            f"first at {i}: got {float(got[i])}, expected {float(ref[i])}, "
+            f"|error| {float(err[i]):.3g} > bound {float(bound[i]):.3g}"
+        )
 
 
 def digest(t):
@@ -122,7 +183,9 @@ def _all_reduce_cases(cases):
             what = (
                 f"rank {rank}: all_reduce {algorithm} {dtype} {op} count={count} reg={registered}"
             )
-            check_close(t, reference(inputs, dtype, op), dtype, op, n, what)
+            ref = reference(inputs, dtype, op)
+            bound = error_bound(inputs, dtype, op) if dtype.is_floating_point else None
+            check_close(t, ref, dtype, op, what, bound)
             digests.append(digest(t))
     return digests
 
@@ -163,8 +226,10 @@ def _check_reduce_scatter(comm, alloc, dtype, op, count):
     inp, out = alloc(n * count), alloc(count)
     inp.copy_(inputs[rank])
     comm.reduce_scatter(out, inp, op=op)
-    ref = reference(inputs, dtype, op)[rank * count : (rank + 1) * count]
-    check_close(out, ref, dtype, op, n, f"rank {rank}: reduce_scatter {dtype} {op} {count}")
+    mine = slice(rank * count, (rank + 1) * count)
+    ref = reference(inputs, dtype, op)[mine]
+    bound = error_bound(inputs, dtype, op)[mine] if dtype.is_floating_point else None
+    check_close(out, ref, dtype, op, f"rank {rank}: reduce_scatter {dtype} {op} {count}", bound)
     assert torch.equal(inp, inputs[rank]), "reduce_scatter modified its input"
 
 
@@ -365,3 +430,64 @@ def test_collectives_match_reference_and_are_identical_on_every_rank(world_size)
     results = run_ranks(world_size, _collectives, world_size, timeout=900)
     assert all(r == results[0] for r in results), "ranks hold different bits"
     assert shm_leaks() == []
+
+
+# ------------------------------------------- the checker itself: right answers in, wrong out
+
+FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def rounded_per_step(inputs, dtype, op, order):
+    """The reduction as an algorithm computes it: one step per input, in ``order``, each in
+    FP32 (FP64 for float64) and rounded to ``dtype`` once; AVG divides in the last step."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = inputs[order[0]]
+    for i, r in enumerate(order[1:], start=2):
+        a, b = acc.to(wide), inputs[r].to(wide)
+        out = a * b if op == "PROD" else a + b
+        if op == "AVG" and i == len(order):
+            out = out / len(inputs)
+        acc = out.to(dtype)
+    if op == "AVG" and len(order) == 1:
+        acc = acc.to(wide).div(1).to(dtype)
+    return acc
+
+
+def wrong_answers(inputs, dtype, op):
+    """Answers a broken collective could give, each of which the checker must reject."""
+    n = len(inputs)
+    ref = reference(inputs, dtype, op)
+    wrong = {"zeros": torch.zeros_like(ref), "doubled": 2 * ref}
+    if n > 1:
+        wrong["rank 0's own input"] = inputs[0].double()
+        rest = reference(inputs[:-1], dtype, op)
+        wrong["last rank dropped"] = rest * (n - 1) / n if op == "AVG" else rest
+        if op == "AVG":
+            wrong["SUM instead of AVG"] = ref * n
+    return {name: w.to(dtype) for name, w in wrong.items()}
+
+
+def checker_cases(world_size):
+    """Every floating dtype and reducing op at the tests' prime size, and the big bf16 AVG
+    of the all-reduce cases."""
+    cases = [(d, op, 13) for d in FLOATS for op in ("SUM", "AVG", "PROD")]
+    return cases + [(torch.bfloat16, "AVG", BIG)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_error_bound_accepts_per_step_rounding_and_rejects_wrong_answers(world_size):
+    """The float checker of the collective tests is tight: for every world size tested, the
+    reduction rounded once per step (rank order and reversed) passes, and zeros, a rank's own
+    input, the result with the last rank dropped, SUM instead of AVG and a doubled result all
+    fail."""
+    print(f"seed {SEED}")
+    order = list(range(world_size))
+    for dtype, op, count in checker_cases(world_size):
+        inputs = [make_input(r, count, dtype, op, "ar") for r in range(world_size)]
+        ref, bound = reference(inputs, dtype, op), error_bound(inputs, dtype, op)
+        what = f"{world_size} ranks {dtype} {op} count={count}"
+        for o in (order, order[::-1]):
+            check_close(rounded_per_step(inputs, dtype, op, o), ref, dtype, op, what, bound)
+        for name, wrong in wrong_answers(inputs, dtype, op).items():
+            with pytest.raises(AssertionError, match="outside the rounding bound"):
+                check_close(wrong, ref, dtype, op, f"{what}: {name}", bound)

@@ -39,6 +39,11 @@ def _bad_input():
                 ValueError,
                 lambda: comm.reduce_scatter(torch.ones(3), torch.ones(7)),
             ),
+            (  # there is no tree reduce-scatter: refused, not silently run as the ring
+                "no tree",
+                ValueError,
+                lambda: comm.reduce_scatter(torch.ones(3), torch.ones(3 * n), algorithm="tree"),
+            ),
             ("output.numel()", ValueError, lambda: comm.all_gather(torch.ones(3), torch.ones(3))),
             ("dtype", TypeError, lambda: comm.all_gather(torch.ones(2 * n), torch.ones(2).int())),
             ("src", ValueError, lambda: comm.broadcast(torch.ones(4), n)),

@@ -220,6 +220,47 @@ def test_matches_single_process_and_torch_ddp(world_size):
         assert len({r[name]["digest"] for r in results}) == 1, f"{name}: ranks differ"
 
 
+class _MutatedComm:
+    """The default Communicator with one deliberate bug in all_reduce, for the mutation check:
+    ``"doubled"`` doubles every reduced bucket, ``"last_rank_dropped"`` reduces as if the last
+    rank's gradients were zeros."""
+
+    def __init__(self, mutation: str) -> None:
+        import dist_kernels as dk
+
+        self._comm, self._mutation = dk.get_default_communicator(), mutation
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def all_reduce(self, tensor, op="sum", algorithm="auto", async_op=False):
+        if self._mutation == "last_rank_dropped" and self.rank == self.world_size - 1:
+            tensor.zero_()
+        work = self._comm.all_reduce(tensor, op=op, algorithm=algorithm, async_op=True)
+        work.wait()
+        if self._mutation == "doubled":
+            tensor.mul_(2)
+        return work if async_op else None
+
+
+def _mutated_cases() -> Dict[str, dict]:
+    _init_comm()
+    return {
+        m: _run_case(MLP, "dense", bucket_cap_mb=0.004, comm=_MutatedComm(m))
+        for m in ("doubled", "last_rank_dropped")
+    }
+
+
+def test_equivalence_check_rejects_a_wrong_reduction():
+    """The FP32 check of test_matches_single_process_and_torch_ddp fails on a communicator
+    that doubles the reduced gradients or drops the last rank's."""
+    results = run_ranks(2, _mutated_cases, timeout=120)
+    for name, case in results[0].items():
+        print(f"mutation {name}: {case}")
+        assert case["vs_single"] > 100 * FP32_RTOL, (name, case)
+        assert case["vs_torch"] > 100 * FP32_RTOL, (name, case)
+
+
 def _wire_cases() -> Dict[str, float]:
     """Relative difference of BF16/FP16-wire training from the FP32-wire run."""
     _init_comm()

@@ -66,6 +66,23 @@ def test_fingerprint_mismatch_names_ranks_and_buckets():
     assert "rank 1: all-reduce #4 of bucket 1" in message
     bad = plan.fingerprint(4, layouts[0], 0, sig, plan.STATUS_INCOMPLETE)
     assert "incomplete backward" in plan.fingerprint_mismatch([ok, bad])
+    aborted = plan.fingerprint(4, layouts[0], 0, sig, plan.STATUS_ABORTED)
+    assert "abandoned backward" in plan.fingerprint_mismatch([ok, aborted])
+
+
+def test_status_slots_sum_to_counts_per_kind():
+    """Each rank writes 0/1 per kind; the all-reduce's sum counts the ranks of each kind."""
+    per_rank = [
+        plan.status_slots(plan.STATUS_OK, False),
+        plan.status_slots(plan.STATUS_INCOMPLETE, True),
+        plan.status_slots(plan.STATUS_ABORTED, False),
+        plan.status_slots(plan.STATUS_ABORTED, True),
+    ]
+    summed = [sum(column) for column in zip(*per_rank)]
+    assert len(summed) == plan.STATUS_SLOTS
+    assert summed[plan.FOUND_INF_SLOT] == 2
+    assert summed[plan.ERROR_SLOT] == 1
+    assert summed[plan.ABORTED_SLOT] == 2
 
 
 def test_layout_signature_changes_with_order():

@@ -59,13 +59,40 @@ def test_matches_torch_adamw_fp32(kwargs):
     assert err < 1e-5
 
 
-def test_grad_scale_unscales_inside_the_kernel():
+def _moments_and_params_rel_diff(opt, params, ref_opt, ref):
+    """Max relative difference of exp_avg, exp_avg_sq and the parameters."""
+    pairs = [(opt.state[p][k], ref_opt.state[r][k]) for p, r in zip(params, ref)
+             for k in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+    return max(_max_rel(*zip(*pairs)), _max_rel(params, ref))
+
+
+def _scaled_run(grad_scale, steps=3):
+    """FusedAdamW fed 1024x gradients, stepping with ``grad_scale``, against torch AdamW fed
+    the true gradients; returns the max relative difference of moments and parameters."""
     ours, ref = _params(SHAPES), _params(SHAPES)
-    _run(FusedAdamW, ours, grad_scale=1.0 / 1024)  # gradients arrive 1024x larger
-    _run(torch.optim.AdamW, ref)
-    err = _max_rel(ours, ref)
-    print(f"max relative difference {err:.3e}")
+    opt, ref_opt = FusedAdamW(ours, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
+    for step in range(steps):
+        for p, r, g in zip(ours, ref, _grads(ours, step)):
+            p.grad, r.grad = g * 1024, g  # a power of two: the scaled gradient is exact
+        opt.step(grad_scale=grad_scale)
+        ref_opt.step()
+    return _moments_and_params_rel_diff(opt, ours, ref_opt, ref)
+
+
+def test_grad_scale_unscales_inside_the_kernel():
+    """Adam's update hardly changes when every gradient is scaled by a constant, so the
+    parameters alone cannot show a missing unscale: the stored moments can (exp_avg scales
+    with the gradient, exp_avg_sq with its square)."""
+    err = _scaled_run(grad_scale=1.0 / 1024)  # gradients arrive 1024x larger
+    print(f"seed {SEED}: moments and parameters, max relative difference {err:.3e}")
     assert err < 1e-5
+
+
+def test_grad_scale_check_rejects_a_missing_unscale():
+    """The same check on a run that does not unscale (grad_scale left at 1) fails it."""
+    err = _scaled_run(grad_scale=1.0)
+    print(f"without unscaling: max relative difference {err:.3e}")
+    assert err > 1.0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -111,6 +111,23 @@ def _check_reduce(dst: torch.Tensor, inputs, op: ReduceOp, what: str) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("op", (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD), ids=lambda o: o.name)
+def test_reduce_check_rejects_wrong_results(dtype, op):
+    """_check_reduce's bound (one rounding) is tight: the right answer rounded once passes;
+    zeros, one input alone, a doubled result and SUM in place of AVG all fail."""
+    gen = _gen(7, 1023)
+    inputs = [_random(dtype, 1023, gen) for _ in range(3)]
+    expected = _reference(inputs, op)
+    _check_reduce(expected.to(dtype), inputs, op, "rounded once")
+    wrong = {"zeros": expected * 0, "one input": inputs[0].double(), "doubled": 2 * expected}
+    if op == ReduceOp.AVG:
+        wrong["SUM for AVG"] = expected * len(inputs)
+    for name, result in wrong.items():
+        with pytest.raises(AssertionError, match="elements off"):
+            _check_reduce(result.to(dtype), inputs, op, name)
+
+
 @pytest.mark.parametrize("op", ALL_OPS, ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
 def test_reduce_two_inputs_matches_torch(isa, dtype, op):

@@ -92,6 +92,32 @@ def make_comm():
         return GlooComm()
 
 
+class MutatedComm:
+    """A Communicator with one deliberate bug in reduce_scatter, for the mutation checks: the
+    equivalence check must reject training on it.
+
+    ``"sum_for_avg"`` sums where the caller asked for the average; ``"last_rank_dropped"``
+    reduces as if the last rank's gradients were zeros."""
+
+    def __init__(self, comm, mutation: str) -> None:
+        self._comm, self._mutation = comm, mutation
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def reduce_scatter(self, out, inp, op="sum", async_op=False):
+        import dist_kernels as dk
+
+        if self._mutation == "sum_for_avg":
+            op = dk.ReduceOp.SUM
+        elif self._comm.rank == self._comm.world_size - 1:
+            inp = torch.zeros_like(inp)
+        work = self._comm.reduce_scatter(out, inp, op=op, async_op=async_op)
+        if work is not None:
+            work.wait()  # the zeros must live until the collective has read them
+        return work
+
+
 def make_model(seed=SEED, dtype=torch.float32):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
@@ -172,9 +198,12 @@ def _equivalence_cases(cases):
     """Runs on every rank: one result line per (stage, optimizer, options) case."""
     import dist_kernels as dk
 
-    comm = make_comm()
+    base_comm = make_comm()
     results = []
     for stage, opt_name, options in cases:
+        comm = base_comm
+        if "mutation" in options:
+            comm = MutatedComm(base_comm, options["mutation"])
         model = make_model()
         cls, kwargs = optimizer_spec(opt_name)
         opt = dk.ShardedOptimizer(
@@ -213,7 +242,7 @@ def _equivalence_cases(cases):
             }
         )
         opt.close()
-    comm.close()
+    base_comm.close()
     return results
 
 
@@ -229,12 +258,45 @@ CASES = [
     (1, "sgd", {"clip": 0.05}),
     (2, "fused", {"grad_dtype": torch.bfloat16}),  # BF16 wire: tolerance of BF16 rounding
     (1, "adamw", {"grad_dtype": torch.float16}),
+    # SGD on every wire dtype: unlike Adam, its update is proportional to the gradient, so a
+    # factor-of-two gradient error moves the parameters far outside the tolerance
+    (1, "sgd", {"grad_dtype": torch.bfloat16}),
+    (2, "sgd", {"grad_dtype": torch.bfloat16}),
+    (1, "sgd", {"grad_dtype": torch.float16}),
+    (2, "sgd", {"grad_dtype": torch.float16}),
 ]
+# Mutation checks: the same check must reject a communicator that gets the gradients wrong
+# (only with more than one rank: on one rank a sum is the average and no rank is dropped).
+MUTATED = [
+    (2, "sgd", {"mutation": "sum_for_avg"}),
+    (1, "sgd", {"mutation": "last_rank_dropped"}),
+    (2, "sgd", {"grad_dtype": torch.bfloat16, "mutation": "sum_for_avg"}),
+    (1, "sgd", {"grad_dtype": torch.float16, "mutation": "last_rank_dropped"}),
+]
+
+
+def tolerance(opt_name, options):
+    """Max relative parameter difference allowed after STEPS steps.
+
+    FP32 wire: FP32 rounding (1e-5). A 16-bit wire rounds each averaged gradient once more
+    (relative 2^-9 BF16, 2^-12 FP16, plus one rounding per reduction step): SGD's update is
+    linear in the gradient, so its parameters move by about that fraction of the update
+    (measured on 1-4 ranks: at most 1.7e-3 BF16, 1.3e-4 FP16). The mutations (a sum for the
+    average, a rank dropped) move them by 0.15-0.95. Adam divides by the gradient's own RMS,
+    which hides a constant factor; its 1e-2 is loose, so SGD carries the wire checks.
+    """
+    wire = options.get("grad_dtype")
+    if wire is None:
+        return 1e-5
+    if opt_name == "sgd":
+        return 5e-3 if wire == torch.bfloat16 else 1e-3
+    return 1e-2
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_sharded_training_equals_single_process(world_size):
-    per_rank = run_ranks(world_size, _equivalence_cases, CASES, timeout=180)
+    mutated = MUTATED if world_size > 1 else []
+    per_rank = run_ranks(world_size, _equivalence_cases, CASES + mutated, timeout=180)
     print(f"seed {SEED}, {STEPS} steps, world size {world_size}, on {per_rank[0][0]['comm']}")
     for i, (stage, opt_name, options) in enumerate(CASES):
         rows = [r[i] for r in per_rank]
@@ -244,8 +306,7 @@ def test_sharded_training_equals_single_process(world_size):
             f"stage {stage} {opt_name:6s} {options}: max rel diff {diff:.2e}, "
             f"state bytes per rank {sizes} (unsharded {rows[0]['ref_state_bytes']})"
         )
-        tolerance = 1e-5 if "grad_dtype" not in options else 1e-2
-        assert diff < tolerance, f"case {CASES[i]}: max relative difference {diff:.3e}"
+        assert diff < tolerance(opt_name, options), f"case {CASES[i]}: max rel diff {diff:.3e}"
         # equal shares: every rank within one alignment unit (per state tensor) of the mean
         tensors_per_param = {"adamw": 2, "fused": 2, "sgd": 1}[opt_name]
         total = sum(sizes)
@@ -262,6 +323,10 @@ def test_sharded_training_equals_single_process(world_size):
         else:
             assert all(all(r["grads_after_backward"]) for r in rows)
             assert all(r["grad_bytes"] >= r["full_grad_bytes"] for r in rows)
+    for i, (stage, opt_name, options) in enumerate(mutated, start=len(CASES)):
+        diff = max(r[i]["diff"] for r in per_rank)
+        print(f"mutation stage {stage} {opt_name} {options}: max rel diff {diff:.2e}")
+        assert diff > 10 * tolerance(opt_name, options), f"mutation {options} not caught"
 
 
 def _fp16_overflow_is_skipped_everywhere(stage):

@@ -122,12 +122,17 @@ def _reduce(stack: torch.Tensor, redop: str, dtype: torch.dtype, world_size: int
 
 
 def count_wrong(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> int:
-    """Elements of ``got`` differing from ``expected`` (exact; AVG on floats within 4 ulp)."""
+    """Elements of ``got`` differing from ``expected``: exact, except AVG on floats (within
+    4 ulp, the division rounds). Floating results are compared as float64, never cast to an
+    integer type (a cast truncates: 2.9 would count as 2); the inputs are small integers, so
+    every other exact result is an integer that float16 and bfloat16 hold exactly."""
     got = got.detach().to("cpu")
-    if expected.dtype == torch.float64 and dtype.is_floating_point:
-        tolerance = 4 * torch.finfo(dtype).eps * expected.abs()
-        bad = ~((got.double() - expected).abs() <= tolerance)  # NaN counts as wrong
-        return int(bad.sum())
+    if dtype.is_floating_point:
+        got = got.double()
+        if expected.dtype == torch.float64:  # AVG: a rounded quotient
+            tolerance = 4 * torch.finfo(dtype).eps * expected.abs()
+            return int((~((got - expected).abs() <= tolerance)).sum())  # NaN counts as wrong
+        return int((got != expected.double()).sum())
     return int((got.to(torch.int64) != expected.to(torch.int64)).sum())
 
 
@@ -291,12 +296,40 @@ def _accepts_algorithm(method: Callable) -> bool:
 
 
 def algorithm_choices(comm, op: str, requested: List[str]) -> Tuple[List[str], Optional[str]]:
-    """Algorithms to run for ``op``, and a note when the method takes no ``algorithm``."""
+    """Algorithms to run for ``op``, each named by what runs, and a note on any change."""
     if op == "sendrecv":
         return ["default"], "sendrecv: point-to-point calls take no algorithm argument"
+    if op == "reduce_scatter":
+        return _reduce_scatter_choices(getattr(comm, "REDUCE_SCATTER_ALGORITHMS", None), requested)
     if _accepts_algorithm(getattr(comm, op)):
         return requested, None
     return ["default"], f"Communicator.{op} takes no algorithm argument: ran its default"
+
+
+def _reduce_scatter_choices(
+    runs: Optional[Dict[str, str]], requested: List[str]
+) -> Tuple[List[str], Optional[str]]:
+    """reduce_scatter has no tree, and its "auto" is the ring (CPU) or NCCL's (CUDA, the
+    baseline): one row per algorithm that actually runs, labelled by it."""
+    if runs is None:
+        return ["default"], "Communicator.reduce_scatter has no algorithm table: ran its default"
+    chosen: List[str] = []
+    notes = []
+    for name in requested:
+        ran = runs.get(name)
+        if ran is None:
+            notes.append(f"reduce_scatter has no {name} algorithm: no {name} row")
+        elif ran == "nccl" and name != "nccl":
+            notes.append(f"reduce_scatter {name} is NCCL's own: the baseline row")
+        elif ran not in chosen:
+            chosen.append(ran)
+            if ran != name:
+                notes.append(f"reduce_scatter {name} runs the {ran}: its row is labelled {ran}")
+        elif ran != name:
+            notes.append(f"reduce_scatter {name} runs the {ran}: no row of its own")
+    if not chosen:
+        raise ValueError(f"--algorithm {'/'.join(requested)}: {'; '.join(notes)}")
+    return chosen, "; ".join(notes) or None
 
 
 def _ours_sendrecv(comm) -> Callable[[torch.Tensor, torch.Tensor], None]:

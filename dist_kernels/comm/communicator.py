@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2}
+#: What reduce_scatter's ``algorithm`` accepts, and what each choice runs: only the ring has a
+#: reduce-scatter (the tree reduces to a root, which a reduce-scatter does not need).
+REDUCE_SCATTER_ALGORITHMS = {"auto": "ring", "ring": "ring"}
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Communicators of one group are told apart by creation order: every member creates them in
@@ -82,6 +85,8 @@ class Communicator:
     (dead peer, timeout, ranks that disagree) raises :class:`dist_kernels.CommError` on every
     rank and leaves the communicator unusable.
     """
+
+    REDUCE_SCATTER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
 
     def __new__(cls, group=None, device: Union[str, torch.device] = "cpu", timeout=None):
         if cls is Communicator and torch.device(device).type == "cuda":
@@ -269,12 +274,19 @@ class Communicator:
         """``output`` = this rank's chunk of the reduction of ``input`` over ranks.
 
         ``input.numel() == world_size * output.numel()``; chunk r is
-        ``input.view(-1)[r * n:(r + 1) * n]``. Always uses the ring.
+        ``input.view(-1)[r * n:(r + 1) * n]``. ``algorithm``: "ring" or "auto" (the ring on
+        one host; across hosts an all-reduce of a copy, then this rank's chunk). There is no
+        tree reduce-scatter: "tree" raises ValueError rather than silently running the ring.
         """
         self._check_open("reduce_scatter")
         code = self._check_whole_and_chunk(output, input, "input", "output", "reduce_scatter")
         op = self._op(op, "reduce_scatter")
-        _algorithm_code(algorithm, self.rank, "reduce_scatter")
+        if algorithm not in REDUCE_SCATTER_ALGORITHMS:
+            raise ValueError(
+                f"[rank {self.rank}] reduce_scatter: algorithm must be one of "
+                f"{sorted(REDUCE_SCATTER_ALGORITHMS)} (reduce_scatter has no tree), "
+                f"got {algorithm!r}"
+            )
         handle = self._backend.reduce_scatter(output, input, code, int(op), async_op)
         return self._finish(handle, (output, input), async_op)
 

@@ -52,6 +52,8 @@ DEFAULT_NUM_SLOTS = 8
 ALGORITHMS = ("auto", "ring", "tree", "nccl")
 #: C++ codes of algo::Algorithm (csrc/algorithm/collective.h).
 _ALGORITHM_CODES = {"ring": 1, "tree": 2}
+#: What reduce_scatter's ``algorithm`` accepts, and what each choice runs ("tree" has none).
+REDUCE_SCATTER_ALGORITHMS = {"auto": "nccl", "ring": "ring", "nccl": "nccl"}
 
 DeviceLike = Union[torch.device, int, str, None]
 #: Per-collective timeout for host waits (barrier, close, the unique id), as on CPU.
@@ -242,6 +244,8 @@ class CudaCommunicator:
             (tests and custom launchers); all three or none.
         slot_bytes, num_slots: NcclTransport staging (a multiple of 256 bytes; at least 1).
     """
+
+    REDUCE_SCATTER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
 
     def __init__(
         self,
@@ -436,11 +440,18 @@ class CudaCommunicator:
     ) -> Any:
         """``output`` = this rank's chunk of the reduction of ``input`` over ranks.
 
-        ``input.numel() == world_size * output.numel()``; "ring" or "nccl" ("tree" has none).
+        ``input.numel() == world_size * output.numel()``; "ring", "nccl" or "auto" (NCCL's).
+        There is no tree reduce-scatter: "tree" raises ValueError.
         """
         out, inp = self._pair(output, input, "reduce_scatter", big="input")
         code, red = dtype_code(out.dtype), self._op(op, "reduce_scatter")
         args = (inp.data_ptr(), out.data_ptr(), out.numel(), code, red)
+        if algorithm not in REDUCE_SCATTER_ALGORITHMS:
+            raise ValueError(
+                f"[rank {self.rank}] reduce_scatter: algorithm must be one of "
+                f"{sorted(REDUCE_SCATTER_ALGORITHMS)} (reduce_scatter has no tree), "
+                f"got {algorithm!r}"
+            )
         if self._resolve(algorithm, "reduce_scatter") == "nccl":
             launch = lambda s: self._comm.reduce_scatter(*args, s)  # noqa: E731
         else:

@@ -13,20 +13,26 @@ How one backward runs (details in docs/ddp.md):
    order), its gradients are brought into the bucket multiplied by 1 / world_size (cast to a
    low-precision wire dtype, or, when ``.grad`` already is a view of the bucket, scaled in
    place; one fused pass that also flags inf/NaN) and its all-reduce starts asynchronously,
-   overlapping the rest of backward.
+   overlapping the rest of backward. With a comm hook (``register_comm_hook``), the bucket
+   goes to the hook instead, undivided (``ddp/hooks.py``, ``ddp/grad_bucket.py``).
 2. A callback queued on the autograd engine runs when backward ends: it launches what is left
    (parameters without gradients under ``find_unused_parameters``), waits, and points ``.grad``
    at its bucket view (same dtype on the wire) or unpacks into it (cast back, one pass).
 3. After the first synchronised backward the buckets are re-planned in the order gradients
    actually became ready on rank 0, broadcast so that all ranks agree.
 
-The last bucket carries two status elements summed by its own all-reduce: "found inf" (for loss
-scaling, so skipping a step costs no extra collective) and "incomplete backward" (a rank had a
-parameter without a gradient: every rank raises instead of one hanging).
+The last bucket carries three status elements summed by its own all-reduce: "found inf" (for
+loss scaling, so skipping a step costs no extra collective), "incomplete backward" (a rank had a
+parameter without a gradient) and "aborted" (a rank's backward raised midway; it sends its
+remaining buckets at its next forward): every rank raises instead of one hanging.
 
-Whether a backward synchronises is decided before it starts: by its forward (not inside
-``no_sync()``), or by :meth:`DistributedDataParallel.set_requires_gradient_sync`, whichever ran
-last; while that switch is off, forwards do not arm at all.
+Uneven inputs: under :meth:`DistributedDataParallel.join` a rank out of batches shadows the
+others' collectives (``ddp/join.py``).
+
+Whether a backward synchronises is decided before it starts: by its forward (with
+``require_backward_grad_sync`` True, i.e. not inside ``no_sync()``), or by
+:meth:`DistributedDataParallel.set_requires_gradient_sync`, whichever ran last; while that
+switch is off, forwards do not arm at all.
 
 On one rank nothing is bucketed or sent: a synchronised backward only checks that every
 parameter got a gradient, unscales for the loss scaler and flags inf/NaN, in place.
@@ -35,17 +41,23 @@ parameter got a gradient, unscales for the loss scaler and flags inf/NaN, in pla
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import time
+import weakref
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_leaves
 
 from .. import comm as communicator
 from ..amp.bucketing import pack, plan_buckets, unpack, unscale_
 from ..dtypes import DTYPE_CODES, ReduceOp
 from . import plan
+from .grad_bucket import GradBucket, Reductions
+from .join import DDPJoinHook
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -53,13 +65,35 @@ _WIRE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 _MB = 1024 * 1024
 
 
+def _resolve_comm(module: nn.Module, comm: Any, process_group: Any) -> Tuple[Any, bool]:
+    """(communicator, created here) from ``comm`` or torch's ``process_group`` argument."""
+    if comm is not None and process_group is not None:
+        raise ValueError(
+            "DistributedDataParallel: pass comm or process_group, not both (comm is a "
+            "dist_kernels Communicator, process_group a torch ProcessGroup)"
+        )
+    if process_group is None:
+        return (comm, False) if comm is not None else _default_comm(module)
+    try:
+        default = communicator.get_default_communicator()
+    except RuntimeError:
+        default = None
+    if default is not None and default.group is process_group:
+        return default, False
+    return communicator.Communicator(group=process_group, device=_module_device(module)), True
+
+
+def _module_device(module: nn.Module) -> str:
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
 def _default_comm(module: nn.Module) -> Tuple[Any, bool]:
     """(communicator, created here): the default one if ``dk.init()`` ran, else a new one."""
     try:
         return communicator.get_default_communicator(), False
     except RuntimeError:
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        return communicator.Communicator(device="cuda" if device.type == "cuda" else "cpu"), True
+        return communicator.Communicator(device=_module_device(module)), True
 
 
 class _BackwardPass:
@@ -73,20 +107,40 @@ class _BackwardPass:
         self.used = [False] * num_params
         self.ready_order: List[int] = []
         self.next_launch = 0
-        self.works: List[Any] = [None] * len(layouts)
+        self.works: List[Any] = [None] * len(layouts)  # Work, or (Future, buffer) with a hook
+        self.status = plan.STATUS_OK  # the worst status a bucket was launched with
+        self.shadow = False  # a joined rank's stand-in for the others' backward (zeros)
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self.pre_scale = 1.0
+        #: Weak reference to the end-of-backward callback queued on autograd: it dies unrun
+        #: when autograd abandons the backward (an exception midway).
+        self.end: Optional[weakref.ref] = None
+
+    def abandoned(self) -> bool:
+        """True once autograd has dropped this pass's end-of-backward callback unrun."""
+        return self.end is None or self.end() is None
 
 
-class DistributedDataParallel(nn.Module):
+class _EndOfBackward:
+    """The callback queued on the autograd engine at the start of a synchronised backward."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+
+    def __call__(self) -> None:
+        self._finish()
+
+
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism over a dist_kernels Communicator, with torch DDP's options.
 
     Which backward passes synchronise: a backward all-reduces when it is *armed* as it starts.
     Three things set the arming, the last one to run wins:
 
-    * a forward with gradients enabled arms when run outside :meth:`no_sync` with the gradient
-      sync switch on, and disarms otherwise (a forward under ``torch.no_grad()`` changes
-      nothing);
+    * a forward with gradients enabled arms when :attr:`require_backward_grad_sync` is True
+      (torch's attribute: False inside :meth:`no_sync`, and scripts may set it) and the
+      gradient sync switch is on, and disarms otherwise (a forward under ``torch.no_grad()``
+      changes nothing);
     * :meth:`set_requires_gradient_sync` sets the switch and arms or disarms at once, so it
       also decides for a backward whose forward already ran (inside ``no_sync()`` or not);
     * the end of a synchronised backward disarms (one reduction per forward, as in torch DDP):
@@ -120,6 +174,23 @@ class DistributedDataParallel(nn.Module):
             usual but not ``scaler.unscale_`` (the gradients already are; the hand-off is
             :meth:`dist_kernels.LossScaler.mark_unscaled`). One synchronised backward per
             ``scaler.update()``.
+        process_group: torch's argument: a torch ProcessGroup to average over (the default
+            Communicator if it is that group's, else a new one over it, closed by
+            :meth:`close`). Not together with ``comm``.
+        device_ids, output_device: torch's; checked only (None for CPU modules, a CUDA
+            module's own device): the module is not moved.
+        dim: torch's scatter dimension; must be 0 (nothing is scattered).
+        gradient_as_bucket_view: ``.grad`` of contiguous parameters become views of the
+            buckets, so nothing is copied out after the all-reduce (torch's meaning). Our
+            default is True (torch's is False): the views save a copy per step and differ only
+            in that ``.grad`` tensors alias the buckets. Has no effect with a low-precision
+            wire or a ``gradient_predivide_factor`` (the result is cast or scaled on the way
+            out).
+        init_sync: torch's: broadcast rank 0's parameters and buffers at construction (the
+            structure is compared across ranks either way).
+        static_graph: torch's: the set of used parameters is the same every iteration, found
+            in the first one; unused parameters are then allowed without
+            ``find_unused_parameters`` (see :meth:`_set_static_graph`).
     """
 
     def __init__(
@@ -135,13 +206,25 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         loss_scaler: Any = None,
+        process_group: Any = None,
+        device_ids: Optional[Sequence[Any]] = None,
+        output_device: Any = None,
+        dim: int = 0,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        init_sync: bool = True,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         _check_options(
             module, bucket_cap_mb, first_bucket_mb, grad_dtype, gradient_predivide_factor
         )
+        _check_devices(module, device_ids, output_device, dim)
         self.module = module
-        self.comm, self._owns_comm = (comm, False) if comm is not None else _default_comm(module)
+        self.device_ids = None if device_ids is None else list(device_ids)
+        self.output_device = output_device
+        self.dim = dim
+        self.comm, self._owns_comm = _resolve_comm(module, comm, process_group)
         self._device = torch.device(getattr(self.comm, "device", "cpu"))
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
@@ -149,6 +232,11 @@ class DistributedDataParallel(nn.Module):
         self.grad_dtype = grad_dtype
         self.algorithm = algorithm
         self.find_unused_parameters = find_unused_parameters
+        #: torch's attribute: True when constructed so or after :meth:`_set_static_graph`.
+        self.static_graph = False
+        self._static_unused: Optional[List[int]] = None  # learnt in the first forward
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.bucket_bytes_cap = int(bucket_cap_mb * _MB)
         self.broadcast_buffers = broadcast_buffers
         self.loss_scaler = loss_scaler
         self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
@@ -158,10 +246,12 @@ class DistributedDataParallel(nn.Module):
         # on the way out. When that is 1 and the wire dtype is the parameters' own (FP32 or
         # BF16), contiguous parameters' .grad become views of the registered buckets and nothing
         # is copied out; the inverse loss scale then joins the pre-scale too.
+        self._predivide = gradient_predivide_factor
         factor = float(gradient_predivide_factor or self.world_size)
         self._pre_scale, self._post_scale = 1.0 / factor, factor / self.world_size
         self._grad_views = (
-            not self._local
+            gradient_as_bucket_view
+            and not self._local
             and self._post_scale == 1.0
             and all(
                 grad_dtype in (None, p.dtype) and p.dtype != torch.float16
@@ -178,15 +268,24 @@ class DistributedDataParallel(nn.Module):
         self._module_buffers = [b for _, b in module.named_buffers()]
         self._check_models_agree()
         self._check_trainable()
-        self._broadcast_state(list(module.parameters()) + self._module_buffers)
+        if init_sync:
+            self._broadcast_state(list(module.parameters()) + self._module_buffers)
         self._buffer_flat = self._alloc_bytes(self._module_buffers)
 
-        self._require_backward_grad_sync = True  # False inside no_sync()
+        #: Whether forwards arm their backward to synchronise (torch DDP's attribute): False inside
+        #: :meth:`no_sync`, and scripts may set it themselves (nanoGPT sets it per micro-step).
+        self.require_backward_grad_sync = True
         self._armed = False  # whether the next backward synchronises
         self._sync_switch = True  # set_requires_gradient_sync; persistent, like FSDP2's
         self._unused_at_forward: List[int] = []
         self._pass: Optional[_BackwardPass] = None
         self._sequence = 0
+        self._divide_by_initial_world_size = True  # set by join()
+        self._join_work: Any = None  # the Join all-reduce counting the active ranks
+        self._reductions = None if self._local else Reductions(self.comm, algorithm)
+        self._comm_hook: Any = None
+        self._comm_hook_state: Any = None
+        self._hook_status: Optional[torch.Tensor] = None  # status slots when a hook runs
         self._rebuilt = self._local
         #: Whether the last synchronised backward had an inf/NaN gradient on any rank.
         self.found_inf = False
@@ -200,6 +299,8 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
         ]
+        if static_graph:
+            self._set_static_graph()
 
     # ----------------------------------------------------------------- construction
 
@@ -333,6 +434,7 @@ class DistributedDataParallel(nn.Module):
 
         ``.grad`` tensors that are bucket views are copied out first, so they stay valid.
         """
+        self._abandon_if_stale()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
@@ -341,6 +443,64 @@ class DistributedDataParallel(nn.Module):
                 param.grad = view.clone()
         if self._owns_comm and hasattr(self.comm, "close"):
             self.comm.close()
+
+    def _abandon_if_stale(self) -> None:
+        if self._pass is not None and self._pass.abandoned():
+            self._abandon_pass()
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Reduces every bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
+
+        Torch's contract (``torch.nn.parallel.DistributedDataParallel.register_comm_hook``):
+        ``bucket`` is a :class:`dist_kernels.ddp.hooks.GradBucket` holding this rank's summed
+        gradients (not divided by the world size); the hook returns a
+        ``torch.futures.Future`` whose value is the reduced buffer (a tensor of the buffer's
+        size, or a one-element list of it), copied back into the bucket and from there into
+        ``.grad``. Shipped hooks are in :mod:`dist_kernels.ddp.hooks` (``dk.ddp_hooks``);
+        torch's own hooks (over ``torch.distributed``) work too. Register once, before the
+        first backward.
+
+        With a hook, ``grad_dtype`` and ``gradient_predivide_factor`` must be None (the hook
+        decides the wire format and the division), and the found-inf and error status travel
+        in a separate 3-element all-reduce. On one rank nothing is reduced and the hook is
+        not called.
+        """
+        self._abandon_if_stale()
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel.register_comm_hook: a hook "
+                f"({_hook_name(self._comm_hook)}) is already registered; register once"
+            )
+        if not callable(hook):
+            raise TypeError(
+                f"[rank {self.rank}] DistributedDataParallel.register_comm_hook: hook must be "
+                f"callable as hook(state, bucket), got {type(hook).__name__}"
+            )
+        if self._pass is not None:
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel.register_comm_hook: called during "
+                "a synchronised backward; register before the first backward"
+            )
+        if self.grad_dtype is not None or self._predivide is not None:
+            raise ValueError(
+                f"[rank {self.rank}] DistributedDataParallel.register_comm_hook: the hook "
+                "decides the wire dtype and the division; construct without grad_dtype "
+                f"(got {self.grad_dtype}) and gradient_predivide_factor"
+            )
+        self._comm_hook, self._comm_hook_state = hook, state
+        self._pre_scale = 1.0  # the hook divides (torch's hooks get undivided gradients)
+        if not self._local:
+            self._hook_status = self.comm.empty((plan.STATUS_SLOTS,), torch.float32)
+
+    @property
+    def bytes_all_reduced(self) -> int:
+        """Payload bytes this rank has handed to all-reduces in backward passes (read-only).
+
+        Buckets (or what a comm hook sends instead), status slots and used masks; not the
+        construction-time broadcasts. A ring all-reduce moves ``2 (n - 1) / n`` times this per
+        rank. The difference over one step is that step's cost on the wire.
+        """
+        return 0 if self._reductions is None else self._reductions.bytes
 
     @property
     def reductions_launched(self) -> int:
@@ -376,19 +536,64 @@ class DistributedDataParallel(nn.Module):
         """Runs the module. With gradients enabled it also decides whether the next backward
         synchronises: yes, unless inside :meth:`no_sync` or with the gradient sync switch off
         (a forward under ``torch.no_grad()`` leaves the decision as it was)."""
+        self._abandon_if_stale()
+        join_work = Join.notify_join_context(self)  # None unless under join()
         deciding = torch.is_grad_enabled()
         if deciding:
-            self._armed = self._require_backward_grad_sync and self._sync_switch
-        if self.broadcast_buffers and self._buffer_flat is not None:
-            _broadcast_bytes(self.comm, self._buffer_flat, self._module_buffers)
+            self._armed = self.require_backward_grad_sync and self._sync_switch
+        self._sync_buffers(active=True)
+        if self._join_config.enable:
+            # Tell joined ranks whether a synchronised backward follows (they shadow it).
+            self._join_flag(deciding and self._armed)
+            self._join_work = None if self._divide_by_initial_world_size else join_work
         output = self.module(*args, **kwargs)
         if deciding:
             # Only an overlap optimisation (see _start_pass): the end of backward finds any
             # parameter still without a gradient, so a later set_requires_gradient_sync(True)
             # after a no_sync() forward stays correct with the empty list.
-            track = self._armed and self.find_unused_parameters and not self._local
-            self._unused_at_forward = self._unused_in_graph(output) if track else []
+            self._unused_at_forward = self._unused_for(output)
         return output
+
+    def _unused_for(self, output: Any) -> List[int]:
+        """Parameters to mark ready (unused) when the armed backward starts."""
+        if not self._armed or self._local or not self._allow_unused:
+            return []
+        if not self.static_graph:
+            return self._unused_in_graph(output)
+        if self._static_unused is None:  # a static graph is walked once
+            self._static_unused = self._unused_in_graph(output)
+        return list(self._static_unused)
+
+    @property
+    def _allow_unused(self) -> bool:
+        """Parameters may go without a gradient (torch: find_unused_parameters or a static
+        graph, whose unused set is found in the first iteration)."""
+        return self.find_unused_parameters or self.static_graph
+
+    def _set_static_graph(self) -> None:
+        """Declares the graph static (torch's private API, which scripts call).
+
+        What carries over from torch: the set of parameters used in a backward is the same
+        every iteration, so it is found once (in the first forward) and parameters unused
+        there are allowed without ``find_unused_parameters``. Not supported: a parameter
+        receiving its gradient more than once in one backward (torch allows it with a static
+        graph, for reentrant checkpointing); that still raises. Call before the first forward.
+        """
+        if self._sequence:
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel._set_static_graph: call it before "
+                "the first synchronised backward (or pass static_graph=True)"
+            )
+        self.static_graph = True
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether forwards broadcast the module's buffers (torch's method)."""
+        return self.broadcast_buffers and bool(self._module_buffers) and not self._local
+
+    @property
+    def process_group(self) -> Any:
+        """The torch process group of the Communicator (torch's attribute)."""
+        return getattr(self.comm, "group", None)
 
     def _unused_in_graph(self, output: Any) -> List[int]:
         """Parameters the autograd graph of ``output`` cannot reach (torch DDP's traversal)."""
@@ -410,12 +615,12 @@ class DistributedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes of forwards run inside accumulate gradients locally, without comms."""
-        previous = self._require_backward_grad_sync
-        self._require_backward_grad_sync = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._require_backward_grad_sync = previous
+            self.require_backward_grad_sync = previous
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Switches gradient synchronisation on or off, deciding for the next backward at once.
@@ -444,6 +649,7 @@ class DistributedDataParallel(nn.Module):
                 "requires_gradient_sync: expected a bool, got "
                 f"{type(requires_gradient_sync).__name__}"
             )
+        self._abandon_if_stale()
         if self._pass is not None:
             raise RuntimeError(
                 f"[rank {self.rank}] DistributedDataParallel.set_requires_gradient_sync: called "
@@ -453,22 +659,122 @@ class DistributedDataParallel(nn.Module):
         if not requires_gradient_sync:
             self._unused_at_forward = []
 
+    # ----------------------------------------------------------------- uneven inputs
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for uneven inputs across ranks (torch DDP's ``join``).
+
+        Inside it, a rank that has run out of batches shadows the collectives of the ranks
+        still training (zero gradients), so nobody hangs; on exit every rank has the
+        parameters and buffers of the last rank to join. Gradients are divided by the
+        initial world size (joined ranks contribute zeros), or with
+        ``divide_by_initial_world_size=False`` by the number of ranks still training.
+        ``throw_on_early_termination=True`` instead raises ``RuntimeError`` on every rank as
+        soon as one has run out. Under ``join()`` the forward decides whether its backward
+        synchronises (``set_requires_gradient_sync`` between forward and backward would
+        leave joined ranks shadowing the wrong thing). See torch's
+        ``torch.distributed.algorithms.Join``.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook :class:`torch.distributed.algorithms.Join` runs on a joined rank."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The torch process group of the Communicator (Join counts active ranks on it)."""
+        return getattr(self.comm, "group", None)
+
+    def _sync_buffers(self, active: bool) -> None:
+        """Broadcasts buffers before a forward: from rank 0, or under join() from the highest
+        rank still training (a joined rank's buffers stopped updating), as torch does."""
+        if not self.broadcast_buffers or self._buffer_flat is None:
+            return
+        src = self._common_rank(active) if self._join_config.enable else 0
+        _broadcast_bytes(self.comm, self._buffer_flat, self._module_buffers, src)
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest rank for which ``candidate`` holds (every rank calls this)."""
+        mine = torch.tensor([float(self.rank if candidate else -1)], device=self._device)
+        self.comm.all_reduce(mine, op=ReduceOp.MAX)
+        return int(mine.item())
+
+    def _join_flag(self, mine: bool) -> bool:
+        """Whether any rank said True (every rank calls this)."""
+        if self._local:
+            return mine
+        flag = torch.tensor([float(mine)], device=self._device)
+        self.comm.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    def _shadow_iteration(self) -> None:
+        """A joined rank: the collectives of one iteration of the others, in their order."""
+        self._abandon_if_stale()
+        self._sync_buffers(active=False)
+        if not self._join_flag(False) or self._local:
+            return
+        state = _BackwardPass(self._layouts, len(self._params), self._device)
+        state.shadow = True
+        self._pass = state
+        try:
+            self._launch_from(state, plan.STATUS_OK)
+            self._wait_reductions(state)
+            if not self._rebuilt:
+                self._rebuild([])
+        finally:
+            self._pass = None
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """After join: parameters and buffers from the last rank to join, on every rank."""
+        if self._local:
+            return
+        src = self._common_rank(is_last_joiner)
+        tensors = list(self.module.parameters()) + self._module_buffers
+        flat = self._alloc_bytes(tensors)
+        if flat is not None:
+            _broadcast_bytes(self.comm, flat, tensors, src)
+
+    def _rescale_for_joined(self) -> None:
+        """``divide_by_initial_world_size=False``: the average over the active ranks only."""
+        work, self._join_work = self._join_work, None
+        if work is None:
+            return
+        work.wait()
+        active = float(work.result()[0].item())
+        if active < self.world_size:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self.world_size / active)
+
     # ----------------------------------------------------------------- backward
 
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
+            self._abandon_if_stale()
             # A started pass finishes even if a forward re-decides meanwhile (non-reentrant
             # checkpointing recomputes forwards inside backward).
             if self._pass is None and not self._armed:
                 return
-            try:
-                if self._pass is None:
-                    self._start_pass()
-                self._mark_ready(index, used=True)
-            except BaseException:
-                self._pass = None
-                self._armed = False
-                raise
+            # An exception here leaves the pass for _abandon_pass (autograd then drops the
+            # end-of-backward callback), which releases the peers waiting for our buckets.
+            if self._pass is None:
+                self._start_pass()
+            self._mark_ready(index, used=True)
 
         return hook
 
@@ -478,9 +784,30 @@ class DistributedDataParallel(nn.Module):
         self._pass.pre_scale = self._pre_scale
         if self._grad_views and inv_loss_scale is not None:
             self._pass.pre_scale *= inv_loss_scale
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        end = _EndOfBackward(self._finish_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+        self._pass.end = weakref.ref(end)
         for index in self._unused_at_forward:
             self._mark_ready(index, used=False)
+
+    def _abandon_pass(self) -> None:
+        """Completes the collectives of a backward that autograd abandoned midway.
+
+        An exception inside backward (a user's tensor hook, a failing op) stops autograd before
+        the end-of-backward callback; peers are then waiting in the all-reduces of buckets this
+        rank never launched. They are launched now, flagged ``STATUS_ABORTED``, and the results
+        discarded; every peer's backward raises instead of waiting for the timeout, and every
+        rank starts the next backward clean. Runs at this rank's next forward or gradient hook
+        (or :meth:`close`). ``.grad`` of the abandoned step is unspecified: zero it.
+        """
+        state = self._pass
+        try:
+            if not self._local:
+                self._launch_from(state, plan.STATUS_ABORTED)
+                self._wait_reductions(state)
+        finally:
+            self._pass = None
+            self._armed = False
 
     def _mark_ready(self, index: int, used: bool) -> None:
         state = self._pass
@@ -501,9 +828,35 @@ class DistributedDataParallel(nn.Module):
             self._launch(state.next_launch, plan.STATUS_OK)
             state.next_launch += 1
 
+    def _launch_from(self, state: _BackwardPass, status: int) -> None:
+        """Launches every bucket not launched yet, with ``status`` in the status slots."""
+        for bucket_index in range(state.next_launch, len(self._layouts)):
+            self._launch(bucket_index, status)
+        state.next_launch = len(self._layouts)
+
     def _launch(self, bucket_index: int, status: int) -> None:
         """Packs one bucket and starts its all-reduce asynchronously."""
         layout, bucket, state = self._layouts[bucket_index], self._buckets[bucket_index], self._pass
+        if state.shadow:  # a joined rank contributes zeros
+            bucket.zero_()
+        else:
+            self._fill(layout, bucket, state)
+        if layout.status_offset is not None:
+            slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
+            slots.copy_(torch.tensor(plan.status_slots(status, False), dtype=slots.dtype))
+            # Read on the device: no host synchronisation for the flag.
+            slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
+        state.status = max(state.status, status)
+        if self._debug:
+            self._check_fingerprint(layout, status)
+        self._sequence += 1
+        if self._comm_hook is not None:
+            state.works[bucket_index] = self._run_comm_hook(bucket_index)
+        else:
+            state.works[bucket_index] = self._reductions.all_reduce(bucket)
+
+    def _fill(self, layout: plan.BucketLayout, bucket: torch.Tensor, state: _BackwardPass) -> None:
+        """This rank's gradients into the bucket, times the pre-scale; flags inf/NaN."""
         present, in_place = [], []
         for index, offset, size in zip(layout.param_indices, layout.offsets, layout.sizes):
             grad, view = self._params[index].grad, self._views[index]
@@ -518,16 +871,27 @@ class DistributedDataParallel(nn.Module):
             pack(grads, bucket, offsets, state.pre_scale, state.found_inf)
         if in_place:
             unscale_(in_place, state.pre_scale, state.found_inf)
-        if layout.status_offset is not None:
-            slots = bucket[layout.status_offset : layout.status_offset + plan.STATUS_SLOTS]
-            slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
-            slots[plan.ERROR_SLOT] = float(status != plan.STATUS_OK)
-        if self._debug:
-            self._check_fingerprint(layout, status)
-        self._sequence += 1
-        state.works[bucket_index] = self.comm.all_reduce(
-            bucket, op=ReduceOp.SUM, algorithm=self.algorithm, async_op=True
+
+    def _run_comm_hook(self, bucket_index: int) -> Tuple[torch.futures.Future, torch.Tensor]:
+        """Hands one bucket (without its status slots) to the comm hook."""
+        layout, bucket = self._layouts[bucket_index], self._buckets[bucket_index]
+        end = layout.status_offset if layout.status_offset is not None else layout.numel
+        grad_bucket = GradBucket(
+            bucket_index,
+            bucket[:end],
+            [self._params[i] for i in layout.param_indices],
+            layout.offsets,
+            bucket_index == len(self._layouts) - 1,
+            self._reductions,
         )
+        future = self._comm_hook(self._comm_hook_state, grad_bucket)
+        if not isinstance(future, torch._C.Future):  # then() returns the C++ base class
+            raise TypeError(
+                f"[rank {self.rank}] DistributedDataParallel: the comm hook "
+                f"{_hook_name(self._comm_hook)} returned {type(future).__name__} for bucket "
+                f"{bucket_index}; it must return a torch.futures.Future of the reduced buffer"
+            )
+        return future, bucket[:end]
 
     def _check_fingerprint(self, layout: plan.BucketLayout, status: int) -> None:
         """DK_DEBUG=1: all ranks compare what they are about to all-reduce; raise on mismatch."""
@@ -555,45 +919,102 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward: launch the rest, wait, check the status slots, unpack into .grad."""
         state = self._pass
-        if state is None:  # a hook raised and abandoned this backward
-            return
-        if self._local:
-            try:
-                self._finish_local(state)
-            finally:
-                self._pass = None
-                self._armed = False
+        if state is None:
             return
         try:
+            if self._local:
+                self._finish_local(state)
+                return
             local_error = self._launch_remaining(state)
-            used_work = self._reduce_used_mask(state)
-            for work in state.works:
-                work.wait()
-            status = self._read_status()
-            if local_error or status[plan.ERROR_SLOT] > 0:
-                raise RuntimeError(local_error or self._peer_error(status[plan.ERROR_SLOT]))
-            if used_work is not None:
-                used_work.wait()
+            status = self._wait_reductions(state)
+            self._raise_on_status(local_error, status)
             self._unpack_all(status[plan.FOUND_INF_SLOT] > 0)
+            self._rescale_for_joined()
             if not self._rebuilt:
                 self._rebuild(state.ready_order)
         finally:
             self._pass = None
             self._armed = False
 
+    def _wait_reductions(self, state: _BackwardPass) -> List[float]:
+        """Waits for every collective of the pass; returns the summed status slots.
+
+        Every rank issues the same collectives in the same order here, whether its backward
+        finished, was incomplete or was abandoned (and a joined rank shadows them).
+        """
+        used_work = self._reduce_used_mask(state)
+        if self._comm_hook is not None:
+            status_work = self._reduce_hook_status(state)
+            self._complete_hook_futures(state)
+            status_work.wait()
+        else:
+            for work in state.works:
+                work.wait()
+        status = self._read_status()
+        if used_work is not None:
+            used_work.wait()
+        return status
+
+    def _reduce_hook_status(self, state: _BackwardPass) -> Any:
+        """With a hook the buckets carry only gradients: the status slots travel alone."""
+        slots = self._hook_status
+        slots.copy_(torch.tensor(plan.status_slots(state.status, False), dtype=slots.dtype))
+        slots[plan.FOUND_INF_SLOT] = (state.found_inf > 0).to(slots.dtype)[0]
+        return self._reductions.all_reduce(slots)
+
+    def _complete_hook_futures(self, state: _BackwardPass) -> None:
+        """Completes the hooks' all-reduces in issue order, then copies each result in."""
+        try:
+            self._reductions.drain()
+        except BaseException:
+            self._reductions.discard()
+            raise
+        deadline = time.monotonic() + _seconds(self.comm)
+        for bucket_index, (future, buffer) in enumerate(state.works):
+            while not future.done():  # a torch.distributed future completes on its own
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"[rank {self.rank}] DistributedDataParallel: the comm hook "
+                        f"{_hook_name(self._comm_hook)}'s Future for bucket {bucket_index} "
+                        "did not complete within the communicator's timeout after all of its "
+                        "all-reduces ran; the hook must complete it (e.g. from a then() callback)"
+                    )
+                time.sleep(1e-4)
+            result = future.wait()
+            if isinstance(result, (list, tuple)) and len(result) == 1:
+                result = result[0]  # dist.all_reduce(...).get_future() yields a list
+            self._take_hook_result(bucket_index, result, buffer)
+
+    def _take_hook_result(self, bucket_index: int, result: Any, buffer: torch.Tensor) -> None:
+        if not torch.is_tensor(result) or result.numel() != buffer.numel():
+            got = tuple(result.shape) if torch.is_tensor(result) else type(result).__name__
+            raise RuntimeError(
+                f"[rank {self.rank}] DistributedDataParallel: the comm hook "
+                f"{_hook_name(self._comm_hook)}'s Future for bucket {bucket_index} holds {got}; "
+                f"expected a tensor of the bucket buffer's {buffer.numel()} elements"
+            )
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result.reshape(-1))
+
+    def _raise_on_status(self, local_error: Optional[str], status: List[float]) -> None:
+        if local_error:
+            raise RuntimeError(local_error)
+        if status[plan.ABORTED_SLOT] > 0:
+            raise RuntimeError(self._aborted_error(status[plan.ABORTED_SLOT]))
+        if status[plan.ERROR_SLOT] > 0:
+            raise RuntimeError(self._peer_error(status[plan.ERROR_SLOT]))
+
     def _launch_remaining(self, state: _BackwardPass) -> Optional[str]:
         """Marks gradient-less parameters ready, or launches the rest flagged as an error."""
         missing = [i for i, ready in enumerate(state.ready) if not ready]
         if not missing:
             return None
-        if self.find_unused_parameters:
+        if self._allow_unused:
             for index in missing:
                 self._mark_ready(index, used=False)
             return None
         # Peers may be waiting on these buckets: send them, flagged, so every rank raises.
-        for bucket_index in range(state.next_launch, len(self._layouts)):
-            self._launch(bucket_index, plan.STATUS_INCOMPLETE)
-        state.next_launch = len(self._layouts)
+        self._launch_from(state, plan.STATUS_INCOMPLETE)
         return self._no_gradient_message(missing)
 
     def _no_gradient_message(self, missing: Sequence[int]) -> str:
@@ -613,7 +1034,7 @@ class DistributedDataParallel(nn.Module):
         :attr:`found_inf`); unused parameters keep ``.grad`` untouched.
         """
         missing = [i for i, ready in enumerate(state.ready) if not ready]
-        if missing and not self.find_unused_parameters:
+        if missing and not self._allow_unused:
             raise RuntimeError(self._no_gradient_message(missing))
         inv_scale = self._inv_loss_scale()
         grads = [p.grad for p in self._params if p.grad is not None]
@@ -623,17 +1044,26 @@ class DistributedDataParallel(nn.Module):
             self.loss_scaler.mark_unscaled(state.found_inf)
 
     def _reduce_used_mask(self, state: _BackwardPass) -> Any:
-        if not self.find_unused_parameters:
+        if not self._allow_unused:
             return None
         self._used_mask[: len(state.used)].copy_(torch.tensor(state.used, dtype=torch.float32))
-        return self.comm.all_reduce(self._used_mask, op=ReduceOp.SUM, async_op=True)
+        return self._reductions.all_reduce(self._used_mask)
 
     def _read_status(self) -> List[float]:
+        if self._comm_hook is not None:
+            return self._hook_status.tolist()
         last = self._layouts[-1] if self._layouts else None
         if last is None:
             return [0.0] * plan.STATUS_SLOTS
         slots = self._buckets[-1][last.status_offset : last.status_offset + plan.STATUS_SLOTS]
         return slots.float().tolist()
+
+    def _aborted_error(self, count: float) -> str:
+        return (
+            f"[rank {self.rank}] DistributedDataParallel: {int(round(count))} other rank(s) "
+            "abandoned this backward midway (an exception there, e.g. from a user hook; see "
+            "their error); this step's gradients are not averaged: zero them and carry on."
+        )
 
     def _peer_error(self, count: float) -> str:
         return (
@@ -650,7 +1080,7 @@ class DistributedDataParallel(nn.Module):
         # Inf/NaN in what is written (e.g. an FP16 sum that overflowed although every rank's
         # inputs were finite); identical on every rank since the reduced buckets are.
         written_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
-        globally_used = self._used_mask.tolist() if self.find_unused_parameters else None
+        globally_used = self._used_mask.tolist() if self._allow_unused else None
         for layout, bucket in zip(self._layouts, self._buckets):
             targets, strided = [], []
             for index, offset in zip(layout.param_indices, layout.offsets):
@@ -721,6 +1151,53 @@ def _check_options(
         raise TypeError("module: sparse parameters are not supported")
 
 
+def _check_devices(
+    module: nn.Module, device_ids: Optional[Sequence[Any]], output_device: Any, dim: int
+) -> None:
+    """torch's rules: CPU modules take no device ids; a CUDA module at most its own device.
+
+    The module stays where it is (nothing is moved or scattered), so the ids only have to
+    agree with it; ``dim`` (the scatter dimension of torch's single-process multi-device
+    mode) must be 0.
+    """
+    devices = {p.device for p in module.parameters()}
+    if dim != 0:
+        raise ValueError(
+            f"DistributedDataParallel: dim must be 0 (nothing is scattered), got {dim}"
+        )
+    if device_ids is None and output_device is None:
+        return
+    cuda = [d for d in devices if d.type == "cuda"]
+    if len(devices) != 1 or not cuda or (device_ids is not None and len(device_ids) != 1):
+        raise ValueError(
+            "DistributedDataParallel: device_ids and output_device work with single-device "
+            f"CUDA modules only (as in torch), got device_ids {device_ids}, output_device "
+            f"{output_device} and module parameters on {sorted(map(str, devices))}"
+        )
+    given_ids = (device_ids or [None])[0]
+    for what, given in (("device_ids[0]", given_ids), ("output_device", output_device)):
+        if given is not None and _as_cuda(given) != cuda[0]:
+            raise ValueError(
+                f"DistributedDataParallel: {what}={given} but the module is on {cuda[0]} "
+                "(this DDP does not move modules)"
+            )
+
+
+def _as_cuda(device: Any) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _hook_name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def _seconds(comm: Any) -> float:
+    timeout = getattr(comm, "timeout", None)
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return 1800.0
+
+
 def _is_view(grad: Optional[torch.Tensor], view: torch.Tensor) -> bool:
     return grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
 
@@ -757,19 +1234,21 @@ def _scaler_enabled(scaler: Any) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
-def _broadcast_bytes(comm: Any, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Rank 0's bytes of ``tensors`` to every rank through one registered byte buffer."""
+def _broadcast_bytes(
+    comm: Any, flat: torch.Tensor, tensors: Sequence[torch.Tensor], src: int = 0
+) -> None:
+    """Rank ``src``'s bytes of ``tensors`` to every rank through one registered byte buffer."""
     views: List[Tuple[torch.Tensor, int, int]] = []
     offset = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         views.append((t, offset, nbytes))
         offset += nbytes
-    if comm.rank == 0:
+    if comm.rank == src:
         for t, start, nbytes in views:
             flat[start : start + nbytes].copy_(_as_bytes(t.detach()))
-    comm.broadcast(flat, 0)
-    if comm.rank != 0:
+    comm.broadcast(flat, src)
+    if comm.rank != src:
         with torch.no_grad():
             for t, start, nbytes in views:
                 _copy_bytes_into(t, flat[start : start + nbytes])

@@ -12,18 +12,22 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-#: Bucket status slots: the last bucket launched in a backward carries these two trailing
+#: Bucket status slots: the last bucket launched in a backward carries these trailing
 #: elements, summed by its all-reduce like the gradients, so they cost no extra collective.
 #: FOUND_INF: this rank saw an inf/NaN gradient. ERROR: this rank's backward was incomplete
-#: (a parameter without a gradient): peers raise instead of unpacking garbage.
+#: (a parameter without a gradient): peers raise instead of unpacking garbage. ABORTED: this
+#: rank's backward was abandoned midway (an exception, e.g. from a user hook), and the rank
+#: sent its remaining buckets only to release the peers waiting for them.
 FOUND_INF_SLOT = 0
 ERROR_SLOT = 1
-STATUS_SLOTS = 2
+ABORTED_SLOT = 2
+STATUS_SLOTS = 3
 
 #: Fingerprint fields exchanged under DK_DEBUG=1 before every bucket all-reduce.
 FINGERPRINT_FIELDS = ("sequence", "bucket", "numel", "dtype", "params", "layout", "status")
 STATUS_OK = 0
 STATUS_INCOMPLETE = 1
+STATUS_ABORTED = 2
 
 
 @dataclass(frozen=True)
@@ -135,13 +139,29 @@ def fingerprint_mismatch(per_rank: Sequence[Sequence[int]]) -> Optional[str]:
     for fields, ranks in groups.items():
         who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
         named = dict(zip(FINGERPRINT_FIELDS, fields))
-        state = "incomplete backward" if named["status"] == STATUS_INCOMPLETE else "ready"
+        state = _STATUS_NAMES.get(named["status"], f"status {named['status']}")
         parts.append(
             f"{who}: all-reduce #{named['sequence']} of bucket {named['bucket']} "
             f"({named['numel']} elements, dtype code {named['dtype']}, {named['params']} params, "
             f"layout {named['layout']:#x}, {state})"
         )
     return "DDP bucket fingerprints differ across ranks: " + "; ".join(parts)
+
+
+_STATUS_NAMES = {
+    STATUS_OK: "ready",
+    STATUS_INCOMPLETE: "incomplete backward",
+    STATUS_ABORTED: "abandoned backward",
+}
+
+
+def status_slots(status: int, found_inf: bool) -> List[float]:
+    """The values one rank writes into the status slots (indexed by the ``*_SLOT`` names)."""
+    slots = [0.0] * STATUS_SLOTS
+    slots[FOUND_INF_SLOT] = float(found_inf)
+    slots[ERROR_SLOT] = float(status == STATUS_INCOMPLETE)
+    slots[ABORTED_SLOT] = float(status == STATUS_ABORTED)
+    return slots
 
 
 def describe_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> List[str]:

@@ -552,7 +552,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{state_dict.get('world_size')}, this is rank {self.rank} of {self.world_size}; "
                 "use dist_kernels.checkpoint.load to reshard"
             )
-        self.optim.load_state_dict(state_dict["local"])
+        self.load_local_state_dict(state_dict["local"])
+
+    def load_local_state_dict(self, local: Dict[str, Any]) -> None:
+        """Loads the local optimizer's state dict of this rank's shard.
+
+        torch's ``load_state_dict`` replaces the optimizer's ``param_groups`` and ``state``
+        objects; they are re-shared here, or a learning-rate scheduler built on this optimizer
+        would keep setting the rate on the old groups while the shards step with the loaded one.
+        """
+        self.optim.load_state_dict(local)
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
 
     def close(self) -> None:
         """Removes the gradient hooks."""

@@ -1,0 +1,122 @@
+"""Learning-rate helpers: scaling with the global batch, warm-up then cosine or constant.
+
+    lr = dk.lr.scale_lr(3e-4, global_batch=512, base_batch=64, rule="sqrt")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = dk.lr.warmup_cosine(opt, warmup_steps=100, total_steps=10_000, min_ratio=0.1)
+    for step in range(10_000): ...; opt.step(); sched.step()
+
+The schedulers are ``torch.optim.lr_scheduler.LambdaLR`` objects, so they work in any loop and
+with any optimizer (ours included: :class:`dist_kernels.ShardedOptimizer` exposes its shards'
+``param_groups``). The multiplier functions are public too (``warmup_cosine_factor``), for loops
+that set the rate themselves.
+
+Formulas (``s`` = steps taken, ``W`` = warm-up steps, ``T`` = total steps, ``m`` = min_ratio)::
+
+    warm-up   s < W:   (s + 1) / W                      reaches 1 on the W-th step
+    cosine    s >= W:  m + (1 - m) * (1 + cos(pi * p)) / 2,  p = min(1, (s - W) / (T - W))
+    constant  s >= W:  1
+
+Scaling rules for a batch ``B`` against a reference ``B0`` tuned at ``lr0``: ``linear``
+(Goyal et al. 2017, SGD) ``lr0 * B / B0``; ``sqrt`` (Krizhevsky 2014; Adam-type optimizers)
+``lr0 * sqrt(B / B0)``; ``none`` ``lr0``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal
+
+import torch
+
+__all__ = [
+    "SCALING_RULES",
+    "scale_lr",
+    "warmup_cosine_factor",
+    "warmup_constant_factor",
+    "warmup_cosine",
+    "warmup_constant",
+]
+
+ScalingRule = Literal["none", "linear", "sqrt"]
+SCALING_RULES = ("none", "linear", "sqrt")
+
+
+def scale_lr(base_lr: float, global_batch: int, base_batch: int, rule: ScalingRule) -> float:
+    """``base_lr`` (tuned at ``base_batch`` samples) scaled for ``global_batch`` by ``rule``."""
+    if rule not in SCALING_RULES:
+        raise ValueError(f"rule: must be one of {SCALING_RULES}, got {rule!r}")
+    if global_batch < 1 or base_batch < 1:
+        raise ValueError(f"global_batch({global_batch}) and base_batch({base_batch}) must be >= 1")
+    ratio = global_batch / base_batch
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr
+
+
+def _check_steps(warmup_steps: int, total_steps: int) -> None:
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+
+
+def warmup_constant_factor(warmup_steps: int) -> Callable[[int], float]:
+    """Multiplier of step ``s``: linear warm-up over ``warmup_steps``, then 1."""
+    _check_steps(warmup_steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return 1.0
+
+    return factor
+
+
+def warmup_cosine_factor(
+    warmup_steps: int, total_steps: int, min_ratio: float = 0.0
+) -> Callable[[int], float]:
+    """Multiplier of step ``s``: linear warm-up, then cosine decay to ``min_ratio`` at
+    ``total_steps`` (held there after)."""
+    _check_steps(warmup_steps, total_steps)
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio}")
+    decay_steps = max(1, total_steps - warmup_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    min_ratio: float = 0.0,
+    last_epoch: int = -1,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` of :func:`warmup_cosine_factor` (``last_epoch`` = steps already taken
+    minus one, for resuming)."""
+    return _lambda_lr(
+        optimizer, warmup_cosine_factor(warmup_steps, total_steps, min_ratio), last_epoch
+    )
+
+
+def warmup_constant(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, last_epoch: int = -1
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` of :func:`warmup_constant_factor`."""
+    return _lambda_lr(optimizer, warmup_constant_factor(warmup_steps), last_epoch)
+
+
+def _lambda_lr(optimizer, factor, last_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    if last_epoch >= 0:
+        # LambdaLR resumes from ``initial_lr``; a fresh optimizer does not have it yet.
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=last_epoch)

@@ -1,0 +1,135 @@
+"""Checkpoints of a training run: one ``dk.checkpoint`` directory per pipeline stage.
+
+    <checkpoint_dir>/step-00000006/stage-0/     dk.checkpoint (manifest, shards, ...)
+                                   stage-1/
+                                   COMPLETE.json   written last, by rank 0, after every stage
+
+``COMPLETE.json`` is the commit point (written atomically once every stage's save returned on
+every rank): ``--resume auto`` takes the newest step directory that has one, so a rank killed
+mid-save leaves the previous checkpoint as the newest complete one. It also records what the
+run was (model, corpus, pp, tp, zero) so that resuming something else fails before training.
+
+With ZeRO the optimizer's shards go through ``dk.checkpoint``'s resharding (save on N replicas,
+load on M). Without it every replica holds the same state: replica 0 of each stage saves its
+model and, in ``extra``, the torch optimizer's state dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Dict, Optional
+
+from .. import checkpoint as dk_checkpoint
+from .config import ConfigError, TrainConfig
+
+COMPLETE = "COMPLETE.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_MUST_MATCH = ("model", "data", "pp", "tp")
+
+
+def step_dir(cfg: TrainConfig, step: int) -> str:
+    return os.path.join(cfg.checkpoint_dir, f"step-{step:08d}")
+
+
+def identity(cfg: TrainConfig, model_desc: Dict[str, Any], data_fp: str) -> Dict[str, Any]:
+    """What a checkpoint must agree with to be resumed by this run."""
+    return {
+        "model": model_desc,
+        "data": data_fp,
+        "pp": cfg.pp,
+        "tp": cfg.tp,
+        "sharded": bool(cfg.zero),
+        "global_batch": cfg.global_batch,
+    }
+
+
+def newest_complete(directory: str) -> Optional[str]:
+    """The newest ``step-N`` directory with a ``COMPLETE.json``, or None."""
+    if not os.path.isdir(directory):
+        return None
+    steps = []
+    for name in os.listdir(directory):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(directory, name, COMPLETE)):
+            steps.append((int(match.group(1)), name))
+    return os.path.join(directory, max(steps)[1]) if steps else None
+
+
+def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The checkpoint this run resumes from (its COMPLETE record plus ``path``), checked
+    against ``ident``; None when there is nothing to resume. Raises ConfigError on a mismatch."""
+    if cfg.resume is None:
+        return None
+    path = newest_complete(cfg.checkpoint_dir) if cfg.resume == "auto" else cfg.resume
+    if path is None:
+        return None
+    record_path = os.path.join(path, COMPLETE)
+    try:
+        with open(record_path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"resume: {record_path} is not a complete checkpoint: {e}") from None
+    for key in (*_MUST_MATCH, "sharded"):
+        saved = record["identity"].get(key)
+        if saved != ident[key]:
+            raise ConfigError(
+                f"resume: checkpoint {path} was written with {key}={saved!r}; "
+                f"this run has {key}={ident[key]!r}"
+            )
+    if record["identity"]["global_batch"] != ident["global_batch"]:
+        raise ConfigError(
+            f"resume: checkpoint {path} trained with global_batch("
+            f"{record['identity']['global_batch']}); this run has global_batch("
+            f"{ident['global_batch']}): keep the global batch, change dp or grad_accum"
+        )
+    if record["step"] >= cfg.steps:
+        raise ConfigError(
+            f"resume: checkpoint {path} is at step {record['step']} >= steps({cfg.steps})"
+        )
+    return {**record, "path": path}
+
+
+def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
+    """Collective over the world: every stage (and tensor shard) saves, then rank 0 commits
+    COMPLETE.json. ``shard``: this rank's directory name (``stage-1``, ``stage-0-tp-1``)."""
+    root = step_dir(cfg, step)
+    stage = os.path.join(root, shard)
+    extra = {"step": step, "samples": step * cfg.global_batch, "identity": ident}
+    if cfg.zero:
+        dk_checkpoint.save(stage, model=engine.module, optimizer=engine.optimizer, extra=extra)
+    elif engine.dp_rank == 0:
+        extra["optimizer"] = engine.optimizer.state_dict()
+        dk_checkpoint.save(stage, model=engine.module, extra=extra)
+    barrier()
+    if barrier.rank == 0:
+        record = {"step": step, "samples": step * cfg.global_batch, "identity": ident}
+        _write_json_atomic(os.path.join(root, COMPLETE), record)
+    barrier()
+    return root
+
+
+def _write_json_atomic(path: str, record: Dict[str, Any]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(cfg, engine, resume: Dict[str, Any], shard: str) -> int:
+    """Restores model and optimizer from ``resume``; returns the step to continue from."""
+    stage = os.path.join(resume["path"], shard)
+    if cfg.zero:
+        dk_checkpoint.load(stage, model=engine.module, optimizer=engine.optimizer)
+    else:
+        extra = dk_checkpoint.load(stage, model=engine.module)
+        engine.optimizer.load_state_dict(extra["optimizer"])
+    return int(resume["step"])

@@ -1,0 +1,249 @@
+"""``python -m dist_kernels.train``: parse, check everything, then spawn ranks or join torchrun.
+
+Without ``torchrun`` (no ``RANK`` / ``WORLD_SIZE`` in the environment) it starts
+``dp x tp x pp`` local CPU ranks itself, as ``python -m dist_kernels.bench`` does (spawn, a
+TCPStore on 127.0.0.1, a gloo group). Under ``torchrun`` it is one of the ranks; with
+``--max-restarts`` and ``--resume auto`` a group restarted after a lost rank continues from the
+newest complete checkpoint.
+
+Every check that can fail (options, batch arithmetic, data file, checkpoint to resume) runs
+in the launching process, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import sys
+from typing import Any, List, Optional, Sequence, Tuple
+
+from .config import ConfigError, ModelConfig, TrainConfig
+
+_STRATEGY_HELP = "0 = DDP; 1 / 2 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
+
+
+def _pair(kind):
+    def parse(text: str) -> Tuple[int, Any]:
+        try:
+            rank, value = text.split(":")
+            return int(rank), kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected RANK:{kind.__name__.upper()}, got {text!r}"
+            ) from None
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dist_kernels.train",
+        description="Train a character-level GPT with any parallel layout; metrics, "
+        "stragglers, checkpoints, and torch's DDP / FSDP2 beside ours.",
+    )
+    d = TrainConfig()
+    m = ModelConfig()
+    add = p.add_argument
+    add("--dp", type=int, default=0, help="data-parallel replicas (0: world / (tp x pp))")
+    add("--tp", type=int, default=1, help="tensor-parallel ranks")
+    add("--pp", type=int, default=1, help="pipeline stages")
+    add("--zero", type=int, default=0, choices=(0, 1, 2), help=_STRATEGY_HELP)
+    add("--schedule", default=d.schedule, help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b")
+    add("--micro-batch", type=int, default=d.micro_batch, help="samples per forward per rank")
+    add("--grad-accum", type=int, default=0, help="micro-batches per step (0: derived)")
+    add("--global-batch", type=int, default=0, help="samples per step (0: derived)")
+    add(
+        "--bucket-cap-mb",
+        type=float,
+        default=d.bucket_cap_mb,
+        help="gradient bucket MiB (both engines)",
+    )
+    add("--first-bucket-mb", type=float, default=d.first_bucket_mb, help="first bucket MiB (ours)")
+    add("--dtype", default=d.dtype, choices=("fp32", "bf16", "fp16"))
+    add("--steps", type=int, default=d.steps)
+    add("--stop-after", type=int, default=None, help="stop after this step (resume later)")
+    add("--lr", type=float, default=d.lr, help="peak learning rate at --lr-base-batch")
+    add("--lr-scaling", default=d.lr_scaling, choices=("none", "linear", "sqrt"))
+    add("--lr-base-batch", type=int, default=d.lr_base_batch)
+    add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
+    add("--decay", default=d.decay, choices=("cosine", "constant"))
+    add("--seed", type=int, default=d.seed)
+    add("--data", default=None, help="text file (default: the package's own sources and docs)")
+    add("--n-layer", type=int, default=m.n_layer)
+    add("--n-head", type=int, default=m.n_head)
+    add("--d-model", type=int, default=m.d_model)
+    add("--seq-len", type=int, default=m.seq_len)
+    add("--checkpoint-dir", default=None)
+    add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    add("--resume", default=None, help="'auto' (newest complete checkpoint) or a step directory")
+    add("--log-every", type=int, default=d.log_every, help="steps per logging interval")
+    add("--json", default=None, help="write one JSON object per logged step here")
+    add("--plot", default=None, help="write loss, tokens/s and per-rank step times to a PNG")
+    add("--engine", default=d.engine, choices=("dk", "torch", "both"))
+    add("--simulate-straggler", type=_pair(float), default=None, metavar="RANK:MS")
+    add("--straggler-threshold", type=float, default=d.straggler_threshold)
+    add("--reference-tokens-per-s", type=float, default=None, help="1-rank throughput")
+    add(
+        "--kill-after-checkpoint",
+        type=_pair(int),
+        default=None,
+        metavar="RANK:STEP",
+        help=argparse.SUPPRESS,
+    )  # a fault for the elastic-recovery test
+    add("--no-progress", action="store_true", help="no progress bar")
+    add("--timeout", type=float, default=d.timeout, help="seconds a collective may wait")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    model = ModelConfig(
+        n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len
+    )
+    return TrainConfig(
+        dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, schedule=args.schedule,
+        micro_batch=args.micro_batch, grad_accum=args.grad_accum, global_batch=args.global_batch,
+        bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
+        dtype=args.dtype, steps=args.steps, stop_after=args.stop_after, lr=args.lr,
+        lr_scaling=args.lr_scaling,
+        lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,
+        data=args.data, model=model, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, log_every=args.log_every,
+        json=args.json, plot=args.plot, engine=args.engine,
+        simulate_straggler=args.simulate_straggler,
+        straggler_threshold=args.straggler_threshold,
+        reference_tokens_per_s=args.reference_tokens_per_s,
+        kill_after_checkpoint=args.kill_after_checkpoint, progress=not args.no_progress,
+        timeout=args.timeout,
+    )  # fmt: skip
+
+
+def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """Every check that can fail before a rank starts; returns the resolved config."""
+    from .checkpoints import identity, resolve_resume
+    from .data import CharCorpus
+    from .driver import model_config
+    from .model import describe, has_library_gpt
+
+    cfg = cfg.with_layout(world_size)
+    if cfg.tp > 1 and not has_library_gpt():
+        raise ConfigError(
+            f"tp({cfg.tp}) > 1 needs dist_kernels.tensor_parallel and dist_kernels.models, "
+            "which this installation does not have"
+        )
+    if cfg.tp > 1 and cfg.engine != "dk":
+        raise ConfigError(f"engine={cfg.engine!r} supports tp=1 only (tp={cfg.tp})")
+    if cfg.engine != "dk" and cfg.checkpoint_dir is not None:
+        raise ConfigError(f"checkpoints are written by --engine dk only (engine={cfg.engine!r})")
+    corpus = CharCorpus.build(cfg.data, cfg.model.seq_len)
+    model = model_config(cfg, corpus)
+    resolve_resume(cfg, identity(cfg, describe(model), corpus.fingerprint()))
+    if cfg.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib (pip install dist_kernels[plot])") from None
+    return cfg
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_rank(cfg: TrainConfig) -> List[Any]:
+    """What every rank runs: one training per engine; rank 0 prints the summary and plots."""
+    import torch
+    import torch.distributed as dist
+
+    from .driver import train
+    from .report import plot, summary_table
+
+    if dist.is_initialized():
+        torch.set_num_threads(1)  # one thread per rank, as torchrun's OMP_NUM_THREADS=1
+    engines = ("dk", "torch") if cfg.engine == "both" else (cfg.engine,)
+    results = [train(cfg, engine, append_log=i > 0) for i, engine in enumerate(engines)]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        print(summary_table(cfg, results), flush=True)  # stragglers were reported as found
+        if cfg.plot is not None:
+            plot(cfg.plot, results)
+            print(f"plot written to {cfg.plot}", flush=True)
+    return results
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig) -> None:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=cfg.timeout)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        run_rank(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(cfg: TrainConfig, world_size: int) -> int:
+    import torch.distributed as dist
+
+    from ..bench.cli import _wait
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_spawned_rank, args=(r, world_size, store.port, cfg), name=f"dk-train{r}"
+        )
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return _wait(procs, grace=min(60.0, cfg.timeout))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _join_torchrun(timeout_s: float) -> None:
+    """init_process_group under torchrun, its keys under a prefix of this attempt.
+
+    torchrun keeps its store across restarts; without the prefix a restarted group finds the
+    dead attempt's gloo addresses there and fails to connect ("Connection refused").
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"dist_kernels.train/attempt-{attempt}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    torchrun = under_torchrun()
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else (cfg.dp or 1) * cfg.tp * cfg.pp
+    try:
+        cfg = preflight(cfg, world_size)
+    except ValueError as e:  # ConfigError, DataError, CheckpointError
+        print(f"dist_kernels.train: error: {e}", file=sys.stderr)
+        return 2
+    if world_size == 1:
+        run_rank(cfg)
+        return 0
+    if torchrun:
+        import torch.distributed as dist
+
+        _join_torchrun(cfg.timeout)
+        try:
+            run_rank(cfg)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    return _spawn(cfg, world_size)

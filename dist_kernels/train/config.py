@@ -1,0 +1,212 @@
+"""TrainConfig: every option of ``python -m dist_kernels.train``, typed and checked when built.
+
+The batch arithmetic, checked before any rank starts::
+
+    global_batch = micro_batch x grad_accum x dp          (samples per optimizer step)
+    world_size   = dp x tp x pp
+
+``grad_accum`` left at 0 is derived from the other three, so a run resumed on another ``dp``
+keeps its global batch and recomputes the accumulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Tuple
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+Engine = Literal["dk", "torch", "both"]
+LrScaling = Literal["none", "linear", "sqrt"]
+Decay = Literal["cosine", "constant"]
+
+
+class ConfigError(ValueError):
+    """A training option is missing, out of range, or inconsistent with the others."""
+
+
+@dataclass
+class ModelConfig:
+    """Size of the character-level GPT (the vocabulary comes from the corpus)."""
+
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide ``d_model`` (and ``tp``)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    seq_len: int = 64
+    """Characters per sample (the context length)."""
+    vocab_size: int = 0
+    """Distinct characters; 0 = set from the corpus."""
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Build it with :func:`from_args` or directly; call :meth:`check`."""
+
+    dp: int = 0
+    """Data-parallel replicas; 0 = world_size / (tp x pp)."""
+    tp: int = 1
+    """Tensor-parallel ranks per layer (needs ``dist_kernels.tensor_parallel``)."""
+    pp: int = 1
+    """Pipeline stages (``dk.Pipeline``); the blocks are split evenly."""
+    zero: int = 0
+    """ZeRO stage of ``dk.ShardedOptimizer`` over the data-parallel ranks: 0 = DDP, 1 or 2."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (``gpipe``, ``1f1b``, ``interleaved-1f1b``)."""
+    micro_batch: int = 4
+    """Samples per forward on one rank."""
+    grad_accum: int = 0
+    """Micro-batches per optimizer step on one rank (pipeline micro-batches with pp > 1);
+    0 = global_batch / (micro_batch x dp)."""
+    global_batch: int = 0
+    """Samples per optimizer step over all replicas; 0 = micro_batch x grad_accum x dp."""
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size in MiB, the same for our DDP / ZeRO and torch's DDP (torch: 25)."""
+    first_bucket_mb: float = 1.0
+    """Cap of the first bucket (ours; torch DDP's is fixed at 1 MiB)."""
+    dtype: Dtype = "fp32"
+    """Compute dtype: fp32, or bf16 / fp16 autocast over FP32 weights (fp16 runs without a
+    loss scaler: a short run's gradients stay in range, a long one needs bf16)."""
+    steps: int = 20
+    """Optimizer steps to take (in total, counting those before a resume)."""
+    stop_after: Optional[int] = None
+    """Stop after this step (an interruption to resume from later; the schedule still spans
+    ``steps``). None = run to ``steps``."""
+    lr: float = 1e-3
+    """Peak learning rate at the reference batch ``lr_base_batch``."""
+    lr_scaling: LrScaling = "none"
+    """How the peak rate scales with ``global_batch / lr_base_batch``: none, linear, sqrt."""
+    lr_base_batch: int = 8
+    """Global batch at which ``lr`` was tuned (the reference of ``lr_scaling``)."""
+    warmup: int = 2
+    """Linear warm-up steps."""
+    decay: Decay = "cosine"
+    """After warm-up: cosine decay to ``min_lr_ratio`` at ``steps``, or constant."""
+    min_lr_ratio: float = 0.1
+    """Final rate of the cosine decay, as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    seed: int = 0
+    """Seeds the model's initialisation and the data order (both independent of layout)."""
+    data: Optional[str] = None
+    """A text file to train on; None = the package's own sources and docs."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model size."""
+    checkpoint_dir: Optional[str] = None
+    """Directory of checkpoints (``step-<N>/`` each); None = no checkpoints."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0 = only at the end, when ``checkpoint_dir`` is set)."""
+    resume: Optional[str] = None
+    """``auto``: the newest complete checkpoint in ``checkpoint_dir`` (if any); or a path."""
+    log_every: int = 1
+    """Steps per logging interval (metrics, straggler check)."""
+    json: Optional[str] = None
+    """Write one JSON object per logged step to this file (rank 0)."""
+    plot: Optional[str] = None
+    """Write a PNG of loss, tokens/s and per-rank step times (needs matplotlib)."""
+    engine: Engine = "dk"
+    """dk (our engines), torch (torch DDP / FSDP2 over gloo), or both, one after the other."""
+    straggler_threshold: float = 0.3
+    """A rank is slow when its busy time exceeds the median by this fraction ..."""
+    straggler_min_ms: float = 10.0
+    """... and by at least this many milliseconds ..."""
+    straggler_patience: int = 2
+    """... for this many consecutive intervals."""
+    simulate_straggler: Optional[Tuple[int, float]] = None
+    """(rank, ms): sleep this long in every forward of that rank, to demonstrate detection."""
+    reference_tokens_per_s: Optional[float] = None
+    """Throughput of a 1-rank run, for scaling efficiency = tokens/s / (world x reference)."""
+    kill_after_checkpoint: Optional[Tuple[int, int]] = None
+    """(rank, step): SIGKILL that rank right after the checkpoint of that step, on the first
+    attempt only (``TORCHELASTIC_RESTART_COUNT`` 0): a fault to test elastic recovery."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+    timeout: float = 300.0
+    """Seconds any collective may wait before the run fails."""
+
+    def with_layout(self, world_size: int) -> TrainConfig:
+        """A copy with ``dp``, ``grad_accum`` and ``global_batch`` resolved for ``world_size``;
+        raises :class:`ConfigError` with the arithmetic when they do not fit."""
+        cfg = dataclasses.replace(self)
+        cfg.check()
+        if world_size % (cfg.tp * cfg.pp):
+            raise ConfigError(
+                f"world_size({world_size}) is not a multiple of tp({cfg.tp}) x pp({cfg.pp})"
+            )
+        if cfg.dp == 0:
+            cfg.dp = world_size // (cfg.tp * cfg.pp)
+        if cfg.dp * cfg.tp * cfg.pp != world_size:
+            raise ConfigError(
+                f"dp({cfg.dp}) x tp({cfg.tp}) x pp({cfg.pp}) != world_size({world_size})"
+            )
+        per_step = cfg.micro_batch * cfg.dp
+        if cfg.global_batch == 0:
+            cfg.global_batch = per_step * (cfg.grad_accum or 1)
+        if cfg.grad_accum == 0:
+            if cfg.global_batch % per_step:
+                raise ConfigError(
+                    f"global_batch({cfg.global_batch}) is not a multiple of "
+                    f"micro_batch({cfg.micro_batch}) x dp({cfg.dp}) = {per_step}"
+                )
+            cfg.grad_accum = cfg.global_batch // per_step
+        if cfg.global_batch != per_step * cfg.grad_accum:
+            raise ConfigError(
+                f"global_batch({cfg.global_batch}) != micro_batch({cfg.micro_batch}) x "
+                f"grad_accum({cfg.grad_accum}) x dp({cfg.dp}) = {per_step * cfg.grad_accum}"
+            )
+        cfg._check_layout()
+        return cfg
+
+    def check(self) -> None:
+        """Ranges and choices of single options."""
+        for name in ("tp", "pp", "micro_batch", "steps", "log_every", "lr_base_batch"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("dp", "grad_accum", "global_batch", "warmup", "checkpoint_every"):
+            _at_least(name, getattr(self, name), 0)
+        _choice("zero", self.zero, (0, 1, 2))
+        _choice("dtype", self.dtype, ("fp32", "bf16", "fp16"))
+        _choice("engine", self.engine, ("dk", "torch", "both"))
+        _choice("lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
+        _choice("decay", self.decay, ("cosine", "constant"))
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.resume is not None and self.resume == "auto" and self.checkpoint_dir is None:
+            raise ConfigError("resume=auto needs checkpoint_dir")
+        m = self.model
+        for name in ("n_layer", "n_head", "d_model", "seq_len"):
+            _at_least(f"model.{name}", getattr(m, name), 1)
+        if m.d_model % m.n_head:
+            raise ConfigError(f"d_model({m.d_model}) is not a multiple of n_head({m.n_head})")
+
+    def _check_layout(self) -> None:
+        if self.zero and self.dp == 1:
+            raise ConfigError(f"zero({self.zero}) shards over data-parallel ranks: needs dp > 1")
+        if self.pp > 1 and self.zero:
+            raise ConfigError(f"zero({self.zero}) with pp({self.pp}) > 1 is not supported yet")
+        if self.pp > 1 and self.engine != "dk":
+            raise ConfigError(f"engine={self.engine!r} supports pp=1 only (pp={self.pp})")
+        if self.pp > self.model.n_layer + 2:
+            raise ConfigError(
+                f"pp({self.pp}) > n_layer({self.model.n_layer}) + 2: a stage would be empty"
+            )
+        if self.tp > 1 and self.model.n_head % self.tp:
+            raise ConfigError(f"n_head({self.model.n_head}) is not a multiple of tp({self.tp})")
+        if self.simulate_straggler is not None:
+            rank = self.simulate_straggler[0]
+            world = self.dp * self.tp * self.pp
+            if not 0 <= rank < world:
+                raise ConfigError(
+                    f"simulate_straggler: rank {rank} not in [0, world_size({world}))"
+                )
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")

@@ -1,0 +1,279 @@
+"""The training loop: setup, steps, logging intervals, checkpoints. Runs on every rank.
+
+    result = train(cfg)     # torch.distributed initialised (gloo), or one process without it
+
+One interval (``log_every`` steps) costs one small all-gather on our Communicator: each rank's
+last loss, mean step / busy / phase times and peak memory. Rank 0 turns the rows into the
+metrics record (JSON line, progress bar) and feeds the straggler detector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import checkpoints
+from .config import TrainConfig
+from .data import CharCorpus, Sampler
+from .engines import build_engine
+from .metrics import PHASES, JsonLines, Progress, StepTimes, matmul_peak_flops, peak_memory_mb
+from .model import build_model, describe, flops_per_token
+from .stragglers import StragglerDetector, StragglerReport
+
+_ROW = ("loss", "step_ms", "busy_ms", *PHASES, "peak_mem_mb", "peak_flops")
+
+
+@dataclass
+class RunResult:
+    """What :func:`train` returns on each rank (records and reports only on rank 0)."""
+
+    engine: str
+    start_step: int
+    records: List[Dict[str, Any]] = field(default_factory=list)
+    stragglers: List[StragglerReport] = field(default_factory=list)
+    params: Dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's stage, at the end
+    summary: Dict[str, Any] = field(default_factory=dict)
+
+
+class World:
+    """Rank, world size, hosts, the mesh (our engines) and the metrics all-gather."""
+
+    def __init__(self, cfg: TrainConfig, need_mesh: bool) -> None:
+        import torch.distributed as dist
+
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.hosts = [socket.gethostname()] * self.world_size
+        self.mesh = self.comm = None
+        if self.world_size > 1:
+            from ..comm import Communicator
+            from ..mesh import ProcessMesh
+
+            dist.all_gather_object(self.hosts, socket.gethostname())
+            self.comm = Communicator()
+            if need_mesh:
+                # tp joins the mesh with the tensor-parallel issue; tp=1 keeps main's signature
+                tp = {"tp": cfg.tp} if cfg.tp > 1 else {}
+                self.mesh = ProcessMesh(dp=cfg.dp, pp=cfg.pp, **tp)
+        self.pp_rank = self.mesh.pp_rank if self.mesh is not None else 0
+        self.tp_rank = getattr(self.mesh, "tp_rank", 0)
+        self.tp_comm = getattr(self.mesh, "tp_comm", None) if cfg.tp > 1 else None
+
+    @property
+    def shard_name(self) -> str:
+        """This rank's piece of the model: its stage, and its tensor shard when tp > 1."""
+        tp = f"-tp-{self.tp_rank}" if self.tp_comm is not None else ""
+        return f"stage-{self.pp_rank}{tp}"
+
+    def gather(self, row: torch.Tensor) -> torch.Tensor:
+        """``[world_size, len(row)]``: every rank's row (one all-gather)."""
+        if self.comm is None:
+            return row[None].clone()
+        out = torch.empty(self.world_size * row.numel(), dtype=row.dtype)
+        self.comm.all_gather(out, row)
+        return out.view(self.world_size, -1)
+
+    def __call__(self) -> None:
+        """Barrier over the world (used by checkpoints)."""
+        if self.comm is not None:
+            self.comm.barrier()
+
+    def close(self) -> None:
+        for obj in (self.mesh, self.comm):
+            if obj is not None:
+                obj.close()
+
+
+def model_config(cfg: TrainConfig, corpus: CharCorpus):
+    """The model size with the corpus's vocabulary, padded to a multiple of tp (the head and
+    embedding are split by vocabulary; the padding ids never occur)."""
+    vocab = -(-corpus.vocab_size // cfg.tp) * cfg.tp
+    return dataclasses.replace(cfg.model, vocab_size=vocab)
+
+
+def train(cfg: TrainConfig, engine: Optional[str] = None, append_log: bool = False) -> RunResult:
+    """Trains ``cfg`` (layout already resolved by ``cfg.with_layout``) with ``engine``
+    ("dk" or "torch"; default ``cfg.engine``). Collective: every rank calls it. The JSON log
+    is appended to when ``append_log`` or when the run resumes a checkpoint."""
+    engine = engine or cfg.engine
+    corpus = CharCorpus.build(cfg.data, cfg.model.seq_len)
+    cfg = dataclasses.replace(cfg, model=model_config(cfg, corpus))
+    world = World(cfg, need_mesh=engine == "dk")
+    try:
+        return _Run(cfg, engine, world, corpus, append_log).run()
+    finally:
+        world.close()
+
+
+class _Run:
+    def __init__(
+        self, cfg: TrainConfig, engine: str, world: World, corpus: CharCorpus, append_log: bool
+    ) -> None:
+        self.cfg, self.engine_name, self.world = cfg, engine, world
+        self.sampler = Sampler(corpus, cfg.model.seq_len, cfg.global_batch, cfg.seed)
+        self.ident = checkpoints.identity(cfg, describe(cfg.model), corpus.fingerprint())
+        resume = checkpoints.resolve_resume(cfg, self.ident)
+        full, _ = build_model(cfg.model, cfg.seed)
+        self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
+        model, loss = (
+            (full, _) if world.tp_comm is None else build_model(cfg.model, cfg.seed, world.tp_comm)
+        )
+        self.engine = build_engine(cfg, model, loss, engine, world.mesh, world.rank)
+        self.start_step = 0
+        if resume is not None:
+            self.start_step = checkpoints.load(cfg, self.engine, resume, world.shard_name)
+        self.engine.start(self.start_step)
+        self.is_rank0 = world.rank == 0
+        self.detector = StragglerDetector(
+            cfg.straggler_threshold, cfg.straggler_min_ms, cfg.straggler_patience
+        )
+        self.result = RunResult(engine, self.start_step)
+        self.peak_flops = matmul_peak_flops(seconds=0.1)
+        self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
+        self.progress = Progress(
+            cfg.progress and self.is_rank0, cfg.steps, self.start_step, f"train[{engine}]"
+        )
+        self.json = JsonLines(
+            cfg.json if self.is_rank0 else None, append=append_log or resume is not None
+        )
+        if self.is_rank0 and resume is not None:
+            self.progress.write(f"resumed from {resume['path']} at step {self.start_step}")
+
+    def run(self) -> RunResult:
+        try:
+            self._loop()
+        finally:
+            self.progress.close()
+            self.json.close()
+            self.engine.close()
+        self.result.params = {
+            k: v.detach().clone() for k, v in self.engine.module.state_dict().items()
+        }
+        self.result.summary = _summary(self.result.records, self.start_step)
+        return self.result
+
+    def _loop(self) -> None:
+        cfg = self.cfg
+        interval: List[StepTimes] = []
+        loss = math.nan
+        wall = time.perf_counter()
+        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+        for step in range(self.start_step, end):
+            loss, times = self.engine.step(step, self.sampler)
+            interval.append(times)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == end:
+                self._log(done, loss, interval, time.perf_counter() - wall)
+                interval = []
+                wall = time.perf_counter()
+            if self._checkpoint_due(done):
+                checkpoints.save(
+                    cfg, self.engine, self.ident, done, self.world.shard_name, self.world
+                )
+                self._maybe_die(done)
+                wall = time.perf_counter()  # checkpoint time is not training throughput
+
+    def _checkpoint_due(self, done: int) -> bool:
+        cfg = self.cfg
+        if cfg.checkpoint_dir is None or self.engine_name != "dk":
+            return False
+        every = cfg.checkpoint_every
+        return done in (cfg.steps, cfg.stop_after) or (every > 0 and done % every == 0)
+
+    def _maybe_die(self, done: int) -> None:
+        fault = self.cfg.kill_after_checkpoint
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if fault is not None and fault == (self.world.rank, done) and first_attempt:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _log(self, done: int, loss: float, interval: List[StepTimes], seconds: float) -> None:
+        row = _row(loss, interval, self.peak_flops)
+        rows = self.world.gather(row)
+        if not self.is_rank0:
+            return
+        record = self._record(done, rows, len(interval), seconds)
+        self.result.records.append(record)
+        self.json.write(record)
+        self._check_stragglers(done, rows)
+        self.progress.update(
+            len(interval),
+            loss=f"{record['loss']:.4f}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+            comm_ms=_fmt(record["comm_ms"]),
+        )
+
+    def _record(self, done: int, rows: torch.Tensor, n_steps: int, seconds: float):
+        cfg, col = self.cfg, {name: i for i, name in enumerate(_ROW)}
+        step_s = seconds / n_steps
+        tokens_per_s = self.tokens_per_step / step_s
+        mean = rows.mean(dim=0)
+        record = {
+            "step": done,
+            "engine": self.engine_name,
+            "loss": float(mean[col["loss"]]),
+            "lr": self.engine.lr,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": cfg.global_batch / step_s,
+            "step_ms": step_s * 1e3,
+            "mfu": tokens_per_s * self.flops_per_token / float(rows[:, col["peak_flops"]].sum()),
+            "peak_flops": float(rows[:, col["peak_flops"]].sum()),
+            "flops_per_token": self.flops_per_token,
+        }
+        for phase in PHASES:
+            value = float(mean[col[phase]])
+            record[f"{phase}_ms"] = None if math.isnan(value) else value
+        record["rank_step_ms"] = rows[:, col["step_ms"]].tolist()
+        record["rank_busy_ms"] = rows[:, col["busy_ms"]].tolist()
+        record["peak_mem_mb"] = rows[:, col["peak_mem_mb"]].tolist()
+        if cfg.reference_tokens_per_s:
+            reference = self.world.world_size * cfg.reference_tokens_per_s
+            record["scaling_efficiency"] = tokens_per_s / reference
+        return record
+
+    def _check_stragglers(self, done: int, rows: torch.Tensor) -> None:
+        col = {name: i for i, name in enumerate(_ROW)}
+        phases = [
+            {p: (None if math.isnan(float(r[col[p]])) else float(r[col[p]])) for p in PHASES}
+            for r in rows
+        ]
+        busy = rows[:, col["busy_ms"]].tolist()
+        for report in self.detector.observe(done, busy, phases, self.world.hosts):
+            self.result.stragglers.append(report)
+            self.progress.write(str(report))
+
+
+def _row(loss: float, interval: List[StepTimes], peak_flops: float) -> torch.Tensor:
+    """This rank's metrics row (NaN for a phase its engine does not measure)."""
+    n = len(interval)
+    values = [loss, sum(t.step_ms for t in interval) / n, sum(t.busy_ms for t in interval) / n]
+    for phase in PHASES:
+        per_step = [t.phases[phase] for t in interval]
+        values.append(math.nan if None in per_step else sum(per_step) / n)
+    values += [peak_memory_mb(), peak_flops]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _summary(records: List[Dict[str, Any]], start_step: int) -> Dict[str, Any]:
+    """Means over the logged intervals after the first (which pays warm-up and planning)."""
+    if not records:
+        return {}
+    steady = records[1:] or records
+    out: Dict[str, Any] = {"final_loss": records[-1]["loss"], "steps": records[-1]["step"]}
+    for key in ("tokens_per_s", "step_ms", "mfu", *(f"{p}_ms" for p in PHASES)):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None
+    out["peak_mem_mb"] = max(max(r["peak_mem_mb"]) for r in records)
+    return out
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -1,0 +1,263 @@
+"""The parallel layouts the driver trains with: one small class per engine family.
+
+Each engine owns its model wrapper and optimizer and runs one optimizer step of the replica's
+batch, returning the replica's loss and the step's phase times (``metrics.PHASES``):
+
+``DataParallel``  dp (dk.DDP or torch DDP), ZeRO (dk.ShardedOptimizer or torch FSDP2), or one
+                  process; gradient accumulation under the engine's ``no_sync``
+``Pipelined``     dk.Pipeline over a ProcessMesh (its micro-batches are the accumulation);
+                  forward and backward interleave inside the schedule, so only the step time
+                  and the optimizer time are split out
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .. import lr as dk_lr
+from .config import TrainConfig
+from .data import Sampler
+from .metrics import LastGradClock, StepTimes
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1e3
+
+
+def peak_lr(cfg: TrainConfig) -> float:
+    return dk_lr.scale_lr(cfg.lr, cfg.global_batch, cfg.lr_base_batch, cfg.lr_scaling)
+
+
+def make_scheduler(cfg: TrainConfig, optimizer: Any, start_step: int):
+    if cfg.decay == "cosine":
+        return dk_lr.warmup_cosine(
+            optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last_epoch=start_step - 1
+        )
+    return dk_lr.warmup_constant(optimizer, cfg.warmup, last_epoch=start_step - 1)
+
+
+def _adamw_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
+    return {"lr": peak_lr(cfg), "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
+
+
+class _Delay:
+    """--simulate-straggler: this rank sleeps ``ms`` in the first forward of every step."""
+
+    def __init__(self, cfg: TrainConfig, rank: int) -> None:
+        hit = cfg.simulate_straggler is not None and cfg.simulate_straggler[0] == rank
+        self.seconds = cfg.simulate_straggler[1] / 1e3 if hit else 0.0
+
+    def __call__(self) -> None:
+        if self.seconds:
+            time.sleep(self.seconds)
+
+
+class DataParallel:
+    """Data parallelism (any engine) with gradient accumulation; also the one-process case."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: nn.Sequential,
+        loss_fn: Callable,
+        engine: str,
+        mesh: Any,
+        rank: int,
+    ) -> None:
+        self.cfg, self.engine, self.module, self.loss_fn = cfg, engine, model, loss_fn
+        # torch's engine (no mesh) runs pp = tp = 1: its data-parallel group is the world
+        self.dp_rank = mesh.dp_rank if mesh is not None else rank
+        dp_comm = mesh.dp_comm if mesh is not None else None
+        self.delay = _Delay(cfg, rank)
+        world_size = cfg.dp
+        self.forward, self.optimizer, self._no_sync = self._wrap(
+            cfg, model, engine, dp_comm, world_size
+        )
+        # FSDP2 hands reduced gradients to its sharded parameters after its reduce-scatter, so
+        # a gradient hook there does not mark the end of compute: its comm is not measured.
+        self.measures_comm = not (engine == "torch" and cfg.zero and world_size > 1)
+        self.clock = LastGradClock(list(model.parameters()))
+        self.scheduler = None  # set by start(), once the resume step is known
+
+    @staticmethod
+    def _wrap(cfg, model, engine, dp_comm, world) -> Tuple[Callable, Any, Callable[[bool], Any]]:
+        """(forward callable, optimizer, no_sync(last micro-batch?) context factory)."""
+        kwargs = _adamw_kwargs(cfg)
+        if engine == "dk" and cfg.zero:
+            from ..zero import ShardedOptimizer
+
+            opt = ShardedOptimizer(
+                model.parameters(),
+                torch.optim.AdamW,
+                dp_comm,
+                stage=cfg.zero,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                **kwargs,
+            )
+            return model, opt, lambda last: contextlib.nullcontext() if last else opt.no_sync()
+        if engine == "torch" and cfg.zero and world > 1:
+            return _fsdp2(model, kwargs)
+        opt = torch.optim.AdamW(model.parameters(), **kwargs)
+        if world == 1:
+            return model, opt, lambda last: contextlib.nullcontext()
+        if engine == "dk":
+            from ..ddp import DistributedDataParallel
+
+            ddp = DistributedDataParallel(
+                model,
+                dp_comm,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                first_bucket_mb=min(cfg.first_bucket_mb, cfg.bucket_cap_mb),
+            )
+        else:
+            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
+        return ddp, opt, lambda last: contextlib.nullcontext() if last else ddp.no_sync()
+
+    def start(self, start_step: int) -> None:
+        self.scheduler = make_scheduler(self.cfg, self.optimizer, start_step)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the last step used (the scheduler has moved on since)."""
+        return self._last_lr
+
+    def step(self, step: int, sampler: Sampler) -> Tuple[float, StepTimes]:
+        cfg, times = self.cfg, StepTimes()
+        begin = time.perf_counter()
+        per_replica = cfg.micro_batch * cfg.grad_accum
+        inputs, targets = sampler.replica_batch(step, self.dp_rank, per_replica)
+        loss_sum = 0.0
+        for k in range(cfg.grad_accum):
+            part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
+            with self._no_sync(k == cfg.grad_accum - 1):
+                loss_sum += self._micro_step(inputs[part], targets[part], times, k == 0)
+        t0 = time.perf_counter()
+        self._last_lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        end = time.perf_counter()
+        times.add("optimizer", _ms(end - t0))
+        times.step_ms = _ms(end - begin)
+        return loss_sum, times
+
+    def _micro_step(self, x, y, times: StepTimes, first: bool) -> float:
+        t0 = time.perf_counter()
+        if first:
+            self.delay()
+        with _autocast(self.cfg.dtype):
+            loss = self.loss_fn(self.forward(x), y) / self.cfg.grad_accum
+        t1 = time.perf_counter()
+        self.clock.stamp = None
+        loss.backward()
+        t2 = time.perf_counter()
+        last_grad = self.clock.stamp if self.clock.stamp is not None else t2
+        if not self.measures_comm:
+            last_grad = t2
+        times.add("forward", _ms(t1 - t0))
+        times.add("backward", _ms(last_grad - t1))
+        times.add("comm", _ms(t2 - last_grad) if self.measures_comm else None)
+        return float(loss.detach())
+
+    def close(self) -> None:
+        self.clock.close()
+        for obj in (self.optimizer, self.forward):
+            close = getattr(obj, "close", None) if obj is not self.module else None
+            if close is not None:
+                close()
+
+
+def _fsdp2(model: nn.Sequential, kwargs: Dict[str, Any]):
+    """torch FSDP2 over the default (gloo) group: every child sharded, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model:
+        fully_shard(child)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), **kwargs)
+
+    @contextlib.contextmanager
+    def sync(last: bool):
+        model.set_requires_gradient_sync(last)
+        yield
+
+    return model, opt, sync
+
+
+class Pipelined:
+    """dk.Pipeline over ``mesh`` (dp x pp); grad_accum micro-batches per step."""
+
+    def __init__(
+        self, cfg: TrainConfig, model: nn.Sequential, loss_fn: Callable, mesh: Any, rank: int
+    ) -> None:
+        from ..pipeline import Pipeline
+
+        self.cfg, self.mesh = cfg, mesh
+        self.dp_rank = mesh.dp_rank
+        self.delay = _Delay(cfg, rank)
+        self.pipe = Pipeline(
+            model,
+            mesh,
+            n_microbatches=cfg.grad_accum,
+            schedule=cfg.schedule,
+            loss_fn=loss_fn,
+            print_partition=False,
+        )
+        self.module = self.pipe.stage_module
+        self.optimizer = torch.optim.AdamW(self.pipe.parameters(), **_adamw_kwargs(cfg))
+        self.scheduler = None
+
+    start = DataParallel.start
+    lr = DataParallel.lr
+
+    def step(self, step: int, sampler: Sampler) -> Tuple[float, StepTimes]:
+        cfg = self.cfg
+        times = StepTimes(phases={"forward": None, "backward": None, "comm": None})
+        times.phases["optimizer"] = 0.0
+        begin = time.perf_counter()
+        inputs, targets = sampler.replica_batch(
+            step, self.dp_rank, cfg.micro_batch * cfg.grad_accum
+        )
+        self.delay()
+        with _autocast(cfg.dtype):
+            loss = float(self.pipe.step(inputs, targets))
+        t0 = time.perf_counter()
+        self._last_lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        end = time.perf_counter()
+        times.add("optimizer", _ms(end - t0))
+        times.step_ms = _ms(end - begin)
+        return loss, times
+
+    def close(self) -> None:
+        for ddp in self.pipe.ddp.values():
+            ddp.close()
+
+
+def _autocast(dtype: str):
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=_AUTOCAST[dtype])
+
+
+def build_engine(
+    cfg: TrainConfig,
+    model: nn.Sequential,
+    loss_fn: Callable,
+    engine: str,
+    mesh: Optional[Any],
+    rank: int,
+):
+    """The engine of ``cfg``'s layout; ``mesh`` is None for the torch engine and one process."""
+    if cfg.pp > 1:
+        return Pipelined(cfg, model, loss_fn, mesh, rank)
+    return DataParallel(cfg, model, loss_fn, engine, mesh, rank)

@@ -1,0 +1,281 @@
+"""Torch DDP's surface that real scripts use, each against torch DDP (gloo) in the same ranks.
+
+- ``require_backward_grad_sync`` set per micro-step (nanoGPT's gradient accumulation);
+- a user hook that raises midway through a synchronised backward: peers are released at once
+  (no timeout) and the next step is exact;
+- ``state_dict`` / ``load_state_dict`` round trips with torch DDP, ``process_group``,
+  ``gradient_as_bucket_view``, ``static_graph`` (see the tests below).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+from mp_pool import run_ranks
+from test_ddp import MLP, SEED, _init_comm, _params, _rel_diff
+
+FP32_RTOL = 1e-5
+MICRO = 2  # micro-steps per optimizer step
+STEPS = 3
+
+
+def _micro_batches(world: int) -> List[List[List[tuple]]]:
+    """[step][micro][rank] -> (x, y), identical on every rank."""
+    gen = torch.Generator().manual_seed(SEED + 11)
+    return [
+        [
+            [(torch.randn(3, 16, generator=gen), torch.randn(3, 4, generator=gen))
+             for _ in range(world)]
+            for _ in range(MICRO)
+        ]
+        for _ in range(STEPS)
+    ]  # fmt: skip
+
+
+def _train_nanogpt(model: nn.Module, data, rank: int) -> nn.Module:
+    """nanoGPT's loop: the attribute, not no_sync(), decides which micro-step synchronises."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in data:
+        for micro, per_rank in enumerate(step):
+            model.require_backward_grad_sync = micro == MICRO - 1
+            x, y = per_rank[rank]
+            (nn.functional.mse_loss(model(x), y) / MICRO).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def _nanogpt_case() -> Dict[str, object]:
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    base = MLP()
+    data = _micro_batches(world)
+    ours = dk.DDP(copy.deepcopy(base), bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    per_pass = len(ours.bucket_layouts)
+    _train_nanogpt(ours, data, rank)
+    theirs = _train_nanogpt(nn.parallel.DistributedDataParallel(copy.deepcopy(base)), data, rank)
+    toggled = []
+    for model in (ours, theirs):
+        with model.no_sync():
+            toggled.append(model.require_backward_grad_sync)
+        toggled.append(model.require_backward_grad_sync)
+    return {
+        "vs_torch": _rel_diff(_params(ours), _params(theirs)),
+        "rounds_per_step": ours.reductions_launched / per_pass / STEPS,
+        "buckets": per_pass,
+        "toggled": toggled,
+    }
+
+
+def test_require_backward_grad_sync_nanogpt_accumulation():
+    print(f"seed {SEED}")
+    for rank, r in enumerate(run_ranks(2, _nanogpt_case, timeout=120)):
+        print(f"rank {rank}: {r}")
+        assert r["buckets"] > 1, r  # several buckets: a round is every one of them
+        assert r["rounds_per_step"] == 1, r  # ignoring the attribute gives 2 (one per micro)
+        assert r["vs_torch"] < FP32_RTOL, r
+        assert r["toggled"] == [False, True, False, True], r
+
+
+# ----------------------------------------------------------------------------- raising hook
+
+
+class _Raising(MLP):
+    """MLP whose backward raises at the output of fc2 (the head's bucket is already sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raise_in_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        if self.raise_in_backward and h.requires_grad:
+            h.register_hook(_raise_from_hook)
+        return self.head(h)
+
+
+def _raise_from_hook(grad: torch.Tensor) -> None:
+    raise ValueError("user hook failed")
+
+
+def _raising_hook_case() -> Dict[str, object]:
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    base = _Raising()
+    data = _micro_batches(world)[0]
+    ours = dk.DDP(copy.deepcopy(base), bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    x0, y0 = data[0][rank]
+    out: Dict[str, object] = {"buckets": len(ours.bucket_layouts)}
+    # Step 1 on both engines: rank 1's user hook raises midway through backward.
+    ours.module.raise_in_backward = rank == 1
+    start = time.monotonic()
+    try:
+        nn.functional.mse_loss(ours(x0), y0).backward()
+        out["error"] = "no error"
+    except (RuntimeError, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    ours.module.raise_in_backward = False
+    ours.zero_grad(set_to_none=True)
+    # Step 2, normal, on both engines from the same parameters: gradients must agree.
+    x1, y1 = data[1][rank]
+    prediction = ours(x1)  # rank 1's forward completes the abandoned pass first
+    launched = ours.reductions_launched
+    nn.functional.mse_loss(prediction, y1).backward()
+    out["rounds"] = (ours.reductions_launched - launched) / out["buckets"]
+    nn.functional.mse_loss(theirs(x1), y1).backward()
+    grads = [{n: p.grad.clone() for n, p in m.module.named_parameters()} for m in (ours, theirs)]
+    out["grad_vs_torch"] = _rel_diff(grads[0], grads[1])
+    return out
+
+
+def test_raising_user_hook_releases_peers_and_next_backward_works():
+    print(f"seed {SEED}")
+    results = run_ranks(2, _raising_hook_case, timeout=90)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+        assert r["buckets"] > 1, r
+        # The group's timeout is 120 s: a peer waiting for it would take that long.
+        assert r["seconds"] < 30, r
+        assert r["rounds"] == 1, r
+        assert r["grad_vs_torch"] < FP32_RTOL, r
+    assert results[1]["error"] == "ValueError: user hook failed"
+    assert "1 other rank(s) abandoned this backward" in results[0]["error"], results[0]
+
+
+# ----------------------------------------------------------------------------- the rest
+
+
+class _Unused(MLP):
+    """MLP with a layer no forward uses (static_graph allows it without find_unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(4, 4)
+
+
+def _train_steps(model: nn.Module, data, rank: int) -> nn.Module:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in data:
+        x, y = step[0][rank]
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep .grad tensors: their identity is checked
+    return model
+
+
+def _in_buckets(model, tensor: torch.Tensor) -> bool:
+    start = tensor.data_ptr()
+    return any(
+        b.data_ptr() <= start < b.data_ptr() + b.numel() * b.element_size() for b in model.buckets
+    )
+
+
+def _surface_cases() -> Dict[str, object]:
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    base, unused = MLP(), _Unused()
+    data = _micro_batches(world)
+    theirs = _train_steps(nn.parallel.DistributedDataParallel(copy.deepcopy(base)), data, rank)
+    out: Dict[str, object] = {}
+    # process_group (torch's name) and gradient_as_bucket_view either way.
+    for views in (True, False):
+        ours = dk.DDP(
+            copy.deepcopy(base), process_group=dist.group.WORLD, gradient_as_bucket_view=views
+        )
+        _train_steps(ours, data, rank)
+        out[f"views={views} vs torch"] = _rel_diff(_params(ours), _params(theirs))
+        out[f"views={views} grads in buckets"] = [
+            _in_buckets(ours, p.grad) for p in ours.module.parameters()
+        ]
+        out[f"views={views} module"] = ours.module.__class__.__name__
+        out[f"views={views} group is WORLD"] = ours.process_group is dist.group.WORLD
+    for name, kwargs in (("comm and process_group", {"comm": dk.get_default_communicator(),
+                                                      "process_group": dist.group.WORLD}),
+                         ("device_ids on cpu", {"device_ids": [0]}),
+                         ("dim", {"dim": 1})):  # fmt: skip
+        try:
+            dk.DDP(copy.deepcopy(base), **kwargs)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    # static_graph: a never-used layer, without find_unused_parameters, as torch.
+    for how in ("argument", "_set_static_graph"):
+        if how == "argument":
+            ours = dk.DDP(copy.deepcopy(unused), static_graph=True)
+        else:
+            ours = dk.DDP(copy.deepcopy(unused))
+            ours._set_static_graph()
+        _train_steps(ours, data, rank)
+        ref = _train_steps(
+            nn.parallel.DistributedDataParallel(copy.deepcopy(unused), static_graph=True),
+            data,
+            rank,
+        )
+        out[f"static {how} vs torch"] = _rel_diff(_params(ours), _params(ref))
+        out[f"static {how} no grad"] = [
+            [n for n, p in m.module.named_parameters() if p.grad is None] for m in (ours, ref)
+        ]
+    out["static flag"] = ours.static_graph
+    # state_dict round trips with torch DDP checkpoints ("module." prefix, as torch).
+    ours = dk.DDP(copy.deepcopy(base))
+    ours.load_state_dict(theirs.state_dict())
+    out["torch -> ours"] = _rel_diff(_params(ours), _params(theirs))
+    fresh_torch = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    fresh_torch.load_state_dict(ours.state_dict())
+    out["ours -> torch"] = _rel_diff(_params(fresh_torch), _params(theirs))
+    out["keys"] = list(ours.state_dict()) == list(theirs.state_dict())
+    plain = copy.deepcopy(base)
+    state = ours.state_dict()
+    nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "module.")
+    plain.load_state_dict(state)
+    out["stripped -> plain"] = _rel_diff(_params(plain), _params(theirs))
+    for model in (ours, fresh_torch):  # an unprefixed checkpoint is refused by both
+        try:
+            model.load_state_dict(copy.deepcopy(base).state_dict())
+            out.setdefault("unprefixed", []).append("no error")
+        except RuntimeError as e:
+            out.setdefault("unprefixed", []).append("Missing key(s)" in str(e))
+    return out
+
+
+def test_process_group_bucket_views_static_graph_and_state_dict_as_torch():
+    print(f"seed {SEED}")
+    for rank, r in enumerate(run_ranks(2, _surface_cases, timeout=120)):
+        print(f"rank {rank}: {r}")
+        for views in (True, False):
+            assert r[f"views={views} vs torch"] < FP32_RTOL, r
+            assert r[f"views={views} grads in buckets"] == [views] * 6, r
+            assert r[f"views={views} module"] == "MLP"
+            assert r[f"views={views} group is WORLD"]
+        assert "not both" in r["comm and process_group"], r
+        assert "single-device CUDA modules only" in r["device_ids on cpu"], r
+        assert "dim must be 0" in r["dim"], r
+        for how in ("argument", "_set_static_graph"):
+            assert r[f"static {how} vs torch"] < FP32_RTOL, r
+            ours_none, torch_none = r[f"static {how} no grad"]
+            assert ours_none == torch_none == ["spare.weight", "spare.bias"], r
+        assert r["static flag"] is True
+        for key in ("torch -> ours", "ours -> torch", "stripped -> plain"):
+            assert r[key] == 0.0, (key, r)
+        assert r["keys"] and r["unprefixed"] == [True, True], r
