@@ -10,7 +10,16 @@ Configurations, each on a fresh copy of the same model, in one process per rank:
   every rank (torch DDP on gloo stands in, labelled so, where dist_kernels.ddp is not available);
 * ``torch ZeRO (gloo)``: ``torch.distributed.optim.ZeroRedundancyOptimizer`` over torch DDP on
   gloo with torch's fused AdamW (``fused=True``, its fastest CPU AdamW), the baseline every ratio
-  is taken against.
+  is taken against;
+* ``dk zero-3``: stage 3 (parameters sharded too, gathered per transformer block);
+* ``torch FSDP2 (gloo)``: ``torch.distributed.fsdp.fully_shard`` per block and on the root,
+  over gloo, with torch's fused AdamW: the stage 3 baseline.
+
+The memory table gives bytes per rank measured from the tensors each configuration holds
+(parameters, gradients, optimizer state, the engine's communication buffers; torch DDP's
+internal gradient buckets are not reachable from Python and appear only in the RSS), the ZeRO
+formula for the configuration's stage, and the process's peak RSS during the configuration
+(``/proc/self/clear_refs`` resets the high-water mark before each one) minus its RSS before.
 
 A step is forward + backward + optimizer step (+ zero_grad); the median over the timed steps is
 printed, after warm-up steps. State bytes are measured from the optimizer's tensors on rank 0;
@@ -73,11 +82,63 @@ class Transformer(torch.nn.Module):
 
 
 def _tensor_bytes(tensors) -> int:
+    tensors = [getattr(t, "_local_tensor", t) for t in tensors]  # a DTensor: this rank's shard
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return _tensor_bytes(v for s in optimizer.state.values() for v in s.values() if v.numel() > 1)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views count once)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _torch_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+    """Bytes per kind that a torch configuration holds, from its tensors."""
+    state = [v for s in optimizer.state.values() for v in s.values() if v.numel() > 1]
+    return {
+        "parameters": _storage_bytes(model.parameters()),
+        "gradients": _storage_bytes(p.grad for p in model.parameters()),
+        "optimizer_state": _storage_bytes(state),
+        "buffers": 0,
+    }
+
+
+def _formula(stage: int, numel: int, world_size: int) -> int:
+    """ZeRO paper, FP32 Adam (4 + 4 + 8 bytes per parameter), bytes per rank; stage 0: plain
+    data parallelism (everything replicated)."""
+    shard = numel / world_size
+    return int(
+        {0: 16 * numel, 1: 8 * numel + 8 * shard, 2: 4 * numel + 12 * shard, 3: 16 * shard}[stage]
+    )
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> int:
+    """Resets the peak-RSS counter (Linux clear_refs 5); returns the RSS now, in kB."""
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _rss_kb("VmRSS")
 
 
 def _comm() -> Tuple[Any, str]:
@@ -95,11 +156,25 @@ def _configs(args, comm) -> List[Tuple[str, Callable]]:
         def build(model):
             import dist_kernels as dk
 
-            opt = dk.ShardedOptimizer(model.parameters(), FusedAdamW, comm, stage=stage, **kwargs)
+            extra = {"module": model} if stage == 3 else {}
+            opt = dk.ShardedOptimizer(
+                model.parameters(), FusedAdamW, comm, stage=stage, **extra, **kwargs
+            )
             master = opt.state_bytes()["master"]
             return model, opt, lambda: _state_bytes(opt.optim), opt.gradient_bytes, master
 
         return build
+
+    def torch_fsdp2(model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
+        return model, opt, lambda: _state_bytes(opt), lambda: _grad_bytes(model), 0
 
     has_dk_ddp = importlib.util.find_spec("dist_kernels.ddp") is not None
 
@@ -124,6 +199,8 @@ def _configs(args, comm) -> List[Tuple[str, Callable]]:
         ("torch ZeRO fused (gloo)", torch_zero),
         ("dk zero-1", sharded(1)),
         ("dk zero-2", sharded(2)),
+        ("dk zero-3", sharded(3)),
+        ("torch FSDP2 (gloo)", torch_fsdp2),
         ("dk DDP + AdamW" if has_dk_ddp else "torch DDP + AdamW", dk_ddp),
     ]
 
@@ -132,8 +209,10 @@ def _grad_bytes(model: torch.nn.Module) -> int:
     return _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
 
 
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def _params(model: torch.nn.Module, opt: Any) -> torch.Tensor:
+    """Full parameter values (stage 3 and FSDP2 gather theirs: collective)."""
+    with _full_parameters(opt):
+        return torch.cat([_full(p).detach().reshape(-1) for p in model.parameters()])
 
 
 def _check_against(reference, params: torch.Tensor, name: str, tolerance: float) -> float:
@@ -155,13 +234,14 @@ def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
     """Warm-up steps, the correctness check against ``reference`` (the baseline's parameters
     after its warm-up; None for the baseline itself), then the timed steps."""
     torch.manual_seed(0)
+    rss_before = _reset_peak_rss()
     model = Transformer(args.vocab, args.d_model, args.layers, args.heads, args.seq)
     wrapped, opt, state_bytes, grad_bytes, master_bytes = build(model)
     g = torch.Generator().manual_seed(1 + rank)
     times, peak_grad, diff, warm = [], 0, None, None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            warm = _params(model)
+            warm = _params(model, opt)
             diff = _check_against(reference, warm, name, args.tolerance)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
         start = time.perf_counter()
@@ -169,11 +249,17 @@ def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         peak_grad = max(peak_grad, grad_bytes())
+        if step == args.warmup + args.steps - 1:  # bytes held after backward, untimed
+            probe = time.perf_counter()
+            memory = _memory_of(opt, model, build)
+            start += time.perf_counter() - probe
         opt.step()
         opt.zero_grad()
         elapsed = time.perf_counter() - start
         if step >= args.warmup:
             times.append(elapsed)
+    peak_rss = _rss_kb("VmHWM") - rss_before
+    stage = opt.stage if hasattr(opt, "memory_report") else _TORCH_STAGES[build.__name__]
     result = {
         "ms": 1e3 * statistics.median(times),
         "state": state_bytes(),
@@ -181,10 +267,56 @@ def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
         "grad": peak_grad,
         "warm_params": warm,
         "diff": diff,
+        "memory": memory,
+        "stage": stage,
+        "rss": peak_rss * 1024,
     }
     if hasattr(opt, "close"):
         opt.close()
     return result
+
+
+_TORCH_STAGES = {
+    "torch_zero": 1,
+    "torch_zero_fused": 1,
+    "torch_fsdp2": 3,
+    "dk_ddp": 0,
+}  # what each one shards
+
+
+def _memory_of(opt, model, build) -> Dict[str, int]:
+    if hasattr(opt, "memory_report"):
+        return dict(opt.memory_report().measured)
+    return _torch_memory(model, getattr(opt, "optim", opt))
+
+
+def _full_parameters(opt):
+    import contextlib
+
+    return opt.full_parameters() if hasattr(opt, "full_parameters") else contextlib.nullcontext()
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a DTensor
+
+
+def _print_memory(rows, numel: int, world_size: int) -> None:
+    """Bytes per rank from the tensors, the ZeRO formula beside them, and the peak RSS."""
+    print(
+        f"\n{'config':24s} {'params MB':>10s} {'grads MB':>9s} {'state MB':>9s} "
+        f"{'buffers MB':>11s} {'total MB':>9s} {'formula MB':>11s} {'vs formula':>11s} "
+        f"{'peak RSS MB':>12s}"
+    )
+    for name, r in rows:
+        m = r["memory"]
+        total = sum(m.values())
+        stage = r["stage"]
+        formula = _formula(stage, numel, world_size)
+        print(
+            f"{name:24s} {m['parameters'] / 1e6:10.1f} {m['gradients'] / 1e6:9.1f} "
+            f"{m['optimizer_state'] / 1e6:9.1f} {m['buffers'] / 1e6:11.1f} {total / 1e6:9.1f} "
+            f"{formula / 1e6:8.1f} z{stage} {total / formula:10.2f}x {r['rss'] / 1e6:12.1f}"
+        )
 
 
 def _worker(rank: int, world_size: int, port: int, args) -> None:
@@ -200,9 +332,12 @@ def _worker(rank: int, world_size: int, port: int, args) -> None:
         ).parameters()
     )
     comm, comm_kind = _comm()
+    configs = _configs(args, comm)
+    warm = argparse.Namespace(**{**vars(args), "warmup": 0, "steps": 1})
+    _run_config(configs[0][1], warm, rank, "set-up", None)  # one-time process set-up, untimed
     rows = []
     reference = None  # the baseline (first config) after its warm-up
-    for name, build in _configs(args, comm):
+    for name, build in configs:
         dist.barrier()
         result = _run_config(build, args, rank, name, reference)
         warm = result.pop("warm_params")
@@ -229,6 +364,7 @@ def _worker(rank: int, world_size: int, port: int, args) -> None:
                 f"{r['state'] / 1e6:14.1f} {r['master'] / 1e6:15.1f} {r['grad'] / 1e6:13.1f} "
                 f"{diff:13.2e}"
             )
+        _print_memory(rows, numel, world_size)
     dist.barrier()
     dist.destroy_process_group()
 

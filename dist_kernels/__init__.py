@@ -37,6 +37,9 @@ _use_installed_extension()
 
 from ._version import __version__  # noqa: E402
 from .dtypes import ReduceOp  # noqa: E402
+from .torch_backend import register as _register_torch_backend  # noqa: E402
+
+_register_torch_backend()  # torch.distributed backend "dk"; loads nothing compiled
 
 # public name -> module (relative to this package) that defines it
 _LAZY: Dict[str, str] = {
@@ -80,6 +83,8 @@ _SUBMODULES: Dict[str, str] = {
     "ddp_hooks": "ddp.hooks",
     "lr": "lr",
     "train": "train",
+    "tensor_parallel": "tensor_parallel",
+    "models": "models",
     "local_sgd": "local_sgd",
     "param_server": "param_server",
 }

@@ -172,18 +172,6 @@ def _group_records(optimizer: Any, names: Dict[int, str], rank: int) -> List[Dic
     return records
 
 
-def _split_state(state: Dict[str, Any], shard_numel: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """Optimizer state of one shard: element-wise tensors (resharded) and the rest (replicated,
-    e.g. ``step``)."""
-    elementwise, replicated = {}, {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.numel() == shard_numel and value.dim() == 1:
-            elementwise[key] = value.detach().cpu()
-        else:
-            replicated[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
-    return elementwise, replicated
-
-
 def _jsonable(value: Any) -> Any:
     try:
         json.dumps(value)
@@ -283,16 +271,13 @@ def _all_gather_rows(comm: Any, world_size: int, row: torch.Tensor) -> torch.Ten
 
 def _shard_payload(optimizer: Any, rank: int) -> Dict[str, Any]:
     groups = []
-    for fg in optimizer.flat_groups:
-        state = optimizer.optim.state.get(fg.shard, {})
-        elementwise, replicated = _split_state(state, fg.plan.shard_numel)
+    for g, fg in enumerate(optimizer.flat_groups):
+        master, elementwise, replicated = optimizer.shard_tensors(g)
+        replicated = {
+            k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in replicated.items()
+        }
         groups.append(
-            {
-                "key": fg.plan.key,
-                "master": fg.shard.detach().cpu(),
-                "state": elementwise,
-                "replicated": replicated,
-            }
+            {"key": fg.plan.key, "master": master, "state": elementwise, "replicated": replicated}
         )
     return {"format": FORMAT, "rank": rank, "world_size": optimizer.world_size, "groups": groups}
 
@@ -318,16 +303,14 @@ def _commit(
         "model_rest": _model_rest(model, managed),
         "extra": extra,
     }
-    first_state = optimizer.optim.state.get(optimizer.flat_groups[0].shard, {})
-    step = first_state.get("step")
+    _, first_state, first_replicated = optimizer.shard_tensors(0)
+    step = first_replicated.get("step")
     layout = {
         "format": FORMAT,
         "world_size": optimizer.world_size,
         "stage": optimizer.stage,
         "optimizer_class": meta["optimizer_class"],
-        "state_keys": sorted(
-            _split_state(first_state, optimizer.flat_groups[0].plan.shard_numel)[0]
-        ),
+        "state_keys": sorted(first_state),
         "step": float(step) if step is not None else None,
         "scaler": _jsonable(scaler_state),
         "groups": _group_records(optimizer, names, 0),
@@ -582,20 +565,12 @@ def _plan_optimizer_load(path, manifest, layout, meta, model, optimizer):
     rest = meta["model_rest"]
 
     def apply() -> None:
-        local_state = {"state": {}, "param_groups": []}
-        for i, (state, replicated, options) in enumerate(new_states):
-            if state or replicated:
-                local_state["state"][i] = {**replicated, **state}
-            current_options = {
-                k: v for k, v in optimizer.optim.param_groups[i].items() if k != "params"
-            }
-            local_state["param_groups"].append({**current_options, **options, "params": [i]})
-        optimizer.load_local_state_dict(local_state)
-        with torch.no_grad():
-            for fg, master in zip(optimizer.flat_groups, new_shards):
-                fg.shard.copy_(master)
-        optimizer.zero_grad()
-        optimizer._all_gather_params()
+        optimizer.load_shard_tensors(
+            [
+                (master, state, replicated, options)
+                for master, (state, replicated, options) in zip(new_shards, new_states)
+            ]
+        )
         if model is not None and rest:
             model.load_state_dict(rest, strict=False)
 

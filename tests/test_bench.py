@@ -67,7 +67,9 @@ def test_all_reduce_end_to_end(tmp_path):
     plot = tmp_path / "busbw.png"
     argv = ["-b", "8", "-e", "4096", "-f", "8", "--iters", "3", "--warmup", "1"]
     result = _run_bench(tmp_path, *argv, "--plot", str(plot))
-    _check_rows(result, "all_reduce", 2, ["ring", "tree", "auto"])
+    # torchdk: dist.all_reduce on a "dk" group, on the same communicator
+    _check_rows(result, "all_reduce", 2, ["ring", "tree", "auto", "torchdk"])
+    assert "# ProcessGroup layer (torchdk over auto): <= 64 KiB:" in result["stdout"]
     assert sorted({r["size"] for r in result["rows"]}) == [8, 64, 512, 4096]
     assert all(r["iters"] == 3 and r["warmup"] == 1 for r in result["rows"])
     meta = result["meta"]
@@ -92,8 +94,9 @@ def test_other_ops_three_ranks(tmp_path, op, extra):
     argv = ["--nproc", "3", "--op", op, "-b", "8", "-e", "512", "-f", "64"]
     result = _run_bench(tmp_path, *argv, "--iters", "2", "--warmup", "1", *extra)
     algorithms = result["meta"]["algorithms"]
-    # reduce_scatter has only the ring ("auto" runs it): rows are named by what ran
-    expected = {"reduce_scatter": ["ring"]}.get(op, ["default"])
+    # reduce_scatter has only the ring ("auto" runs it): rows are named by what ran; the
+    # torch-API row (dist.* on a "dk" group) follows on CPU
+    expected = {"reduce_scatter": ["ring"]}.get(op, ["default"]) + ["torchdk"]
     assert algorithms == expected, algorithms
     _check_rows(result, op, 3, algorithms)
     if op in ("reduce_scatter", "all_gather"):
@@ -110,7 +113,7 @@ def test_other_ops_three_ranks(tmp_path, op, extra):
 def test_sendrecv_end_to_end(tmp_path, nproc, extra):
     argv = ["--nproc", str(nproc), "--op", "sendrecv", "-b", "8", "-e", "64K", "-f", "64"]
     result = _run_bench(tmp_path, *argv, "--iters", "2", "--warmup", "1", *extra)
-    _check_rows(result, "sendrecv", nproc, ["default"])
+    _check_rows(result, "sendrecv", nproc, ["default", "torchdk"])
     meta, rows = result["meta"], result["rows"]
     assert meta["placements"] == ["out_of_place"] and meta["summary_placement"] == "out_of_place"
     assert sorted({r["size"] for r in rows}) == [8, 512, 32768]

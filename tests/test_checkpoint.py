@@ -30,8 +30,9 @@ def _engine(stage, opt_name, seed=SEED):
     comm = make_comm()
     model = make_model(seed)
     cls, kwargs = OPTIMIZERS[opt_name]
+    extra = {"module": model} if stage == 3 else {}
     opt = dk.ShardedOptimizer(
-        model.parameters(), cls, comm, stage=stage, bucket_cap_mb=0.001, **kwargs
+        model.parameters(), cls, comm, stage=stage, bucket_cap_mb=0.001, **extra, **kwargs
     )
     return comm, model, opt
 
@@ -48,9 +49,11 @@ def _save_after(path, stage, opt_name, steps):
     comm, model, opt = _engine(stage, opt_name)
     _train(comm, model, opt, range(steps))
     ckpt.save(path, model=model, optimizer=opt, extra={"step": steps})
+    with opt.full_parameters():
+        values = [p.detach().clone() for p in model.parameters()]
     opt.close()
     comm.close()
-    return [p.detach().clone() for p in model.parameters()]
+    return values
 
 
 def _load_and_continue(path, stage, opt_name, start, stop):
@@ -60,9 +63,11 @@ def _load_and_continue(path, stage, opt_name, start, stop):
     step = float(next(iter(opt.optim.state.values()))["step"])
     _train(comm, model, opt, range(start, stop))
     ref, _ = reference_run(opt_name, comm.world_size, stop)
+    with opt.full_parameters():
+        diff = max_rel_diff(model, ref)
     opt.close()
     comm.close()
-    return {"extra": extra, "step": step, "diff": max_rel_diff(model, ref)}
+    return {"extra": extra, "step": step, "diff": diff}
 
 
 def test_save_at_4_load_at_2_and_3_continues_like_an_uninterrupted_run(tmp_path):
@@ -87,6 +92,30 @@ def test_save_at_4_load_at_2_and_3_continues_like_an_uninterrupted_run(tmp_path)
     assert ckpt.load(path, model=plain) == {"step": SAVE_AT}
     for p, q in zip(plain.parameters(), saved[0]):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "saved_at, loaded_at", [((4, 3), (2, 1)), ((2, 1), (3, 3))], ids=["3to1", "1to3"]
+)
+def test_stage3_checkpoint_reshards_to_other_stages_and_world_sizes(tmp_path, saved_at, loaded_at):
+    """Saved at stage 3 on 4 ranks, loaded at stage 1 on 2 (and back: 1 on 2 -> 3 on 3); the
+    continued run equals an uninterrupted one."""
+    path, opt_name = str(tmp_path / "ckpt"), "fused"
+    (save_ranks, save_stage), (load_ranks, load_stage) = saved_at, loaded_at
+    saved = run_ranks(save_ranks, _save_after, path, save_stage, opt_name, SAVE_AT, timeout=120)
+    rows = run_ranks(
+        load_ranks, _load_and_continue, path, load_stage, opt_name, SAVE_AT, TOTAL, timeout=120
+    )
+    diff = max(r["diff"] for r in rows)
+    print(
+        f"seed {SEED}: stage {save_stage} on {save_ranks} ranks -> stage {load_stage} on "
+        f"{load_ranks}: max rel diff vs uninterrupted {diff:.2e}"
+    )
+    assert all(r["extra"] == {"step": SAVE_AT} and r["step"] == SAVE_AT for r in rows)
+    assert diff < 1e-5
+    plain = make_model(SEED + 7)  # and the full parameters assemble in one process
+    ckpt.load(path, model=plain)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), saved[0]))
 
 
 def _save_twice_die_in_second(path):

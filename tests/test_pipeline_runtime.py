@@ -267,7 +267,8 @@ def test_data_times_pipeline_equals_single_process():
     # Each replica's loss is its half of the batch; their mean is the whole batch's.
     for i, _ in enumerate(HYBRID):
         for step in range(STEPS):
-            replicas = [results[r][i][4][step] for r in (0, 1)]
+            # rank = dp_rank * pp + pp_rank (ProcessMesh): ranks 0 and 2 are the two replicas
+            replicas = [results[r][i][4][step] for r in (0, 2)]
             assert sum(replicas) / 2 == pytest.approx(results[0][i][5][step], abs=1e-5)
 
 

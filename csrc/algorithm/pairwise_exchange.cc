@@ -17,7 +17,7 @@ Status checkPeer(const Transport& transport, int peer, const char* what) {
 
 }  // namespace
 
-Status pairwiseExchange(Transport& transport, Compute& compute, const void* send, size_t send_bytes,
+Status exchangeMessages(Transport& transport, Compute& compute, const void* send, size_t send_bytes,
                         int send_peer, void* recv, size_t recv_bytes, int recv_peer) {
   DK_RETURN_IF_ERROR(checkPeer(transport, send_peer, "send"));
   DK_RETURN_IF_ERROR(checkPeer(transport, recv_peer, "recv"));
@@ -40,6 +40,13 @@ Status pairwiseExchange(Transport& transport, Compute& compute, const void* send
       DK_RETURN_IF_ERROR(transport.release(&recvOp, 1));
     }
   }
+  return Status::Ok();
+}
+
+Status pairwiseExchange(Transport& transport, Compute& compute, const void* send, size_t send_bytes,
+                        int send_peer, void* recv, size_t recv_bytes, int recv_peer) {
+  DK_RETURN_IF_ERROR(exchangeMessages(transport, compute, send, send_bytes, send_peer, recv,
+                                      recv_bytes, recv_peer));
   return transport.finish();
 }
 

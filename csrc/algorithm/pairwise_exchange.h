@@ -13,6 +13,10 @@
 namespace dk {
 
 // Either side may be empty (bytes 0 or peer < 0) for a one-way send or receive.
+// exchangeMessages() moves the bytes; pairwiseExchange() then ends the collective (finish()),
+// so a caller that exchanges with several peers in a row (all-to-all) finishes once.
+Status exchangeMessages(Transport& transport, Compute& compute, const void* send, size_t send_bytes,
+                        int send_peer, void* recv, size_t recv_bytes, int recv_peer);
 Status pairwiseExchange(Transport& transport, Compute& compute, const void* send, size_t send_bytes,
                         int send_peer, void* recv, size_t recv_bytes, int recv_peer);
 

@@ -184,6 +184,30 @@ void bindCommunicator(py::module_& m) {
              return runRequest(c, makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, peer, 0),
                                asyncOp);
            })
+      .def("all_to_all",
+           [](PyCommunicator& c, uintptr_t out, uintptr_t in, std::vector<size_t> sendCounts,
+              std::vector<size_t> recvCounts, int dtype, bool asyncOp) {
+             // Checked here, before anything is queued: a failure inside the collective
+             // would poison the communicator.
+             const auto comm = c.live("all_to_all");
+             const size_t n = static_cast<size_t>(comm->worldSize());
+             if (sendCounts.size() != n || recvCounts.size() != n) {
+               check(InvalidArgument("send and receive counts must have world_size (" +
+                                     std::to_string(n) + ") entries"),
+                     c.context("all_to_all"));
+             }
+             const int me = comm->rank();
+             if (sendCounts[me] != recvCounts[me]) {
+               check(InvalidArgument("this rank sends itself " + std::to_string(sendCounts[me]) +
+                                     " elements but expects to receive " +
+                                     std::to_string(recvCounts[me])),
+                     c.context("all_to_all"));
+             }
+             Request r = makeRequest(K::kAllToAll, in, out, 0, dtype, 0, 0, 0);
+             r.sendCounts = std::move(sendCounts);
+             r.recvCounts = std::move(recvCounts);
+             return runRequest(c, std::move(r), asyncOp);
+           })
       .def("barrier",
            [](PyCommunicator& c, bool asyncOp) {
              return runRequest(c, makeRequest(K::kBarrier, 0, 0, 0, 0, 0, 0, 0), asyncOp);

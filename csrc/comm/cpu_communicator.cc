@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "algorithm/all_to_all.h"
 #include "algorithm/point_to_point.h"
 #include "algorithm/ring.h"
 #include "algorithm/select.h"
@@ -127,7 +128,9 @@ shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {
       r.kind == CollectiveKind::kAllReduce || r.kind == CollectiveKind::kReduceScatter;
   h.op = reduces ? static_cast<uint32_t>(r.args.op) : 0;
   h.root = r.kind == CollectiveKind::kBroadcast ? r.args.root : -1;
-  h.count = r.args.count;
+  // All-to-all blocks differ in size between pairs: each message's byte count is checked
+  // against its receiver's instead.
+  h.count = r.kind == CollectiveKind::kAllToAll ? 0 : r.args.count;
   return h;
 }
 
@@ -182,6 +185,8 @@ Status CpuCommunicator::dispatch(const Request& r) {
       return r.isSend ? algo::sendTo(ch, args) : algo::recvFrom(ch, args);
     case CollectiveKind::kBarrier:
       return algo::barrier(ch);
+    case CollectiveKind::kAllToAll:
+      return algo::pairwiseAllToAll(ch, args, r.sendCounts.data(), r.recvCounts.data());
     case CollectiveKind::kFingerprint:
       break;
   }

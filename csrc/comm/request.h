@@ -1,6 +1,9 @@
 // Request: one call on a CPU communicator (what the bindings build and the queue carries).
 #pragma once
 
+#include <cstddef>
+#include <vector>
+
 #include "algorithm/collective.h"
 #include "transport/shm_layout.h"
 
@@ -11,6 +14,8 @@ struct Request {
   algo::Algorithm algorithm = algo::Algorithm::kAuto;
   algo::CollectiveArgs args;
   bool isSend = false;  // kSendRecv: send (else receive)
+  // kAllToAll: elements for / from each rank, blocks back to back in src / dst.
+  std::vector<size_t> sendCounts, recvCounts;
 };
 
 // "all_reduce", "send", "recv", ...: the name users call it by, for errors.

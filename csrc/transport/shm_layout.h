@@ -34,6 +34,7 @@ enum class CollectiveKind : uint32_t {
   kSendRecv = 5,
   kBarrier = 6,
   kFingerprint = 7,
+  kAllToAll = 8,
 };
 
 // The collective's name as users call it ("send/recv" for the point-to-point kind).
@@ -53,6 +54,8 @@ inline const char* collectiveKindName(CollectiveKind kind) {
       return "barrier";
     case CollectiveKind::kFingerprint:
       return "fingerprint";
+    case CollectiveKind::kAllToAll:
+      return "all_to_all";
   }
   return "unknown collective";
 }

@@ -184,7 +184,11 @@ class LossScaler:
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         inv_scale = self._scale.double().reciprocal().float()
-        found_inf = self._unscale_grads(optimizer, inv_scale)
+        own_unscale = getattr(optimizer, "_unscale_grads_", None)
+        if own_unscale is not None:  # an engine that owns its gradient storage (ZeRO shards)
+            found_inf = own_unscale(inv_scale).to(self._scale.device)
+        else:
+            found_inf = self._unscale_grads(optimizer, inv_scale)
         if self._comm is not None:
             self._comm.all_reduce(found_inf, op=ReduceOp.MAX)
         state["found_inf"] = found_inf

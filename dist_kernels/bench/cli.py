@@ -29,6 +29,8 @@ import torch.distributed as dist
 from . import ops, report
 
 ALGORITHMS = ("ring", "tree", "auto")
+# The row of torch.distributed calls (dist.all_reduce, ...) on a "dk" group (CPU only).
+TORCH_DK = "torchdk"
 DEFAULT_MIN_BYTES = 8
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_FACTOR = 2
@@ -175,7 +177,16 @@ class _Rank:
             )
             self.device = torch.device("cuda", torch.cuda.current_device())
         timeout = datetime.timedelta(seconds=args.timeout)
-        self.comm = dk.Communicator(group=None, device=args.device, timeout=timeout)
+        # On CPU the communicator is the one of a "dk" torch.distributed group, so the same
+        # collectives through torch's API (TORCH_DK) run on the same communicator and buffers:
+        # the difference is the ProcessGroup layer alone.
+        self.dk_group = (
+            dist.new_group(backend="dk", timeout=timeout) if args.device == "cpu" else None
+        )
+        if self.dk_group is not None:
+            self.comm = self.dk_group.communicator("cpu")
+        else:
+            self.comm = dk.Communicator(group=None, device=args.device, timeout=timeout)
         self.dk = dk
         self.baseline = "gloo" if args.device == "cpu" else "nccl"
         requested = list(ALGORITHMS) if args.algorithm == "all" else [args.algorithm]
@@ -202,6 +213,9 @@ class _Rank:
             )
             for a in self.algorithms
         ]
+        if self.dk_group is not None:
+            torch_api = ops.gloo_runner(redop, self.args.root, group=self.dk_group)
+            ours.append(ops.Backend(TORCH_DK, torch_api))
         if self.args.device == "cpu":
             baseline = ops.gloo_runner(redop, self.args.root)
         elif self.args.op == "sendrecv":  # p2p has no algorithm="nccl": torch's NCCL instead
@@ -259,7 +273,7 @@ class _Rank:
             else "plain (torch.empty)",
             "baseline": self.baseline,
             "baseline_label": baseline_label,
-            "algorithms": list(self.algorithms),
+            "algorithms": list(self.algorithms) + ([TORCH_DK] if self.dk_group else []),
             "busbw_factor": ops.bus_factor(args.op, self.world_size),
             "busbw_formula": _FACTOR_FORMULA[args.op],
             "placements": list(placements),
@@ -273,6 +287,12 @@ class _Rank:
             "args": vars(args),
             "notes": self.notes,
         }
+
+    def close(self) -> None:
+        if self.dk_group is not None:
+            dist.destroy_process_group(self.dk_group)  # closes its communicator
+        else:
+            self.comm.close()
 
     def _memcpy_on_rank0(self) -> Dict[str, float]:
         """The ceiling, measured by rank 0 alone while the others wait in a blocking barrier."""
@@ -469,10 +489,14 @@ def run_rank(args: argparse.Namespace, launcher: str, command: str) -> List[repo
             if printing:
                 _print(*(report.format_row(r, bench.baseline) for r in rows))
     finally:
-        bench.comm.close()
+        bench.close()
     if printing:
         meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-        _print(*report.error_lines(all_rows), *report.summary_lines(all_rows, meta))
+        _print(
+            *report.error_lines(all_rows),
+            *report.summary_lines(all_rows, meta),
+            *report.layer_overhead_lines(all_rows, meta, TORCH_DK, "auto"),
+        )
         if args.json:
             report.write_json(args.json, meta, all_rows)
             _print(f"# wrote {args.json}")

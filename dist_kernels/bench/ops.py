@@ -376,7 +376,8 @@ def ours_runner(comm, algorithm: str, redop: ReduceOp, root: int) -> Runner:
 
 
 def gloo_runner(redop: str, root: int, group=None) -> Runner:
-    """torch.distributed calls on ``group`` (the benchmark's Gloo process group)."""
+    """torch.distributed calls on ``group``: the benchmark's Gloo process group (None), or
+    its "dk" group (the torch-API path over our communicator)."""
     import torch.distributed as dist
 
     torch_op = {

@@ -252,6 +252,31 @@ def summary_lines(rows: List[Row], meta: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def layer_overhead_lines(rows: List[Row], meta: Dict[str, Any], layer: str, direct: str):
+    """What ``layer`` (torch's API on a dk group) adds over ``direct`` (the same communicator
+    called directly): time added at latency-bound sizes, busbw kept at bandwidth-bound ones."""
+    placement = summary_placement(meta)
+    if layer not in meta["algorithms"] or direct not in meta["algorithms"]:
+        return []
+    ok = _ok(rows, placement)
+    by_size: Dict[int, Dict[str, Dict[str, Any]]] = {}
+    for r in ok:
+        by_size.setdefault(r["size"], {})[r["algorithm"]] = r[placement]
+    pairs = [
+        (s, c[layer], c[direct]) for s, c in sorted(by_size.items()) if layer in c and direct in c
+    ]
+    small = [a["time_us"] - b["time_us"] for s, a, b in pairs if s <= SMALL_MAX]
+    large = [a["busbw"] / b["busbw"] for s, a, b in pairs if s >= LARGE_MIN and b["busbw"]]
+    parts = []
+    if small:
+        parts.append(f"<= 64 KiB: {_span(small, '+.1f')} us per call")
+    if large:
+        parts.append(f">= 16 MiB: {_span(large, '.2f')}x the busbw")
+    if not parts:
+        return []
+    return [f"# ProcessGroup layer ({layer} over {direct}): " + "; ".join(parts)]
+
+
 def write_json(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
     with open(path, "w") as out:
         json.dump({"meta": meta, "rows": rows}, out, indent=1)

@@ -79,6 +79,12 @@ class Communicator:
             (``torch.distributed.init_process_group`` must have run).
         device: ``"cpu"`` (shared memory, hierarchical across hosts) or ``"cuda"`` (NCCL).
         timeout: per-collective timeout as a ``datetime.timedelta``; default the group's.
+        store, rank, world_size: rendezvous on this Store as ``rank`` of ``world_size``
+            instead of a torch group (all three or none; ``group`` must then be None). The
+            store must be private to this communicator (a ``PrefixStore`` of its own): this is
+            how the ``"dk"`` torch.distributed backend builds the communicator of a group
+            before torch has registered it. Across hosts this path creates its own gloo
+            groups from the same store.
 
     Every rank of the group must create its communicators in the same order. Collectives run
     in the order issued; ``async_op=True`` returns a :class:`Work`. A failed collective
@@ -88,7 +94,9 @@ class Communicator:
 
     REDUCE_SCATTER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
 
-    def __new__(cls, group=None, device: Union[str, torch.device] = "cpu", timeout=None):
+    def __new__(
+        cls, group=None, device: Union[str, torch.device] = "cpu", timeout=None, **store_args
+    ):
         if cls is Communicator and torch.device(device).type == "cuda":
             try:
                 from .cuda import CudaCommunicator
@@ -97,7 +105,7 @@ class Communicator:
                     f"Communicator(device={str(device)!r}): the CUDA communicator is not "
                     f"available in this build ({e})"
                 ) from e
-            return CudaCommunicator(group=group, device=device, timeout=timeout)
+            return CudaCommunicator(group=group, device=device, timeout=timeout, **store_args)
         return super().__new__(cls)
 
     def __init__(
@@ -105,39 +113,61 @@ class Communicator:
         group: Optional[dist.ProcessGroup] = None,
         device: Union[str, torch.device] = "cpu",
         timeout: Optional[datetime.timedelta] = None,
+        *,
+        store: Optional[dist.Store] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("Communicator: call torch.distributed.init_process_group first")
         self.device = torch.device(device)
         if self.device.type != "cpu":
             raise ValueError(f"Communicator: device must be 'cpu' or 'cuda', got {device!r}")
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise TypeError(f"Communicator: timeout must be a datetime.timedelta, got {timeout!r}")
+        if store is None:
+            self._from_group(group, rank, world_size)
+        else:
+            self._from_store(group, store, rank, world_size)
+        from .shm import group_timeout
+
+        group_default = group_timeout(self.group) if self.group is not None else None
+        self.timeout = timeout or group_default or _DEFAULT_TIMEOUT
+        self._pending: List[Work] = []
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self._backend = self._connect()
+
+    def _from_group(self, group, rank, world_size) -> None:
+        if rank is not None or world_size is not None:
+            raise ValueError("Communicator: rank= and world_size= come with store=")
+        if not dist.is_initialized():
+            raise RuntimeError("Communicator: call torch.distributed.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         if self.rank < 0:
             raise ValueError("Communicator: this process is not a member of `group`")
-        if timeout is not None and not isinstance(timeout, datetime.timedelta):
-            raise TypeError(f"Communicator: timeout must be a datetime.timedelta, got {timeout!r}")
-        from .shm import group_timeout
+        self._store = None
 
-        self.timeout = timeout or group_timeout(self.group) or _DEFAULT_TIMEOUT
-        self._pending: List[Work] = []
-        self._pending_lock = threading.Lock()
-        self._closed = False
-        self._backend = self._connect()
+    def _from_store(self, group, store, rank, world_size) -> None:
+        if group is not None:
+            raise ValueError("Communicator: pass either group= or store=, not both")
+        if not isinstance(rank, int) or not isinstance(world_size, int):
+            raise TypeError(
+                f"Communicator: store= needs int rank= and world_size=, got {rank!r}, "
+                f"{world_size!r}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"Communicator: rank {rank} is not in [0, world_size={world_size})")
+        self.group = None
+        self.rank, self.world_size = rank, world_size
+        self._store = store
 
     # -- setup ---------------------------------------------------------------------------
 
     def _connect(self):
         from .shm import ShmBackend, wait_keys
 
-        global_ranks = tuple(dist.get_process_group_ranks(self.group))
-        with _creation_lock:
-            counter = _creation_counters.setdefault(global_ranks, itertools.count())
-            instance = next(counter)
-        tag = f"{zlib.crc32(repr(global_ranks).encode()):08x}"
-        base = dist.distributed_c10d._get_default_store()
-        store = dist.PrefixStore(f"dk/comm/{tag}/{instance}/", base)
+        store, base = self._rendezvous_store()
         # Peers may arrive late (imports, other work): rendezvous waits as long as torch's
         # own store would, even when the collective timeout is short.
         rendezvous_timeout = max(self.timeout, base.timeout)
@@ -156,9 +186,21 @@ class Communicator:
         )
         if len(local) == self.world_size:
             return shm
-        from .hierarchical import HierarchicalBackend
+        from .hierarchical import HierarchicalBackend, gloo_links
 
-        return HierarchicalBackend(self, shm, hosts, global_ranks)
+        return HierarchicalBackend(self, shm, hosts, gloo_links(self, hosts, store))
+
+    def _rendezvous_store(self):
+        """A store private to this communicator instance, and the store it is a prefix of."""
+        if self._store is not None:
+            return dist.PrefixStore("dk/comm/", self._store), self._store
+        global_ranks = tuple(dist.get_process_group_ranks(self.group))
+        with _creation_lock:
+            counter = _creation_counters.setdefault(global_ranks, itertools.count())
+            instance = next(counter)
+        tag = f"{zlib.crc32(repr(global_ranks).encode()):08x}"
+        base = dist.distributed_c10d._get_default_store()
+        return dist.PrefixStore(f"dk/comm/{tag}/{instance}/", base), base
 
     # -- checks (on the calling rank, before anything is sent) -------------------------------
 
@@ -301,6 +343,57 @@ class Communicator:
         code = self._check_whole_and_chunk(output, input, "output", "input", "all_gather")
         handle = self._backend.all_gather(output, input, code, async_op)
         return self._finish(handle, (output, input), async_op)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        send_counts: Optional[Sequence[int]] = None,
+        recv_counts: Optional[Sequence[int]] = None,
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """Rank r's block p of ``input`` lands in block r of rank p's ``output``.
+
+        Blocks lie back to back in rank order: ``send_counts[p]`` elements of ``input`` for
+        rank p, ``recv_counts[p]`` elements of ``output`` from rank p (default: equal blocks
+        of ``numel / world_size``). ``send_counts[p]`` on rank r must equal
+        ``recv_counts[r]`` on rank p. Pairwise exchange (csrc/algorithm/all_to_all.h).
+        """
+        self._check_open("all_to_all")
+        code = self._check_tensor(output, "output", "all_to_all")
+        if self._check_tensor(input, "input", "all_to_all") != code:
+            raise TypeError(
+                f"[rank {self.rank}] all_to_all: output dtype {output.dtype} differs from "
+                f"input dtype {input.dtype}"
+            )
+        sends = self._block_counts(send_counts, input, "send_counts")
+        recvs = self._block_counts(recv_counts, output, "recv_counts")
+        if output.numel() and input.numel() and output.data_ptr() == input.data_ptr():
+            raise ValueError(f"[rank {self.rank}] all_to_all: output must not be input")
+        if sends[self.rank] != recvs[self.rank]:
+            raise ValueError(
+                f"[rank {self.rank}] all_to_all: send_counts[{self.rank}] "
+                f"({sends[self.rank]}) must equal recv_counts[{self.rank}] ({recvs[self.rank]})"
+            )
+        handle = self._backend.all_to_all(output, input, sends, recvs, code, async_op)
+        return self._finish(handle, (output, input), async_op)
+
+    def _block_counts(self, counts, t: torch.Tensor, arg: str) -> List[int]:
+        n = self.world_size
+        if counts is None:
+            if t.numel() % n:
+                raise ValueError(
+                    f"[rank {self.rank}] all_to_all: {arg.split('_')[0]} numel ({t.numel()}) "
+                    f"is not divisible by world_size ({n}); pass {arg}"
+                )
+            return [t.numel() // n] * n
+        counts = [int(c) for c in counts]
+        if len(counts) != n or min(counts) < 0 or sum(counts) != t.numel():
+            raise ValueError(
+                f"[rank {self.rank}] all_to_all: {arg} {counts} must be world_size ({n}) "
+                f"non-negative counts summing to numel ({t.numel()})"
+            )
+        return counts
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies ``tensor`` of rank ``src`` into ``tensor`` on every rank."""

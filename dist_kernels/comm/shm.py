@@ -138,6 +138,9 @@ class ShmBackend:
     def all_gather(self, out, inp, code: int, async_op: bool):
         return self.impl.all_gather(out.data_ptr(), inp.data_ptr(), inp.numel(), code, async_op)
 
+    def all_to_all(self, out, inp, sends, recvs, code: int, async_op: bool):
+        return self.impl.all_to_all(out.data_ptr(), inp.data_ptr(), sends, recvs, code, async_op)
+
     def broadcast(self, t, code: int, src: int, async_op: bool):
         return self.impl.broadcast(t.data_ptr(), t.numel(), code, src, async_op)
 

@@ -1,30 +1,36 @@
-"""ShardedOptimizer: ZeRO stages 1 and 2 on a dist_kernels Communicator.
+"""ShardedOptimizer: ZeRO stages 1, 2 and 3 on a dist_kernels Communicator.
 
     opt = dk.ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
+    opt = dk.ShardedOptimizer(model.parameters(), FusedAdamW, stage=3, module=model, lr=1e-3)
     loss.backward(); opt.step(); opt.zero_grad()
 
-Every parameter lives in a flat buffer (one per param group and dtype, registered with
-``comm.empty``) laid out by the pure plan of ``partition.py``: buckets split into equal, aligned
-per-rank slices. Rank ``r`` owns slice ``r`` of every bucket; the concatenation of its slices is
-its *shard*: the only parameters its optimizer steps and the only optimizer state it holds (an FP32
-master copy for 16-bit parameters). How one iteration runs:
+Every parameter lives in a flat buffer (one per param group and dtype; at stage 3 one per unit
+of modules, param group and dtype) laid out by the pure plan of ``partition.py``: buckets split
+into equal, aligned per-rank slices. Rank ``r`` owns slice ``r`` of every bucket; the
+concatenation of its slices is its *shard*: the only parameters its optimizer steps and the only
+optimizer state it holds. The local optimizer steps one tensor per bucket slice: for FP32
+parameters a view of the values themselves (no copy of the shard), for 16-bit parameters a view
+of one FP32 master shard. How one iteration runs:
 
 1. Backward. A post-accumulate-grad hook of ours marks each parameter ready (no DDP wrapper
    needed). Buckets are reduce-scattered in plan order (the same order on every rank) as soon as
    all their gradients are in, asynchronously, so communication overlaps the rest of backward.
    *Stage 1* keeps the full gradients (``.grad`` are views of one flat gradient buffer) and
-   reduce-scatters buckets of it. *Stage 2* copies each gradient into one of two bucket-sized
-   staging buffers (cast to ``grad_dtype`` on the way) and frees ``.grad`` at once: no full
-   gradient buffer exists, only the FP32 gradient shard. A callback at the end of backward
-   launches what is left and waits.
-2. ``step()``: the local optimizer steps the shard, then every bucket is all-gathered back
-   into the flat parameter buffer, which the model's parameters view.
+   reduce-scatters each bucket in place: this rank's slice of the buffer becomes its gradient
+   shard. *Stages 2 and 3* copy each gradient into one of two bucket-sized staging buffers
+   (cast to ``grad_dtype`` on the way) and free ``.grad`` at once; the bucket is
+   reduce-scattered into the gradient shard. A callback at the end of backward launches what
+   is left and waits.
+2. ``step()``: the local optimizer steps the shard (16-bit shards one bucket at a time, through
+   one FP32 bucket-slice buffer), then stages 1 and 2 all-gather every bucket back in place.
+   Stage 3 keeps only the shard: ``stage3.py`` gathers each unit's full parameters just
+   before its forward and again before its backward, and frees them after.
 
-Loss scaling: ``dk.LossScaler(comm=opt.comm)`` used as ``torch.amp.GradScaler`` is
-(``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``) unscales the FP32 shard
-gradients (``opt.param_groups`` holds the shards) and all-reduces its found-inf flag, so an
-overflow on any rank's shard skips the step on every rank. Without ``comm`` the ranks would
-disagree and the next collective would hang.
+Loss scaling: ``dk.LossScaler(comm=opt.comm)`` used as ``torch.amp.GradScaler`` is calls
+``opt._unscale_grads_``: it checks the gradient shards for inf/NaN (FP32 shards are unscaled in
+place; 16-bit ones keep their scale until the step converts them, so FP16 does not underflow)
+and all-reduces the flag, so an overflow on any rank's shard skips the step on every rank.
+Without ``comm`` the ranks would disagree and the next collective would hang.
 
 Reduce-scatters average (``ReduceOp.AVG``) with FP32 accumulation inside the collective; a 16-bit
 ``grad_dtype`` halves the bytes on the wire.
@@ -41,13 +47,14 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 
 from ..dtypes import ReduceOp
+from . import memory
 from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_partition
 
 __all__ = ["ShardedOptimizer"]
 
 _MB = 1024 * 1024
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_STAGING_SLOTS = 2  # stage 2: one bucket filling while the previous one is on the wire
+_STAGING_SLOTS = 2  # stages 2, 3: one bucket filling while the previous one is on the wire
 
 
 def _default_comm() -> Any:
@@ -68,12 +75,15 @@ class _FlatGroup:
     params: List[torch.nn.Parameter]  # in plan slot order
     dtype: torch.dtype  # parameter dtype
     wire_dtype: torch.dtype  # reduce-scatter dtype
-    flat: torch.Tensor  # every parameter's values (registered); parameters view it
-    shard: torch.nn.Parameter  # this rank's slices, in the optimizer's dtype (FP32 master)
-    send: torch.Tensor  # shard in the parameter dtype: the all-gather input
+    # Full values; the model's parameters view it. Stages 1, 2: registered, kept. Stage 3: a
+    # plain tensor whose storage is freed (resized to 0) between uses, so views stay valid.
+    flat: torch.Tensor
+    pieces: List[torch.nn.Parameter] = field(default_factory=list)  # stepped: one per bucket
+    values: Optional[torch.Tensor] = None  # stage 3: this rank's shard of the values
+    master: Optional[torch.Tensor] = None  # 16-bit parameters: FP32 master shard
     grad_flat: Optional[torch.Tensor] = None  # stage 1: the full gradient buffer (registered)
-    staging: List[torch.Tensor] = field(default_factory=list)  # bucket-sized wire buffers
-    rs_out: Optional[torch.Tensor] = None  # shard-sized wire buffer for reduce-scatter output
+    grad_shard: Optional[torch.Tensor] = None  # stages 2, 3: this rank's gradient shard
+    unit: int = 0  # stage 3: the unit of modules that gathers this group
 
 
 @dataclass
@@ -98,24 +108,32 @@ class _Pass:
     deferred: List[_Piece] = field(default_factory=list)
     next_launch: int = 0
     works: List[Tuple[int, Any, Callable[[], None]]] = field(default_factory=list)  # in flight
-    slot_owner: Dict[Tuple[int, int], Tuple[int, Any]] = field(default_factory=dict)
+    slot_owner: Dict[Tuple[torch.dtype, int], Tuple[int, Any]] = field(default_factory=dict)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO stage 1 / 2 optimizer: state, master weights and (stage 2) gradients sharded.
+    """ZeRO optimizer: state and master weights sharded (stage 1), gradients too (stage 2),
+    parameters too (stage 3).
 
     Args:
         params: the model's parameters or parameter groups (as for any torch optimizer); the
             same model on every rank. Their storage moves into flat buffers.
         optimizer_class: any ``torch.optim`` optimizer, run on this rank's shard;
-            :class:`dist_kernels.optim.FusedAdamW` is the fast path (one kernel per buffer).
+            :class:`dist_kernels.optim.FusedAdamW` is the fast path (one kernel per bucket).
         comm: a :class:`dist_kernels.Communicator`; default: the one ``dk.init()`` made, else a
             new one over torch.distributed's default group.
-        stage: 1 (optimizer state sharded, full gradients kept) or 2 (gradients sharded too).
+        stage: 1 (optimizer state sharded, full gradients kept), 2 (gradients sharded too) or
+            3 (parameters sharded too: needs ``module``).
         grad_dtype: reduce-scatter dtype (``torch.bfloat16`` / ``torch.float16`` halve the wire
             bytes; accumulation stays FP32); None keeps each parameter's dtype.
         bucket_cap_mb: bucket size in MiB: the unit of one reduce-scatter and all-gather.
         overlap: launch reduce-scatters during backward (True) or all at the end of it.
+        module: stage 3: the model whose forward uses ``params``; its forward hooks gather
+            the parameters.
+        units: stage 3: the submodules whose parameters are gathered together (as FSDP's
+            ``fully_shard`` per block); None: each child no bigger than ``bucket_cap_mb``,
+            splitting only containers (``Sequential``, ``ModuleList``, ``ModuleDict``) and the
+            root. Parameters outside every unit belong to the root.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, betas, momentum, ...).
     """
 
@@ -129,40 +147,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grad_dtype: Optional[torch.dtype] = None,
         bucket_cap_mb: float = 25,
         overlap: bool = True,
+        module: Optional[torch.nn.Module] = None,
+        units: Optional[Iterable[torch.nn.Module]] = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"stage: must be 1 or 2, got {stage}")
-        if grad_dtype not in (None, *_FLOAT_DTYPES):
-            raise TypeError(
-                f"grad_dtype: must be None, float32, float16 or bfloat16, got {grad_dtype}"
-            )
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb: must be > 0, got {bucket_cap_mb}")
+        _check_arguments(stage, grad_dtype, bucket_cap_mb, module, units)
         self.comm = comm if comm is not None else _default_comm()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.stage, self.grad_dtype, self.overlap = stage, grad_dtype, overlap
+        self.bucket_cap_bytes = int(bucket_cap_mb * _MB)
         groups = _param_groups(params)
         for p in (p for g in groups for p in g["params"]):
             _refuse_ddp(p)
-        self.plan, self.flat_groups = self._build_flat_groups(groups, int(bucket_cap_mb * _MB))
+        self._gatherer = None
+        unit_of = None
+        if stage == 3:
+            from .stage3 import ParameterGatherer
+
+            self._gatherer = ParameterGatherer(self, module, units)
+            unit_of = self._gatherer.unit_of_param
+        self.plan, self.flat_groups = self._build_flat_groups(groups, unit_of)
         self._buckets = [
             (g, b) for g, fg in enumerate(self.flat_groups) for b in range(len(fg.plan.buckets))
         ]
         self._bucket_base = _bucket_bases(self.flat_groups)
         self._pieces = self._param_pieces()
+        self._allocate_buffers()
         local_groups = [
-            {**_group_options(groups[gi]), "params": [fg.shard]}
+            {**_group_options(groups[gi]), "params": fg.pieces}
             for gi, fg in zip(self._group_of, self.flat_groups)
         ]
         self.optim = optimizer_class(local_groups, **optimizer_kwargs)
-        super().__init__([fg.shard for fg in self.flat_groups], self.optim.defaults)
+        super().__init__([p for fg in self.flat_groups for p in fg.pieces], self.optim.defaults)
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
         self._sync = True
         self._pass: Optional[_Pass] = None
         self._callback_queued = False
         self._shard_grads_valid = False
+        self._reduced_in_place: set = set()  # stage 1: buckets whose slice holds the average
+        self._grad_factor = 1.0  # pending unscale / clip factor of 16-bit gradient shards
         for p in self._all_params():
             p._dk_sharded_optimizer = True  # lets dk.DistributedDataParallel refuse these params
         self._hooks = [
@@ -170,39 +194,57 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for g, fg in enumerate(self.flat_groups)
             for s, p in enumerate(fg.params)
         ]
+        if stage == 1:
+            self._hooks += [
+                p.register_hook(self._make_reopen_hook(g, s))
+                for g, fg in enumerate(self.flat_groups)
+                for s, p in enumerate(fg.params)
+            ]
+        if self._gatherer is not None:
+            self._gatherer.attach()
 
     # ----------------------------------------------------------------- construction
 
     def _build_flat_groups(
-        self, groups: List[Dict[str, Any]], bucket_cap_bytes: int
+        self, groups: List[Dict[str, Any]], unit_of: Optional[Callable[[Any], int]]
     ) -> Tuple[PartitionPlan, List[_FlatGroup]]:
-        """Plans and allocates the flat buffers (collective: every rank, same order)."""
-        specs, members, self._group_of = [], [], []
+        """Plans and allocates the flat buffers (collective: every rank, same order).
+
+        Stages 1, 2: one flat group per (param group, dtype). Stage 3: one per (unit, param
+        group, dtype), units in reverse order, so that plan order follows backward."""
+        specs, members, self._group_of, units = [], [], [], []
+        keyed: Dict[Tuple[int, int, torch.dtype], List[torch.nn.Parameter]] = defaultdict(list)
         for gi, group in enumerate(groups):
-            by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = defaultdict(list)
             for p in group["params"]:
-                by_dtype[p.dtype].append(p)
-            for dtype, plist in by_dtype.items():
-                # reverse registration order: the last layers' gradients arrive first
-                plist = list(reversed(plist))
-                key = f"{gi}/{str(dtype).replace('torch.', '')}"
-                spec = [
-                    ParamSpec(f"{key}/{i}", tuple(p.shape), p.numel()) for i, p in enumerate(plist)
-                ]
-                specs.append((key, plist[0].element_size(), spec))
-                members.append((dtype, plist))
-                self._group_of.append(gi)
-        plan = plan_partition(specs, self.world_size, bucket_cap_bytes)
+                unit = unit_of(p) if unit_of is not None else 0
+                keyed[(unit, gi, p.dtype)].append(p)
+        order = sorted(keyed, key=lambda k: (-k[0], k[1])) if unit_of else list(keyed)
+        for unit, gi, dtype in order:
+            # reverse registration order: the last layers' gradients arrive first
+            plist = list(reversed(keyed[(unit, gi, dtype)]))
+            key = f"{gi}/{str(dtype).replace('torch.', '')}"
+            if unit_of is not None:
+                key = f"u{unit}/{key}"
+            spec = [ParamSpec(f"{key}/{i}", tuple(p.shape), p.numel()) for i, p in enumerate(plist)]
+            specs.append((key, plist[0].element_size(), spec))
+            members.append((dtype, plist))
+            self._group_of.append(gi)
+            units.append(unit)
+        plan = plan_partition(specs, self.world_size, self.bucket_cap_bytes)
         flat_groups = [
-            self._allocate(gplan, dtype, plist)
-            for gplan, (dtype, plist) in zip(plan.groups, members)
+            self._allocate(gplan, dtype, plist, unit)
+            for gplan, (dtype, plist), unit in zip(plan.groups, members, units)
         ]
         return plan, flat_groups
 
     def _allocate(
-        self, plan: FlatGroupPlan, dtype: torch.dtype, params: List[torch.nn.Parameter]
+        self, plan: FlatGroupPlan, dtype: torch.dtype, params: List[torch.nn.Parameter], unit: int
     ) -> _FlatGroup:
-        flat = self.comm.empty((plan.numel,), dtype)
+        """The flat group's values (rank 0's everywhere), shard views and gradient storage."""
+        if self.stage == 3:
+            flat = torch.empty((plan.numel,), dtype=dtype, device=params[0].device)
+        else:
+            flat = self.comm.empty((plan.numel,), dtype)
         flat.zero_()
         with torch.no_grad():
             for slot, p in zip(plan.slots, params):
@@ -211,33 +253,92 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.comm.broadcast(flat, 0)  # every rank starts from rank 0's values
             for slot, p in zip(plan.slots, params):
                 p.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        master_dtype = torch.float32
-        shard = torch.nn.Parameter(self._gather_shard(plan, flat).to(master_dtype))
-        send = shard.data if dtype == master_dtype else self.comm.empty((plan.shard_numel,), dtype)
-        wire = self.grad_dtype or dtype
-        fg = _FlatGroup(plan, params, dtype, wire, flat, shard, send)
-        shard.grad = torch.zeros_like(shard)
+        fg = _FlatGroup(plan, params, dtype, self.grad_dtype or dtype, flat, unit=unit)
+        if self.stage == 3:
+            fg.values = self.comm.empty((plan.shard_numel,), dtype)
+            fg.values.copy_(self._gather_shard(plan, flat))
+            flat.untyped_storage().resize_(0)  # the full values exist only while gathered
+        if dtype != torch.float32:
+            fg.master = self._gather_shard(plan, flat if fg.values is None else None, fg)
         if self.stage == 1:
             fg.grad_flat = self.comm.empty((plan.numel,), dtype)
             fg.grad_flat.zero_()
             for slot, p in zip(plan.slots, params):
                 p.grad = self._grad_view(fg, slot.index)
-        needs_staging = self.stage == 2 or wire != dtype
-        if needs_staging:
-            biggest = max(b.numel for b in plan.buckets)
-            fg.staging = [self.comm.empty((biggest,), wire) for _ in range(_STAGING_SLOTS)]
-        if wire != master_dtype:
-            fg.rs_out = self.comm.empty((plan.shard_numel,), wire)
+        else:
+            fg.grad_shard = self.comm.empty((plan.shard_numel,), dtype)
+            fg.grad_shard.zero_()
+        for b in range(len(plan.buckets)):  # what the optimizer steps: views, no copies
+            fg.pieces.append(torch.nn.Parameter(self._shard_slice(fg, b, fg.master)))
+        self._set_piece_grads(fg)
         return fg
 
-    def _gather_shard(self, plan: FlatGroupPlan, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slices of ``flat``, concatenated."""
-        return torch.cat(
-            [
-                flat[b.slice_start(self.rank) : b.slice_start(self.rank) + b.slice_numel]
-                for b in plan.buckets
-            ]
-        )
+    def _gather_shard(
+        self, plan: FlatGroupPlan, flat: Optional[torch.Tensor], fg: Optional[_FlatGroup] = None
+    ) -> torch.Tensor:
+        """This rank's slices of ``flat`` (or of ``fg.values``), concatenated, in FP32 when
+        ``fg`` is given (the master shard)."""
+        if flat is None:
+            return fg.values.to(torch.float32)
+        parts = [
+            flat[b.slice_start(self.rank) : b.slice_start(self.rank) + b.slice_numel]
+            for b in plan.buckets
+        ]
+        return torch.cat(parts).to(torch.float32 if fg is not None else flat.dtype)
+
+    def _shard_slice(
+        self, fg: _FlatGroup, b: int, source: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """This rank's slice of bucket ``b``: of ``source`` (shard-shaped) if given, else of
+        the values in their own dtype (the flat buffer at stages 1, 2; the shard at 3)."""
+        bucket = fg.plan.buckets[b]
+        if source is None and fg.values is None:
+            lo = bucket.slice_start(self.rank)
+            return fg.flat[lo : lo + bucket.slice_numel]
+        source = fg.values if source is None else source
+        return source[bucket.shard_offset : bucket.shard_offset + bucket.slice_numel]
+
+    def _shard_grad(self, fg: _FlatGroup, b: int) -> torch.Tensor:
+        """This rank's reduced gradient of bucket ``b`` (in the parameter dtype)."""
+        bucket = fg.plan.buckets[b]
+        if fg.grad_flat is not None:
+            lo = bucket.slice_start(self.rank)
+            return fg.grad_flat[lo : lo + bucket.slice_numel]
+        return fg.grad_shard[bucket.shard_offset : bucket.shard_offset + bucket.slice_numel]
+
+    def _set_piece_grads(self, fg: _FlatGroup) -> None:
+        """FP32 pieces hold their gradient shard as ``.grad`` (a view: no copy); 16-bit
+        pieces get an FP32 gradient only while they step."""
+        for b, piece in enumerate(fg.pieces):
+            piece.grad = self._shard_grad(fg, b) if fg.master is None else None
+
+    def _allocate_buffers(self) -> None:
+        """Staging buckets and reduce-scatter outputs, shared by every flat group of one wire
+        dtype (``_STAGING_SLOTS`` each), and one FP32 bucket slice to step 16-bit shards."""
+        biggest: Dict[torch.dtype, int] = defaultdict(int)
+        needs: Dict[torch.dtype, bool] = defaultdict(bool)
+        for fg in self.flat_groups:
+            for b in fg.plan.buckets:
+                biggest[fg.wire_dtype] = max(biggest[fg.wire_dtype], b.numel)
+            needs[fg.wire_dtype] |= self.stage != 1 or fg.wire_dtype != fg.dtype
+        self._staging: Dict[torch.dtype, List[torch.Tensor]] = {}
+        self._rs_out: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for wire, numel in biggest.items():
+            if not needs[wire]:
+                continue
+            self._staging[wire] = [self.comm.empty((numel,), wire) for _ in range(_STAGING_SLOTS)]
+            if any(fg.wire_dtype == wire != fg.dtype for fg in self.flat_groups):
+                slice_numel = numel // self.world_size
+                self._rs_out[wire] = [
+                    self.comm.empty((slice_numel,), wire) for _ in range(_STAGING_SLOTS)
+                ]
+        slices = [
+            b.slice_numel
+            for fg in self.flat_groups
+            if fg.master is not None
+            for b in fg.plan.buckets
+        ]
+        self._step_grad = torch.empty(max(slices), dtype=torch.float32) if slices else None
 
     def _param_pieces(self) -> Dict[Tuple[int, int], List[_Piece]]:
         pieces: Dict[Tuple[int, int], List[_Piece]] = defaultdict(list)
@@ -281,20 +382,55 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _make_hook(self, g: int, s: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            if self._gatherer is not None:
+                self._gatherer.grad_ready(g, s)
             if not self._sync:
                 return
             if self._pass is None:
                 _refuse_ddp(param)  # a DDP wrapped after us would reduce a second time
             state = self._begin_pass()
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self.queue_end_of_backward()
             if self.overlap:
                 for piece in self._pieces[(g, s)]:
                     self._deliver(state, piece)
                 self._launch_ready(state)
 
         return hook
+
+    def queue_end_of_backward(self) -> None:
+        """Makes ``_end_backward`` run when the current backward ends (call from inside it)."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _make_reopen_hook(self, g: int, s: int) -> Callable[[torch.Tensor], None]:
+        """Stage 1, before a gradient accumulates onto a buffer reduced in place: see
+        :meth:`_reopen_bucket`."""
+
+        def hook(grad: torch.Tensor) -> None:
+            if self._reduced_in_place:
+                for piece in self._pieces[(g, s)]:
+                    self._reopen_bucket(piece.bucket)
+
+        return hook
+
+    def _reopen_bucket(self, bucket: int) -> None:
+        """Stage 1: after an in-place reduce-scatter this rank's slice holds the average and
+        the other slices its local gradients. Before more gradients accumulate (a backward
+        without ``zero_grad``), make the bucket a valid local contribution again: N times the
+        average in our slice, zeros elsewhere, so the next reduce-scatter averages to
+        average + new average on every rank."""
+        if bucket not in self._reduced_in_place:
+            return
+        self._reduced_in_place.discard(bucket)
+        g, b = self._buckets[bucket]
+        fg = self.flat_groups[g]
+        bplan = fg.plan.buckets[b]
+        rows = fg.grad_flat[bplan.start : bplan.start + bplan.numel].view(self.world_size, -1)
+        mine = rows[self.rank].clone() if self.world_size > 1 else None
+        if mine is not None:
+            rows.zero_()
+            rows[self.rank].copy_(mine.mul_(self.world_size))
 
     def _begin_pass(self) -> _Pass:
         if self._pass is None:
@@ -308,7 +444,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _end_backward(self) -> None:
         self._callback_queued = False
-        self._finish_pass()
+        if self._sync:
+            self._finish_pass()
+        if self._gatherer is not None:
+            self._gatherer.end_backward()
 
     def _acquire_staging(self, state: _Pass, bucket: int) -> Optional[torch.Tensor]:
         """The staging buffer of ``bucket``, zeroed when first taken; None while the window of
@@ -317,18 +456,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return None
         g, b = self._buckets[bucket]
         fg = self.flat_groups[g]
-        key = (g, b % _STAGING_SLOTS)
+        key = (fg.wire_dtype, bucket % _STAGING_SLOTS)
         owner = state.slot_owner.get(key)
         if owner is None or owner[0] != bucket:
             if owner is not None:
                 self._wait_bucket(state, owner[0])  # launched earlier: its bytes are on the wire
-            buf = fg.staging[b % _STAGING_SLOTS][: fg.plan.buckets[b].numel]
+            buf = self._staging[fg.wire_dtype][bucket % _STAGING_SLOTS][: fg.plan.buckets[b].numel]
             buf.zero_()
             state.slot_owner[key] = (bucket, buf)
         return state.slot_owner[key][1]
 
     def _deliver(self, state: _Pass, piece: _Piece) -> None:
-        """Hands one piece of a gradient to its bucket (stage 2: copies it into staging)."""
+        """Hands one piece of a gradient to its bucket (stages 2, 3: copies it into staging)."""
         key = (piece.group, piece.slot, piece.bucket)
         if key in state.delivered:
             return
@@ -348,7 +487,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state.delivered.add(key)
         state.pending[piece.bucket] -= 1
         state.left[(piece.group, piece.slot)] -= 1
-        if self.stage == 2 and state.left[(piece.group, piece.slot)] == 0:
+        if self.stage != 1 and state.left[(piece.group, piece.slot)] == 0:
             p.grad = None  # the gradient lives on only in the bucket
 
     def _adopt_grad(self, fg: _FlatGroup, s: int) -> None:
@@ -370,11 +509,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._deliver(state, piece)
 
     def _launch(self, state: _Pass, bucket: int) -> None:
-        """Starts the reduce-scatter of one bucket into this rank's gradient shard."""
+        """Starts the reduce-scatter of one bucket into this rank's gradient shard.
+
+        Stage 1 with the wire in the parameter dtype reduces in place: the output is this
+        rank's own slice of the bucket (allowed, as in NCCL), so no second gradient copy."""
         g, b = self._buckets[bucket]
         fg = self.flat_groups[g]
         bplan = fg.plan.buckets[b]
+        shard_grad = self._shard_grad(fg, b)
         if self.stage == 1:
+            self._reopen_bucket(bucket)  # no gradient of it arrived in this backward
             src = fg.grad_flat[bplan.start : bplan.start + bplan.numel]
             if fg.wire_dtype != fg.dtype:
                 staging = self._acquire_staging(state, bucket)
@@ -382,14 +526,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 src = staging
         else:
             src = self._acquire_staging(state, bucket)
-        shard_grad = fg.shard.grad[bplan.shard_offset : bplan.shard_offset + bplan.slice_numel]
-        accumulate = self.stage == 2 and self._shard_grads_valid
-        direct = fg.rs_out is None and not accumulate
+        accumulate = self.stage != 1 and self._shard_grads_valid
+        rs_out = self._rs_out.get(fg.wire_dtype)
+        direct = fg.wire_dtype == fg.dtype and not accumulate
         if direct:
             out = shard_grad
-        elif fg.rs_out is not None:
-            out = fg.rs_out[bplan.shard_offset :][: bplan.slice_numel]
-        else:  # accumulating an FP32 wire: a temporary the size of one slice
+        elif fg.wire_dtype != fg.dtype:
+            out = rs_out[bucket % _STAGING_SLOTS][: bplan.slice_numel]
+        else:  # accumulating in the parameter dtype: a temporary the size of one slice
             out = torch.empty_like(shard_grad)
         work = self.comm.reduce_scatter(out, src, op=ReduceOp.AVG, async_op=True)
 
@@ -430,6 +574,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             finish()
         self._pass = None
         self._shard_grads_valid = True
+        if self.stage == 1:
+            self._reduced_in_place = set(range(len(self._buckets)))
 
     # ----------------------------------------------------------------- step
 
@@ -438,60 +584,112 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._pass is not None or not self._shard_grads_valid:
             self._finish_pass()
 
+    def _shard_grads(self) -> Iterator[Tuple[_FlatGroup, torch.Tensor]]:
+        for fg in self.flat_groups:
+            for b in range(len(fg.plan.buckets)):
+                yield fg, self._shard_grad(fg, b)
+
+    def _unscale_grads_(self, inv_scale: torch.Tensor) -> torch.Tensor:
+        """For :class:`dist_kernels.LossScaler`: this rank's found-inf flag (FP32, 0 or 1) over
+        its gradient shards. FP32 shards are multiplied by ``inv_scale`` in place; 16-bit shards
+        keep their scale, applied when the step converts them to FP32 (an FP16 gradient
+        unscaled in FP16 would underflow)."""
+        self._reduced()
+        found = torch.zeros((), dtype=torch.bool)
+        for fg, grad in self._shard_grads():
+            found |= ~torch.isfinite(grad).all()
+            if fg.master is None:
+                grad.mul_(inv_scale.to(grad.dtype))
+        if any(fg.master is not None for fg in self.flat_groups):
+            self._grad_factor *= float(inv_scale)
+        return found.to(torch.float32)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scales the gradients so that their global norm is at most ``max_norm``; returns the
-        norm before clipping. Each rank sums over its shard (every element owned once)."""
+        norm before clipping. Each rank sums over its shard (every element owned once), one
+        all-reduce gives every rank the same norm."""
         self._reduced()
         norm_type = float(norm_type)
-        grads = [fg.shard.grad for fg in self.flat_groups]
+        factors = [
+            (g, 1.0 if fg.master is None else self._grad_factor) for fg, g in self._shard_grads()
+        ]
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max().reshape(1)
+            local = torch.stack([g.abs().max().double() * f for g, f in factors]).max()
             op = ReduceOp.MAX
         else:
-            local = sum(g.double().abs().pow(norm_type).sum() for g in grads).reshape(1)
-            local = local.to(torch.float64)
+            local = sum(g.double().abs().pow(norm_type).sum() * f**norm_type for g, f in factors)
             op = ReduceOp.SUM
+        local = local.reshape(1).to(torch.float64)
         if self.world_size > 1:
             self.comm.all_reduce(local, op=op)
         total = local[0] if math.isinf(norm_type) else local[0] ** (1.0 / norm_type)
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+            for fg, g in self._shard_grads():
+                if fg.master is None:
+                    g.mul_(coef)
+            self._grad_factor *= coef
         return total.to(torch.float32)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Steps this rank's shard and all-gathers the parameters (skipped on every rank when
-        the loss scaler found inf/NaN)."""
+        """Steps this rank's shard and (stages 1, 2) all-gathers the parameters; skipped on
+        every rank by the loss scaler when it found inf/NaN."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._reduced()
-        self.optim.step()
-        self._all_gather_params()
+        for fg in self.flat_groups:
+            for piece in fg.pieces:
+                piece.grad = None
+        fp32 = [fg for fg in self.flat_groups if fg.master is None]
+        for fg in fp32:
+            self._set_piece_grads(fg)
+        if fp32:
+            self.optim.step()
+            for fg in fp32:
+                for piece in fg.pieces:
+                    piece.grad = None
+        for fg in self.flat_groups:
+            if fg.master is not None:
+                self._step_16bit(fg)
+        for fg in fp32:
+            self._set_piece_grads(fg)
+        self._grad_factor = 1.0
+        if self.stage != 3:
+            self._all_gather_params()
         return loss
 
+    def _step_16bit(self, fg: _FlatGroup) -> None:
+        """Steps the FP32 master one bucket slice at a time (one FP32 gradient buffer of a
+        slice, not of the shard), then rounds it into the 16-bit values."""
+        for b, piece in enumerate(fg.pieces):
+            grad = self._step_grad[: piece.numel()]
+            grad.copy_(self._shard_grad(fg, b))
+            if self._grad_factor != 1.0:
+                grad.mul_(self._grad_factor)
+            piece.grad = grad
+            self.optim.step()
+            piece.grad = None
+            self._shard_slice(fg, b).copy_(piece)
+
     def _all_gather_params(self) -> None:
+        """Stages 1, 2: every bucket's slices back into the full values, in place."""
         works = []
         for fg in self.flat_groups:
-            if fg.send is not fg.shard.data:
-                fg.send.copy_(fg.shard)
             for b in fg.plan.buckets:
                 out = fg.flat[b.start : b.start + b.numel]
-                inp = fg.send[b.shard_offset : b.shard_offset + b.slice_numel]
-                if self.world_size == 1:
-                    out.copy_(inp)
-                else:
+                inp = fg.flat[b.slice_start(self.rank) : b.slice_start(self.rank) + b.slice_numel]
+                if self.world_size > 1:
                     works.append(self.comm.all_gather(out, inp, async_op=True))
         for work in works:
             work.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients: stage 1 zeroes the flat gradient buffer (``.grad`` stay its
-        views), stage 2 sets ``.grad`` to None; the shard gradients are rewritten by the next
-        reduction."""
+        views), stages 2, 3 set ``.grad`` to None; the shard gradients are rewritten by the
+        next reduction."""
         if self._pass is not None:
             self._finish_pass()  # never leave collectives in flight
         for fg in self.flat_groups:
@@ -502,14 +700,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 for p in fg.params:
                     p.grad = None
-            fg.shard.grad.zero_()
+                fg.grad_shard.zero_()
         self._shard_grads_valid = False
+        self._reduced_in_place = set()
+        self._grad_factor = 1.0
 
     # ----------------------------------------------------------------- introspection
 
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Stage 3: the model's full parameters, readable inside the block (collective);
+        stages 1, 2 always hold them."""
+        if self._gatherer is None:
+            yield
+            return
+        with self._gatherer.all_gathered():
+            yield
+
     def state_bytes(self) -> Dict[str, int]:
         """Bytes of optimizer state held by this rank, per dtype, measured from the tensors
-        (the shard master weights included under ``"master"``)."""
+        (the FP32 master shards of 16-bit parameters under ``"master"``)."""
         sizes: Dict[str, int] = defaultdict(int)
         for state in self.optim.state.values():
             for value in state.values():
@@ -517,27 +727,156 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     sizes[str(value.dtype).replace("torch.", "")] += (
                         value.numel() * value.element_size()
                     )
-        sizes["master"] = sum(fg.shard.numel() * fg.shard.element_size() for fg in self.flat_groups)
+        sizes["master"] = memory.storage_bytes(fg.master for fg in self.flat_groups)
         return dict(sizes)
 
     def gradient_bytes(self) -> int:
-        """Bytes of gradient storage this engine holds on this rank: the shard gradients, the
-        staging buckets and (stage 1) the full gradient buffer."""
-        total = 0
+        """Bytes of gradient storage this engine holds on this rank: the gradient shards
+        (stage 1: the full gradient buffer) and the staging buffers."""
+        report = self.memory_report()
+        return report.measured["gradients"] + memory.storage_bytes(self._wire_buffers())
+
+    def _wire_buffers(self) -> List[torch.Tensor]:
+        return [t for bufs in (*self._staging.values(), *self._rs_out.values()) for t in bufs]
+
+    def memory_report(self) -> memory.MemoryReport:
+        """Bytes per rank by kind, measured from the tensors this engine and its optimizer
+        hold, beside the ZeRO paper's formula (see ``memory.py``). Optimizer state is
+        counted once it exists (after the first step)."""
+        fgs = self.flat_groups
+        live_grads = [p.grad for fg in fgs for p in fg.params if p.grad is not None]
+        if self.stage == 1:
+            grads = [fg.grad_flat for fg in fgs] + live_grads
+        else:
+            grads = [fg.grad_shard for fg in fgs] + live_grads
+        values = [fg.values if self.stage == 3 else fg.flat for fg in fgs]
+        state = [fg.master for fg in fgs] + [
+            v
+            for s in self.optim.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1
+        ]
+        buffers = self._wire_buffers() + [self._step_grad]
+        gathered = self._gatherer.peak_gathered_bytes if self._gatherer is not None else 0
+        measured = {
+            "parameters": memory.storage_bytes(values),
+            "gradients": memory.storage_bytes(grads),
+            "optimizer_state": memory.storage_bytes(state),
+            "buffers": memory.storage_bytes(buffers) + gathered,
+        }
+        per_element = memory.state_bytes_per_element(self.optim)
+        if per_element is None:  # an optimizer the formula does not know: its measured state
+            shard = sum(fg.plan.shard_numel for fg in fgs)
+            master = memory.storage_bytes(fg.master for fg in fgs)
+            per_element = (measured["optimizer_state"] - master) // max(1, shard)
+        counts = [
+            memory.GroupCounts(
+                sum(s.numel for s in fg.plan.slots),
+                fg.plan.numel,
+                fg.plan.shard_numel,
+                fg.flat.element_size(),
+                fg.flat.element_size(),
+                4 if fg.master is not None else 0,
+                per_element,
+            )
+            for fg in fgs
+        ]
+        formula = memory.formula_bytes(self.stage, self.world_size, counts)
+        allowance = memory.padding_allowance(self.stage, self.world_size, counts)
+        allowance["buffers"] = self.buffer_bound()
+        return memory.MemoryReport(
+            self.stage,
+            self.world_size,
+            sum(c.numel for c in counts),
+            measured,
+            formula,
+            allowance,
+            per_element,
+        )
+
+    def buffer_bound(self) -> int:
+        """The communication buffers this engine allows itself, in bytes: per wire dtype
+        ``_STAGING_SLOTS`` buckets and as many bucket slices, one FP32 bucket slice (16-bit
+        parameters), and at stage 3 the gathered full values of at most three units (the
+        root, the one running and the one prefetched) plus one per level of unit nesting."""
+        bucket = {}
         for fg in self.flat_groups:
-            tensors = [fg.shard.grad, *fg.staging]
-            if fg.grad_flat is not None:
-                tensors.append(fg.grad_flat)
-            if fg.rs_out is not None:
-                tensors.append(fg.rs_out)
-            total += sum(t.numel() * t.element_size() for t in tensors)
-        return total
+            size = (
+                max(b.numel for b in fg.plan.buckets)
+                * torch.empty((), dtype=fg.wire_dtype).element_size()
+            )
+            bucket[fg.wire_dtype] = max(bucket.get(fg.wire_dtype, 0), size)
+        bound = sum(_STAGING_SLOTS * (n + n // self.world_size) for n in bucket.values())
+        if self._step_grad is not None:
+            bound += self._step_grad.numel() * 4
+        if self._gatherer is not None:
+            bound += self._gatherer.gathered_bound()
+        return bound
 
     def describe(self) -> str:
         """The partition plan, printable."""
         return (
             f"ShardedOptimizer stage {self.stage}, rank {self.rank}/{self.world_size}\n{self.plan}"
         )
+
+    # ----------------------------------------------------------------- shards, for checkpoints
+
+    def shard_tensors(self, g: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Dict]:
+        """Flat group ``g`` on this rank: FP32 master shard, element-wise optimizer state as
+        shard-long FP32 vectors, and the replicated state (``step``...) of its first bucket."""
+        fg = self.flat_groups[g]
+        master = fg.master if fg.master is not None else torch.cat(list(fg.pieces)).float()
+        elementwise: Dict[str, List[torch.Tensor]] = defaultdict(list)
+        replicated: Dict[str, Any] = {}
+        for b, piece in enumerate(fg.pieces):
+            for key, value in self.optim.state.get(piece, {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.shape == piece.shape
+                    and value.numel() > 1
+                ):
+                    elementwise[key].append(value.detach())
+                elif b == 0:
+                    replicated[key] = (
+                        value.detach().clone() if isinstance(value, torch.Tensor) else value
+                    )
+        state = {k: torch.cat(v) for k, v in elementwise.items() if len(v) == len(fg.pieces)}
+        return master.detach().cpu(), {k: v.cpu() for k, v in state.items()}, replicated
+
+    def load_shard_tensors(self, shards: List[Tuple[torch.Tensor, Dict, Dict, Dict]]) -> None:
+        """Inverse of :meth:`shard_tensors` for every flat group: ``(master, elementwise state,
+        replicated state, param-group options)``; then the values follow the masters (stages
+        1, 2 all-gather them). Collective."""
+        local_state: Dict[str, Any] = {"state": {}, "param_groups": []}
+        index = 0
+        for g, (_, state, replicated, options) in enumerate(shards):
+            fg = self.flat_groups[g]
+            ids = []
+            for bucket in fg.plan.buckets:
+                lo, n = bucket.shard_offset, bucket.slice_numel
+                if state or replicated:
+                    local_state["state"][index] = {
+                        **{
+                            k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in replicated.items()
+                        },
+                        **{k: v[lo : lo + n].clone() for k, v in state.items()},
+                    }
+                ids.append(index)
+                index += 1
+            current = {k: v for k, v in self.optim.param_groups[g].items() if k != "params"}
+            local_state["param_groups"].append({**current, **options, "params": ids})
+        self.load_local_state_dict(local_state)
+        with torch.no_grad():
+            for fg, (master, _, _, _) in zip(self.flat_groups, shards):
+                if fg.master is not None:
+                    fg.master.copy_(master)
+                for b, bucket in enumerate(fg.plan.buckets):
+                    src = master[bucket.shard_offset : bucket.shard_offset + bucket.slice_numel]
+                    self._shard_slice(fg, b).copy_(src)
+        self.zero_grad()
+        if self.stage != 3:
+            self._all_gather_params()
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard state (the local optimizer's state dict) with its world size and
@@ -566,10 +905,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state
 
     def close(self) -> None:
-        """Removes the gradient hooks."""
+        """Removes the gradient (and stage 3 module) hooks."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._gatherer is not None:
+            self._gatherer.detach()
+
+
+def _check_arguments(stage, grad_dtype, bucket_cap_mb, module, units) -> None:
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage: must be 1, 2 or 3, got {stage}")
+    if stage == 3 and not isinstance(module, torch.nn.Module):
+        raise ValueError(
+            "stage 3 shards the parameters and gathers them in the model's forward hooks: "
+            "pass module=<the model> (a torch.nn.Module)"
+        )
+    if stage != 3 and (module is not None or units is not None):
+        raise ValueError(f"module / units: only stage 3 uses them, got stage {stage}")
+    if grad_dtype not in (None, *_FLOAT_DTYPES):
+        raise TypeError(f"grad_dtype: must be None, float32, float16 or bfloat16, got {grad_dtype}")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb: must be > 0, got {bucket_cap_mb}")
 
 
 def _param_groups(params: Iterable[Any]) -> List[Dict[str, Any]]:

@@ -1,0 +1,238 @@
+"""A small GPT, unsharded or tensor-parallel: embedding, pre-norm blocks, tied or untied head.
+
+    model = GPT(GPTConfig(vocab_size=256, dim=64, n_heads=4, n_layers=2))
+    model.parallelize(mesh.tp_comm, sequence_parallel=True)   # or tp.shard_module(...)
+    loss = model(idx, targets)                                # idx, targets: [batch, seq]
+
+Inside, activations are ``[sequence, batch, hidden]`` (Megatron's layout): under sequence
+parallelism dimension 0 is what is split. The model is three kinds of children, so that
+``model.as_sequential()`` feeds :class:`~dist_kernels.Pipeline`::
+
+    embedding  ids [b, s] -> x [s, b, h]       token + position embedding, dropout
+    blocks[i]  x -> x + attn(ln_1(x)) -> x + mlp(ln_2(x))
+    head       x -> logits [b, s, vocab (/ tp)]  final norm, linear head
+
+The fused ``qkv`` projection orders its output features head by head (``[head][q, k, v][d]``),
+so splitting its rows into ``tp`` contiguous shards gives each rank whole heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import tensor_parallel as tp
+
+__all__ = ["GPTConfig", "GPT"]
+
+
+@dataclass
+class GPTConfig:
+    """Shape and options of :class:`GPT`; checked when built."""
+
+    vocab_size: int = 256
+    """Tokens in the vocabulary (a multiple of tp when sharded: pad it)."""
+    block_size: int = 64
+    """Longest sequence (rows of the position embedding)."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block (a multiple of tp when sharded)."""
+    dim: int = 64
+    """Hidden size; a multiple of ``n_heads``."""
+    mlp_ratio: int = 4
+    """The MLP's hidden size is ``mlp_ratio * dim``."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    bias: bool = True
+    """Biases in the linear layers and norms."""
+    tie_embeddings: bool = True
+    """The head reuses the token embedding's weight (not across pipeline stages)."""
+    norm_eps: float = 1e-5
+    """LayerNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layers", "n_heads", "dim", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"GPTConfig: dim({self.dim}) % n_heads({self.n_heads}) != 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention; a sharded ``qkv`` holds whole heads, so nothing here
+    depends on how many heads this rank has."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, heads * 3 * d] (heads of this rank, whole sequence)
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, -1, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        p = self.dropout if self.training else 0.0
+        # Heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn).
+        with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * d]
+        return self.drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: ids ``[b, s]`` -> ``[s, b, h]`` (or this rank's
+    sequence shard ``[s / tp, b, h]`` when the token embedding is sequence-parallel)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.block_size = cfg.block_size
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        seq = ids.shape[1]
+        if seq > self.block_size:
+            raise ValueError(f"GPT: sequence length {seq} > block_size({self.block_size})")
+        x = self.wte(ids.t())
+        pos = self.wpe.weight[:seq]
+        if getattr(self.wte, "sequence_parallel", False):
+            pos = pos.chunk(self.wte.tp_size)[self.wte.tp_rank]  # this rank's positions
+        return self.drop(x + pos.unsqueeze(1).to(x.dtype))
+
+
+class Head(nn.Module):
+    """Final norm and linear head: ``[s, b, h]`` -> logits ``[b, s, vocab]`` (this rank's
+    vocabulary columns when sharded)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x)).transpose(0, 1)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy; vocabulary-parallel (no gather) when the head is sharded."""
+        head = self.lm_head
+        if isinstance(head, tp.ColumnParallelLinear) and not head.gather_output:
+            return tp.vocab_parallel_cross_entropy(logits, targets, comm=head.comm)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; see the module docstring for its layout."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = Embedding(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.head = Head(config)
+        self.apply(self._init_weights)
+        if config.tie_embeddings:
+            self.head.lm_head.weight = self.embedding.wte.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[b, s, vocab (/ tp)]``, or the mean loss if ``targets`` is given."""
+        x = self.embedding(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits if targets is None else self.head.loss(logits, targets)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of :meth:`forward`'s logits (a Pipeline's ``loss_fn``)."""
+        return self.head.loss(logits, targets)
+
+    def as_sequential(self) -> nn.Sequential:
+        """``embedding, *blocks, head`` (the same modules) as an ``nn.Sequential``."""
+        return nn.Sequential(self.embedding, *self.blocks, self.head)
+
+    def tp_plan(self, tp_size: int, sequence_parallel: bool = False) -> Dict[str, Any]:
+        """The :func:`tp.shard_module` plan: heads, MLP columns and vocabulary split.
+
+        Raises ``ValueError`` with the arithmetic when a size does not divide.
+        """
+        cfg = self.config
+        for name, value in (
+            ("n_heads", cfg.n_heads),
+            ("vocab_size", cfg.vocab_size),
+            ("mlp hidden (mlp_ratio * dim)", cfg.mlp_ratio * cfg.dim),
+        ):
+            if value % tp_size:
+                raise ValueError(f"GPT: {name}({value}) % tp({tp_size}) != 0")
+        sp = bool(sequence_parallel)
+        plan: Dict[str, Any] = {
+            "embedding.wte": tp.VocabParallel(sequence_parallel=sp),
+            "blocks.*.attn.qkv": tp.ColumnParallel(sequence_parallel=sp),
+            "blocks.*.attn.proj": tp.RowParallel(sequence_parallel=sp),
+            "blocks.*.mlp.fc": tp.ColumnParallel(sequence_parallel=sp),
+            "blocks.*.mlp.proj": tp.RowParallel(sequence_parallel=sp),
+            "head.lm_head": tp.ColumnParallel(sequence_parallel=sp),
+        }
+        if sp:  # everything between the pairs runs on sequence shards
+            for pattern in (
+                "embedding.wpe",
+                "embedding.drop",
+                "blocks.*.ln_?",
+                "blocks.*.*.drop",
+                "head.ln_f",
+            ):
+                plan[pattern] = tp.SequenceParallel()
+        return plan
+
+    def parallelize(self, comm: Any, sequence_parallel: bool = False) -> GPT:
+        """Shards this model in place over the tensor-parallel group ``comm``; returns it."""
+        size = 1 if comm is None else comm.world_size
+        return tp.shard_module(self, self.tp_plan(size, sequence_parallel), comm)

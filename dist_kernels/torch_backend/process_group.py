@@ -1,0 +1,621 @@
+"""ProcessGroupDK: torch.distributed's ProcessGroup on dist_kernels' communicators.
+
+Each torch collective is mapped onto the Communicator's (all_reduce, reduce_scatter,
+all_gather, broadcast, send/recv, barrier, all_to_all); the forms torch has and we do not are
+composed from them, moving no more data than gloo does:
+
+    reduce            all_reduce (non-roots reduce a copy: their tensor stays as it was)
+    gather / scatter  point-to-point between the root and each rank
+    list forms        one flat buffer, copied out once the collective completes
+    coalesced forms   one flat all_reduce per dtype; the others one collective per tensor
+    PREMUL_SUM        scale (this rank's copy of) the input, then SUM
+
+A call with ``opts.asyncOp`` False (``dist.all_reduce(t)`` without ``async_op``) runs inline
+on the caller's thread, our fastest path; an asynchronous one is queued on the communicator's
+progress thread and returns a :class:`~.work.DkWork`. Arguments are checked on the calling
+rank before anything is sent; a failed collective raises ``torch.distributed.DistBackendError``
+with our CommError's message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
+
+from ..dtypes import DTYPE_CODES, ReduceOp
+from ..errors import CommError
+from . import BACKEND_NAME
+from .routes import Routes, device_backends
+from .work import Completions, DkWork, to_dist_error
+
+# torch's ReduceOp kind (its int value: hashing the pybind enum costs more than the rest of
+# the call's checks) -> ours; PREMUL_SUM becomes SUM after scaling
+_RED_OPS = {
+    dist.ReduceOp.RedOpType.SUM.value: ReduceOp.SUM,
+    dist.ReduceOp.RedOpType.AVG.value: ReduceOp.AVG,
+    dist.ReduceOp.RedOpType.PRODUCT.value: ReduceOp.PROD,
+    dist.ReduceOp.RedOpType.MIN.value: ReduceOp.MIN,
+    dist.ReduceOp.RedOpType.MAX.value: ReduceOp.MAX,
+}
+
+
+def create_process_group(common_opts, caller_frame) -> ProcessGroupDK:
+    """The creator torch calls (through ``torch_backend._create``) for each "dk" group."""
+    return ProcessGroupDK(
+        common_opts.store,
+        common_opts.group_rank,
+        common_opts.group_size,
+        common_opts.timeout,
+        group_name=str(common_opts.group_id),
+        backends=device_backends(caller_frame),
+    )
+
+
+def _device_of(args: Sequence[Any]) -> Optional[torch.device]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)):
+            device = _device_of(a)
+            if device is not None:
+                return device
+    return None
+
+
+def _routed(torch_name: str) -> Callable:
+    """Runs the method on our communicator, or hands the call to the torch backend of the
+    tensors' device (as ``torch_name``, the Backend's name for it); our CommError becomes
+    torch's DistBackendError."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def method(self: ProcessGroupDK, *args: Any, **kwargs: Any) -> Any:
+            if self._routes.delegates:  # only mixed-device groups pay for the lookup
+                backend = self._routes.delegate(_device_of([*args, *kwargs.values()]))
+                if backend is not None:
+                    return getattr(backend, torch_name)(*args, **kwargs)
+            try:
+                return fn(self, *args, **kwargs)
+            except CommError as e:
+                raise to_dist_error(e) from e
+
+        return method
+
+    return wrap
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D tensor; for dtypes we do not reduce, their bytes (data movement)."""
+    flat = t.reshape(-1)
+    if t.dtype not in DTYPE_CODES:
+        flat = flat.contiguous().view(torch.uint8)
+    return flat
+
+
+class _Staged:
+    """A contiguous tensor standing for ``t``, and the copy back when it is not ``t`` itself."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.target = t
+        self.buf = t if t.is_contiguous() else t.contiguous()
+
+    def copy_back(self) -> None:
+        if self.buf is not self.target:
+            self.target.copy_(self.buf)
+
+
+class ProcessGroupDK(dist.ProcessGroup):
+    """A torch.distributed ProcessGroup whose collectives run on dist_kernels.
+
+    Made by torch through the registered creator (``init_process_group("dk")``,
+    ``new_group(backend="dk")``, DeviceMesh); not meant to be constructed directly.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout: datetime.timedelta,
+        group_name: str = "",
+        backends: Optional[Dict[str, str]] = None,
+    ) -> None:
+        super().__init__(rank, world_size)
+        self._rank, self._world_size = rank, world_size
+        self._group_name, self._group_desc = group_name, ""
+        self._timeout = timeout
+        label = f"[rank {rank}] dk group {group_name!r}"
+        self._completions = Completions()
+        self._routes = Routes(
+            store, rank, world_size, timeout, backends or {"cpu": BACKEND_NAME}, label
+        )
+        self._cpu = self._routes.ours_on_cpu()
+
+    # -- identity (torch's DeviceMesh, FSDP2 and functional collectives look groups up by name)
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGroupDK(rank={self._rank}, world_size={self._world_size}, "
+            f"name={self._group_name!r}, devices={self._routes.backends})"
+        )
+
+    def communicator(self, device: str = "cpu") -> Any:
+        """Our communicator serving ``device`` in this group (the benchmark times it directly,
+        beside the same collectives through this group, to show this layer's overhead)."""
+        return self._routes.comm(torch.device(device), "communicator")
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _what(self, what: str) -> str:
+        return f"[rank {self._rank}] dk backend: {what}"
+
+    def _comm(self, tensor: Optional[torch.Tensor], what: str) -> Any:
+        if self._cpu is not None and (tensor is None or tensor.is_cpu):
+            return self._cpu  # the common case, without the routing table's lookups
+        return self._routes.comm(tensor.device if tensor is not None else None, what)
+
+    def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise NotImplementedError(
+                f"{self._what(what)}: takes one tensor per call, got {len(tensors)} (the "
+                f"multi-device list form is not supported: call once per tensor)"
+            )
+        return tensors[0]
+
+    def _list_of_world(self, tensors: Sequence[torch.Tensor], like: torch.Tensor, arg: str, what):
+        if len(tensors) != self._world_size:
+            raise ValueError(
+                f"{self._what(what)}: {arg} has {len(tensors)} tensors, expected world_size "
+                f"({self._world_size})"
+            )
+        for r, t in enumerate(tensors):
+            if t.numel() != like.numel() or t.dtype != like.dtype or t.device != like.device:
+                raise NotImplementedError(
+                    f"{self._what(what)}: {arg}[{r}] is {tuple(t.shape)} {t.dtype} on "
+                    f"{t.device}, but the local tensor is {tuple(like.shape)} {like.dtype} on "
+                    f"{like.device}; uneven sizes are not supported (pad to one size)"
+                )
+
+    def _op(self, op: Any, t: torch.Tensor, what: str) -> Tuple[ReduceOp, Optional[Any]]:
+        """(our op, PREMUL_SUM factor or None) for torch's ReduceOp."""
+        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        ours = _RED_OPS.get(kind.value)
+        if ours is not None:
+            return ours, None
+        if kind == dist.ReduceOp.PREMUL_SUM:
+            if not t.is_floating_point():
+                raise NotImplementedError(
+                    f"{self._what(what)}: PREMUL_SUM on {t.dtype}; it needs a floating dtype"
+                )
+            return ReduceOp.SUM, op.factor
+        raise NotImplementedError(
+            f"{self._what(what)}: ReduceOp {kind} is not supported (SUM, AVG, PRODUCT, MIN, "
+            f"MAX, PREMUL_SUM are); for bitwise ops use a gloo group"
+        )
+
+    def _work(self, handles, result, finish=None) -> DkWork:
+        return DkWork(handles, result, finish, self._completions)
+
+    # -- all-reduce ------------------------------------------------------------------------
+
+    @_routed("allreduce")
+    def allreduce(self, tensors: List[torch.Tensor], opts=None) -> DkWork:
+        opts = opts if opts is not None else AllreduceOptions()
+        t = self._one(tensors, "allreduce")
+        op, factor = self._op(opts.reduceOp, t, "allreduce")
+        if t.is_contiguous():  # the hot path (DDP buckets, dist.all_reduce): no staging
+            if factor is not None:
+                t.mul_(factor)
+            handle = self._comm(t, "allreduce").all_reduce(t, op, async_op=opts.asyncOp)
+            if handle is None:
+                return DkWork.done(tensors, self._completions)
+            return DkWork((handle,), tensors, None, self._completions)
+        staged = _Staged(t)
+        if factor is not None:
+            staged.buf.mul_(factor)
+        handle = self._comm(t, "allreduce").all_reduce(staged.buf, op, async_op=opts.asyncOp)
+        return self._work([handle], tensors, staged.copy_back)
+
+    @_routed("allreduce_coalesced")
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None) -> DkWork:
+        opts = opts if opts is not None else AllreduceCoalescedOptions()
+        if not tensors:
+            return self._work([], tensors)
+        if len({t.dtype for t in tensors}) != 1 or len({t.device for t in tensors}) != 1:
+            raise ValueError(
+                f"{self._what('allreduce_coalesced')}: tensors must share one dtype and device"
+            )
+        op, factor = self._op(opts.reduceOp, tensors[0], "allreduce_coalesced")
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if factor is not None:
+            flat.mul_(factor)
+        comm = self._comm(tensors[0], "allreduce_coalesced")
+        handle = comm.all_reduce(flat, op, async_op=opts.asyncOp)
+
+        def unflatten() -> None:
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+        return self._work([handle], tensors, unflatten)
+
+    # -- all-gather ------------------------------------------------------------------------
+
+    def _all_gather_flat(self, output: torch.Tensor, input: torch.Tensor, async_op: bool, what):
+        """all_gather of ``input`` into ``output`` (any shape of world_size * input.numel())."""
+        if output.numel() != self._world_size * input.numel():
+            raise ValueError(
+                f"{self._what(what)}: output.numel() ({output.numel()}) must equal world_size "
+                f"({self._world_size}) * input.numel() ({input.numel()})"
+            )
+        if output.dtype != input.dtype:
+            raise TypeError(
+                f"{self._what(what)}: output dtype {output.dtype} differs from input dtype "
+                f"{input.dtype}"
+            )
+        staged = _Staged(output)
+        comm = self._comm(input, what)
+        handle = comm.all_gather(_flat(staged.buf), _flat(input.contiguous()), async_op=async_op)
+        return handle, staged.copy_back
+
+    @_routed("allgather")
+    def allgather(self, output_lists, input_tensors, opts=None) -> DkWork:
+        opts = opts if opts is not None else AllgatherOptions()
+        t = self._one(input_tensors, "allgather")
+        outputs = self._one(output_lists, "allgather")
+        self._list_of_world(outputs, t, "output_tensor_list", "allgather")
+        flat = torch.empty(self._world_size * t.numel(), dtype=t.dtype, device=t.device)
+        handle, _ = self._all_gather_flat(flat, t, opts.asyncOp, "allgather")
+
+        def split() -> None:
+            for r, out in enumerate(outputs):
+                out.copy_(flat[r * t.numel() : (r + 1) * t.numel()].view_as(out))
+
+        return self._work([handle], output_lists, split)
+
+    @_routed("_allgather_base")
+    def all_gather_single(self, output, input, opts=None) -> DkWork:
+        opts = opts if opts is not None else AllgatherOptions()
+        handle, finish = self._all_gather_flat(output, input, opts.asyncOp, "all_gather_single")
+        return self._work([handle], [output], finish)
+
+    _allgather_base = all_gather_single
+
+    @_routed("allgather_into_tensor_coalesced")
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> DkWork:
+        opts = opts if opts is not None else AllgatherOptions()
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"{self._what('allgather_into_tensor_coalesced')}: {len(outputs)} outputs "
+                f"for {len(inputs)} inputs"
+            )
+        parts = [
+            self._all_gather_flat(o, i, opts.asyncOp, "allgather_into_tensor_coalesced")
+            for o, i in zip(outputs, inputs)
+        ]
+        return self._work([h for h, _ in parts], list(outputs), _run_all([f for _, f in parts]))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    @_routed("allgather_coalesced")
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> DkWork:
+        """``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
+        opts = opts if opts is not None else AllgatherOptions()
+        if len(output_lists) != self._world_size:
+            raise ValueError(
+                f"{self._what('allgather_coalesced')}: output_lists has {len(output_lists)} "
+                f"lists, expected world_size ({self._world_size})"
+            )
+        works = [
+            self.allgather([[outs[i] for outs in output_lists]], [t], opts)
+            for i, t in enumerate(input_list)
+        ]
+        return self._work(works, output_lists)
+
+    # -- reduce-scatter --------------------------------------------------------------------
+
+    def _reduce_scatter_flat(self, output, input, op_arg, async_op: bool, what):
+        if input.numel() != self._world_size * output.numel():
+            raise ValueError(
+                f"{self._what(what)}: input.numel() ({input.numel()}) must equal world_size "
+                f"({self._world_size}) * output.numel() ({output.numel()})"
+            )
+        op, factor = self._op(op_arg, input, what)
+        source = input.reshape(-1).contiguous()
+        if factor is not None:
+            source = source * factor  # a copy: the caller's input stays as it was
+        staged = _Staged(output)
+        comm = self._comm(input, what)
+        handle = comm.reduce_scatter(staged.buf.view(-1), source, op, async_op=async_op)
+        return handle, staged.copy_back, source
+
+    @_routed("reduce_scatter")
+    def reduce_scatter(self, outputs, input_lists, opts=None) -> DkWork:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        out = self._one(outputs, "reduce_scatter")
+        inputs = self._one(input_lists, "reduce_scatter")
+        self._list_of_world(inputs, out, "input_list", "reduce_scatter")
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        handle, finish, _ = self._reduce_scatter_flat(
+            out, flat, opts.reduceOp, opts.asyncOp, "reduce_scatter"
+        )
+        return self._work([handle], outputs, finish)
+
+    @_routed("_reduce_scatter_base")
+    def reduce_scatter_single(self, output, input, opts=None) -> DkWork:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        handle, finish, _ = self._reduce_scatter_flat(
+            output, input, opts.reduceOp, opts.asyncOp, "reduce_scatter_single"
+        )
+        return self._work([handle], [output], finish)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    @_routed("reduce_scatter_tensor_coalesced")
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> DkWork:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        what = "reduce_scatter_tensor_coalesced"
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{self._what(what)}: {len(outputs)} outputs for {len(inputs)} inputs")
+        parts = [
+            self._reduce_scatter_flat(o, i, opts.reduceOp, opts.asyncOp, what)
+            for o, i in zip(outputs, inputs)
+        ]
+        return self._work([p[0] for p in parts], list(outputs), _run_all([p[1] for p in parts]))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # -- rooted collectives ----------------------------------------------------------------
+
+    def _check_root(self, root: int, what: str) -> int:
+        if not 0 <= root < self._world_size:
+            raise ValueError(
+                f"{self._what(what)}: root rank {root} is out of range for world_size "
+                f"{self._world_size}"
+            )
+        return root
+
+    @_routed("broadcast")
+    def broadcast(self, tensors, opts=None) -> DkWork:
+        opts = opts if opts is not None else BroadcastOptions()
+        t = self._one(tensors, "broadcast")
+        root = self._check_root(opts.rootRank, "broadcast")
+        staged = _Staged(t)
+        handle = self._comm(t, "broadcast").broadcast(
+            _flat(staged.buf), root, async_op=opts.asyncOp
+        )
+        return self._work([handle], tensors, staged.copy_back)
+
+    @_routed("reduce")
+    def reduce(self, tensors, opts=None) -> DkWork:
+        opts = opts if opts is not None else ReduceOptions()
+        t = self._one(tensors, "reduce")
+        root = self._check_root(opts.rootRank, "reduce")
+        op, factor = self._op(opts.reduceOp, t, "reduce")
+        staged = _Staged(t)
+        # Only the root keeps the result; the others reduce a copy.
+        buf = staged.buf if self._rank == root else t.contiguous().clone()
+        if factor is not None:
+            buf.mul_(factor)
+        handle = self._comm(t, "reduce").all_reduce(buf, op, async_op=opts.asyncOp)
+        finish = staged.copy_back if self._rank == root else None
+        return self._work([handle], tensors, finish)
+
+    def _p2p(self, what: str, comm, t: torch.Tensor, peer: int):
+        """isend / irecv of ``t``'s bytes (any dtype); returns (handle, finish)."""
+        staged = _Staged(t)
+        flat = _flat(staged.buf)
+        if what == "send":
+            return comm.isend(flat, peer), None
+        return comm.irecv(flat, peer), staged.copy_back
+
+    @_routed("gather")
+    def gather(self, output_lists, input_tensors, opts=None) -> DkWork:
+        opts = opts if opts is not None else GatherOptions()
+        t = self._one(input_tensors, "gather")
+        root = self._check_root(opts.rootRank, "gather")
+        comm = self._comm(t, "gather")
+        if self._rank != root:
+            if output_lists and any(len(o) for o in output_lists):
+                raise ValueError(f"{self._what('gather')}: only the root passes output tensors")
+            handle, _ = self._p2p("send", comm, t, root)
+            return self._work([handle], [])
+        outputs = self._one(output_lists, "gather")
+        self._list_of_world(outputs, t, "gather_list", "gather")
+        outputs[root].copy_(t)
+        parts = [self._p2p("recv", comm, o, r) for r, o in enumerate(outputs) if r != root]
+        return self._work([h for h, _ in parts], output_lists, _run_all([f for _, f in parts]))
+
+    @_routed("scatter")
+    def scatter(self, outputs, input_lists, opts=None) -> DkWork:
+        opts = opts if opts is not None else ScatterOptions()
+        t = self._one(outputs, "scatter")
+        root = self._check_root(opts.rootRank, "scatter")
+        comm = self._comm(t, "scatter")
+        if self._rank != root:
+            if input_lists and any(len(i) for i in input_lists):
+                raise ValueError(f"{self._what('scatter')}: only the root passes input tensors")
+            handle, finish = self._p2p("recv", comm, t, root)
+            return self._work([handle], outputs, finish)
+        inputs = self._one(input_lists, "scatter")
+        self._list_of_world(inputs, t, "scatter_list", "scatter")
+        t.copy_(inputs[root])
+        handles = [self._p2p("send", comm, i, r)[0] for r, i in enumerate(inputs) if r != root]
+        return self._work(handles, outputs)
+
+    # -- all-to-all ------------------------------------------------------------------------
+
+    def _splits(self, t: torch.Tensor, sizes: Sequence[int], arg: str) -> List[int]:
+        """Per-rank element counts of ``t`` cut along dim 0 (``sizes`` empty: equal cuts)."""
+        rows = t.size(0) if t.dim() > 0 else 1
+        row = t.numel() // rows if rows else 0
+        if not sizes:
+            if rows % self._world_size:
+                raise ValueError(
+                    f"{self._what('all_to_all_single')}: {arg}.size(0) ({rows}) is not "
+                    f"divisible by world_size ({self._world_size}); pass split sizes"
+                )
+            return [rows // self._world_size * row] * self._world_size
+        if len(sizes) != self._world_size or sum(sizes) != rows or min(sizes) < 0:
+            raise ValueError(
+                f"{self._what('all_to_all_single')}: {arg} split sizes {list(sizes)} must be "
+                f"world_size ({self._world_size}) non-negative numbers summing to "
+                f"{arg}.size(0) ({rows})"
+            )
+        return [s * row for s in sizes]
+
+    @_routed("alltoall_base")
+    def all_to_all_single(
+        self, output, input, output_split_sizes=(), input_split_sizes=(), opts=None
+    ) -> DkWork:
+        opts = opts if opts is not None else AllToAllOptions()
+        what = "all_to_all_single"
+        if output.dtype != input.dtype:
+            raise TypeError(f"{self._what(what)}: output {output.dtype} != input {input.dtype}")
+        recv_counts = self._splits(output, output_split_sizes or (), "output")
+        send_counts = self._splits(input, input_split_sizes or (), "input")
+        staged = _Staged(output)
+        source = _flat(input.contiguous())
+        if source.numel() and source.data_ptr() == _flat(staged.buf).data_ptr():
+            source = source.clone()  # in place: every rank still reads its original input
+        handle = self._comm(input, what).all_to_all(
+            _flat(staged.buf),
+            source,
+            _scaled(send_counts, input),
+            _scaled(recv_counts, input),
+            async_op=opts.asyncOp,
+        )
+        return self._work([handle], [output], staged.copy_back)
+
+    alltoall_base = all_to_all_single
+
+    @_routed("alltoall")
+    def alltoall(self, output_tensors, input_tensors, opts=None) -> DkWork:
+        opts = opts if opts is not None else AllToAllOptions()
+        what = "alltoall"
+        if len(output_tensors) != self._world_size or len(input_tensors) != self._world_size:
+            raise ValueError(
+                f"{self._what(what)}: pass world_size ({self._world_size}) output and input "
+                f"tensors, got {len(output_tensors)} and {len(input_tensors)}"
+            )
+        if len({t.dtype for t in [*output_tensors, *input_tensors]}) != 1:
+            raise TypeError(f"{self._what(what)}: all tensors must share one dtype")
+        source = torch.cat([t.reshape(-1) for t in input_tensors])
+        out = torch.empty(
+            sum(t.numel() for t in output_tensors), dtype=source.dtype, device=source.device
+        )
+        handle = self._comm(source, what).all_to_all(
+            _flat(out),
+            _flat(source),
+            _scaled([t.numel() for t in input_tensors], source),
+            _scaled([t.numel() for t in output_tensors], source),
+            async_op=opts.asyncOp,
+        )
+
+        def split() -> None:
+            offset = 0
+            for t in output_tensors:
+                t.copy_(out[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+        return self._work([handle], output_tensors, split)
+
+    # -- point-to-point and barrier --------------------------------------------------------
+
+    def _check_peer(self, peer: int, what: str) -> int:
+        if not 0 <= peer < self._world_size or peer == self._rank:
+            raise ValueError(
+                f"{self._what(what)}: peer {peer} must be another rank of this group "
+                f"(world_size {self._world_size})"
+            )
+        return peer
+
+    @_routed("send")
+    def send(self, tensors, dst: int, tag: int = 0) -> DkWork:
+        """Always asynchronous (``dist.send`` waits on the Work). ``tag`` is ignored, as NCCL
+        does: messages between two ranks match in the order they are issued."""
+        t = self._one(tensors, "send")
+        handle, _ = self._p2p("send", self._comm(t, "send"), t, self._check_peer(dst, "send"))
+        return self._work([handle], tensors)
+
+    @_routed("recv")
+    def recv(self, tensors, src: int, tag: int = 0) -> DkWork:
+        t = self._one(tensors, "recv")
+        handle, finish = self._p2p("recv", self._comm(t, "recv"), t, self._check_peer(src, "recv"))
+        return self._work([handle], tensors, finish)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        raise NotImplementedError(
+            f"{self._what('recv')}: receiving from any source is not supported; name the "
+            f"source rank (or use a gloo group)"
+        )
+
+    @_routed("barrier")
+    def barrier(self, opts=None) -> DkWork:
+        opts = opts if opts is not None else BarrierOptions()
+        handle = self._comm(None, "barrier").barrier(async_op=opts.asyncOp)
+        return self._work([handle], [])
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
+        raise NotImplementedError(
+            f"{self._what('monitored_barrier')}: not supported (gloo only); use barrier(), "
+            f"whose timeout names the collective"
+        )
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Closes the communicators (torch's destroy_process_group calls this)."""
+        self._cpu = None
+        self._routes.close()
+        self._completions.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _run_all(finishes: Sequence[Optional[Callable[[], None]]]) -> Callable[[], None]:
+    def run() -> None:
+        for finish in finishes:
+            if finish is not None:
+                finish()
+
+    return run
+
+
+def _scaled(counts: Sequence[int], flat_of: torch.Tensor) -> List[int]:
+    """Element counts of ``flat_of``'s dtype as counts of ``_flat``'s (bytes when viewed)."""
+    scale = flat_of.element_size() if flat_of.dtype not in DTYPE_CODES else 1
+    return [c * scale for c in counts]

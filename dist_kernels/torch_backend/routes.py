@@ -1,0 +1,142 @@
+"""Which communicator serves each device of a "dk" process group.
+
+torch hands a Python process group every device (its creator's group replaces torch's
+per-device table), so ``init_process_group("cpu:dk,cuda:nccl")`` is routed here: devices
+mapped to "dk" run on our communicators (CPU: shared memory, made with the group; CUDA: our
+CUDA communicator, made at the first CUDA call, when a device is known), devices mapped to
+"gloo" or "nccl" on a torch backend this group holds and hands the whole call to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import BACKEND_NAME, DEVICES
+
+TORCH_BACKENDS = ("gloo", "nccl")
+
+
+def device_backends(caller_frame: Any) -> Dict[str, str]:
+    """device type -> backend name, read from the BackendConfig of torch's caller.
+
+    torch's creator hook is told neither; its caller (``_new_process_group_helper``) has
+    them in ``backend_config``. If torch ever stops having it there: "dk" for every device.
+    """
+    config = caller_frame.f_locals.get("backend_config") if caller_frame is not None else None
+    try:
+        return {str(d): str(b) for d, b in config.get_device_backend_map().items()}
+    except AttributeError:
+        return {device: BACKEND_NAME for device in DEVICES}
+
+
+class Routes:
+    """The communicator (ours) or torch backend (delegated) of each device type.
+
+    Args:
+        store: the group's store (this object takes sub-prefixes of it per device).
+        rank, world_size, timeout: as torch handed them to the creator.
+        backends: device type -> "dk", "gloo" or "nccl".
+        label: "[rank r] dk group 'name'", for errors.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout: datetime.timedelta,
+        backends: Dict[str, str],
+        label: str,
+    ) -> None:
+        for device, backend in backends.items():
+            if backend != BACKEND_NAME and backend not in TORCH_BACKENDS:
+                raise ValueError(
+                    f"{label}: device {device!r} asks for backend {backend!r}; a dk group can "
+                    f"hand a device to {' or '.join(TORCH_BACKENDS)} only"
+                )
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout, self.backends, self.label = timeout, dict(backends), label
+        self._ours: Dict[str, Any] = {}
+        self._torch: Dict[str, Any] = {}
+        # Whether any device goes to a torch backend (else calls skip the device lookup).
+        self.delegates = any(b in TORCH_BACKENDS for b in self.backends.values())
+        self._lock = threading.Lock()
+        if self.backends.get("cpu") == BACKEND_NAME:
+            from ..comm.communicator import Communicator
+
+            self._ours["cpu"] = Communicator(
+                store=dist.PrefixStore("cpu/", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        elif self.backends.get("cpu") == "gloo":
+            self._torch["cpu"] = self._torch_backend("cpu", "gloo")
+
+    def delegate(self, device: Optional[torch.device]) -> Optional[Any]:
+        """The torch backend that serves ``device``, or None when we do."""
+        kind = device.type if device is not None else self.default_device()
+        if self.backends.get(kind) not in TORCH_BACKENDS:
+            return None
+        with self._lock:
+            if kind not in self._torch:
+                self._torch[kind] = self._torch_backend(kind, self.backends[kind])
+            return self._torch[kind]
+
+    def comm(self, device: Optional[torch.device], what: str) -> Any:
+        """Our communicator for ``device`` (CPU, or CUDA made on first use)."""
+        kind = device.type if device is not None else self.default_device()
+        if self.backends.get(kind) != BACKEND_NAME:
+            raise ValueError(
+                f"{self.label}: {what}: tensors on {kind}, but this group serves "
+                f"{', '.join(f'{d}:{b}' for d, b in self.backends.items())}"
+            )
+        with self._lock:
+            if kind not in self._ours:
+                self._ours[kind] = self._cuda_comm(device)
+            return self._ours[kind]
+
+    def ours_on_cpu(self) -> Optional[Any]:
+        """Our CPU communicator, or None when CPU tensors go elsewhere."""
+        return self._ours.get("cpu")
+
+    def default_device(self) -> str:
+        """The device of calls without tensors (barrier): CPU when this group serves it."""
+        return "cpu" if "cpu" in self.backends else next(iter(self.backends))
+
+    def _cuda_comm(self, device: Optional[torch.device]) -> Any:
+        from ..comm.communicator import Communicator
+
+        index = device.index if device is not None and device.index is not None else None
+        return Communicator(
+            device=torch.device("cuda", index) if index is not None else "cuda",
+            timeout=self.timeout,
+            store=dist.PrefixStore("cuda/", self.store),
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+
+    def _torch_backend(self, device: str, backend: str) -> Any:
+        store = dist.PrefixStore(f"{device}-{backend}/", self.store)
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+        if not dist.is_nccl_available():
+            raise RuntimeError(f"{self.label}: {device}:nccl asked for, but torch has no NCCL")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = self.timeout
+        return dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
+
+    def close(self) -> None:
+        for comm in self._ours.values():
+            comm.close()
+        self._ours.clear()
+        for backend in self._torch.values():
+            shutdown = getattr(backend, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        self._torch.clear()

@@ -1,0 +1,649 @@
+"""The "dk" torch.distributed backend against torch: every collective against a reference,
+torch DDP against torch DDP over gloo, FSDP2 and DTensor against single-process runs,
+functional collectives eager and compiled, errors, and the world-group path.
+
+The shared pool's workers already have a gloo default group, so most tests make a dk group
+with ``new_group(backend="dk")`` beside it (torch's own path for every non-default group; the
+world group's path is tested in fresh processes by ``test_init_process_group_dk_world``).
+Inputs are generated from the same seed on every rank, so each rank computes the reference
+itself (float64, or exact int64 wrapped to the dtype; see test_comm.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from mp_pool import RankDied, run_ranks, shm_leaks
+from test_comm import UNIT_ROUNDOFF, check_close, error_bound, make_input, reference
+
+import dist_kernels  # noqa: F401 - registers "dk" (the workers import this module too)
+
+SEED = 1616
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+]
+# torch's ReduceOp name -> the name test_comm's reference uses
+OPS = {"SUM": "SUM", "AVG": "AVG", "PRODUCT": "PROD", "MIN": "MIN", "MAX": "MAX"}
+PREMUL = 0.75
+
+_GROUPS = {}
+
+
+def _dk_group():
+    """This worker's dk group over every rank (made once per pool, in the same order)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    if n not in _GROUPS:
+        _GROUPS[n] = dist.new_group(backend="dk")
+    return _GROUPS[n]
+
+
+def _torch_op(name, dtype):
+    import torch.distributed as dist
+
+    if name == "PREMUL_SUM":
+        return dist._make_nccl_premul_sum(PREMUL)
+    return getattr(dist.ReduceOp, name)
+
+
+def _op_cases(dtype):
+    """(torch op name, reference op name, scale applied to every input)."""
+    cases = [(name, ref, 1.0) for name, ref in OPS.items()]
+    if dtype.is_floating_point:
+        cases.append(("PREMUL_SUM", "SUM", PREMUL))
+    return cases
+
+
+def _inputs(n, count, dtype, op, tag, scale=1.0):
+    xs = [make_input(r, count, dtype, op, tag) for r in range(n)]
+    return xs, [x.double() * scale if scale != 1.0 else x for x in xs]
+
+
+# -- every collective x dtype x op -----------------------------------------------------------
+
+
+def _bound(scaled, dtype, op, scale):
+    """The reduction's rounding bound; PREMUL_SUM (``scale != 1``) also rounds each rank's
+    pre-multiplied input to the dtype once: at most ``u`` of each term, ``u * sum |x_r|``."""
+    if not dtype.is_floating_point:
+        return None  # integers compare exactly
+    bound = error_bound(scaled, dtype, op)
+    if scale != 1.0:
+        u = UNIT_ROUNDOFF[dtype] + (2.0**-24 if dtype.itemsize == 2 else 0.0)
+        bound = bound + u * torch.stack([x.double().abs() for x in scaled]).sum(0)
+    return bound
+
+
+def _reductions(group, dtype, count):
+    """all_reduce (sync and async + future), coalesced, reduce, reduce_scatter (both forms)."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    for name, ref_op, scale in _op_cases(dtype):
+        op = _torch_op(name, dtype)
+        xs, scaled = _inputs(n, count, dtype, ref_op, f"ar{name}", scale)
+        ref, bound = reference(scaled, dtype, ref_op), _bound(scaled, dtype, ref_op, scale)
+        what = f"rank {rank}/{n} {dtype} {name}"
+        t = xs[rank].clone()
+        dist.all_reduce(t, op=op, group=group)
+        check_close(t, ref, dtype, ref_op, f"all_reduce {what}", bound)
+        t = xs[rank].clone()
+        future = dist.all_reduce(t, op=op, group=group, async_op=True).get_future()
+        check_close(future.wait()[0], ref, dtype, ref_op, f"all_reduce async {what}", bound)
+        pair = [xs[rank].clone(), xs[rank][: count // 2].clone()]
+        dist.all_reduce_coalesced(pair, op=op, group=group)
+        check_close(pair[0], ref, dtype, ref_op, f"all_reduce_coalesced {what}", bound)
+        half = slice(0, count // 2)
+        half_bound = None if bound is None else bound[half]
+        check_close(pair[1], ref[half], dtype, ref_op, f"coalesced[1] {what}", half_bound)
+        t = xs[rank].clone()
+        dist.reduce(t, dst=dist.get_global_rank(group, n - 1), op=op, group=group)
+        if rank == n - 1:
+            check_close(t, ref, dtype, ref_op, f"reduce {what}", bound)
+        else:
+            assert torch.equal(t, xs[rank]), f"reduce changed a non-root tensor: {what}"
+        ys, yscaled = _inputs(n, n * count, dtype, ref_op, f"rs{name}", scale)
+        mine = slice(rank * count, (rank + 1) * count)
+        chunk = reference(yscaled, dtype, ref_op)[mine]
+        chunk_bound = _bound(yscaled, dtype, ref_op, scale)
+        chunk_bound = None if chunk_bound is None else chunk_bound[mine]
+        out = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(out, ys[rank], op=op, group=group)
+        check_close(out, chunk, dtype, ref_op, f"reduce_scatter_tensor {what}", chunk_bound)
+        out = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter(out, list(ys[rank].chunk(n)), op=op, group=group)
+        check_close(out, chunk, dtype, ref_op, f"reduce_scatter {what}", chunk_bound)
+
+
+def _data_movement(group, dtype, count):
+    """all_gather (both forms), broadcast, gather, scatter, all_to_all (three forms), p2p."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    root = n - 1
+    groot = dist.get_global_rank(group, root)
+    xs = [make_input(r, count, dtype, "SUM", "ag") for r in range(n)]
+    what = f"rank {rank}/{n} {dtype}"
+    outs = [torch.empty(count, dtype=dtype) for _ in range(n)]
+    dist.all_gather(outs, xs[rank], group=group)
+    assert all(torch.equal(o, x) for o, x in zip(outs, xs)), f"all_gather {what}"
+    flat = torch.empty(n * count, dtype=dtype)
+    dist.all_gather_into_tensor(flat, xs[rank], group=group)
+    assert torch.equal(flat, torch.cat(xs)), f"all_gather_into_tensor {what}"
+    t = xs[rank].clone()
+    dist.broadcast(t, src=groot, group=group)
+    assert torch.equal(t, xs[root]), f"broadcast {what}"
+    gathered = [torch.empty(count, dtype=dtype) for _ in range(n)] if rank == root else None
+    dist.gather(xs[rank], gathered, dst=groot, group=group)
+    if rank == root:
+        assert all(torch.equal(g, x) for g, x in zip(gathered, xs)), f"gather {what}"
+    pieces = [make_input(r, count, dtype, "SUM", "sc") for r in range(n)]
+    t = torch.empty(count, dtype=dtype)
+    dist.scatter(t, pieces if rank == root else None, src=groot, group=group)
+    assert torch.equal(t, pieces[rank]), f"scatter {what}"
+    _all_to_all(group, dtype, count, what)
+    # a ring of isend / irecv in one batch
+    t = torch.empty(count, dtype=dtype)
+    if n > 1:
+        ops = [
+            dist.P2POp(dist.isend, xs[rank], dist.get_global_rank(group, (rank + 1) % n), group),
+            dist.P2POp(dist.irecv, t, dist.get_global_rank(group, (rank - 1) % n), group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        assert torch.equal(t, xs[(rank - 1) % n]), f"batch_isend_irecv {what}"
+
+
+def _block(src, dst, dtype, rows, tag):
+    """What rank src sends rank dst: ``rows[src][dst]`` rows of 3, the same on every rank."""
+    return make_input(src * 97 + dst, rows[src][dst] * 3, dtype, "SUM", tag).view(-1, 3)
+
+
+def _all_to_all(group, dtype, count, what):
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    # even: every rank sends `count` rows of 3 to every rank
+    even = [[count] * n for _ in range(n)]
+    # uneven: rows (src + 2 * dst) % 4, zero included
+    uneven = [[(s + 2 * d) % 4 for d in range(n)] for s in range(n)]
+    for rows, splits in ((even, False), (uneven, True)):
+        inp = torch.cat([_block(rank, d, dtype, rows, "a2a") for d in range(n)])
+        expected = torch.cat([_block(s, rank, dtype, rows, "a2a") for s in range(n)])
+        out = torch.empty_like(expected)
+        dist.all_to_all_single(
+            out,
+            inp,
+            [rows[s][rank] for s in range(n)] if splits else None,
+            rows[rank] if splits else None,
+            group=group,
+        )
+        assert torch.equal(out, expected), f"all_to_all_single splits={splits} {what}"
+    ins = [_block(rank, d, dtype, uneven, "l") for d in range(n)]
+    outs = [torch.empty_like(_block(s, rank, dtype, uneven, "l")) for s in range(n)]
+    dist.all_to_all(outs, ins, group=group)
+    for s in range(n):
+        assert torch.equal(outs[s], _block(s, rank, dtype, uneven, "l")), f"all_to_all {what}"
+
+
+def _collective_matrix(counts):
+    import torch.distributed as dist
+
+    group = _dk_group()
+    for dtype in DTYPES:
+        for count in counts:
+            _reductions(group, dtype, count)
+            _data_movement(group, dtype, count)
+    # dtypes we do not reduce still move as bytes
+    for dtype in (torch.bool, torch.complex64):
+        t = (torch.arange(6) % 2 == 1).to(dtype) * (dist.get_rank() + 1)
+        outs = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(outs, t, group=group)
+        expected = [(torch.arange(6) % 2 == 1).to(dtype) * (r + 1) for r in range(len(outs))]
+        assert all(torch.equal(o, e) for o, e in zip(outs, expected)), dtype
+    dist.barrier(group=group)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_collectives_match_torch_reference(world_size):
+    print(f"seed {SEED}")
+    # 13: a prime below one slice; 2**17 + 5 float32 elements cross slots and chunks
+    counts = (13,) if world_size >= 3 else (13, 2**17 + 5)
+    assert run_ranks(world_size, _collective_matrix, counts, timeout=300) == [True] * world_size
+
+
+def test_reference_check_rejects_wrong_answers():
+    """The checks above fail on a doubled result and on a result that misses a rank."""
+    xs = [make_input(r, 13, torch.float32, "SUM", "arSUM") for r in range(3)]
+    ref = reference(xs, torch.float32, "SUM")
+    bound = error_bound(xs, torch.float32, "SUM")
+    check_close(ref.float(), ref, torch.float32, "SUM", "right", bound)
+    for wrong in (ref.float() * 2, (xs[0] + xs[1]).float()):
+        with pytest.raises(AssertionError):
+            check_close(wrong, ref, torch.float32, "SUM", "wrong", bound)
+
+
+# -- bad arguments ----------------------------------------------------------------------------
+
+
+def _bad_arguments():
+    """Rank 0 makes every mistake; then both ranks all-reduce: had rank 0 sent anything, the
+    all-reduce would mismatch or hang. Returns the messages rank 0 got."""
+    import torch.distributed as dist
+
+    group = _dk_group()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    messages = []
+    if rank == 0:
+        t = torch.ones(4)
+        bad = [
+            lambda: dist.all_reduce(t, op=dist.ReduceOp.BAND, group=group),
+            lambda: dist.all_gather_into_tensor(torch.empty(3), t, group=group),
+            lambda: dist.reduce_scatter_tensor(torch.empty(3), t, group=group),
+            lambda: dist.all_gather([torch.empty(4), torch.empty(5)][:n], t, group=group),
+            lambda: dist.all_to_all_single(torch.empty(4), t, [1, 3], [3, 2], group=group),
+            lambda: dist.all_reduce(
+                torch.ones(4, dtype=torch.int32), op=_torch_op("PREMUL_SUM", None), group=group
+            ),  # noqa: E501
+            lambda: group.allreduce([t, t]),
+            lambda: group.recv_anysource([t], 0),
+            # the communicator underneath checks too: rank 0 would send itself 1, expect 3
+            lambda: group.communicator().all_to_all(torch.empty(4), t, [1, 3], [3, 1]),
+        ]
+        for call in bad:
+            with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
+                call()
+            messages.append(str(info.value))
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, torch.full((5,), float(n * (n + 1) // 2))), t
+    return messages
+
+
+def test_bad_arguments_raise_before_anything_is_sent():
+    messages = run_ranks(2, _bad_arguments)[0]
+    print("\n".join(messages))
+    assert len(messages) == 9
+    assert all(m.startswith("[rank 0] dk backend: ") for m in messages[:8]), messages
+    assert messages[8].startswith("[rank 0] all_to_all: send_counts[0] (1)"), messages[8]
+    assert "BAND" in messages[0] and "gloo" in messages[0]
+    assert "all_to_all_single" in messages[4] and "split sizes" in messages[4]
+    assert "NotImplemented" not in messages[7] and "name the source" in messages[7]
+
+
+# -- errors from peers ------------------------------------------------------------------------
+
+
+def _peer_failure(kind):
+    """Rank 1 dies (or stays away past the group's timeout); rank 0's all-reduce raises
+    DistBackendError, and with ``timeout`` a shorter ``Work.wait(timeout)`` gives up first."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="dk", timeout=datetime.timedelta(seconds=3))
+    rank = dist.get_rank()
+    if rank == 1:
+        if kind == "dead":
+            os._exit(0)
+        time.sleep(5)  # alive, but never calls: rank 0's collective runs into its timeout
+        dist.destroy_process_group(group)
+        return None
+    try:
+        if kind == "timeout":  # Work.wait(timeout) gives up first; the collective runs on
+            work = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True)
+            with pytest.raises(dist.DistBackendError, match=r"\[rank 0\] all_reduce"):
+                work.wait(datetime.timedelta(seconds=0.2))
+            assert not work.is_completed()
+            work.wait()  # until the group's 3 s timeout fails it
+        else:
+            dist.all_reduce(torch.ones(1 << 16), group=group)
+    except dist.DistBackendError as e:
+        assert kind != "timeout" or work.is_completed()
+        return f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group(group)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["dead", "timeout"])
+def test_dead_peer_or_timeout_raises_dist_backend_error(kind):
+    results = run_ranks(2, _peer_failure, kind, expect_death=kind == "dead", timeout=120)
+    print(results[0])
+    assert results[0].startswith("DistBackendError: [rank 0] all_reduce"), results[0]
+    assert ("died" if kind == "dead" else "timed out") in results[0], results[0]
+    if kind == "dead":
+        assert isinstance(results[1], RankDied)
+    assert shm_leaks() == []
+
+
+# -- torch's engines --------------------------------------------------------------------------
+
+
+class _Net(torch.nn.Module):
+    """An MLP with a branch that some steps do not use (find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+        self.side = torch.nn.Linear(8, 4)
+
+    def forward(self, x, use_side):
+        y = self.fc2(torch.relu(self.fc1(x)))
+        return y + self.side(x) if use_side else y
+
+
+def _ddp_train(group, steps):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    model = DDP(_Net(), process_group=group, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(SEED + rank)
+    for step in range(steps):
+        x = torch.randn(6, 8, generator=gen)
+        use_side = step % 3 != 2
+        if step % 2 == 0:  # accumulate locally, synchronise on the next step
+            with model.no_sync():
+                model(x, use_side).square().mean().backward()
+            continue
+        model(x, use_side).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _ddp_dk_vs_gloo():
+    import torch.distributed as dist
+
+    gloo = _ddp_train(dist.group.WORLD, 6)
+    dk = _ddp_train(_dk_group(), 6)
+    torch.manual_seed(SEED)
+    initial = list(_Net().parameters())
+    moved = any(not torch.equal(a, b) for a, b in zip(dk, initial))
+    return moved, all(torch.equal(a, b) for a, b in zip(gloo, dk))
+
+
+def test_torch_ddp_over_dk_trains_as_over_gloo():
+    results = run_ranks(2, _ddp_dk_vs_gloo, timeout=180)
+    assert results == [(True, True)] * 2, results
+
+
+def _fsdp2_vs_single(steps):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    group = _dk_group()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    assert mesh.get_group() is group and dist.get_backend(group) == "dk"
+    torch.manual_seed(SEED)
+    reference_model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+    model = _copy(reference_model)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(SEED)
+    for _ in range(steps):
+        batches = [torch.randn(4, 8, generator=gen) for _ in range(n)]
+        model(batches[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        # single process: the mean over every rank's batch (FSDP2 averages gradients)
+        reference_model(torch.cat(batches)).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, ref in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p.full_tensor(), ref, rtol=1e-5, atol=1e-6)
+    return True
+
+
+def _copy(module):
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def test_fsdp2_over_dk_matches_single_process():
+    assert run_ranks(2, _fsdp2_vs_single, 3, timeout=180) == [True, True]
+
+
+def _dtensor_tp():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = DeviceMesh.from_group(_dk_group(), "cpu")
+    assert dist.get_backend(mesh.get_group()) == "dk"
+    torch.manual_seed(SEED)
+    full = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6))
+    tp = parallelize_module(_copy(full), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(SEED))
+    y_full, y_tp = full(x), tp(x)
+    torch.testing.assert_close(y_tp, y_full, rtol=1e-5, atol=1e-6)
+    y_full.square().sum().backward()
+    y_tp.square().sum().backward()
+    for p, ref in zip(tp.parameters(), full.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-5)
+    # distribute_tensor / full_tensor round-trip, sharded and replicated
+    big = torch.randn(6, 4, generator=torch.Generator().manual_seed(SEED + 1))
+    for placement in (Shard(0), Shard(1), Replicate()):
+        d = distribute_tensor(big, mesh, [placement])
+        assert torch.equal(d.full_tensor(), big), placement
+    shard = distribute_tensor(big, mesh, [Shard(0)]).to_local()
+    assert torch.equal(shard, big.chunk(dist.get_world_size())[dist.get_rank()])
+    return True
+
+
+def test_dtensor_tensor_parallel_over_dk_matches_unsharded():
+    assert run_ranks(2, _dtensor_tp, timeout=180) == [True, True]
+
+
+def _functional(compiled):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    group = _dk_group()
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def step(x):
+        summed = fc.all_reduce(x, "sum", group)
+        gathered = fc.all_gather_tensor(x * 2, 0, group)
+        scattered = fc.reduce_scatter_tensor(gathered, "sum", 0, group)
+        return summed + 1, gathered, scattered
+
+    fn = torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step
+    xs = [make_input(r, 2 * n * 3, torch.float32, "SUM", "fc").view(2 * n, 3) for r in range(n)]
+    summed, gathered, scattered = (torch.as_tensor(t) for t in fn(xs[rank].clone()))
+    total = torch.stack(xs).double().sum(0)
+    # the sum's rounding bound, plus the rounding of the added 1
+    bound = error_bound([x.view(-1) for x in xs], torch.float32, "SUM")
+    bound = bound + (total + 1).abs().view(-1) * 2.0**-24
+    check_close(summed.view(-1), (total + 1).view(-1), torch.float32, "SUM", "all_reduce", bound)
+    assert torch.equal(gathered, torch.cat([x * 2 for x in xs])), "all_gather_tensor"
+    rows = 2 * n * n // n
+    ref = (n * torch.cat([x * 2 for x in xs]).double()).view(n, rows, 3)[rank]
+    gathered_in = torch.cat([x * 2 for x in xs]).view(n, rows, 3)[rank].reshape(-1)
+    bound = error_bound([gathered_in] * n, torch.float32, "SUM")
+    check_close(scattered.view(-1), ref.reshape(-1), torch.float32, "SUM", "reduce_scatter", bound)
+    return True
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_functional_collectives_over_dk(compiled):
+    assert run_ranks(2, _functional, compiled, timeout=240) == [True, True]
+
+
+# -- devices, hosts, the world group -----------------------------------------------------------
+
+
+def _mixed_devices():
+    """ "cpu:dk,cuda:nccl" and "cpu:gloo,cuda:dk" route CPU tensors by device."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    seen = []
+    for backend in ("cpu:dk,cuda:nccl", "cpu:gloo,cuda:dk"):
+        group = dist.new_group(backend=backend)
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, group=group)
+        assert torch.equal(t, torch.full((3,), float(n * (n + 1) // 2))), (backend, t)
+        seen.append((repr(group.__class__.__name__), group._routes.backends))
+        dist.destroy_process_group(group)
+    return seen
+
+
+def test_mixed_device_backends_route_cpu_tensors():
+    seen = run_ranks(2, _mixed_devices)[0]
+    assert seen[0][1] == {"cpu": "dk", "cuda": "nccl"}, seen
+    assert seen[1][1] == {"cpu": "gloo", "cuda": "dk"}, seen
+
+
+def _two_hosts():
+    """A dk group whose ranks sit on two fake hosts: its communicator goes hierarchical,
+    with the gloo groups between hosts made from the group's store."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="dk")
+    assert type(group._routes._ours["cpu"]._backend).__name__ == "HierarchicalBackend"
+    _reductions(group, torch.float32, 13)
+    _data_movement(group, torch.int32, 5)
+    dist.destroy_process_group(group)
+    return rank < n
+
+
+def test_dk_group_across_two_fake_hosts():
+    env = {"DK_HOST_ID": ["host-a", "host-a", "host-b", "host-b"]}
+    assert run_ranks(4, _two_hosts, env=env, timeout=300) == [True] * 4
+    assert shm_leaks() == []
+
+
+_WORLD_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+    import dist_kernels
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    assert "dist_kernels._C" not in sys.modules, "registering loaded the extension"
+    rank = int(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("dk", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+    assert dist.get_backend() == "dk" and "dist_kernels._C" in sys.modules
+    mesh = init_device_mesh("cpu", (2,))
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=mesh.get_group())
+    assert torch.equal(t, torch.full((4,), 3.0)), t
+    mesh2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))  # sub-groups per dim
+    assert dist.get_backend(mesh2.get_group("dp")) == "dk", dist.get_backend(mesh2.get_group("dp"))
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=mesh2.get_group("dp"))
+    assert torch.equal(t, torch.full((4,), 3.0)), t
+    dist.all_reduce(t, group=mesh2.get_group("tp"))  # one rank: unchanged
+    assert torch.equal(t, torch.full((4,), 3.0)), t
+    sub = dist.new_group([0, 1], backend="dk")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 2))
+    model(torch.randn(3, 4) * (rank + 1)).sum().backward()
+    grads = [torch.empty_like(model.module.weight.grad) for _ in range(2)]
+    dist.all_gather(grads, model.module.weight.grad, group=sub)
+    assert torch.equal(grads[0], grads[1])
+    dist.destroy_process_group()
+    print("ok", rank)
+    """
+)
+
+
+def test_init_process_group_dk_world(tmp_path):
+    """The world group's creator runs before dist.is_initialized(); DeviceMesh, new_group and
+    DDP on it; registering at import loads nothing compiled."""
+    script = tmp_path / "world.py"
+    script.write_text(_WORLD_SCRIPT)
+    store = tmp_path / "store"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(store), str(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=180)[0])
+        finally:
+            proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    assert [o.strip().splitlines()[-1] for o in outputs] == ["ok 0", "ok 1"], outputs
+    assert shm_leaks() == []
+
+
+# -- gpu tier: "cuda:dk" and "cpu:dk,cuda:nccl" on CUDA tensors --------------------------------
+
+_NO_GPU = not torch.cuda.is_available()
+
+
+def _cuda_routes():
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(0)
+    results = []
+    for backend in ("cuda:dk", "cpu:dk,cuda:nccl"):
+        group = dist.new_group(backend=backend)
+        t = torch.full((1000,), float(rank + 1), device="cuda")
+        dist.all_reduce(t, group=group)
+        out = torch.empty(n * 1000, device="cuda")
+        dist.all_gather_into_tensor(out, t, group=group)
+        torch.cuda.synchronize()
+        expected = float(n * (n + 1) // 2)
+        results.append(bool((t == expected).all()) and bool((out == expected).all()))
+        dist.destroy_process_group(group)
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_GPU, reason="needs a CUDA device")
+def test_cuda_routes_on_one_gpu():
+    env = {
+        "NCCL_HOSTID": ["dk-rank-0", "dk-rank-1"],
+        "NCCL_NET": "Socket",
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_SHM_DISABLE": "1",
+        "NCCL_SOCKET_IFNAME": "lo",
+    }
+    assert run_ranks(2, _cuda_routes, env=env, timeout=240) == [[True, True]] * 2
