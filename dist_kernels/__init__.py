@@ -64,6 +64,8 @@ _LAZY: Dict[str, str] = {
     "ShardedOptimizer": "zero",
     "Pipeline": "pipeline",
     "ProcessMesh": "mesh",
+    "ParameterServer": "param_server",
+    "LocalSGD": "local_sgd",
 }
 # public submodule name -> module (relative to this package); ``bucketing`` kept its old name
 _SUBMODULES: Dict[str, str] = {
@@ -83,6 +85,8 @@ _SUBMODULES: Dict[str, str] = {
     "train": "train",
     "tensor_parallel": "tensor_parallel",
     "models": "models",
+    "local_sgd": "local_sgd",
+    "param_server": "param_server",
 }
 
 __all__ = ["ReduceOp", "__version__", *_LAZY, *_SUBMODULES]
