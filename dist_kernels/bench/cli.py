@@ -542,10 +542,16 @@ def _spawn(args: argparse.Namespace, command: str) -> int:
         )
         for r in range(args.nproc)
     ]
+    return run_processes(procs, args.timeout)
+
+
+def run_processes(procs: List[Any], timeout: float) -> int:
+    """Starts the spawned ranks and waits for them (:func:`_wait`); whatever is still alive
+    at the end (a rank hung after a peer failed) is killed. 0 if every rank exited 0."""
     for proc in procs:
         proc.start()
     try:
-        return _wait(procs, grace=min(60.0, args.timeout))
+        return _wait(procs, grace=min(60.0, timeout))
     finally:
         for proc in procs:
             if proc.is_alive():

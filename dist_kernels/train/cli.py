@@ -182,7 +182,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig) -> No
 def _spawn(cfg: TrainConfig, world_size: int) -> int:
     import torch.distributed as dist
 
-    from ..bench.cli import _wait
+    from ..bench.cli import run_processes
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
@@ -193,15 +193,7 @@ def _spawn(cfg: TrainConfig, world_size: int) -> int:
         )
         for r in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
-    try:
-        return _wait(procs, grace=min(60.0, cfg.timeout))
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    return run_processes(procs, cfg.timeout)
 
 
 def _join_torchrun(timeout_s: float) -> None:

@@ -47,6 +47,20 @@ def _adamw_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
     return {"lr": peak_lr(cfg), "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
 
 
+def _optimizer_step(optimizer: Any, scheduler: Any, times: StepTimes, begin: float) -> float:
+    """Steps, zeroes and schedules; records the optimizer phase and the whole step's time
+    (from ``begin``). Returns the rate this step used (read before the scheduler moves it)."""
+    t0 = time.perf_counter()
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    end = time.perf_counter()
+    times.add("optimizer", _ms(end - t0))
+    times.step_ms = _ms(end - begin)
+    return lr
+
+
 class _Delay:
     """--simulate-straggler: this rank sleeps ``ms`` in the first forward of every step."""
 
@@ -138,14 +152,7 @@ class DataParallel:
             part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
             with self._no_sync(k == cfg.grad_accum - 1):
                 loss_sum += self._micro_step(inputs[part], targets[part], times, k == 0)
-        t0 = time.perf_counter()
-        self._last_lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        end = time.perf_counter()
-        times.add("optimizer", _ms(end - t0))
-        times.step_ms = _ms(end - begin)
+        self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin)
         return loss_sum, times
 
     def _micro_step(self, x, y, times: StepTimes, first: bool) -> float:
@@ -228,14 +235,7 @@ class Pipelined:
         self.delay()
         with _autocast(cfg.dtype):
             loss = float(self.pipe.step(inputs, targets))
-        t0 = time.perf_counter()
-        self._last_lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        end = time.perf_counter()
-        times.add("optimizer", _ms(end - t0))
-        times.step_ms = _ms(end - begin)
+        self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin)
         return loss, times
 
     def close(self) -> None:
