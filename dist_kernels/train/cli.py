@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
     add("--decay", default=d.decay, choices=("cosine", "constant"))
     add("--seed", type=int, default=d.seed)
-    add("--data", default=None, help="text file (default: the package's own sources and docs)")
+    add("--data", default=None, help="text file (default: the package's own Python sources)")
     add("--n-layer", type=int, default=m.n_layer)
     add("--n-head", type=int, default=m.n_head)
     add("--d-model", type=int, default=m.d_model)

@@ -91,7 +91,7 @@ class TrainConfig:
     seed: int = 0
     """Seeds the model's initialisation and the data order (both independent of layout)."""
     data: Optional[str] = None
-    """A text file to train on; None = the package's own sources and docs."""
+    """A text file to train on; None = the package's own Python sources."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model size."""
     checkpoint_dir: Optional[str] = None

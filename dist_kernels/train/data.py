@@ -35,13 +35,13 @@ class DataError(ValueError):
 
 
 def default_sources() -> List[str]:
-    """The files of the default corpus, in a fixed order: the package's sources, then the
-    checkout's README and docs when they exist."""
-    files = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "**", "*.py"), recursive=True))
-    root = os.path.dirname(_PACKAGE_DIR)
-    files += sorted(glob.glob(os.path.join(root, "docs", "*.md")))
-    readme = os.path.join(root, "README.md")
-    return files + ([readme] if os.path.isfile(readme) else [])
+    """The files of the default corpus, in a fixed order: the package's own Python sources.
+
+    Only what ships inside the package: an installed copy and a source checkout then build the
+    same corpus, so runs and checkpoints agree whichever copy a rank imports (the checkout's
+    docs, absent from an installed copy, once made the two disagree).
+    """
+    return sorted(glob.glob(os.path.join(_PACKAGE_DIR, "**", "*.py"), recursive=True))
 
 
 def read_text(path: Optional[str]) -> Tuple[str, str]:
@@ -56,7 +56,7 @@ def read_text(path: Optional[str]) -> Tuple[str, str]:
     for name in files:
         with open(name, encoding="utf-8", errors="replace") as f:
             parts.append(f.read())
-    return "\n".join(parts), f"{len(files)} files of dist_kernels' own sources and docs"
+    return "\n".join(parts), f"{len(files)} files of dist_kernels' own sources"
 
 
 @dataclass
