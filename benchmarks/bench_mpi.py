@@ -139,19 +139,72 @@ def _time_block(mpi_comm, call: Callable[[], None], iters: int) -> float:
     return mpi_comm.allreduce(per_call, op=MPI.MAX)
 
 
-def _python_overhead(comm, mpi_comm, iters: int = 2000) -> str:
+def _alternate(mpi_comm, calls: Dict[str, Callable[[], None]], iters: int, blocks: int):
+    """Median seconds per call of each of `calls`, timed in alternating blocks after a warm-up."""
+    for call in calls.values():
+        _time_block(mpi_comm, call, iters)
+    times: Dict[str, List[float]] = {name: [] for name in calls}
+    for _ in range(blocks):
+        for name, call in calls.items():
+            times[name].append(_time_block(mpi_comm, call, iters))
+    return summarize(times)
+
+
+def _python_overhead(comm, mpi_comm, iters: int = 2000, blocks: int = 7) -> str:
     """Communicator.all_reduce against the bare extension call it makes (8 bytes)."""
     import torch
 
     t = comm.empty(2) if hasattr(comm, "empty") else torch.zeros(2)
     impl = comm._backend.impl
     ptr, numel = t.data_ptr(), t.numel()
-    wrapped = _time_block(mpi_comm, lambda: comm.all_reduce(t), iters)
-    bare = _time_block(mpi_comm, lambda: impl.all_reduce(ptr, numel, 0, 0, 0, False), iters)
+    t_ = _alternate(
+        mpi_comm,
+        {
+            "wrapped": lambda: comm.all_reduce(t),
+            "bare": lambda: impl.all_reduce(ptr, numel, 0, 0, 0, False),
+        },
+        iters,
+        blocks,
+    )
+    wrapped, bare = t_["wrapped"], t_["bare"]
     return (
         f"# python call path at 8 B: Communicator.all_reduce {wrapped * 1e6:.2f} us, "
         f"bare _C call {bare * 1e6:.2f} us: overhead {(wrapped - bare) * 1e6:.2f} us per call"
     )
+
+
+def _descriptor_check_cost(comm, mpi_comm, sizes_b=(8, 4096, 65536), blocks: int = 7) -> str:
+    """Our all-reduce with the disagreement check (the default) and without it
+    (DK_CHECK_DESCRIPTORS=0: no announcement, no descriptor comparison), alternating blocks."""
+    import dist_kernels as dk
+
+    saved = os.environ.get("DK_CHECK_DESCRIPTORS")
+    os.environ["DK_CHECK_DESCRIPTORS"] = "0"
+    try:
+        unchecked = dk.Communicator()
+    finally:
+        if saved is None:
+            os.environ.pop("DK_CHECK_DESCRIPTORS")
+        else:
+            os.environ["DK_CHECK_DESCRIPTORS"] = saved
+    parts = []
+    try:
+        for nbytes in sizes_b:
+            a, b = comm.empty(nbytes // 4), unchecked.empty(nbytes // 4)
+            t_ = _alternate(
+                mpi_comm,
+                {
+                    "checked": lambda a=a: comm.all_reduce(a),
+                    "unchecked": lambda b=b: unchecked.all_reduce(b),
+                },
+                iterations(nbytes, 64 << 20, lo=200, hi=2000),
+                blocks,
+            )
+            on, off = t_["checked"] * 1e6, t_["unchecked"] * 1e6
+            parts.append(f"{nbytes} B {on:.2f} vs {off:.2f} us ({on - off:+.2f})")
+    finally:
+        unchecked.close()
+    return "# disagreement check (checked vs DK_CHECK_DESCRIPTORS=0): " + "; ".join(parts)
 
 
 def _measure(comm, mpi_comm, nbytes: int, args):
@@ -165,7 +218,7 @@ def _measure(comm, mpi_comm, nbytes: int, args):
     t = comm.empty(count) if args.buffers == "registered" else torch.empty(count)
     view = t.numpy()
     calls = {
-        "ours": lambda: comm.all_reduce(t),
+        "ours": lambda: comm.all_reduce(t, algorithm=args.algorithm),
         "mpi": lambda: mpi_comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM),
         "gloo": (lambda: None) if args.no_gloo else (lambda: dist.all_reduce(t)),
     }
@@ -198,6 +251,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--blocks", type=int, default=5, help="timed blocks per implementation")
     parser.add_argument("--iter-bytes", type=parse_size, default=256 << 20)
     parser.add_argument("--buffers", choices=("registered", "plain"), default="registered")
+    parser.add_argument(
+        "--algorithm",
+        choices=("auto", "ring", "tree", "one_shot"),
+        default="auto",
+        help="our all-reduce algorithm (one_shot: up to one FIFO slot)",
+    )
     parser.add_argument("--previous", help="dist_kernels.bench JSON to compare ours with")
     parser.add_argument("--no-gloo", action="store_true", help="skip Gloo (slow at 64 MiB)")
     args = parser.parse_args(argv)
@@ -224,9 +283,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"# bench_mpi: {n} ranks; {mpi_name}, mpi4py {mpi4py.__version__}, "
         f"torch {torch.__version__}"
     )
-    out(f"# buffers {args.buffers}; fp32 sum, in place")
+    out(f"# buffers {args.buffers}; fp32 sum, in place; our algorithm {args.algorithm}")
     out(f"# load average {os.getloadavg()}, usable cores {len(os.sched_getaffinity(0))}")
     out(_python_overhead(comm, mpi_comm))
+    out(_descriptor_check_cost(comm, mpi_comm))
     out(header(bool(previous)))
     for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
         medians, wrong = _measure(comm, mpi_comm, nbytes, args)

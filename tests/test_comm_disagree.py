@@ -261,3 +261,47 @@ def test_fuzz_disagreement_always_caught(world_size, trials):
     assert all(r["caught"] + r["exact"] == trials for r in results), (seed, results)
     assert all(r["caught"] == faults for r in results), (seed, faults, results)
     assert shm_leaks() == []
+
+
+def _checks_setting(off_on_rank: int):
+    """DK_CHECK_DESCRIPTORS=0 on one rank only: local rank 0's setting holds for every rank."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    os.environ["DK_DEBUG"] = "0"
+    if rank == off_on_rank:
+        os.environ["DK_CHECK_DESCRIPTORS"] = "0"
+    out = {}
+    comm = _comm()
+    try:
+        for count in (1, 1000, 200_000):  # one-shot, and the ring / tree past half a slot
+            t = torch.arange(count, dtype=torch.float32) + rank
+            comm.all_reduce(t)
+            expect = torch.arange(count, dtype=torch.float32) * n + sum(range(n))
+            out[f"all_reduce {count}"] = torch.equal(t, expect)
+        # A broadcast whose dtype differs in kind but not width: only the descriptor shows it.
+        t = torch.zeros(4, dtype=torch.float32 if rank == 0 else torch.int32)
+        try:
+            comm.broadcast(t, src=0)
+            out["broadcast"] = "returned"
+        except dk.CommError as e:
+            out["broadcast"] = "disagree" if "disagree" in str(e) else str(e)
+    finally:
+        comm.close()
+        os.environ.pop("DK_CHECK_DESCRIPTORS", None)
+    return out
+
+
+@pytest.mark.parametrize("off_on_rank", [0, 1])
+def test_descriptor_checks_follow_local_rank_0(off_on_rank):
+    """The benchmark's switch (DK_CHECK_DESCRIPTORS=0) is decided by local rank 0, so ranks
+    never disagree about it; off, results stay exact and a same-width dtype mix goes unseen
+    (which is what the benchmark's unchecked figure leaves out); on, it is caught."""
+    results = run_ranks(2, _checks_setting, off_on_rank, timeout=120)
+    for rank, out in enumerate(results):
+        assert all(v for k, v in out.items() if k.startswith("all_reduce")), (rank, out)
+        expected = "returned" if off_on_rank == 0 else "disagree"
+        assert out["broadcast"] == expected, (rank, out)
+    assert shm_leaks() == []

@@ -29,20 +29,48 @@ OPS = ("SUM", "AVG", "PROD", "MIN", "MAX")
 ATOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
 
 
+def _oversubscribed(n: int) -> bool:
+    return n > len(os.sched_getaffinity(0))
+
+
+def _switch(n: int, elem: int) -> int:
+    """The smallest size (bytes, a multiple of elem) where the model stops choosing one-shot,
+    at most auto's limit for it (half a slot): the model's choice is one-shot below a size."""
+    from dist_kernels import _C
+
+    lo, hi = 1, _C.shm_slot_bytes(n) // 2 // elem + 1  # in elements: one_shot at lo, not at hi
+    if _winner(n, lo * elem) != "one_shot":
+        return elem
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _winner(n, mid * elem) == "one_shot" else (lo, mid)
+    return hi * elem
+
+
 def _counts(n: int, elem: int) -> list:
     """Around the model's one-shot / ring-tree switch, and the one-slot limit (+1 falls back)."""
     from dist_kernels import _C
 
-    switch = next((b for b in range(elem, 1 << 20, elem) if _winner(n, b) != "one_shot"), 1 << 20)
+    switch = _switch(n, elem) // elem
     slot = _C.shm_slot_bytes(n) // elem
-    return sorted({1, 7, 64, max(1, switch // elem - 1), switch // elem + 1, slot, slot + 1})
+    return sorted({1, 7, 64, max(1, switch - 1), switch + 1, slot, slot + 1})
 
 
 def _winner(n: int, nbytes: int) -> str:
     from dist_kernels import _C
 
-    ring, tree, one = _C._shm_all_reduce_cost_us(n, nbytes)
+    ring, tree, one = _C._shm_all_reduce_cost_us(n, nbytes, _oversubscribed(n))
     return min((one, "one_shot"), (tree, "tree"), (ring, "ring"))[1]
+
+
+def _auto_choice(n: int, nbytes: int) -> int:
+    """The algorithm code auto must pick: the model's cheapest, one-shot up to half a slot."""
+    from dist_kernels import _C
+
+    ring, tree, one = _C._shm_all_reduce_cost_us(n, nbytes, _oversubscribed(n))
+    if nbytes > _C.shm_slot_bytes(n) // 2:
+        one = float("inf")
+    return min((one, 3), (tree, 2), (ring, 1))[1]
 
 
 def _integer_input(rank: int, count: int, dtype, op: str, seed: int) -> torch.Tensor:
@@ -111,7 +139,7 @@ def _one_shot(seed: int):
                             errors.append(f"{tag}: one_shot {op} differs from {other}")
         chosen = {
             nbytes: comm._backend.impl.resolve_all_reduce(nbytes // 4, 0, 0)
-            for nbytes in (4, 1024, 64 << 10)
+            for nbytes in (4, 1024, 8 << 10, 64 << 10, 192 << 10, 320 << 10, 1 << 20)
         }
     return errors, digests, chosen
 
@@ -129,7 +157,9 @@ def test_one_shot_all_reduce(world_size):
     assert all(r[2] == chosen for r in results)
     if world_size > 1:
         assert chosen[4] == 3, f"auto should pick one_shot for 4 bytes: {chosen}"
-        assert chosen[64 << 10] != 3, f"auto should not pick one_shot for 64 KiB: {chosen}"
+        assert chosen[1 << 20] != 3, f"auto should not pick one_shot above a slot: {chosen}"
+        expected = {nbytes: _auto_choice(world_size, nbytes) for nbytes in chosen}
+        assert chosen == expected, f"auto's choices differ from the cost model's: {chosen}"
     assert shm_leaks() == []
 
 

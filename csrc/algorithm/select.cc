@@ -4,13 +4,16 @@
 
 namespace dk::algo {
 
-CostModel shmCostModel() {
+CostModel shmCostModel(bool oversubscribed) {
   // Measured on the 2-core VM in a quiet moment (2 ranks, fp32, back-to-back calls):
   // all_reduce of 8 B took 3.2 us (registered) to 5.2 us (plain) = 2 dependent steps plus
   // the call, so alpha ~ 1.5 us; 1-16 MiB ran at 6-8 GB/s busbw, so beta ~ 1 / 6 GB/s.
-  // With these, auto keeps the ring at 2 ranks (same steps, fewer bytes) and picks the tree
-  // at 8 ranks below ~290 KB (6 tree steps against the ring's 14).
-  return CostModel{1.5, 1.0 / 6000.0};
+  // With these, auto picks one-shot at 2 ranks up to its size limit and the tree at 8 ranks
+  // from ~9 KB to ~290 KB (6 tree steps against the ring's 14).
+  // Oversubscribed (4 ranks on 2 cores, 2026-12-01, bench_mpi.py --algorithm): a 4 KiB
+  // all-reduce took 9 us one-shot (1 step), 22 us ring (6 steps, neighbours overlap), 28-34 us
+  // tree (4 steps, none overlap): a step costs ~4 us, not 1.5.
+  return CostModel{oversubscribed ? 4.0 : 1.5, 1.0 / 6000.0};
 }
 
 double ringAllReduceUs(const CostModel& m, int n, size_t bytes) {
@@ -23,7 +26,7 @@ double treeAllReduceUs(const CostModel& m, int n, size_t bytes) {
 }
 
 double oneShotAllReduceUs(const CostModel& m, int n, size_t bytes) {
-  return m.alphaUs + 2.0 * (n - 1) * static_cast<double>(bytes) * m.betaUsPerB;
+  return m.alphaUs + (n - 1) * static_cast<double>(bytes) * m.betaUsPerB;
 }
 
 Algorithm chooseAllReduce(const CostModel& m, int n, size_t bytes, bool oneShotFits) {

@@ -12,15 +12,16 @@ struct CostModel {
   double betaUsPerB;  // per byte moved through memory on the critical path
 };
 
-// Shared memory, measured on the 2-core Sapphire Rapids VM (see docs/architecture.md).
-CostModel shmCostModel();
+// Shared memory (see docs/architecture.md). `oversubscribed`: more ranks on the host than usable
+// cores, where every dependent step waits for a time slice.
+CostModel shmCostModel(bool oversubscribed = false);
 
 // ring: 2 (n-1) alpha + 2 (n-1)/n S beta;  tree: 2 ceil(log2 n) alpha + 2 S beta;
-// one-shot: alpha + 2 (n-1) S beta (one step; n-1 copies out, n-1 inputs read).
+// one-shot: alpha + (n-1) S beta (one step; each rank reads the n-1 other inputs once).
 double ringAllReduceUs(const CostModel& m, int worldSize, size_t bytes);
 double treeAllReduceUs(const CostModel& m, int worldSize, size_t bytes);
 double oneShotAllReduceUs(const CostModel& m, int worldSize, size_t bytes);
-// The cheapest by the model; one-shot only if `oneShotFits` (the message fits one slot).
+// The cheapest by the model; one-shot only if `oneShotFits` (the caller's size limit for it).
 Algorithm chooseAllReduce(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
 
 }  // namespace dk::algo

@@ -60,8 +60,9 @@ void formatSegment(shm::Segment& seg, int worldSize) {
 }
 
 std::unique_ptr<PyCommunicator> makeCommunicator(SegmentPtr seg, int rank, double timeoutSec,
-                                                 bool oversubscribed, bool debug, int label) {
-  CpuCommunicator::Options options{timeoutSec, oversubscribed, debug};
+                                                 bool oversubscribed, bool debug, int label,
+                                                 bool checkDescriptors) {
+  CpuCommunicator::Options options{timeoutSec, oversubscribed, debug, checkDescriptors};
   auto out = std::make_unique<PyCommunicator>();
   out->label = label;
   std::unique_ptr<CpuCommunicator> comm;
@@ -172,7 +173,8 @@ void bindCommunicator(py::module_& m) {
   onMainThread();  // pins the importing thread (the main one) as the one signals reach
   py::class_<PyCommunicator>(m, "CpuCommunicator")
       .def(py::init(&makeCommunicator), py::arg("segment"), py::arg("rank"), py::arg("timeout_s"),
-           py::arg("oversubscribed"), py::arg("debug"), py::arg("label"))
+           py::arg("oversubscribed"), py::arg("debug"), py::arg("label"),
+           py::arg("check_descriptors") = true)
       .def_property_readonly("rank", [](PyCommunicator& c) { return c.live("rank")->rank(); })
       .def_property_readonly("world_size",
                              [](PyCommunicator& c) { return c.live("world_size")->worldSize(); })
@@ -301,13 +303,13 @@ void bindTopology(py::module_& m) {
       py::arg("count"), py::arg("parts"), py::arg("index"), py::arg("granule"));
   m.def(
       "_shm_all_reduce_cost_us",
-      [](int n, size_t bytes) {
-        const auto model = algo::shmCostModel();
+      [](int n, size_t bytes, bool oversubscribed) {
+        const auto model = algo::shmCostModel(oversubscribed);
         return py::make_tuple(algo::ringAllReduceUs(model, n, bytes),
                               algo::treeAllReduceUs(model, n, bytes),
                               algo::oneShotAllReduceUs(model, n, bytes));
       },
-      py::arg("world_size"), py::arg("bytes"));
+      py::arg("world_size"), py::arg("bytes"), py::arg("oversubscribed") = false);
 }
 
 }  // namespace

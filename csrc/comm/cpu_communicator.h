@@ -43,7 +43,8 @@ class CpuCommunicator {
   struct Options {
     double timeoutSec = 1800.0;
     bool oversubscribed = false;
-    bool debug = false;  // DK_DEBUG: fingerprint every collective before it runs
+    bool debug = false;            // DK_DEBUG: fingerprint every collective before it runs
+    bool checkDescriptors = true;  // see ShmTransport::setDescriptorChecks
   };
   static Status create(std::shared_ptr<shm::Segment> segment, int rank, Options options,
                        std::unique_ptr<CpuCommunicator>* out);

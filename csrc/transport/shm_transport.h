@@ -70,6 +70,10 @@ class ShmTransport : public Transport {
   // it: each rank's last receive depends, through the chain of checked headers, on every
   // rank having sent this collective's header.
   Status agree();
+  // Off: no announcements, no agreement, and a receive compares only the byte count, not the
+  // descriptor: what the disagreement check costs, for the benchmark (DK_CHECK_DESCRIPTORS=0).
+  // Every rank of the segment must use the same setting (local rank 0 decides).
+  void setDescriptorChecks(bool on) { checkDescriptors_ = on; }
   // Makes every wait of this rank (on any thread) fail within one futex timeout: close() uses
   // it so that no thread is left blocked inside a communicator that is going away.
   void cancel() { cancelled_.store(true, std::memory_order_release); }
@@ -138,6 +142,7 @@ class ShmTransport : public Transport {
   SegmentGeometry geometry_;
   int rank_;
   bool oversubscribed_;
+  bool checkDescriptors_ = true;
   bool holdsLiveness_ = false;
   LaneState lanes_[2];  // indexed by Lane::kSend, Lane::kRecv
   std::atomic<bool> cancelled_{false};

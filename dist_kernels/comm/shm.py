@@ -60,20 +60,27 @@ class ShmBackend:
         segment_bytes = _C.shm_segment_bytes(local_size)
         segment = None
         try:
+            # Local rank 0 decides what every rank must agree on (auto's algorithm choice
+            # depends on `oversubscribed`): its affinity mask or environment may differ.
             if local_rank == 0:
                 segment = _C.ShmSegment.create(segment_bytes)
                 _C.shm_format(segment, local_size)
-                store.set("segment", segment.name)
+                oversubscribed = local_size > usable_cores()
+                checks = os.environ.get("DK_CHECK_DESCRIPTORS", "1") != "0"
+                store.set("segment", f"{segment.name} {int(oversubscribed)} {int(checks)}")
             else:
                 wait_keys(store, ["segment"], rendezvous_timeout)
-                segment = _C.ShmSegment.open(store.get("segment").decode(), segment_bytes)
+                name, over, chk = store.get("segment").decode().split()
+                oversubscribed, checks = over == "1", chk == "1"
+                segment = _C.ShmSegment.open(name, segment_bytes)
             self.impl = _C.CpuCommunicator(
                 segment,
                 local_rank,
                 timeout.total_seconds(),
-                local_size > usable_cores(),
+                oversubscribed,
                 os.environ.get("DK_DEBUG", "0") not in ("", "0"),
                 label,
+                check_descriptors=checks,
             )
         finally:
             self._mapped_then_unlink(segment, "segment", creator=local_rank == 0)
