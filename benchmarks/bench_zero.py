@@ -19,7 +19,10 @@ The memory table gives bytes per rank measured from the tensors each configurati
 (parameters, gradients, optimizer state, the engine's communication buffers; torch DDP's
 internal gradient buckets are not reachable from Python and appear only in the RSS), the ZeRO
 formula for the configuration's stage, and the process's peak RSS during the configuration
-(``/proc/self/clear_refs`` resets the high-water mark before each one) minus its RSS before.
+(``/proc/self/clear_refs`` resets the high-water mark before each one) minus its RSS before,
+and the growth of its PSS (proportional set size) from before the configuration to after its
+last backward: RSS counts every shared page a process touched whole, so a rank reading its
+peer's registered buffers in place shows them in its own RSS too; PSS splits them.
 
 A step is forward + backward + optimizer step (+ zero_grad); the median over the timed steps is
 printed, after warm-up steps. State bytes are measured from the optimizer's tensors on rank 0;
@@ -125,6 +128,20 @@ def _rss_kb(field: str) -> int:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
+    return 0
+
+
+def _pss_kb() -> int:
+    """Proportional set size now (kB): a page shared by k processes counts 1/k in each. RSS
+    counts it whole in every process that touched it, so a rank that reads its peer's
+    registered gradient buffer in place (zero-copy) shows the peer's bytes in its own RSS."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     return 0
 
 
@@ -235,6 +252,7 @@ def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
     after its warm-up; None for the baseline itself), then the timed steps."""
     torch.manual_seed(0)
     rss_before = _reset_peak_rss()
+    pss_before = _pss_kb()
     model = Transformer(args.vocab, args.d_model, args.layers, args.heads, args.seq)
     wrapped, opt, state_bytes, grad_bytes, master_bytes = build(model)
     g = torch.Generator().manual_seed(1 + rank)
@@ -252,6 +270,7 @@ def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
         if step == args.warmup + args.steps - 1:  # bytes held after backward, untimed
             probe = time.perf_counter()
             memory = _memory_of(opt, model, build)
+            pss = _pss_kb() - pss_before
             start += time.perf_counter() - probe
         opt.step()
         opt.zero_grad()
@@ -270,6 +289,7 @@ def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
         "memory": memory,
         "stage": stage,
         "rss": peak_rss * 1024,
+        "pss": pss * 1024,
     }
     if hasattr(opt, "close"):
         opt.close()
@@ -305,7 +325,7 @@ def _print_memory(rows, numel: int, world_size: int) -> None:
     print(
         f"\n{'config':24s} {'params MB':>10s} {'grads MB':>9s} {'state MB':>9s} "
         f"{'buffers MB':>11s} {'total MB':>9s} {'formula MB':>11s} {'vs formula':>11s} "
-        f"{'peak RSS MB':>12s}"
+        f"{'peak RSS MB':>12s} {'PSS MB':>7s}"
     )
     for name, r in rows:
         m = r["memory"]
@@ -315,7 +335,8 @@ def _print_memory(rows, numel: int, world_size: int) -> None:
         print(
             f"{name:24s} {m['parameters'] / 1e6:10.1f} {m['gradients'] / 1e6:9.1f} "
             f"{m['optimizer_state'] / 1e6:9.1f} {m['buffers'] / 1e6:11.1f} {total / 1e6:9.1f} "
-            f"{formula / 1e6:8.1f} z{stage} {total / formula:10.2f}x {r['rss'] / 1e6:12.1f}"
+            f"{formula / 1e6:8.1f} z{stage} {total / formula:10.2f}x {r['rss'] / 1e6:12.1f} "
+            f"{r['pss'] / 1e6:7.1f}"
         )
 
 
