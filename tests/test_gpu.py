@@ -268,6 +268,26 @@ def _check_scatter_gather_broadcast(comm, mine, first, second, op, algorithms):
             wrong.append(f"reduce_scatter {mine.dtype} {op.name} {algorithm}")
         if not torch.equal(gathered, both):
             wrong.append(f"all_gather {mine.dtype} {algorithm}")
+    for name, call in (
+        (
+            "reduce_scatter",
+            lambda: comm.reduce_scatter(mine[:half], mine[: 2 * half], op=op, algorithm="tree"),
+        ),
+        (
+            "all_gather",
+            lambda: comm.all_gather(
+                torch.empty(4 * half, dtype=mine.dtype, device="cuda"),
+                mine[: 2 * half],
+                algorithm="tree",
+            ),
+        ),
+    ):
+        try:
+            call()
+            wrong.append(f"{name} algorithm='tree' ran (there is no tree {name})")
+        except ValueError as e:
+            if "no tree" not in str(e):
+                wrong.append(f"{name} algorithm='tree': unclear error {e}")
     for algorithm in algorithms:
         copy = mine.clone()
         comm.broadcast(copy, src=1, algorithm=algorithm)

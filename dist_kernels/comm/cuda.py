@@ -52,8 +52,10 @@ DEFAULT_NUM_SLOTS = 8
 ALGORITHMS = ("auto", "ring", "tree", "nccl")
 #: C++ codes of algo::Algorithm (csrc/algorithm/collective.h).
 _ALGORITHM_CODES = {"ring": 1, "tree": 2}
-#: What reduce_scatter's ``algorithm`` accepts, and what each choice runs ("tree" has none).
+#: What reduce_scatter's and all_gather's ``algorithm`` accepts, and what each choice runs
+#: (neither has a tree: refused rather than silently run as the ring).
 REDUCE_SCATTER_ALGORITHMS = {"auto": "nccl", "ring": "ring", "nccl": "nccl"}
+ALL_GATHER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
 
 DeviceLike = Union[torch.device, int, str, None]
 #: Per-collective timeout for host waits (barrier, close, the unique id), as on CPU.
@@ -461,9 +463,17 @@ class CudaCommunicator:
     def all_gather(
         self, output: Any, input: Any, async_op: bool = False, *, algorithm: str = "auto"
     ) -> Any:
-        """``output`` = every rank's ``input`` in rank order (``world_size * input.numel()``)."""
+        """``output`` = every rank's ``input`` in rank order (``world_size * input.numel()``).
+
+        "ring", "nccl" or "auto" (NCCL's); there is no tree all-gather: "tree" raises ValueError.
+        """
         out, inp = self._pair(output, input, "all_gather", big="output")
         args = (inp.data_ptr(), out.data_ptr(), inp.numel(), dtype_code(out.dtype))
+        if algorithm not in ALL_GATHER_ALGORITHMS:
+            raise ValueError(
+                f"[rank {self.rank}] all_gather: algorithm must be one of "
+                f"{sorted(ALL_GATHER_ALGORITHMS)} (all_gather has no tree), got {algorithm!r}"
+            )
         if self._resolve(algorithm, "all_gather") == "nccl":
             launch = lambda s: self._comm.all_gather(*args, s)  # noqa: E731
         else:
@@ -473,7 +483,11 @@ class CudaCommunicator:
     def broadcast(
         self, tensor: Any, src: int, async_op: bool = False, *, algorithm: str = "auto"
     ) -> Any:
-        """Copies ``tensor`` of rank ``src`` into ``tensor`` on every rank."""
+        """Copies ``tensor`` of rank ``src`` into ``tensor`` on every rank.
+
+        "nccl" / "auto": NCCL's; "ring" and "tree" both run ours, which picks by size: a
+        pipelined chain for a message of several slots, the heap tree for one slot.
+        """
         t = self._tensor(tensor, "tensor", "broadcast")
         src = self._peer(src, "src", "broadcast")
         ptr, n, code = t.data_ptr(), t.numel(), dtype_code(t.dtype)
