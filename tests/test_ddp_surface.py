@@ -452,3 +452,68 @@ def test_static_graph_with_gradients_through_several_backward_passes_as_torch():
             assert f"[rank {rank}]" in changed and "fewer gradients" in changed, r
             assert "'shared.weight' (1 of 2)" in changed, r
     assert r["shared linear argument no grad"][0] == ["spare.weight", "spare.bias"], r
+
+
+# ----------------------------------------------------------------------------- where a pass starts
+
+
+class _CheckpointedHead(MLP):
+    """The head in a reentrant checkpoint: the first hooks of backward fire in a nested one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return checkpoint(self.head, h, use_reentrant=True)
+
+
+def _penalised_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A gradient penalty: torch.autograd.grad through the outputs, then the real backward."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (nn.functional.mse_loss(out, y) + grad_x.pow(2).mean()).backward()
+
+
+def _pass_start_cases() -> Dict[str, object]:
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = _micro_batches(world)
+    out: Dict[str, object] = {}
+    torch.manual_seed(SEED)
+    base = _CheckpointedHead()
+    ours = dk.DDP(copy.deepcopy(base), bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    for model in (ours, ref):
+        _train_steps(model, data, rank)
+    out["checkpointed head vs torch"] = _rel_diff(_params(ours), _params(ref))
+    # Gradient penalty: the reference is the mean over ranks of single-process gradients.
+    torch.manual_seed(SEED)
+    base = MLP()
+    ours = dk.DDP(copy.deepcopy(base))
+    diffs = []
+    for step in data[:2]:
+        ours.zero_grad(set_to_none=True)
+        _penalised_backward(ours, *step[0][rank])
+        expected = {n: torch.zeros_like(p) for n, p in base.named_parameters()}
+        for x, y in step[0]:
+            base.zero_grad(set_to_none=True)
+            _penalised_backward(base, x, y)
+            for n, p in base.named_parameters():
+                expected[n] += p.grad / world
+        got = {n: p.grad.clone() for n, p in ours.module.named_parameters()}
+        diffs.append(_rel_diff(got, expected))
+    out["gradient penalty vs single process"] = diffs
+    return out
+
+
+def test_pass_starts_at_the_outputs_checkpointed_head_and_gradient_penalty():
+    """A checkpointed head's nested backward must not end the pass; autograd.grad through the
+    outputs (a gradient penalty) must not start one."""
+    print(f"seed {SEED}")
+    for rank, r in enumerate(run_ranks(2, _pass_start_cases, timeout=120)):
+        print(f"rank {rank}: {r}")
+        assert r["checkpointed head vs torch"] < FP32_RTOL, r
+        assert max(r["gradient penalty vs single process"]) < FP32_RTOL, r

@@ -8,9 +8,14 @@ Drop-in for ``torch.nn.parallel.DistributedDataParallel`` where the options mean
 
 How one backward runs (details in docs/ddp.md):
 
-1. A post-accumulate-grad hook marks each parameter ready. When a bucket's last gradient is
-   ready (and every earlier bucket has been launched, so all ranks issue collectives in the same
-   order), its gradients are brought into the bucket multiplied by 1 / world_size (cast to a
+0. A synchronised backward's pass starts where it reaches the forward's outputs (a hook on
+   them), so its end-of-backward callback belongs to the outermost backward even under
+   reentrant checkpointing, whose nested backward passes may run the first parameter hooks.
+1. A post-accumulate-grad hook marks each parameter ready, at its last firing (a hook fires
+   once per nested backward its gradient flows through; a static graph's first backward
+   counts them, see ``_set_static_graph``). When a bucket's last gradient is ready (and every
+   earlier bucket has been launched, so all ranks issue collectives in the same order), its
+   gradients are brought into the bucket multiplied by 1 / world_size (cast to a
    low-precision wire dtype, or, when ``.grad`` already is a view of the bucket, scaled in
    place; one fused pass that also flags inf/NaN) and its all-reduce starts asynchronously,
    overlapping the rest of backward. With a comm hook (``register_comm_hook``), the bucket
