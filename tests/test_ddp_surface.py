@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from typing import Dict, List
 
 import pytest
@@ -337,6 +338,8 @@ _STATIC_CASES = {
     "shared linear": (_SharedLinear, lambda ps: torch.optim.AdamW(ps, lr=0.01)),
 }
 
+_STATIC_HOWS = ("argument", "_set_static_graph", "and find_unused")
+
 
 def _launches_seen(model) -> List[int]:
     """Per hook firing, the buckets launched so far this step (our hook runs first)."""
@@ -374,17 +377,23 @@ def _static_graph_cases() -> Dict[str, object]:
     for name, (make, make_opt) in _STATIC_CASES.items():
         torch.manual_seed(SEED)
         base = make()
-        for how in ("argument", "_set_static_graph"):
+        for how in _STATIC_HOWS:
+            find_unused = how == "and find_unused"  # torch: the static graph decides
             ours = dk.DDP(
                 copy.deepcopy(base),
-                static_graph=how == "argument",
+                static_graph=how != "_set_static_graph",
+                find_unused_parameters=find_unused,
                 bucket_cap_mb=0.004,
                 first_bucket_mb=0.001,
             )
-            if how != "argument":
+            if how == "_set_static_graph":
                 ours._set_static_graph()
             launches = _train_static(ours, make_opt, data, rank, _launches_seen(ours))
-            ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), static_graph=True)
+            with warnings.catch_warnings():  # torch's "no need to set find_unused_parameters"
+                warnings.simplefilter("ignore")
+                ref = nn.parallel.DistributedDataParallel(
+                    copy.deepcopy(base), static_graph=True, find_unused_parameters=find_unused
+                )
             _train_static(ref, make_opt, data, rank)
             out[f"{name} {how} vs torch"] = _rel_diff(_params(ours), _params(ref))
             out[f"{name} {how} launches"] = launches
@@ -429,7 +438,7 @@ def test_static_graph_with_gradients_through_several_backward_passes_as_torch():
     for rank, r in enumerate(run_ranks(2, _static_graph_cases, timeout=180)):
         print(f"rank {rank}: {r}")
         for name in _STATIC_CASES:
-            for how in ("argument", "_set_static_graph"):
+            for how in _STATIC_HOWS:
                 key = f"{name} {how}"
                 assert r[f"{key} vs torch"] < FP32_RTOL, (key, r)
                 buckets, launches = r[f"{key} buckets"], r[f"{key} launches"]
@@ -447,7 +456,7 @@ def test_static_graph_with_gradients_through_several_backward_passes_as_torch():
             assert f"[rank {rank}]" in message and "static_graph=True" in message, (name, r)
             assert "'block." in message or "'shared." in message, (name, r)
             assert r[f"{name} plain seconds"] < 30, (name, r)  # the group's timeout is 120 s
-        for how in ("argument", "_set_static_graph"):
+        for how in _STATIC_HOWS:
             changed = r[f"shared linear {how} changed"]
             assert f"[rank {rank}]" in changed and "fewer gradients" in changed, r
             assert "'shared.weight' (1 of 2)" in changed, r
