@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from typing import Dict, List
 
+import pytest
 import torch
 import torch.nn as nn
 from mp_pool import run_ranks
 from test_ddp import MLP, SEED, _init_comm, _params, _rel_diff
+from torch.utils.checkpoint import checkpoint
 
 FP32_RTOL = 1e-5
 MICRO = 2  # micro-steps per optimizer step
@@ -107,7 +110,7 @@ def _raise_from_hook(grad: torch.Tensor) -> None:
     raise ValueError("user hook failed")
 
 
-def _raising_hook_case() -> Dict[str, object]:
+def _raising_hook_case(static_graph: bool) -> Dict[str, object]:
     import torch.distributed as dist
 
     import dist_kernels as dk
@@ -117,7 +120,9 @@ def _raising_hook_case() -> Dict[str, object]:
     torch.manual_seed(SEED)
     base = _Raising()
     data = _micro_batches(world)[0]
-    ours = dk.DDP(copy.deepcopy(base), bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    ours = dk.DDP(
+        copy.deepcopy(base), bucket_cap_mb=0.004, first_bucket_mb=0.001, static_graph=static_graph
+    )
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     x0, y0 = data[0][rank]
     out: Dict[str, object] = {"buckets": len(ours.bucket_layouts)}
@@ -144,9 +149,11 @@ def _raising_hook_case() -> Dict[str, object]:
     return out
 
 
-def test_raising_user_hook_releases_peers_and_next_backward_works():
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_raising_user_hook_releases_peers_and_next_backward_works(static_graph):
+    """With static_graph the raise hits its first (counting) backward: nothing is learnt."""
     print(f"seed {SEED}")
-    results = run_ranks(2, _raising_hook_case, timeout=90)
+    results = run_ranks(2, _raising_hook_case, static_graph, timeout=90)
     for rank, r in enumerate(results):
         print(f"rank {rank}: {r}")
         assert r["buckets"] > 1, r
@@ -279,3 +286,243 @@ def test_process_group_bucket_views_static_graph_and_state_dict_as_torch():
         for key in ("torch -> ours", "ours -> torch", "stripped -> plain"):
             assert r[key] == 0.0, (key, r)
         assert r["keys"] and r["unprefixed"] == [True, True], r
+
+
+# ----------------------------------------------------------------------------- static graph
+# A parameter's gradient hook fires once per backward pass its gradient flows through: twice
+# per backward when reentrant checkpointing runs it in two nested passes. (A weight used twice
+# outside checkpoints fires once: autograd sums both uses before accumulating.)
+
+
+class _CheckpointedTwice(nn.Module):
+    """One block checkpointed (reentrant) twice: its hooks fire twice. The head is checkpointed
+    too, so the first hook of every backward fires inside a nested backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.block = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        for _ in range(2):
+            h = checkpoint(self._block, h, use_reentrant=True)
+        return checkpoint(self.head, h, use_reentrant=True)
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.block(h))
+
+
+class _SharedLinear(nn.Module):
+    """One Linear used twice, once inside a reentrant checkpoint: its hooks fire twice; and a
+    layer no forward uses (unused every iteration under static_graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.shared = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+        self.spare = nn.Linear(4, 4)
+
+        self.checkpointed = True  # False: both uses plain, one firing (a changed graph)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        h = checkpoint(self.shared, h, use_reentrant=True) if self.checkpointed else self.shared(h)
+        return self.head(torch.relu(self.shared(torch.relu(h))))
+
+
+_STATIC_CASES = {
+    "checkpointed twice": (_CheckpointedTwice, lambda ps: torch.optim.SGD(ps, 0.1, momentum=0.9)),
+    "shared linear": (_SharedLinear, lambda ps: torch.optim.AdamW(ps, lr=0.01)),
+}
+
+_STATIC_HOWS = ("argument", "_set_static_graph", "and find_unused")
+
+
+def _launches_seen(model) -> List[int]:
+    """Per hook firing, the buckets launched so far this step (our hook runs first)."""
+    seen: List[int] = []
+    for p in model.module.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: seen.append(model.reductions_launched))
+    return seen
+
+
+def _train_static(model: nn.Module, make_opt, data, rank: int, seen=None) -> List[List[int]]:
+    """Steps of ``data``; per step, the launch counts at each hook firing (relative)."""
+    opt = make_opt(model.parameters())
+    per_step = []
+    for step in data:
+        opt.zero_grad(set_to_none=True)  # first: the last step's .grad is checked after
+        x, y = step[0][rank]
+        before = model.reductions_launched if seen is not None else 0
+        nn.functional.mse_loss(model(x), y).backward()
+        if seen is not None:
+            per_step.append([n - before for n in seen] + [model.reductions_launched - before])
+            seen.clear()
+        opt.step()
+    return per_step
+
+
+def _static_graph_cases() -> Dict[str, object]:
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = _micro_batches(world) + _micro_batches(world)  # 6 steps
+    out: Dict[str, object] = {}
+    for name, (make, make_opt) in _STATIC_CASES.items():
+        torch.manual_seed(SEED)
+        base = make()
+        for how in _STATIC_HOWS:
+            find_unused = how == "and find_unused"  # torch: the static graph decides
+            ours = dk.DDP(
+                copy.deepcopy(base),
+                static_graph=how != "_set_static_graph",
+                find_unused_parameters=find_unused,
+                bucket_cap_mb=0.004,
+                first_bucket_mb=0.001,
+            )
+            if how == "_set_static_graph":
+                ours._set_static_graph()
+            launches = _train_static(ours, make_opt, data, rank, _launches_seen(ours))
+            with warnings.catch_warnings():  # torch's "no need to set find_unused_parameters"
+                warnings.simplefilter("ignore")
+                ref = nn.parallel.DistributedDataParallel(
+                    copy.deepcopy(base), static_graph=True, find_unused_parameters=find_unused
+                )
+            _train_static(ref, make_opt, data, rank)
+            out[f"{name} {how} vs torch"] = _rel_diff(_params(ours), _params(ref))
+            out[f"{name} {how} launches"] = launches
+            out[f"{name} {how} buckets"] = len(ours.bucket_layouts)
+            out[f"{name} {how} no grad"] = [
+                [n for n, p in m.module.named_parameters() if p.grad is None] for m in (ours, ref)
+            ]
+            if name == "shared linear":  # the graph changes: one firing where two were counted
+                out[f"{name} {how} changed"] = _changed_graph_error(ours, data[0][0][rank])
+            ours.close()
+        # The check can fail: training without averaging (each rank its own data) is far off.
+        local = copy.deepcopy(base)
+        _train_static(local, make_opt, data, rank)
+        out[f"{name} unreduced vs torch"] = _rel_diff(_params(local), _params(ref))
+        # Without static_graph: a clear error on every rank, at once.
+        ours = dk.DDP(copy.deepcopy(base), bucket_cap_mb=0.004, first_bucket_mb=0.001)
+        x, y = data[0][0][rank]
+        start = time.monotonic()
+        try:
+            nn.functional.mse_loss(ours(x), y).backward()
+            out[f"{name} plain error"] = "no error"
+        except RuntimeError as e:
+            out[f"{name} plain error"] = str(e)
+        out[f"{name} plain seconds"] = time.monotonic() - start
+        ours.close()  # completes the abandoned pass's collectives, like the next forward would
+    return out
+
+
+def _changed_graph_error(model, batch) -> str:
+    model.module.checkpointed = False
+    try:
+        nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        model.module.checkpointed = True
+
+
+def test_static_graph_with_gradients_through_several_backward_passes_as_torch():
+    print(f"seed {SEED}")
+    for rank, r in enumerate(run_ranks(2, _static_graph_cases, timeout=180)):
+        print(f"rank {rank}: {r}")
+        for name in _STATIC_CASES:
+            for how in _STATIC_HOWS:
+                key = f"{name} {how}"
+                assert r[f"{key} vs torch"] < FP32_RTOL, (key, r)
+                buckets, launches = r[f"{key} buckets"], r[f"{key} launches"]
+                assert buckets > 2, (key, r)
+                # Step 1 only counts: nothing launches during its backward, all at its end.
+                assert set(launches[0][:-1]) == {0} and launches[0][-1] == buckets, (key, r)
+                for step in launches[1:]:  # then buckets launch as their gradients complete
+                    assert step[-1] == buckets and step[-2] == buckets, (key, r)
+                    assert 0 < len(set(step[:-1]) - {0, buckets}), (key, r)
+                ours_none, torch_none = r[f"{key} no grad"]
+                assert ours_none == torch_none, (key, r)
+            assert r[f"{name} unreduced vs torch"] > 100 * FP32_RTOL, (name, r)
+            message = r[f"{name} plain error"]
+            assert "received a gradient twice in one backward" in message, (name, r)
+            assert f"[rank {rank}]" in message and "static_graph=True" in message, (name, r)
+            assert "'block." in message or "'shared." in message, (name, r)
+            assert r[f"{name} plain seconds"] < 30, (name, r)  # the group's timeout is 120 s
+        for how in _STATIC_HOWS:
+            changed = r[f"shared linear {how} changed"]
+            assert f"[rank {rank}]" in changed and "fewer gradients" in changed, r
+            assert "'shared.weight' (1 of 2)" in changed, r
+    assert r["shared linear argument no grad"][0] == ["spare.weight", "spare.bias"], r
+
+
+# ----------------------------------------------------------------------------- where a pass starts
+
+
+class _CheckpointedHead(MLP):
+    """The head in a reentrant checkpoint: the first hooks of backward fire in a nested one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return checkpoint(self.head, h, use_reentrant=True)
+
+
+def _penalised_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A gradient penalty: torch.autograd.grad through the outputs, then the real backward."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (nn.functional.mse_loss(out, y) + grad_x.pow(2).mean()).backward()
+
+
+def _pass_start_cases() -> Dict[str, object]:
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = _micro_batches(world)
+    out: Dict[str, object] = {}
+    torch.manual_seed(SEED)
+    base = _CheckpointedHead()
+    ours = dk.DDP(copy.deepcopy(base), bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    for model in (ours, ref):
+        _train_steps(model, data, rank)
+    out["checkpointed head vs torch"] = _rel_diff(_params(ours), _params(ref))
+    # Gradient penalty: the reference is the mean over ranks of single-process gradients.
+    torch.manual_seed(SEED)
+    base = MLP()
+    ours = dk.DDP(copy.deepcopy(base))
+    diffs = []
+    for step in data[:2]:
+        ours.zero_grad(set_to_none=True)
+        _penalised_backward(ours, *step[0][rank])
+        expected = {n: torch.zeros_like(p) for n, p in base.named_parameters()}
+        for x, y in step[0]:
+            base.zero_grad(set_to_none=True)
+            _penalised_backward(base, x, y)
+            for n, p in base.named_parameters():
+                expected[n] += p.grad / world
+        got = {n: p.grad.clone() for n, p in ours.module.named_parameters()}
+        diffs.append(_rel_diff(got, expected))
+    out["gradient penalty vs single process"] = diffs
+    return out
+
+
+def test_pass_starts_at_the_outputs_checkpointed_head_and_gradient_penalty():
+    """A checkpointed head's nested backward must not end the pass; autograd.grad through the
+    outputs (a gradient penalty) must not start one."""
+    print(f"seed {SEED}")
+    for rank, r in enumerate(run_ranks(2, _pass_start_cases, timeout=120)):
+        print(f"rank {rank}: {r}")
+        assert r["checkpointed head vs torch"] < FP32_RTOL, r
+        assert max(r["gradient penalty vs single process"]) < FP32_RTOL, r

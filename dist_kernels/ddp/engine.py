@@ -8,9 +8,14 @@ Drop-in for ``torch.nn.parallel.DistributedDataParallel`` where the options mean
 
 How one backward runs (details in docs/ddp.md):
 
-1. A post-accumulate-grad hook marks each parameter ready. When a bucket's last gradient is
-   ready (and every earlier bucket has been launched, so all ranks issue collectives in the same
-   order), its gradients are brought into the bucket multiplied by 1 / world_size (cast to a
+0. A synchronised backward's pass starts where it reaches the forward's outputs (a hook on
+   them), so its end-of-backward callback belongs to the outermost backward even under
+   reentrant checkpointing, whose nested backward passes may run the first parameter hooks.
+1. A post-accumulate-grad hook marks each parameter ready, at its last firing (a hook fires
+   once per nested backward its gradient flows through; a static graph's first backward
+   counts them, see ``_set_static_graph``). When a bucket's last gradient is ready (and every
+   earlier bucket has been launched, so all ranks issue collectives in the same order), its
+   gradients are brought into the bucket multiplied by 1 / world_size (cast to a
    low-precision wire dtype, or, when ``.grad`` already is a view of the bucket, scaled in
    place; one fused pass that also flags inf/NaN) and its all-reduce starts asynchronously,
    overlapping the rest of backward. With a comm hook (``register_comm_hook``), the bucket
@@ -106,6 +111,13 @@ class _BackwardPass:
         self.ready = [False] * num_params
         self.used = [False] * num_params
         self.ready_order: List[int] = []
+        #: How often each parameter's gradient hook fired: more than once when reentrant
+        #: checkpointing sends its gradient through several (nested) backward passes.
+        self.firings = [0] * num_params
+        #: First iteration of a static graph: hooks only count (``firing_order`` records each
+        #: firing); everything is reduced at the end, and the counts are kept for later passes.
+        self.counting = False
+        self.firing_order: List[int] = []
         self.next_launch = 0
         self.works: List[Any] = [None] * len(layouts)  # Work, or (Future, buffer) with a hook
         self.status = plan.STATUS_OK  # the worst status a bucket was launched with
@@ -188,9 +200,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             out).
         init_sync: torch's: broadcast rank 0's parameters and buffers at construction (the
             structure is compared across ranks either way).
-        static_graph: torch's: the set of used parameters is the same every iteration, found
-            in the first one; unused parameters are then allowed without
-            ``find_unused_parameters`` (see :meth:`_set_static_graph`).
+        static_graph: torch's: the graph is the same every iteration. The first synchronised
+            backward counts how often each parameter's gradient hook fires (more than once under
+            reentrant checkpointing) and reduces everything at its end; later ones mark a
+            parameter ready at its counted firing, and those that got no gradient in the first
+            are unused every iteration, without ``find_unused_parameters`` (see
+            :meth:`_set_static_graph`).
     """
 
     def __init__(
@@ -234,7 +249,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         #: torch's attribute: True when constructed so or after :meth:`_set_static_graph`.
         self.static_graph = False
-        self._static_unused: Optional[List[int]] = None  # learnt in the first forward
+        #: Static graph: per parameter, how often its hook fired in the first synchronised
+        #: backward (0: unused); None until that backward completed on every rank.
+        self._static_firings: Optional[List[int]] = None
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_bytes_cap = int(bucket_cap_mb * _MB)
         self.broadcast_buffers = broadcast_buffers
@@ -299,6 +316,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
         ]
+        with torch.enable_grad():  # the parameters' AccumulateGrad nodes (autograd keeps one)
+            self._grad_accumulators = [
+                p.view_as(p).grad_fn.next_functions[0][0] for p in self._params
+            ]
         if static_graph:
             self._set_static_graph()
 
@@ -548,6 +569,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._join_work = None if self._divide_by_initial_world_size else join_work
         output = self.module(*args, **kwargs)
         if deciding:
+            self._hook_outputs(output)
             # Only an overlap optimisation (see _start_pass): the end of backward finds any
             # parameter still without a gradient, so a later set_requires_gradient_sync(True)
             # after a no_sync() forward stays correct with the empty list.
@@ -560,9 +582,39 @@ class DistributedDataParallel(nn.Module, Joinable):
             return []
         if not self.static_graph:
             return self._unused_in_graph(output)
-        if self._static_unused is None:  # a static graph is walked once
-            self._static_unused = self._unused_in_graph(output)
-        return list(self._static_unused)
+        # A static graph's unused parameters are those without a gradient in its first
+        # backward (until then, none: they are found at its end). Not the graph walk, which
+        # misses parameters inside reentrant checkpoints (recomputed during backward).
+        return [i for i, n in enumerate(self._static_firings or []) if n == 0]
+
+    def _hook_outputs(self, output: Any) -> None:
+        """Makes an armed backward start its pass where it reaches the outputs.
+
+        The end-of-backward callback is queued on the backward that starts the pass. Started
+        by the first parameter's hook, that can be a nested backward of reentrant
+        checkpointing (a checkpointed last layer), which ends before the outer one, so before
+        the other parameters' gradients (torch DDP queues its callback from the outputs too,
+        in ``_DDPSink``). Leaves are skipped: a hook there would outlive this forward.
+        """
+        for tensor in tree_leaves(output):
+            if torch.is_tensor(tensor) and tensor.grad_fn is not None:
+                tensor.register_hook(self._output_reached)
+
+    def _output_reached(self, grad: torch.Tensor) -> None:
+        self._abandon_if_stale()
+        if self._pass is None and self._armed and self._accumulates_into_parameters():
+            self._start_pass()
+
+    def _accumulates_into_parameters(self) -> bool:
+        """Whether the running backward accumulates into a parameter's ``.grad``.
+
+        Not ``torch.autograd.grad`` (a gradient penalty, say): that accumulates nothing, and
+        the parameters' hooks, which stay the fallback start of a pass, do not fire then.
+        """
+        try:
+            return any(map(torch._C._will_engine_execute_node, self._grad_accumulators))
+        except RuntimeError:  # raised for AccumulateGrad nodes under torch.autograd.grad
+            return False
 
     @property
     def _allow_unused(self) -> bool:
@@ -573,13 +625,17 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _set_static_graph(self) -> None:
         """Declares the graph static (torch's private API, which scripts call).
 
-        What carries over from torch: the set of parameters used in a backward is the same
-        every iteration, so it is found once (in the first forward) and parameters unused
-        there are allowed without ``find_unused_parameters``. Not supported: a parameter
-        receiving its gradient more than once in one backward (torch allows it with a static
-        graph, for reentrant checkpointing); that still raises. Call before the first forward.
+        As in torch, the graph must be the same every iteration; it is learnt in the first
+        synchronised backward, which only counts how often each parameter's gradient hook
+        fires and reduces every bucket at its end (its gradients are exact). From the second
+        on, a parameter is ready when its hook has fired that often, so buckets launch during
+        backward again: reentrant checkpointing (a block checkpointed twice, a weight shared
+        with a checkpointed block) works, and parameters without a gradient in the first
+        iteration are unused in every one, without ``find_unused_parameters``. A later
+        backward that differs (a hook firing more, or fewer, times) raises on every rank.
+        Call before the first synchronised backward.
         """
-        if self._sequence:
+        if self._sequence or self._pass is not None:
             raise RuntimeError(
                 f"[rank {self.rank}] DistributedDataParallel._set_static_graph: call it before "
                 "the first synchronised backward (or pass static_graph=True)"
@@ -774,12 +830,49 @@ class DistributedDataParallel(nn.Module, Joinable):
             # end-of-backward callback), which releases the peers waiting for our buckets.
             if self._pass is None:
                 self._start_pass()
-            self._mark_ready(index, used=True)
+            self._gradient_arrived(index)
 
         return hook
 
+    def _gradient_arrived(self, index: int) -> None:
+        """Counts one firing of a parameter's hook; marks it ready at the last one expected.
+
+        A hook fires once per backward pass the gradient flows through: more than once when
+        reentrant checkpointing runs nested ones (torch's numGradHooksTriggeredMap_). Expected:
+        once without a static graph; with one, the count of its first backward (which itself
+        only counts, see :meth:`_set_static_graph`).
+        """
+        state = self._pass
+        state.firings[index] += 1
+        if state.counting:
+            state.firing_order.append(index)
+            return
+        expected = 1 if self._static_firings is None else self._static_firings[index]
+        if state.firings[index] > expected:
+            raise RuntimeError(self._extra_gradient_message(index, expected))
+        if state.firings[index] == expected:
+            self._mark_ready(index, used=True)
+
+    def _extra_gradient_message(self, index: int, expected: int) -> str:
+        where = f"[rank {self.rank}] DistributedDataParallel: parameter '{self._names[index]}'"
+        if self._static_firings is not None:
+            return (
+                f"{where} received {self._pass.firings[index]} gradient(s) in this backward, "
+                f"{expected} in the first one; static_graph=True needs the same graph every "
+                "iteration"
+            )
+        return (
+            f"{where} received a gradient twice in one backward: it flows through more than "
+            "one backward pass, as with reentrant checkpointing (torch.utils.checkpoint with "
+            "use_reentrant=True) of a block that runs twice or shares a weight with the rest "
+            "of the model. If the graph is the same every iteration, construct with "
+            "static_graph=True (or call _set_static_graph()), as for torch DDP; "
+            "use_reentrant=False also avoids it"
+        )
+
     def _start_pass(self) -> None:
         self._pass = _BackwardPass(self._layouts, len(self._params), self._device)
+        self._pass.counting = self.static_graph and self._static_firings is None
         inv_loss_scale = self._inv_loss_scale()
         self._pass.pre_scale = self._pre_scale
         if self._grad_views and inv_loss_scale is not None:
@@ -811,11 +904,14 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _mark_ready(self, index: int, used: bool) -> None:
         state = self._pass
-        if state.ready[index]:
+        if state.ready[index]:  # marked unused at the start (find_unused_parameters' walk)
             raise RuntimeError(
                 f"[rank {self.rank}] DistributedDataParallel: parameter '{self._names[index]}' "
-                "received a gradient twice in one backward (reentrant checkpointing or a "
-                "second backward through the same forward); use no_sync() for the extra passes"
+                "received a gradient although the autograd graph of the forward's outputs does "
+                "not reach it (find_unused_parameters), as inside reentrant checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True). If the graph is the same "
+                "every iteration, construct with static_graph=True, as for torch DDP; "
+                "use_reentrant=False also avoids it"
             )
         state.ready[index] = True
         state.used[index] = used
@@ -922,16 +1018,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         if state is None:
             return
         try:
+            if state.counting:
+                self._mark_counted_ready(state)
             if self._local:
                 self._finish_local(state)
-                return
-            local_error = self._launch_remaining(state)
-            status = self._wait_reductions(state)
-            self._raise_on_status(local_error, status)
-            self._unpack_all(status[plan.FOUND_INF_SLOT] > 0)
-            self._rescale_for_joined()
-            if not self._rebuilt:
-                self._rebuild(state.ready_order)
+            else:
+                local_error = self._launch_remaining(state)
+                status = self._wait_reductions(state)
+                self._raise_on_status(local_error, status)
+                self._unpack_all(status[plan.FOUND_INF_SLOT] > 0)
+                self._rescale_for_joined()
+                if not self._rebuilt:
+                    self._rebuild(state.ready_order)
+            if state.counting:  # every rank got here: no rank's first backward failed
+                self._static_firings = list(state.firings)
         finally:
             self._pass = None
             self._armed = False
@@ -1004,18 +1104,44 @@ class DistributedDataParallel(nn.Module, Joinable):
         if status[plan.ERROR_SLOT] > 0:
             raise RuntimeError(self._peer_error(status[plan.ERROR_SLOT]))
 
+    def _mark_counted_ready(self, state: _BackwardPass) -> None:
+        """First static backward: the parameters whose hook fired are ready, in the order of
+        their last firing (the order the buckets are then rebuilt in)."""
+        last = {index: n for n, index in enumerate(state.firing_order)}
+        for index in sorted(last, key=last.__getitem__):
+            self._mark_ready(index, used=True)
+
     def _launch_remaining(self, state: _BackwardPass) -> Optional[str]:
         """Marks gradient-less parameters ready, or launches the rest flagged as an error."""
+        unused, error = self._verdict_on_unready(state)
+        for index in unused:
+            self._mark_ready(index, used=False)
+        if error:  # peers may be waiting on these buckets: send them, flagged, so all raise
+            self._launch_from(state, plan.STATUS_INCOMPLETE)
+        return error
+
+    def _verdict_on_unready(self, state: _BackwardPass) -> Tuple[List[int], Optional[str]]:
+        """(parameters to treat as unused, error) for those not ready at the end of backward."""
         missing = [i for i, ready in enumerate(state.ready) if not ready]
         if not missing:
-            return None
+            return [], None
+        if self._static_firings is not None:  # a learnt static graph: unused, or an error
+            unused = [i for i in missing if self._static_firings[i] == 0]
+            short = [i for i in missing if self._static_firings[i] > 0]
+            return unused, self._short_of_static_message(short, state) if short else None
         if self._allow_unused:
-            for index in missing:
-                self._mark_ready(index, used=False)
-            return None
-        # Peers may be waiting on these buckets: send them, flagged, so every rank raises.
-        self._launch_from(state, plan.STATUS_INCOMPLETE)
-        return self._no_gradient_message(missing)
+            return missing, None
+        return [], self._no_gradient_message(missing)
+
+    def _short_of_static_message(self, missing: Sequence[int], state: _BackwardPass) -> str:
+        counts = ", ".join(
+            f"'{self._names[i]}' ({state.firings[i]} of {self._static_firings[i]})" for i in missing
+        )
+        return (
+            f"[rank {self.rank}] DistributedDataParallel: these parameters received fewer "
+            f"gradients in this backward than in the first one: {counts}; static_graph=True "
+            "needs the same graph every iteration"
+        )
 
     def _no_gradient_message(self, missing: Sequence[int]) -> str:
         names = ", ".join(repr(self._names[i]) for i in missing)
@@ -1033,9 +1159,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         the inverse loss scale (1 without a scaler; the pass still finds inf/NaN for
         :attr:`found_inf`); unused parameters keep ``.grad`` untouched.
         """
-        missing = [i for i, ready in enumerate(state.ready) if not ready]
-        if missing and not self._allow_unused:
-            raise RuntimeError(self._no_gradient_message(missing))
+        _, error = self._verdict_on_unready(state)
+        if error:
+            raise RuntimeError(error)
         inv_scale = self._inv_loss_scale()
         grads = [p.grad for p in self._params if p.grad is not None]
         _unscale_in_place(grads, 1.0 if inv_scale is None else inv_scale, state.found_inf)
