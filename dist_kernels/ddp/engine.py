@@ -611,8 +611,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         Not ``torch.autograd.grad`` (a gradient penalty, say): that accumulates nothing, and
         the parameters' hooks, which stay the fallback start of a pass, do not fire then.
         """
+        will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+        if will_execute is None:  # a torch without it: the first parameter hook starts it
+            return False
         try:
-            return any(map(torch._C._will_engine_execute_node, self._grad_accumulators))
+            return any(map(will_execute, self._grad_accumulators))
         except RuntimeError:  # raised for AccumulateGrad nodes under torch.autograd.grad
             return False
 
