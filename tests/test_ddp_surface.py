@@ -303,10 +303,11 @@ class _CheckpointedTwice(nn.Module):
         self.fc1 = nn.Linear(16, 32)
         self.block = nn.Linear(32, 32)
         self.head = nn.Linear(32, 4)
+        self.repeats = 2  # runs of the block: another count changes the graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.fc1(x))
-        for _ in range(2):
+        for _ in range(self.repeats):
             h = checkpoint(self._block, h, use_reentrant=True)
         return checkpoint(self.head, h, use_reentrant=True)
 
@@ -463,6 +464,97 @@ def test_static_graph_with_gradients_through_several_backward_passes_as_torch():
     assert r["shared linear argument no grad"][0] == ["spare.weight", "spare.bias"], r
 
 
+# A later backward with more firings than the first counted (here the block runs twice where it
+# ran once) raises in the hook of the extra firing. The communicator's timeout is short: a rank
+# waiting for it would take SHORT_TIMEOUT_S and raise a CommError instead.
+SHORT_TIMEOUT_S = 15
+
+
+def _step_grads(model, batch) -> Dict[str, torch.Tensor]:
+    nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+    return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+
+def _more_firings_cases() -> Dict[str, object]:
+    import datetime
+
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = dk.Communicator(timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S))
+    data = [step[0][rank] for step in _micro_batches(world)]
+    torch.manual_seed(SEED)
+    base = _CheckpointedTwice()
+    base.repeats = 1
+    out: Dict[str, object] = {}
+    for changed_on in ("every rank", "rank 1"):
+        ours = dk.DDP(
+            copy.deepcopy(base), comm=comm, static_graph=True, bucket_cap_mb=0.004,
+            first_bucket_mb=0.001,
+        )  # fmt: skip
+        theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), static_graph=True)
+        buckets, seen = len(ours.bucket_layouts), _launches_seen(ours)
+        # Step 1 counts one firing for the block's parameters; as torch's first iteration.
+        out[f"{changed_on} counting vs torch"] = _rel_diff(
+            _step_grads(ours, data[0]), _step_grads(theirs, data[0])
+        )
+        # Step 2: the block runs twice (on every rank, or on rank 1 only).
+        ours.module.repeats = 2 if changed_on == "every rank" or rank == 1 else 1
+        ours.zero_grad(set_to_none=True)
+        start = time.monotonic()
+        try:
+            _step_grads(ours, data[1])
+            out[f"{changed_on} error"] = "no error"
+        except RuntimeError as e:
+            out[f"{changed_on} error"] = f"{type(e).__name__}: {e}"
+        ours.module.repeats = 1
+        ours.zero_grad(set_to_none=True)
+        # Step 3, unchanged: its forward completes the abandoned pass; the learnt counts hold.
+        prediction = ours(data[2][0])
+        launched = ours.reductions_launched
+        seen.clear()
+        nn.functional.mse_loss(prediction, data[2][1]).backward()
+        out[f"{changed_on} seconds"] = time.monotonic() - start
+        out[f"{changed_on} rounds"] = (ours.reductions_launched - launched) / buckets
+        # Buckets launched while hooks still fired: not a first (counting) backward again.
+        out[f"{changed_on} launches at hooks"] = sorted({n - launched for n in seen})
+        grads = {n: p.grad.clone() for n, p in ours.module.named_parameters()}
+        theirs.zero_grad(set_to_none=True)
+        out[f"{changed_on} next vs torch"] = _rel_diff(grads, _step_grads(theirs, data[2]))
+        out[f"{changed_on} buckets"] = buckets
+        ours.close()
+    comm.close()
+    return out
+
+
+def test_static_graph_more_firings_than_counted_raises_on_every_rank_then_next_step_works():
+    print(f"seed {SEED}")
+    results = run_ranks(2, _more_firings_cases, timeout=120)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+        for changed_on in ("every rank", "rank 1"):
+            assert r[f"{changed_on} buckets"] > 2, r
+            assert r[f"{changed_on} counting vs torch"] < FP32_RTOL, (changed_on, r)
+            # The error, the abandoned pass completed and the next step: far within the timeout.
+            assert r[f"{changed_on} seconds"] < SHORT_TIMEOUT_S / 2, (changed_on, r)
+            assert r[f"{changed_on} rounds"] == 1, (changed_on, r)
+            during = set(r[f"{changed_on} launches at hooks"]) - {0, r[f"{changed_on} buckets"]}
+            assert during, (changed_on, r)
+            assert r[f"{changed_on} next vs torch"] < FP32_RTOL, (changed_on, r)
+        for changed_on, ranks in (("every rank", (0, 1)), ("rank 1", (1,))):
+            if rank in ranks:
+                message = r[f"{changed_on} error"]
+                assert message.startswith(f"RuntimeError: [rank {rank}] "), (changed_on, r)
+                assert "parameter 'block." in message, (changed_on, r)
+                assert "received 2 gradient(s) in this backward, 1 in the first one" in message
+                assert "static_graph=True needs the same graph every iteration" in message
+    # A rank whose graph did not change learns of the other's failure at once.
+    assert "1 other rank(s) abandoned this backward" in results[0]["rank 1 error"], results[0]
+
+
 # ----------------------------------------------------------------------------- where a pass starts
 
 
@@ -526,3 +618,59 @@ def test_pass_starts_at_the_outputs_checkpointed_head_and_gradient_penalty():
         print(f"rank {rank}: {r}")
         assert r["checkpointed head vs torch"] < FP32_RTOL, r
         assert max(r["gradient penalty vs single process"]) < FP32_RTOL, r
+
+
+# --------------------------------------------------------------------------- unreachable at forward
+
+
+def _unreachable_cases() -> Dict[str, object]:
+    """find_unused_parameters without static_graph, the head only inside a reentrant checkpoint:
+    the forward's graph walk cannot see it, so it is marked unused, then its gradient arrives."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    _init_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timeout = datetime.timedelta(seconds=SHORT_TIMEOUT_S)
+    comm = dk.Communicator(timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=timeout)  # torch DDP's, dropped at the end
+    x, y = _micro_batches(world)[0][0][rank]
+    torch.manual_seed(SEED)
+    base = _CheckpointedHead()
+    engines = {
+        "ours": lambda m: dk.DDP(m, comm=comm, find_unused_parameters=True, bucket_cap_mb=0.004,
+                                 first_bucket_mb=0.001),
+        "torch": lambda m: nn.parallel.DistributedDataParallel(
+            m, process_group=group, find_unused_parameters=True),
+    }  # fmt: skip
+    out: Dict[str, object] = {}
+    for name, make in engines.items():
+        model = make(copy.deepcopy(base))
+        start = time.monotonic()
+        try:
+            nn.functional.mse_loss(model(x), y).backward()
+            out[name] = "no error"
+        except RuntimeError as e:
+            out[name] = str(e)
+        out[f"{name} seconds"] = time.monotonic() - start
+        if name == "ours":
+            model.close()  # completes the abandoned pass's collectives
+    dist.destroy_process_group(group)
+    comm.close()
+    return out
+
+
+def test_find_unused_with_a_parameter_inside_reentrant_checkpoint_raises_as_torch():
+    print(f"seed {SEED}")
+    for rank, r in enumerate(run_ranks(2, _unreachable_cases, timeout=120)):
+        print(f"rank {rank}: {r}")
+        assert r["ours"].startswith(f"[rank {rank}] "), r
+        assert "parameter 'head." in r["ours"], r
+        assert "autograd graph of the forward's outputs does not reach it" in r["ours"], r
+        assert "static_graph=True" in r["ours"] and "use_reentrant=False" in r["ours"], r
+        assert "Expected to mark a variable ready only once" in r["torch"], r
+        for name in ("ours", "torch"):
+            assert r[f"{name} seconds"] < SHORT_TIMEOUT_S / 2, (name, r)
