@@ -135,9 +135,15 @@ def _reduce_case(dtype: torch.dtype, size: int, device: str, repeats: int, paral
 
     if parallel or device == "cuda":
         run_ours = lambda: ops.reduce_(dst, src)  # noqa: E731
-    else:
+        ours, baseline = time_calls([run_ours, lambda: dst.add_(src)], device, repeats)
+    else:  # both on one thread: torch's add_ too, or the row would compare 1 core with all
         run_ours = lambda: _reduce_one_thread(dst, src)  # noqa: E731
-    ours, baseline = time_calls([run_ours, lambda: dst.add_(src)], device, repeats)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            ours, baseline = time_calls([run_ours, lambda: dst.add_(src)], device, repeats)
+        finally:
+            torch.set_num_threads(saved)
     name = str(dtype).replace("torch.", "")
     threads = "" if parallel or device == "cuda" else " (1 thread)"
     return Row("reduce", f"{name} sum{threads}", size, 3 * size, ours, "add_", baseline)
