@@ -413,6 +413,29 @@ def test_environment_chooses_isa_and_threads():
     assert out.stdout.split() == ["baseline", "1"]
 
 
+def test_pool_threads_follow_omp_num_threads_then_dk_num_threads():
+    """torchrun sets OMP_NUM_THREADS=1 for several ranks per host: the pool follows it, and
+    DK_NUM_THREADS overrides it."""
+    code = "from dist_kernels import _C; print(_C.kernels_cpu_threads())"
+
+    def threads(**overrides) -> int:
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("DK_NUM_THREADS", "OMP_NUM_THREADS")
+        }
+        env.update(overrides)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return int(out.stdout)
+
+    cores = os.cpu_count()
+    assert threads() == cores
+    assert threads(OMP_NUM_THREADS="1") == 1
+    assert threads(OMP_NUM_THREADS="3") == 3
+    assert threads(OMP_NUM_THREADS="1", DK_NUM_THREADS="2") == 2
+    assert threads(OMP_NUM_THREADS="0") == cores  # not a thread count: ignored, as below 1
+
+
 def _cuda_ready() -> bool:
     import dist_kernels
 

@@ -211,5 +211,6 @@ DK_REGISTER_BINDINGS(kernels) {
         "Sets the size (bytes read + written) from which standalone CPU calls use the thread "
         "pool; returns the previous value.");
   m.def("kernels_cpu_threads", &dk::kernels::cpuPoolThreads,
-        "Threads a standalone CPU kernel call may use (DK_NUM_THREADS or the core count).");
+        "Threads a standalone CPU kernel call may use (DK_NUM_THREADS, else OMP_NUM_THREADS, "
+        "else the core count).");
 }

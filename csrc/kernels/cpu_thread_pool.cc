@@ -103,9 +103,13 @@ class ThreadPool {
   unsigned long generation_ = 0;
 };
 
+// DK_NUM_THREADS, else OMP_NUM_THREADS as torch reads it (torchrun sets it to 1 when it starts
+// several ranks per host, so each rank's pool must not take every core), else the core count.
 int configuredThreads() {
-  const char* env = std::getenv("DK_NUM_THREADS");
-  if (env != nullptr && std::atoi(env) >= 1) return std::atoi(env);
+  for (const char* name : {"DK_NUM_THREADS", "OMP_NUM_THREADS"}) {
+    const char* env = std::getenv(name);
+    if (env != nullptr && std::atoi(env) >= 1) return std::atoi(env);
+  }
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : static_cast<int>(hw);
 }

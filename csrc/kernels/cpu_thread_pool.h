@@ -1,7 +1,8 @@
 // A small persistent thread pool for standalone CPU kernel calls (dist_kernels.ops). The
 // communicator never uses it: each rank owns one core there.
 //
-// Size: DK_NUM_THREADS if set (>= 1), else std::thread::hardware_concurrency(); the calling
+// Size: DK_NUM_THREADS if set (>= 1), else OMP_NUM_THREADS (>= 1; torchrun sets it to 1 for
+// several ranks per host), else std::thread::hardware_concurrency(); the calling
 // thread is one of them. Threads start on first use and after a fork() in the child (the
 // parent's threads do not exist there). One job runs at a time; a second caller that finds the
 // pool busy runs its job on its own thread instead of waiting.
