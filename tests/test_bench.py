@@ -94,9 +94,12 @@ def test_other_ops_three_ranks(tmp_path, op, extra):
     argv = ["--nproc", "3", "--op", op, "-b", "8", "-e", "512", "-f", "64"]
     result = _run_bench(tmp_path, *argv, "--iters", "2", "--warmup", "1", *extra)
     algorithms = result["meta"]["algorithms"]
-    # reduce_scatter has only the ring ("auto" runs it): rows are named by what ran; the
-    # torch-API row (dist.* on a "dk" group) follows on CPU
-    expected = {"reduce_scatter": ["ring"]}.get(op, ["default"]) + ["torchdk"]
+    # reduce_scatter and all_gather have no tree (--algorithm all asks for one): rows are
+    # named by what ran; the torch-API row (dist.* on a "dk" group) follows on CPU
+    gather_scatter = ["ring", "auto"]
+    expected = {"reduce_scatter": gather_scatter, "all_gather": gather_scatter}.get(
+        op, ["default"]
+    ) + ["torchdk"]
     assert algorithms == expected, algorithms
     _check_rows(result, op, 3, algorithms)
     if op in ("reduce_scatter", "all_gather"):
@@ -123,17 +126,22 @@ def test_sendrecv_end_to_end(tmp_path, nproc, extra):
 
 
 def test_reduce_scatter_rows_are_named_by_the_algorithm_that_ran():
-    cpu = {"auto": "ring", "ring": "ring"}
+    from dist_kernels.comm.communicator import REDUCE_SCATTER_ALGORITHMS as cpu
+
+    ring_only = {"auto": "ring", "ring": "ring"}
     cuda = {"auto": "nccl", "ring": "ring", "nccl": "nccl"}
-    chosen, note = ops._reduce_scatter_choices(cpu, ["ring", "tree", "auto"])
+    chosen, note = ops._table_choices("reduce_scatter", ring_only, ["ring", "tree", "auto"])
     assert chosen == ["ring"]
     assert "no tree algorithm" in note and "auto runs the ring" in note
-    chosen, note = ops._reduce_scatter_choices(cpu, ["auto"])
+    chosen, note = ops._table_choices("reduce_scatter", ring_only, ["auto"])
     assert chosen == ["ring"] and "labelled ring" in note
-    chosen, note = ops._reduce_scatter_choices(cuda, ["ring", "tree", "auto"])
-    assert chosen == ["ring"] and "auto is NCCL's own" in note
+    chosen, note = ops._table_choices("all_gather", cuda, ["ring", "tree", "auto"])
+    assert chosen == ["ring"] and "all_gather auto is NCCL's own" in note
     with pytest.raises(ValueError, match="no tree"):
-        ops._reduce_scatter_choices(cpu, ["tree"])
+        ops._table_choices("reduce_scatter", ring_only, ["tree"])
+    # The CPU communicator runs ring, one-shot and auto's pick, each a row of its own.
+    chosen, note = ops._table_choices("all_gather", cpu, ["ring", "tree", "auto", "one_shot"])
+    assert chosen == ["ring", "auto", "one_shot"] and "all_gather has no tree" in note
 
 
 def test_sendrecv_needs_two_ranks():

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         choices=(*ALGORITHMS, "one_shot", "all"),
         default="all",
-        help="all = ring, tree, auto (one_shot: CPU all_reduce of up to one slot)",
+        help="all = ring, tree, auto (one_shot: CPU all_reduce, all_gather and reduce_scatter of "
+        "up to one slot per peer)",
     )
     add("-b", "--minbytes", type=parse_size, default=DEFAULT_MIN_BYTES, help="smallest size")
     add("-e", "--maxbytes", type=parse_size, default=DEFAULT_MAX_BYTES, help="largest size")
