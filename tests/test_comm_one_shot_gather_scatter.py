@@ -1,5 +1,5 @@
 """One-shot all_gather and reduce_scatter (small messages): on 1, 2, 3, 4 and 8 ranks, every
-dtype, every op, per-rank chunks around auto's limit (half a slot) and the one-slot limit (+1
+dtype, every op, per-rank chunks around auto's limit (an eighth of a slot) and the one-slot limit (+1
 falls back to the ring). Exact against a float64 reference on integer-valued inputs, equal to
 the ring within rounding on random ones; auto's choice is the cost model's; ranks that call
 different algorithms fail with CommError on every rank."""
@@ -17,19 +17,21 @@ from mp_pool import run_ranks, shm_leaks
 from test_comm_one_shot import ATOL, DTYPES, OPS, _integer_input, _oversubscribed, _reference
 
 CODES = {"auto": 0, "ring": 1, "one_shot": 3}
+# auto considers one-shot up to this fraction of a slot per rank (CpuCommunicator::resolve).
+AUTO_LIMIT = 8
 
 
 def _counts(n: int, elem: int) -> list:
-    """Elements per rank: tiny, around auto's limit (half a slot) and the slot (+1: ring)."""
+    """Elements per rank: tiny, around auto's limit (AUTO_LIMIT) and the slot (+1: ring)."""
     from dist_kernels import _C
 
-    half, slot = _C.shm_slot_bytes(n) // 2 // elem, _C.shm_slot_bytes(n) // elem
-    return sorted({1, 7, 64, half, half + 1, slot, slot + 1})
+    limit, slot = _C.shm_slot_bytes(n) // AUTO_LIMIT // elem, _C.shm_slot_bytes(n) // elem
+    return sorted({1, 7, 64, limit, limit + 1, slot, slot + 1})
 
 
 def _auto_choice(collective: str, n: int, count: int, elem: int) -> int:
     """The code auto must pick for `count` elements per rank: the cost model's cheaper of ring
-    and one-shot (a tie keeps the ring), one-shot only up to half a slot per peer."""
+    and one-shot (a tie keeps the ring), one-shot only up to 1 / AUTO_LIMIT slot per peer."""
     from dist_kernels import _C
 
     cost = {
@@ -37,7 +39,7 @@ def _auto_choice(collective: str, n: int, count: int, elem: int) -> int:
         "reduce_scatter": _C._shm_reduce_scatter_cost_us,
     }
     ring, one = cost[collective](n, n * count * elem, _oversubscribed(n))
-    if count * elem > _C.shm_slot_bytes(n) // 2:
+    if count * elem > _C.shm_slot_bytes(n) // AUTO_LIMIT:
         return CODES["ring"]
     return CODES["one_shot"] if one < ring else CODES["ring"]
 
@@ -111,7 +113,8 @@ def _gather_scatter(seed: int):
                 for op in OPS if count <= 64 else ("SUM", "AVG", "MAX"):
                     _check_reduce_scatter(comm, dtype, count, op, seed, errors)
         slot = _C.shm_slot_bytes(n) // 4
-        for count in (1, 256, slot // 2, slot // 2 + 1, slot, slot + 1):
+        limit = slot // AUTO_LIMIT
+        for count in (1, 256, limit, limit + 1, slot // 2, slot, slot + 1):
             for name in ("auto", "one_shot", "ring"):
                 chosen[("all_gather", count, name)] = impl.resolve_all_gather(count, 0, CODES[name])
                 chosen[("reduce_scatter", count, name)] = impl.resolve_reduce_scatter(
@@ -145,7 +148,9 @@ def test_one_shot_gather_scatter(world_size):
     if world_size > 2:  # at 2 ranks the ring is one exchange too: the model ties, ring stays
         assert chosen[("all_gather", 1, "auto")] == CODES["one_shot"]
         assert chosen[("reduce_scatter", 256, "auto")] == CODES["one_shot"]
-    assert chosen[("all_gather", slot // 2 + 1, "auto")] == CODES["ring"]
+    assert chosen[("all_gather", slot // AUTO_LIMIT + 1, "auto")] == CODES["ring"]
+    if world_size > 2:
+        assert chosen[("reduce_scatter", slot // AUTO_LIMIT, "auto")] == CODES["one_shot"]
     assert shm_leaks() == []
 
 

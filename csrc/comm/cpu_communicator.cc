@@ -117,8 +117,12 @@ Status CpuCommunicator::close() {
 // "one_shot" on a message larger than one slot runs what auto picks among ring and tree. Auto
 // considers one-shot up to half a slot: at a full slot (512 KiB) it lost to the ring at 2 and
 // 4 ranks (20 vs 16 us, 142 vs 81 us), the model's constants notwithstanding.
-// All-gather and reduce-scatter: the same, per rank's chunk (the per-peer message), between
-// ring and one-shot only; any other collective runs its one algorithm.
+// All-gather and reduce-scatter: the same between ring and one-shot, per rank's chunk (the
+// per-peer message), but auto's limit is an eighth of a slot (64 KiB up to 4 ranks): at 4 ranks
+// on 2 cores (2026-12-01, benchmarks/results/2026-12-01-one-shot-gather-scatter.md) one-shot
+// won 1.2-2.6x up to 32 KiB chunks, tied at 64 KiB and lost up to 0.5x at 128-256 KiB, where
+// every rank copying n-1 chunks at once outweighs the n-2 steps saved. Any other collective
+// runs its one algorithm.
 algo::Algorithm CpuCommunicator::resolve(const Request& r) const {
   using algo::Algorithm;
   const bool gatherScatter =
@@ -128,16 +132,17 @@ algo::Algorithm CpuCommunicator::resolve(const Request& r) const {
   }
   const size_t bytes = r.args.count * dtypeSize(r.args.dtype);
   const bool fits = algo::oneShotFits(*transport_, bytes);
-  const bool autoFits = bytes <= transport_->maxMessageBytes() / 2;
   const algo::CostModel model = algo::shmCostModel(options_.oversubscribed);
   if (gatherScatter) {
     if (r.algorithm == Algorithm::kOneShot) return fits ? Algorithm::kOneShot : Algorithm::kRing;
     if (r.algorithm != Algorithm::kAuto) return Algorithm::kRing;
+    const bool autoFits = bytes <= transport_->maxMessageBytes() / 8;
     const size_t whole = static_cast<size_t>(worldSize()) * bytes;
     return r.kind == CollectiveKind::kAllGather
                ? algo::chooseAllGather(model, worldSize(), whole, autoFits)
                : algo::chooseReduceScatter(model, worldSize(), whole, autoFits);
   }
+  const bool autoFits = bytes <= transport_->maxMessageBytes() / 2;
   if (r.algorithm == Algorithm::kRing || r.algorithm == Algorithm::kTree ||
       (r.algorithm == Algorithm::kOneShot && fits)) {
     return r.algorithm;
