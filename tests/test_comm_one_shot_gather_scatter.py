@@ -1,8 +1,8 @@
 """One-shot all_gather and reduce_scatter (small messages): on 1, 2, 3, 4 and 8 ranks, every
-dtype, every op, per-rank chunks around auto's limit (an eighth of a slot) and the one-slot limit (+1
-falls back to the ring). Exact against a float64 reference on integer-valued inputs, equal to
-the ring within rounding on random ones; auto's choice is the cost model's; ranks that call
-different algorithms fail with CommError on every rank."""
+dtype, every op, per-rank chunks around auto's limit (an eighth of a slot) and the one-slot
+limit (+1 falls back to the ring). Exact against a float64 reference on integer-valued inputs,
+equal to the ring within rounding on random ones; auto's choice is the cost model's; ranks that
+call different algorithms fail with CommError on every rank."""
 
 from __future__ import annotations
 
