@@ -120,9 +120,10 @@ Status CpuCommunicator::close() {
 // All-gather and reduce-scatter: the same between ring and one-shot, per rank's chunk (the
 // per-peer message), but auto's limit is an eighth of a slot (64 KiB up to 4 ranks): at 4 ranks
 // on 2 cores (2026-12-01, benchmarks/results/2026-12-01-one-shot-gather-scatter.md) one-shot
-// won 1.2-2.6x up to 32 KiB chunks, tied at 64 KiB and lost up to 0.5x at 128-256 KiB, where
-// every rank copying n-1 chunks at once outweighs the n-2 steps saved. Any other collective
-// runs its one algorithm.
+// all_gather won 1.2-2.4x up to 32 KiB chunks (reduce_scatter 1.0-2.6x), was within the noise
+// of the ring at 64 KiB (0.84-1.17x) and lost down to 0.47x at 128-256 KiB, where every rank
+// copying n-1 chunks at once outweighs the n-2 steps saved. Any other collective runs its one
+// algorithm.
 algo::Algorithm CpuCommunicator::resolve(const Request& r) const {
   using algo::Algorithm;
   const bool gatherScatter =
