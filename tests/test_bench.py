@@ -81,23 +81,29 @@ def test_all_reduce_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "op, extra",
+    "op, extra, expected",
     [
-        ("reduce_scatter", ["--redop", "max", "--dtype", "bfloat16"]),
+        # reduce_scatter has no tree (--algorithm all asks for one): no tree row
+        ("reduce_scatter", ["--redop", "max", "--dtype", "bfloat16"], ["ring", "auto"]),
         # each run spawns ranks that import torch (~5 s quiet, ~25 s on a loaded machine)
-        pytest.param("all_gather", ["--dtype", "int32"], marks=pytest.mark.slow),
-        pytest.param("broadcast", ["--root", "2", "--dtype", "float16"], marks=pytest.mark.slow),
+        pytest.param(
+            "all_gather",
+            ["--dtype", "int32", "--algorithm", "ring,one_shot,auto"],
+            ["ring", "one_shot", "auto"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "broadcast", ["--root", "2", "--dtype", "float16"], ["default"], marks=pytest.mark.slow
+        ),
     ],
 )
-def test_other_ops_three_ranks(tmp_path, op, extra):
+def test_other_ops_three_ranks(tmp_path, op, extra, expected):
     # three ranks on this 2-core machine: oversubscribed, and n does not divide the sizes
     argv = ["--nproc", "3", "--op", op, "-b", "8", "-e", "512", "-f", "64"]
     result = _run_bench(tmp_path, *argv, "--iters", "2", "--warmup", "1", *extra)
     algorithms = result["meta"]["algorithms"]
-    # reduce_scatter has only the ring ("auto" runs it): rows are named by what ran; the
-    # torch-API row (dist.* on a "dk" group) follows on CPU
-    expected = {"reduce_scatter": ["ring"]}.get(op, ["default"]) + ["torchdk"]
-    assert algorithms == expected, algorithms
+    # rows are named by what ran; the torch-API row (dist.* on a "dk" group) follows on CPU
+    assert algorithms == expected + ["torchdk"], algorithms
     _check_rows(result, op, 3, algorithms)
     if op in ("reduce_scatter", "all_gather"):
         assert all(r["count"] % 3 == 0 for r in result["rows"])
@@ -123,17 +129,30 @@ def test_sendrecv_end_to_end(tmp_path, nproc, extra):
 
 
 def test_reduce_scatter_rows_are_named_by_the_algorithm_that_ran():
-    cpu = {"auto": "ring", "ring": "ring"}
+    from dist_kernels.comm.communicator import REDUCE_SCATTER_ALGORITHMS as cpu
+
+    ring_only = {"auto": "ring", "ring": "ring"}
     cuda = {"auto": "nccl", "ring": "ring", "nccl": "nccl"}
-    chosen, note = ops._reduce_scatter_choices(cpu, ["ring", "tree", "auto"])
+    chosen, note = ops._table_choices("reduce_scatter", ring_only, ["ring", "tree", "auto"])
     assert chosen == ["ring"]
     assert "no tree algorithm" in note and "auto runs the ring" in note
-    chosen, note = ops._reduce_scatter_choices(cpu, ["auto"])
+    chosen, note = ops._table_choices("reduce_scatter", ring_only, ["auto"])
     assert chosen == ["ring"] and "labelled ring" in note
-    chosen, note = ops._reduce_scatter_choices(cuda, ["ring", "tree", "auto"])
-    assert chosen == ["ring"] and "auto is NCCL's own" in note
+    chosen, note = ops._table_choices("all_gather", cuda, ["ring", "tree", "auto"])
+    assert chosen == ["ring"] and "all_gather auto is NCCL's own" in note
     with pytest.raises(ValueError, match="no tree"):
-        ops._reduce_scatter_choices(cpu, ["tree"])
+        ops._table_choices("reduce_scatter", ring_only, ["tree"])
+    # The CPU communicator runs ring, one-shot and auto's pick, each a row of its own.
+    chosen, note = ops._table_choices("all_gather", cpu, ["ring", "tree", "auto", "one_shot"])
+    assert chosen == ["ring", "auto", "one_shot"] and "all_gather has no tree" in note
+
+
+def test_algorithm_lists():
+    assert bench.parse_args(["--algorithm", "ring,one_shot,auto"]).algorithm == "ring,one_shot,auto"
+    assert bench.parse_args(["--algorithm", "all"]).algorithm == "all"
+    for bad in ("ring,ring", "ring,bogus", "all,ring", ""):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--algorithm", bad])
 
 
 def test_sendrecv_needs_two_ranks():

@@ -58,8 +58,9 @@ def _draw_call(rng: random.Random, n: int) -> dict:
         "dtype": rng.choice(DTYPES),
         "op": rng.choice(OPS),
         "root": rng.randrange(n),
-        "algorithm": rng.choice(("auto", "ring", "tree")),
     }
+    gather_scatter = kind in ("reduce_scatter", "all_gather")
+    call["algorithm"] = rng.choice(("auto", "ring", "one_shot" if gather_scatter else "tree"))
     if kind == "p2p":
         call["peer"] = (call["root"] + rng.randrange(1, n)) % n
     return call
@@ -79,15 +80,29 @@ def _perturb(rng: random.Random, call: dict, n: int) -> tuple:
         odd["op"] = rng.choice([o for o in OPS if o != call["op"]])
     elif fault == "kind" and call["kind"] != "p2p":
         odd["kind"] = rng.choice([k for k in KINDS if k not in (call["kind"], "p2p")])
+        if odd["kind"] in ("reduce_scatter", "all_gather") and odd["algorithm"] == "tree":
+            odd["algorithm"] = "ring"  # they have no tree: a ValueError, not a disagreement
     elif fault == "root" and call["kind"] == "broadcast":
         odd["root"] = (call["root"] + rng.randrange(1, n)) % n
     elif fault == "algorithm" and call["kind"] == "all_reduce" and call["count"] > 0:
         if call["algorithm"] == "auto":
             return None  # auto resolves to some algorithm; which is not ours to guess
         odd["algorithm"] = "tree" if call["algorithm"] == "ring" else "ring"
+    elif fault == "algorithm" and call["kind"] in ("reduce_scatter", "all_gather"):
+        if call["algorithm"] == "auto" or not _one_shot_fits(call, n):
+            return None  # "one_shot" past a slot runs the ring: the ranks would agree
+        odd["algorithm"] = "one_shot" if call["algorithm"] == "ring" else "ring"
     else:
         return None
     return fault, odd
+
+
+def _one_shot_fits(call: dict, n: int) -> bool:
+    """A non-empty per-rank chunk of at most one slot (else one_shot runs the ring)."""
+    from dist_kernels import _C
+
+    elem = torch.empty((), dtype=call["dtype"]).element_size()
+    return 0 < call["count"] * elem <= _C.shm_slot_bytes(n)
 
 
 def _plan(seed: int, n: int, trials: int) -> list:
@@ -139,11 +154,13 @@ def _run(comm, call: dict, rank: int, n: int, salt: int):
         return t
     if kind == "reduce_scatter":
         out = torch.empty(count, dtype=call["dtype"])
-        comm.reduce_scatter(out, _input(call, rank, n * count, salt), op=call["op"])
+        comm.reduce_scatter(
+            out, _input(call, rank, n * count, salt), op=call["op"], algorithm=call["algorithm"]
+        )
         return out
     if kind == "all_gather":
         out = torch.empty(n * count, dtype=call["dtype"])
-        comm.all_gather(out, _input(call, rank, count, salt))
+        comm.all_gather(out, _input(call, rank, count, salt), algorithm=call["algorithm"])
         return out
     if kind == "broadcast":
         t = _input(call, rank, count, salt) if rank == call["root"] else _zeros(call)

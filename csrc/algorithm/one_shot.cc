@@ -4,37 +4,97 @@
 
 namespace dk::algo {
 
+namespace {
+
+// The one step: peer p gets `bytes` from base + p * peerStride (stride 0: the same bytes to
+// every peer), nearest peer first (rank + 1, + 2, ...), so that no two ranks start by writing
+// to the same peer; and `bytes` arrive from every peer into `recvs` (readable until release).
+Status exchangeWithAll(Channel ch, const char* base, size_t peerStride, size_t bytes,
+                       std::vector<RecvOp>* recvs) {
+  const int n = ch.transport.worldSize();
+  const int rank = ch.transport.rank();
+  std::vector<SendOp> sends;
+  sends.reserve(n - 1);
+  recvs->reserve(n - 1);
+  for (int d = 1; d < n; ++d) {
+    const int peer = (rank + d) % n;
+    sends.push_back({peer, base + static_cast<size_t>(peer) * peerStride, bytes});
+    recvs->push_back({peer, bytes});
+  }
+  return ch.transport.exchange(sends.data(), n - 1, recvs->data(), n - 1);
+}
+
+// Reduce: srcs[r] = rank r's contribution, combined in rank order (the same expression on every
+// rank), AVG dividing in the same pass. The CPU kernels allow dst to alias any one source
+// exactly (kernels/reduce_cpu_impl.h): an in-place reduce-scatter's own chunk.
+Status reduceInRankOrder(Channel ch, const CollectiveArgs& a, void* dst,
+                         const std::vector<const void*>& srcs) {
+  const int n = static_cast<int>(srcs.size());
+  return a.op == RedOp::kAvg ? ch.compute.reduceAverage(dst, srcs.data(), n, a.count, a.dtype, n)
+                             : ch.compute.reduceMulti(dst, srcs.data(), n, a.count, a.dtype, a.op);
+}
+
+// Frees the received slots, then waits until every peer has taken our sends.
+Status releaseAndFinish(Channel ch, const std::vector<RecvOp>& recvs) {
+  DK_RETURN_IF_ERROR(ch.transport.release(recvs.data(), static_cast<int>(recvs.size())));
+  return ch.transport.finish();
+}
+
+}  // namespace
+
 bool oneShotFits(const Transport& transport, size_t bytes) {
   return bytes <= transport.maxMessageBytes();
 }
 
 Status oneShotAllReduce(Channel ch, const CollectiveArgs& a) {
-  const int n = ch.transport.worldSize();
   const int rank = ch.transport.rank();
   const size_t bytes = a.count * dtypeSize(a.dtype);
   if (!oneShotFits(ch.transport, bytes)) return Internal("one-shot all_reduce: message too big");
-  std::vector<SendOp> sends;
+  // Publish: our input to every peer.
   std::vector<RecvOp> recvs;
-  sends.reserve(n - 1);
-  recvs.reserve(n - 1);
-  // Publish: our input to every peer, nearest first (rank + 1, + 2, ...), so that no two
-  // ranks start by writing to the same peer.
-  for (int d = 1; d < n; ++d) {
-    const int peer = (rank + d) % n;
-    sends.push_back({peer, a.src, bytes});
-    recvs.push_back({peer, bytes});
-  }
-  DK_RETURN_IF_ERROR(ch.transport.exchange(sends.data(), n - 1, recvs.data(), n - 1));
-  // Reduce: every input, in rank order (the same expression on every rank).
-  std::vector<const void*> srcs(n);
+  DK_RETURN_IF_ERROR(exchangeWithAll(ch, static_cast<const char*>(a.src), 0, bytes, &recvs));
+  // Reduce: every input, in rank order.
+  std::vector<const void*> srcs(ch.transport.worldSize());
   srcs[rank] = a.src;
   for (const RecvOp& recv : recvs) srcs[recv.peer] = recv.data;
-  Status reduced = a.op == RedOp::kAvg
-                       ? ch.compute.reduceAverage(a.dst, srcs.data(), n, a.count, a.dtype, n)
-                       : ch.compute.reduceMulti(a.dst, srcs.data(), n, a.count, a.dtype, a.op);
-  DK_RETURN_IF_ERROR(reduced);
-  DK_RETURN_IF_ERROR(ch.transport.release(recvs.data(), n - 1));
-  return ch.transport.finish();
+  DK_RETURN_IF_ERROR(reduceInRankOrder(ch, a, a.dst, srcs));
+  return releaseAndFinish(ch, recvs);
+}
+
+Status oneShotReduceScatter(Channel ch, const CollectiveArgs& a) {
+  const int rank = ch.transport.rank();
+  const size_t bytes = a.count * dtypeSize(a.dtype);
+  if (!oneShotFits(ch.transport, bytes)) {
+    return Internal("one-shot reduce_scatter: chunk too big");
+  }
+  const auto* in = static_cast<const char*>(a.src);
+  // Scatter: chunk p of our input to peer p.
+  std::vector<RecvOp> recvs;
+  DK_RETURN_IF_ERROR(exchangeWithAll(ch, in, bytes, bytes, &recvs));
+  // Reduce: every rank's chunk `rank`, in rank order.
+  std::vector<const void*> srcs(ch.transport.worldSize());
+  srcs[rank] = in + static_cast<size_t>(rank) * bytes;
+  for (const RecvOp& recv : recvs) srcs[recv.peer] = recv.data;
+  DK_RETURN_IF_ERROR(reduceInRankOrder(ch, a, a.dst, srcs));
+  return releaseAndFinish(ch, recvs);
+}
+
+Status oneShotAllGather(Channel ch, const CollectiveArgs& a) {
+  const int rank = ch.transport.rank();
+  const size_t bytes = a.count * dtypeSize(a.dtype);
+  if (!oneShotFits(ch.transport, bytes)) return Internal("one-shot all_gather: chunk too big");
+  auto* out = static_cast<char*>(a.dst);
+  // Own chunk first: the input may be that very chunk of the output (in place).
+  DK_RETURN_IF_ERROR(ch.compute.copy(out + static_cast<size_t>(rank) * bytes, a.src, bytes));
+  // Publish: our chunk to every peer.
+  std::vector<RecvOp> recvs;
+  DK_RETURN_IF_ERROR(exchangeWithAll(ch, static_cast<const char*>(a.src), 0, bytes, &recvs));
+  // Copy: peer p's chunk to chunk p.
+  for (const RecvOp& recv : recvs) {
+    DK_RETURN_IF_ERROR(
+        ch.compute.copy(out + static_cast<size_t>(recv.peer) * bytes, recv.data, bytes));
+  }
+  return releaseAndFinish(ch, recvs);
 }
 
 }  // namespace dk::algo

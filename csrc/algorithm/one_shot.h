@@ -1,5 +1,7 @@
-// One-shot all-reduce, for small messages (design.md decision 13).
+// One-shot collectives, for small messages (design.md decision 13): one exchange with every
+// peer instead of a chain of dependent steps.
 //
+// all-reduce:
 // Every rank publishes its whole input to every peer once, then reduces all n inputs itself,
 // in rank order:
 //
@@ -14,15 +16,30 @@
 // descriptor (the transport's header check): disagreement is seen everywhere.
 //
 // The message must fit one transport message (maxMessageBytes()); larger ones use ring / tree.
+//
+// all-gather and reduce-scatter: the same single step with the ring's bytes, one chunk (count
+// elements) per peer, which must fit one message; larger ones use the ring:
+//
+//   all_gather     rank r:  send in_r -> every peer;  out[p] = in_p for every p
+//   reduce_scatter rank r:  send chunk p of in_r -> peer p;
+//                           out = op(chunk r of in_0, ..., chunk r of in_{n-1})   (rank order)
+//
+// n-1 steps of the ring become one; at 2 ranks the ring is this very exchange. Each chunk of a
+// reduce-scatter is reduced by one rank only, with the all-reduce's kernel and source order.
 #pragma once
 
 #include "algorithm/collective.h"
 
 namespace dk::algo {
 
-// True if an all-reduce of `bytes` fits the one-shot algorithm on `transport`.
+// True if a one-shot message of `bytes` (all-reduce: the whole input; all-gather and
+// reduce-scatter: one rank's chunk) fits on `transport`.
 bool oneShotFits(const Transport& transport, size_t bytes);
 
 Status oneShotAllReduce(Channel ch, const CollectiveArgs& args);
+// dst (count elements) = chunk `rank` of reduce over ranks of src (worldSize * count elements).
+Status oneShotReduceScatter(Channel ch, const CollectiveArgs& args);
+// dst (worldSize * count elements) = concatenation over ranks of src (count elements).
+Status oneShotAllGather(Channel ch, const CollectiveArgs& args);
 
 }  // namespace dk::algo

@@ -40,4 +40,32 @@ Algorithm chooseAllReduce(const CostModel& m, int n, size_t bytes, bool oneShotF
   return best;
 }
 
+double ringAllGatherUs(const CostModel& m, int n, size_t bytes) {
+  return (n - 1) * m.alphaUs + static_cast<double>(n - 1) / n * bytes * m.betaUsPerB;
+}
+
+double oneShotAllGatherUs(const CostModel& m, int n, size_t bytes) {
+  return m.alphaUs + static_cast<double>(n - 1) / n * bytes * m.betaUsPerB;
+}
+
+double ringReduceScatterUs(const CostModel& m, int n, size_t bytes) {
+  return ringAllGatherUs(m, n, bytes);
+}
+
+double oneShotReduceScatterUs(const CostModel& m, int n, size_t bytes) {
+  return oneShotAllGatherUs(m, n, bytes);
+}
+
+Algorithm chooseAllGather(const CostModel& m, int n, size_t bytes, bool oneShotFits) {
+  const bool oneShot =
+      oneShotFits && oneShotAllGatherUs(m, n, bytes) < ringAllGatherUs(m, n, bytes);
+  return oneShot ? Algorithm::kOneShot : Algorithm::kRing;
+}
+
+Algorithm chooseReduceScatter(const CostModel& m, int n, size_t bytes, bool oneShotFits) {
+  const bool oneShot =
+      oneShotFits && oneShotReduceScatterUs(m, n, bytes) < ringReduceScatterUs(m, n, bytes);
+  return oneShot ? Algorithm::kOneShot : Algorithm::kRing;
+}
+
 }  // namespace dk::algo

@@ -24,4 +24,17 @@ double oneShotAllReduceUs(const CostModel& m, int worldSize, size_t bytes);
 // The cheapest by the model; one-shot only if `oneShotFits` (the caller's size limit for it).
 Algorithm chooseAllReduce(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
 
+// All-gather and reduce-scatter, `bytes` = the whole buffer S (all-gather's output,
+// reduce-scatter's input), as nccl-tests counts it. ring: (n-1) alpha + (n-1)/n S beta;
+// one-shot: alpha + (n-1)/n S beta (the same chunks move, in one step instead of n-1).
+// Equal at n = 2, where the ring is one exchange too.
+double ringAllGatherUs(const CostModel& m, int worldSize, size_t bytes);
+double oneShotAllGatherUs(const CostModel& m, int worldSize, size_t bytes);
+// A reduce-scatter moves what an all-gather moves, backwards: the same two models.
+double ringReduceScatterUs(const CostModel& m, int worldSize, size_t bytes);
+double oneShotReduceScatterUs(const CostModel& m, int worldSize, size_t bytes);
+// The cheaper of ring and one-shot (one-shot only if `oneShotFits`; a tie keeps the ring).
+Algorithm chooseAllGather(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
+Algorithm chooseReduceScatter(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
+
 }  // namespace dk::algo

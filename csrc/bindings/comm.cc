@@ -186,15 +186,16 @@ void bindCommunicator(py::module_& m) {
            })
       .def("reduce_scatter",
            [](PyCommunicator& c, uintptr_t out, uintptr_t in, size_t count, int dtype, int op,
-              bool asyncOp) {
-             return runRequest(c, makeRequest(K::kReduceScatter, in, out, count, dtype, op, 0, 1),
-                               asyncOp);
+              int algorithm, bool asyncOp) {
+             return runRequest(
+                 c, makeRequest(K::kReduceScatter, in, out, count, dtype, op, 0, algorithm),
+                 asyncOp);
            })
       .def("all_gather",
            [](PyCommunicator& c, uintptr_t out, uintptr_t in, size_t count, int dtype,
-              bool asyncOp) {
-             return runRequest(c, makeRequest(K::kAllGather, in, out, count, dtype, 0, 0, 1),
-                               asyncOp);
+              int algorithm, bool asyncOp) {
+             return runRequest(
+                 c, makeRequest(K::kAllGather, in, out, count, dtype, 0, 0, algorithm), asyncOp);
            })
       .def("broadcast",
            [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int root, bool asyncOp) {
@@ -244,6 +245,17 @@ void bindCommunicator(py::module_& m) {
            [](PyCommunicator& c, size_t count, int dtype, int algorithm) {
              Request r = makeRequest(K::kAllReduce, 0, 0, count, dtype, 0, 0, algorithm);
              return static_cast<int>(c.live("all_reduce")->resolve(r));
+           })
+      // count: elements per rank (the per-peer chunk), as the collectives take it.
+      .def("resolve_all_gather",
+           [](PyCommunicator& c, size_t count, int dtype, int algorithm) {
+             Request r = makeRequest(K::kAllGather, 0, 0, count, dtype, 0, 0, algorithm);
+             return static_cast<int>(c.live("all_gather")->resolve(r));
+           })
+      .def("resolve_reduce_scatter",
+           [](PyCommunicator& c, size_t count, int dtype, int algorithm) {
+             Request r = makeRequest(K::kReduceScatter, 0, 0, count, dtype, 0, 0, algorithm);
+             return static_cast<int>(c.live("reduce_scatter")->resolve(r));
            })
       .def("register_buffer",
            [](PyCommunicator& c, uint32_t id, SegmentPtr local, std::vector<SegmentPtr> peers) {
@@ -308,6 +320,24 @@ void bindTopology(py::module_& m) {
         return py::make_tuple(algo::ringAllReduceUs(model, n, bytes),
                               algo::treeAllReduceUs(model, n, bytes),
                               algo::oneShotAllReduceUs(model, n, bytes));
+      },
+      py::arg("world_size"), py::arg("bytes"), py::arg("oversubscribed") = false);
+  // bytes: the whole buffer (all-gather's output, reduce-scatter's input); returns (ring,
+  // one_shot).
+  m.def(
+      "_shm_all_gather_cost_us",
+      [](int n, size_t bytes, bool oversubscribed) {
+        const auto model = algo::shmCostModel(oversubscribed);
+        return py::make_tuple(algo::ringAllGatherUs(model, n, bytes),
+                              algo::oneShotAllGatherUs(model, n, bytes));
+      },
+      py::arg("world_size"), py::arg("bytes"), py::arg("oversubscribed") = false);
+  m.def(
+      "_shm_reduce_scatter_cost_us",
+      [](int n, size_t bytes, bool oversubscribed) {
+        const auto model = algo::shmCostModel(oversubscribed);
+        return py::make_tuple(algo::ringReduceScatterUs(model, n, bytes),
+                              algo::oneShotReduceScatterUs(model, n, bytes));
       },
       py::arg("world_size"), py::arg("bytes"), py::arg("oversubscribed") = false);
 }

@@ -117,19 +117,38 @@ Status CpuCommunicator::close() {
 // "one_shot" on a message larger than one slot runs what auto picks among ring and tree. Auto
 // considers one-shot up to half a slot: at a full slot (512 KiB) it lost to the ring at 2 and
 // 4 ranks (20 vs 16 us, 142 vs 81 us), the model's constants notwithstanding.
+// All-gather and reduce-scatter: the same between ring and one-shot, per rank's chunk (the
+// per-peer message), but auto's limit is an eighth of a slot (64 KiB up to 4 ranks): at 4 ranks
+// on 2 cores (2026-12-01, benchmarks/results/2026-12-01-one-shot-gather-scatter.md) one-shot
+// all_gather won 1.2-2.4x up to 32 KiB chunks (reduce_scatter 1.0-2.6x), was within the noise
+// of the ring at 64 KiB (0.84-1.17x) and lost down to 0.47x at 128-256 KiB, where every rank
+// copying n-1 chunks at once outweighs the n-2 steps saved. Any other collective runs its one
+// algorithm.
 algo::Algorithm CpuCommunicator::resolve(const Request& r) const {
   using algo::Algorithm;
-  if (r.kind != CollectiveKind::kAllReduce) {
+  const bool gatherScatter =
+      r.kind == CollectiveKind::kAllGather || r.kind == CollectiveKind::kReduceScatter;
+  if (r.kind != CollectiveKind::kAllReduce && !gatherScatter) {
     return r.algorithm == Algorithm::kAuto ? Algorithm::kRing : r.algorithm;
   }
   const size_t bytes = r.args.count * dtypeSize(r.args.dtype);
   const bool fits = algo::oneShotFits(*transport_, bytes);
+  const algo::CostModel model = algo::shmCostModel(options_.oversubscribed);
+  if (gatherScatter) {
+    if (r.algorithm == Algorithm::kOneShot) return fits ? Algorithm::kOneShot : Algorithm::kRing;
+    if (r.algorithm != Algorithm::kAuto) return Algorithm::kRing;
+    const bool autoFits = bytes <= transport_->maxMessageBytes() / 8;
+    const size_t whole = static_cast<size_t>(worldSize()) * bytes;
+    return r.kind == CollectiveKind::kAllGather
+               ? algo::chooseAllGather(model, worldSize(), whole, autoFits)
+               : algo::chooseReduceScatter(model, worldSize(), whole, autoFits);
+  }
+  const bool autoFits = bytes <= transport_->maxMessageBytes() / 2;
   if (r.algorithm == Algorithm::kRing || r.algorithm == Algorithm::kTree ||
       (r.algorithm == Algorithm::kOneShot && fits)) {
     return r.algorithm;
   }
-  const bool autoFits = bytes <= transport_->maxMessageBytes() / 2;
-  return algo::chooseAllReduce(algo::shmCostModel(options_.oversubscribed), worldSize(), bytes,
+  return algo::chooseAllReduce(model, worldSize(), bytes,
                                autoFits && r.algorithm == Algorithm::kAuto);
 }
 
@@ -205,8 +224,10 @@ Status CpuCommunicator::dispatch(const Request& r) {
       if (r.algorithm == algo::Algorithm::kOneShot) return algo::oneShotAllReduce(ch, args);
       return ring ? algo::ringAllReduce(ch, args) : algo::treeAllReduce(ch, args);
     case CollectiveKind::kReduceScatter:
+      if (r.algorithm == algo::Algorithm::kOneShot) return algo::oneShotReduceScatter(ch, args);
       return algo::ringReduceScatter(ch, args);
     case CollectiveKind::kAllGather:
+      if (r.algorithm == algo::Algorithm::kOneShot) return algo::oneShotAllGather(ch, args);
       return algo::ringAllGather(ch, args);
     case CollectiveKind::kBroadcast:
       // Several slices: the chain pipelines them; one slice: the heap tree is shallower.

@@ -50,6 +50,19 @@ def parse_size(text: str) -> int:
     return number * units[unit]
 
 
+def parse_algorithms(text: str) -> str:
+    """``'all'``, one algorithm, or several joined by commas (``'ring,one_shot,auto'``): rows
+    of one run, timed one after another at each size."""
+    names = text.split(",")
+    known = (*ALGORITHMS, "one_shot")
+    bad = [a for a in names if a not in known]
+    if text != "all" and (bad or len(set(names)) != len(names)):
+        raise argparse.ArgumentTypeError(
+            f"--algorithm {text!r}: 'all' or distinct names from {', '.join(known)}"
+        )
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dist_kernels.bench",
@@ -71,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--op", choices=ops.OPS, default="all_reduce")
     add(
         "--algorithm",
-        choices=(*ALGORITHMS, "one_shot", "all"),
+        type=parse_algorithms,
         default="all",
-        help="all = ring, tree, auto (one_shot: CPU all_reduce of up to one slot)",
+        help="ring, tree, auto, one_shot, several joined by commas (ring,one_shot,auto), or all "
+        "= ring, tree, auto (one_shot: CPU all_reduce, all_gather and reduce_scatter of up to one "
+        "slot per message)",
     )
     add("-b", "--minbytes", type=parse_size, default=DEFAULT_MIN_BYTES, help="smallest size")
     add("-e", "--maxbytes", type=parse_size, default=DEFAULT_MAX_BYTES, help="largest size")
@@ -194,7 +209,7 @@ class _Rank:
             self.comm = dk.Communicator(group=None, device=args.device, timeout=timeout)
         self.dk = dk
         self.baseline = "gloo" if args.device == "cpu" else "nccl"
-        requested = list(ALGORITHMS) if args.algorithm == "all" else [args.algorithm]
+        requested = list(ALGORITHMS) if args.algorithm == "all" else args.algorithm.split(",")
         self.algorithms, algorithm_note = ops.algorithm_choices(self.comm, args.op, requested)
         self.notes = [algorithm_note] if algorithm_note else []
         self.backends = self._backends()

@@ -299,34 +299,41 @@ def algorithm_choices(comm, op: str, requested: List[str]) -> Tuple[List[str], O
     """Algorithms to run for ``op``, each named by what runs, and a note on any change."""
     if op == "sendrecv":
         return ["default"], "sendrecv: point-to-point calls take no algorithm argument"
-    if op == "reduce_scatter":
-        return _reduce_scatter_choices(getattr(comm, "REDUCE_SCATTER_ALGORITHMS", None), requested)
+    if op in _TABLES:
+        return _table_choices(op, getattr(comm, _TABLES[op], None), requested)
     if _accepts_algorithm(getattr(comm, op)):
         return requested, None
     return ["default"], f"Communicator.{op} takes no algorithm argument: ran its default"
 
 
-def _reduce_scatter_choices(
-    runs: Optional[Dict[str, str]], requested: List[str]
+# The collectives whose communicator says, per algorithm name, what runs.
+_TABLES = {
+    "reduce_scatter": "REDUCE_SCATTER_ALGORITHMS",
+    "all_gather": "ALL_GATHER_ALGORITHMS",
+}
+
+
+def _table_choices(
+    op: str, runs: Optional[Dict[str, str]], requested: List[str]
 ) -> Tuple[List[str], Optional[str]]:
-    """reduce_scatter has no tree, and its "auto" is the ring (CPU) or NCCL's (CUDA, the
+    """reduce_scatter and all_gather have no tree, and on CUDA their "auto" is NCCL's (the
     baseline): one row per algorithm that actually runs, labelled by it."""
     if runs is None:
-        return ["default"], "Communicator.reduce_scatter has no algorithm table: ran its default"
+        return ["default"], f"Communicator.{op} has no algorithm table: ran its default"
     chosen: List[str] = []
     notes = []
     for name in requested:
         ran = runs.get(name)
         if ran is None:
-            notes.append(f"reduce_scatter has no {name} algorithm: no {name} row")
+            notes.append(f"{op} has no {name} algorithm: no {name} row")
         elif ran == "nccl" and name != "nccl":
-            notes.append(f"reduce_scatter {name} is NCCL's own: the baseline row")
+            notes.append(f"{op} {name} is NCCL's own: the baseline row")
         elif ran not in chosen:
             chosen.append(ran)
             if ran != name:
-                notes.append(f"reduce_scatter {name} runs the {ran}: its row is labelled {ran}")
+                notes.append(f"{op} {name} runs the {ran}: its row is labelled {ran}")
         elif ran != name:
-            notes.append(f"reduce_scatter {name} runs the {ran}: no row of its own")
+            notes.append(f"{op} {name} runs the {ran}: no row of its own")
     if not chosen:
         raise ValueError(f"--algorithm {'/'.join(requested)}: {'; '.join(notes)}")
     return chosen, "; ".join(notes) or None

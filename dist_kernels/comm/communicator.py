@@ -48,9 +48,11 @@ __all__ = [
 ]
 
 ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "one_shot": 3}
-#: What reduce_scatter's ``algorithm`` accepts, and what each choice runs: only the ring has a
-#: reduce-scatter (the tree reduces to a root, which a reduce-scatter does not need).
-REDUCE_SCATTER_ALGORITHMS = {"auto": "ring", "ring": "ring"}
+#: What reduce_scatter's and all_gather's ``algorithm`` accepts, and what each choice runs: the
+#: ring or the one-shot exchange ("auto" picks between them by the cost model); there is no tree
+#: (it reduces to a root, which neither collective needs).
+REDUCE_SCATTER_ALGORITHMS = {"auto": "auto", "ring": "ring", "one_shot": "one_shot"}
+ALL_GATHER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Communicators of one group are told apart by creation order: every member creates them in
@@ -109,6 +111,7 @@ class Communicator:
     """
 
     REDUCE_SCATTER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
+    ALL_GATHER_ALGORITHMS = ALL_GATHER_ALGORITHMS
 
     def __new__(
         cls, group=None, device: Union[str, torch.device] = "cpu", timeout=None, **store_args
@@ -341,6 +344,16 @@ class Communicator:
             )
         return code
 
+    def _gather_scatter_algorithm(self, algorithm: str, opname: str) -> int:
+        """The algorithm code of reduce_scatter / all_gather; "tree" and unknowns raise."""
+        if type(algorithm) is not str or algorithm not in REDUCE_SCATTER_ALGORITHMS:
+            raise ValueError(
+                f"[rank {self.rank}] {opname}: algorithm must be one of "
+                f"{sorted(REDUCE_SCATTER_ALGORITHMS)} ({opname} has no tree), "
+                f"got {algorithm!r}"
+            )
+        return ALGORITHMS[algorithm]
+
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -352,32 +365,39 @@ class Communicator:
         """``output`` = this rank's chunk of the reduction of ``input`` over ranks.
 
         ``input.numel() == world_size * output.numel()``; chunk r is
-        ``input.view(-1)[r * n:(r + 1) * n]``. ``algorithm``: "ring" or "auto" (the ring on
-        one host; across hosts an all-reduce of a copy, then this rank's chunk). There is no
-        tree reduce-scatter: "tree" raises ValueError rather than silently running the ring.
+        ``input.view(-1)[r * n:(r + 1) * n]``. ``algorithm``: "ring", "one_shot" (every rank
+        sends each peer its chunk in one exchange and reduces its own chunk itself; a chunk of
+        up to one shared-memory slot, ``_C.shm_slot_bytes(world_size)``, else the ring) or
+        "auto" (by the cost model, on one host; across hosts an all-reduce of a copy, then this
+        rank's chunk). There is no tree reduce-scatter: "tree" raises ValueError rather than
+        silently running the ring.
         """
         self._check_open("reduce_scatter")
         code = self._check_whole_and_chunk(output, input, "input", "output", "reduce_scatter")
         op = self._op(op, "reduce_scatter")
-        if algorithm not in REDUCE_SCATTER_ALGORITHMS:
-            raise ValueError(
-                f"[rank {self.rank}] reduce_scatter: algorithm must be one of "
-                f"{sorted(REDUCE_SCATTER_ALGORITHMS)} (reduce_scatter has no tree), "
-                f"got {algorithm!r}"
-            )
-        handle = self._backend.reduce_scatter(output, input, code, int(op), async_op)
+        algo = self._gather_scatter_algorithm(algorithm, "reduce_scatter")
+        handle = self._backend.reduce_scatter(output, input, code, int(op), algo, async_op)
         return self._finish(handle, (output, input), async_op)
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        *,
+        algorithm: str = "auto",
     ) -> Optional[Work]:
         """``output`` = concatenation of every rank's ``input``, in rank order.
 
-        ``output.numel() == world_size * input.numel()``.
+        ``output.numel() == world_size * input.numel()``. ``algorithm``: "ring", "one_shot"
+        (every rank sends its input to every peer in one exchange; an input of up to one
+        shared-memory slot, else the ring) or "auto" (by the cost model); "tree" raises
+        ValueError.
         """
         self._check_open("all_gather")
         code = self._check_whole_and_chunk(output, input, "output", "input", "all_gather")
-        handle = self._backend.all_gather(output, input, code, async_op)
+        algo = self._gather_scatter_algorithm(algorithm, "all_gather")
+        handle = self._backend.all_gather(output, input, code, algo, async_op)
         return self._finish(handle, (output, input), async_op)
 
     def all_to_all(
@@ -554,9 +574,9 @@ def reduce_scatter(output, input, op=ReduceOp.SUM, algorithm="auto", async_op=Fa
     return get_default_communicator().reduce_scatter(output, input, op, algorithm, async_op)
 
 
-def all_gather(output, input, async_op=False):
+def all_gather(output, input, async_op=False, *, algorithm="auto"):
     """:meth:`Communicator.all_gather` on the default communicator."""
-    return get_default_communicator().all_gather(output, input, async_op)
+    return get_default_communicator().all_gather(output, input, async_op, algorithm=algorithm)
 
 
 def broadcast(tensor, src, async_op=False):

@@ -248,6 +248,7 @@ class CudaCommunicator:
     """
 
     REDUCE_SCATTER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
+    ALL_GATHER_ALGORITHMS = ALL_GATHER_ALGORITHMS
 
     def __init__(
         self,

@@ -147,14 +147,15 @@ class HierarchicalBackend:
         self.local.broadcast(t, code, 0, False)
         return self._done(async_op)
 
-    def reduce_scatter(self, out, inp, code: int, op: int, async_op: bool):
+    # Across hosts both run as an all-reduce (auto's choice on the host); `algo` is not used.
+    def reduce_scatter(self, out, inp, code: int, op: int, algo: int, async_op: bool):
         full = inp.clone()
         self.all_reduce(full, code, op, 0, False)
         n = out.numel()
         out.view(-1).copy_(full.view(-1)[self.rank * n : (self.rank + 1) * n])
         return self._done(async_op)
 
-    def all_gather(self, out, inp, code: int, async_op: bool):
+    def all_gather(self, out, inp, code: int, algo: int, async_op: bool):
         n = inp.numel()
         out.view(-1).zero_()
         out.view(-1)[self.rank * n : (self.rank + 1) * n].copy_(inp.view(-1))

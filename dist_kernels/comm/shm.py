@@ -137,13 +137,15 @@ class ShmBackend:
     def all_reduce(self, t: torch.Tensor, code: int, op: int, algo: int, async_op: bool):
         return self.impl.all_reduce(t.data_ptr(), t.numel(), code, op, algo, async_op)
 
-    def reduce_scatter(self, out, inp, code: int, op: int, async_op: bool):
+    def reduce_scatter(self, out, inp, code: int, op: int, algo: int, async_op: bool):
         return self.impl.reduce_scatter(
-            out.data_ptr(), inp.data_ptr(), out.numel(), code, op, async_op
+            out.data_ptr(), inp.data_ptr(), out.numel(), code, op, algo, async_op
         )
 
-    def all_gather(self, out, inp, code: int, async_op: bool):
-        return self.impl.all_gather(out.data_ptr(), inp.data_ptr(), inp.numel(), code, async_op)
+    def all_gather(self, out, inp, code: int, algo: int, async_op: bool):
+        return self.impl.all_gather(
+            out.data_ptr(), inp.data_ptr(), inp.numel(), code, algo, async_op
+        )
 
     def all_to_all(self, out, inp, sends, recvs, code: int, async_op: bool):
         return self.impl.all_to_all(out.data_ptr(), inp.data_ptr(), sends, recvs, code, async_op)
