@@ -6,20 +6,17 @@
 ``runtime``    :class:`Pipeline`, running one rank's action list on the Communicator
 """
 
-from .runtime import (
+from .partition import StageSpan, format_partition, plan_partition
+from .runtime import Pipeline, PipelineError
+from .schedules import (
     SCHEDULES,
     Action,
     Kind,
-    Pipeline,
-    PipelineError,
     Schedule,
     ScheduleError,
     ScheduleReport,
-    StageSpan,
     bubble_formula,
     build_schedule,
-    format_partition,
-    plan_partition,
     schedule_table,
     simulate,
 )

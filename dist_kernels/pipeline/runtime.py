@@ -32,38 +32,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .partition import StageSpan, build_stage, format_partition, plan_partition
-from .schedules import (
-    SCHEDULES,
-    Action,
-    Kind,
-    Schedule,
-    ScheduleError,
-    ScheduleReport,
-    bubble_formula,
-    build_schedule,
-    schedule_table,
-    simulate,
-)
+from .partition import build_stage, format_partition, plan_partition
+from .schedules import Action, Kind, build_schedule, simulate
 from .wire import ACTIVATION, GRADIENT, Channels
 
-__all__ = [
-    "SCHEDULES",
-    "Action",
-    "Kind",
-    "Pipeline",
-    "PipelineError",
-    "Schedule",
-    "ScheduleError",
-    "ScheduleReport",
-    "StageSpan",
-    "bubble_formula",
-    "build_schedule",
-    "format_partition",
-    "plan_partition",
-    "schedule_table",
-    "simulate",
-]
+__all__ = ["Pipeline", "PipelineError"]
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
