@@ -358,12 +358,15 @@ class CudaCommunicator:
         if foreign:
             self._held.append((done, foreign))
 
-    def _resolve(self, algorithm: str, what: str) -> str:
+    def _resolve(self, algorithm: str, what: str, allowed: Any = ALGORITHMS) -> str:
         """ "auto" is NCCL's own collective on GPUs: its tuning is the better default until our
-        ring and tree over NCCL send/recv have been measured on a GPU."""
-        if algorithm not in ALGORITHMS:
+        ring and tree over NCCL send/recv have been measured on a GPU. ``allowed``: what the
+        collective accepts (reduce_scatter and all_gather have no tree)."""
+        if algorithm not in allowed:
+            choices = allowed if isinstance(allowed, tuple) else sorted(allowed)
+            no_tree = "" if "tree" in allowed else f" ({what} has no tree)"
             raise ValueError(
-                f"[rank {self.rank}] {what}: algorithm must be one of {ALGORITHMS}, "
+                f"[rank {self.rank}] {what}: algorithm must be one of {choices}{no_tree}, "
                 f"got {algorithm!r}"
             )
         if algorithm == "auto":
@@ -449,13 +452,7 @@ class CudaCommunicator:
         out, inp = self._pair(output, input, "reduce_scatter", big="input")
         code, red = dtype_code(out.dtype), self._op(op, "reduce_scatter")
         args = (inp.data_ptr(), out.data_ptr(), out.numel(), code, red)
-        if algorithm not in REDUCE_SCATTER_ALGORITHMS:
-            raise ValueError(
-                f"[rank {self.rank}] reduce_scatter: algorithm must be one of "
-                f"{sorted(REDUCE_SCATTER_ALGORITHMS)} (reduce_scatter has no tree), "
-                f"got {algorithm!r}"
-            )
-        if self._resolve(algorithm, "reduce_scatter") == "nccl":
+        if self._resolve(algorithm, "reduce_scatter", REDUCE_SCATTER_ALGORITHMS) == "nccl":
             launch = lambda s: self._comm.reduce_scatter(*args, s)  # noqa: E731
         else:
             launch = lambda _s: self._algorithms.reduce_scatter(*args)  # noqa: E731
@@ -470,12 +467,7 @@ class CudaCommunicator:
         """
         out, inp = self._pair(output, input, "all_gather", big="output")
         args = (inp.data_ptr(), out.data_ptr(), inp.numel(), dtype_code(out.dtype))
-        if algorithm not in ALL_GATHER_ALGORITHMS:
-            raise ValueError(
-                f"[rank {self.rank}] all_gather: algorithm must be one of "
-                f"{sorted(ALL_GATHER_ALGORITHMS)} (all_gather has no tree), got {algorithm!r}"
-            )
-        if self._resolve(algorithm, "all_gather") == "nccl":
+        if self._resolve(algorithm, "all_gather", ALL_GATHER_ALGORITHMS) == "nccl":
             launch = lambda s: self._comm.all_gather(*args, s)  # noqa: E731
         else:
             launch = lambda _s: self._algorithms.all_gather(*args)  # noqa: E731
