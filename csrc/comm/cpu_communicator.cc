@@ -114,42 +114,62 @@ Status CpuCommunicator::close() {
   return Status::Ok();
 }
 
-// "one_shot" on a message larger than one slot runs what auto picks among ring and tree. Auto
-// considers one-shot up to half a slot: at a full slot (512 KiB) it lost to the ring at 2 and
-// 4 ranks (20 vs 16 us, 142 vs 81 us), the model's constants notwithstanding.
-// All-gather and reduce-scatter: the same between ring and one-shot, per rank's chunk (the
-// per-peer message), but auto's limit is an eighth of a slot (64 KiB up to 4 ranks): at 4 ranks
-// on 2 cores (2026-12-01, benchmarks/results/2026-12-01-one-shot-gather-scatter.md) one-shot
-// all_gather won 1.2-2.4x up to 32 KiB chunks (reduce_scatter 1.0-2.6x), was within the noise
-// of the ring at 64 KiB (0.84-1.17x) and lost down to 0.47x at 128-256 KiB, where every rank
-// copying n-1 chunks at once outweighs the n-2 steps saved. Any other collective runs its one
-// algorithm.
+namespace {
+
+// Auto's size limits for one-shot, as fractions of a slot (explicit "one_shot" goes up to a
+// whole slot). All-reduce: half, because at a full slot (512 KiB) one-shot lost to the ring at
+// 2 and 4 ranks (20 vs 16 us, 142 vs 81 us), the model's constants notwithstanding.
+// All-gather and reduce-scatter, per rank's chunk (the per-peer message): an eighth (64 KiB up
+// to 4 ranks), because at 4 ranks on 2 cores (2026-12-01,
+// benchmarks/results/2026-12-01-one-shot-gather-scatter.md) one-shot all_gather won 1.2-2.4x
+// up to 32 KiB chunks (reduce_scatter 1.0-2.6x), was within the noise of the ring at 64 KiB
+// (0.84-1.17x) and lost down to 0.47x at 128-256 KiB, where every rank copying n-1 chunks at
+// once outweighs the n-2 steps saved.
+constexpr size_t kAllReduceAutoOneShotDivisor = 2;
+constexpr size_t kGatherScatterAutoOneShotDivisor = 8;
+
+}  // namespace
+
+// "one_shot" on a message larger than one slot runs what auto picks among the others. Any
+// collective other than all-reduce, all-gather and reduce-scatter runs its one algorithm.
 algo::Algorithm CpuCommunicator::resolve(const Request& r) const {
+  switch (r.kind) {
+    case CollectiveKind::kAllReduce:
+      return resolveAllReduce(r);
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kReduceScatter:
+      return resolveGatherScatter(r);
+    default:
+      return r.algorithm == algo::Algorithm::kAuto ? algo::Algorithm::kRing : r.algorithm;
+  }
+}
+
+algo::Algorithm CpuCommunicator::resolveAllReduce(const Request& r) const {
   using algo::Algorithm;
-  const bool gatherScatter =
-      r.kind == CollectiveKind::kAllGather || r.kind == CollectiveKind::kReduceScatter;
-  if (r.kind != CollectiveKind::kAllReduce && !gatherScatter) {
-    return r.algorithm == Algorithm::kAuto ? Algorithm::kRing : r.algorithm;
-  }
   const size_t bytes = r.args.count * dtypeSize(r.args.dtype);
-  const bool fits = algo::oneShotFits(*transport_, bytes);
-  const algo::CostModel model = algo::shmCostModel(options_.oversubscribed);
-  if (gatherScatter) {
-    if (r.algorithm == Algorithm::kOneShot) return fits ? Algorithm::kOneShot : Algorithm::kRing;
-    if (r.algorithm != Algorithm::kAuto) return Algorithm::kRing;
-    const bool autoFits = bytes <= transport_->maxMessageBytes() / 8;
-    const size_t whole = static_cast<size_t>(worldSize()) * bytes;
-    return r.kind == CollectiveKind::kAllGather
-               ? algo::chooseAllGather(model, worldSize(), whole, autoFits)
-               : algo::chooseReduceScatter(model, worldSize(), whole, autoFits);
-  }
-  const bool autoFits = bytes <= transport_->maxMessageBytes() / 2;
   if (r.algorithm == Algorithm::kRing || r.algorithm == Algorithm::kTree ||
-      (r.algorithm == Algorithm::kOneShot && fits)) {
+      (r.algorithm == Algorithm::kOneShot && algo::oneShotFits(*transport_, bytes))) {
     return r.algorithm;
   }
-  return algo::chooseAllReduce(model, worldSize(), bytes,
+  const bool autoFits = bytes <= transport_->maxMessageBytes() / kAllReduceAutoOneShotDivisor;
+  return algo::chooseAllReduce(algo::shmCostModel(options_.oversubscribed), worldSize(), bytes,
                                autoFits && r.algorithm == Algorithm::kAuto);
+}
+
+// `bytes` is one rank's chunk: the per-peer message.
+algo::Algorithm CpuCommunicator::resolveGatherScatter(const Request& r) const {
+  using algo::Algorithm;
+  const size_t bytes = r.args.count * dtypeSize(r.args.dtype);
+  if (r.algorithm == Algorithm::kOneShot) {
+    return algo::oneShotFits(*transport_, bytes) ? Algorithm::kOneShot : Algorithm::kRing;
+  }
+  if (r.algorithm != Algorithm::kAuto) return Algorithm::kRing;
+  const bool autoFits = bytes <= transport_->maxMessageBytes() / kGatherScatterAutoOneShotDivisor;
+  const algo::CostModel model = algo::shmCostModel(options_.oversubscribed);
+  const size_t whole = static_cast<size_t>(worldSize()) * bytes;
+  return r.kind == CollectiveKind::kAllGather
+             ? algo::chooseAllGather(model, worldSize(), whole, autoFits)
+             : algo::chooseReduceScatter(model, worldSize(), whole, autoFits);
 }
 
 shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {

@@ -52,7 +52,8 @@ class CpuCommunicator {
 
   int rank() const { return transport_->rank(); }
   int worldSize() const { return transport_->worldSize(); }
-  // The algorithm "auto" resolves to for an all-reduce of `bytes` (same on every rank).
+  // The algorithm a request runs: what it asked for, or what "auto" picks (the same on every
+  // rank: the cost model's inputs are).
   algo::Algorithm resolve(const Request& request) const;
 
   // Which transport lanes a request holds (see above).
@@ -77,6 +78,8 @@ class CpuCommunicator {
   bool sendAtOnce(const Request& request, Work& work);
   Status failure() const;
   Status dispatch(const Request& request);
+  algo::Algorithm resolveAllReduce(const Request& request) const;
+  algo::Algorithm resolveGatherScatter(const Request& request) const;
   // Within the deadline of the collective it checks.
   Status fingerprint(const shm::MessageHeader& header,
                      std::chrono::steady_clock::time_point deadline);
