@@ -13,6 +13,19 @@ the loss over a sharded sequence). See docs/context_parallel.md.
 """
 
 from .ring_attention import ring_attention
-from .sequence import gather_sequence, positions, sequence_mean, shard_sequence
+from .sequence import (
+    SequenceSharding,
+    gather_sequence,
+    positions,
+    sequence_mean,
+    shard_sequence,
+)
 
-__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "sequence_mean"]
+__all__ = [
+    "ring_attention",
+    "shard_sequence",
+    "gather_sequence",
+    "positions",
+    "sequence_mean",
+    "SequenceSharding",
+]

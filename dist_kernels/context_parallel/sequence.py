@@ -16,14 +16,16 @@ engines average over dp (``mesh.dp_cp_comm``), gives the gradient of the loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..tensor_parallel.mappings import all_gather, reduce_scatter
 from . import layout
+from .ring_attention import ring_attention
 
-__all__ = ["shard_sequence", "gather_sequence", "positions", "sequence_mean"]
+__all__ = ["shard_sequence", "gather_sequence", "positions", "sequence_mean", "SequenceSharding"]
 
 
 def _size_rank(comm: Any):
@@ -140,3 +142,31 @@ def sequence_mean(loss_sum: torch.Tensor, count: Any, comm: Any) -> torch.Tensor
     comm.all_reduce(count)
     total = _SumEverywhere.apply(loss_sum.reshape(1), comm)[0]
     return total / count.to(total.dtype)[0]
+
+
+@dataclass(frozen=True)
+class SequenceSharding:
+    """What a model's layers need to run on sequence shards: the context-parallel group and
+    its layout. The GPT's attention, position embedding and loss each hold one
+    (``GPT.context_parallel``)."""
+
+    comm: Any
+    """The context-parallel Communicator (``mesh.cp_comm``)."""
+    load_balance: bool = True
+    """Zig-zag shards (rank i holds chunks i and 2cp-1-i), as :func:`shard_sequence` made."""
+
+    @property
+    def size(self) -> int:
+        return _size_rank(self.comm)[0]
+
+    def positions(self, local_len: int) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens."""
+        return positions(local_len * self.size, self.comm, self.load_balance)
+
+    def attention(self, q, k, v, causal: bool) -> torch.Tensor:
+        """:func:`ring_attention` of this rank's ``[b, h, seq / cp, d]`` shards."""
+        return ring_attention(q, k, v, self.comm, causal=causal, load_balance=self.load_balance)
+
+    def mean(self, loss_sum: torch.Tensor, count: Any) -> torch.Tensor:
+        """:func:`sequence_mean` over the group."""
+        return sequence_mean(loss_sum, count, self.comm)
