@@ -82,20 +82,52 @@ def _attend(q, k, v, blk: layout.Block, scale: float):
         )
 
 
+class _KeyValues:
+    """The key/value block a rank holds, passed on around the ring: its own ``k``, ``v`` first
+    (sent as they are, no copy when contiguous), then the blocks received, in at most two
+    buffers that alternate (one at cp = 2)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, ring: _Ring, backward: bool) -> None:
+        self.ring, self.backward = ring, backward
+        self.held = (k.contiguous(), v.contiguous())
+        self._buffers: List[torch.Tensor] = []
+        self._incoming: Optional[torch.Tensor] = None
+
+    def post(self) -> List:
+        """Starts sending the held block on and receiving the next one."""
+        held = self.held[0]
+        free = [b for b in self._buffers if b.data_ptr() != held.data_ptr()]
+        if not free:
+            free = [torch.empty((2,) + tuple(held.shape), dtype=held.dtype)]
+            self._buffers += free
+        self._incoming = free[0]
+        dst, src = (
+            (self.ring.prev, self.ring.next) if self.backward else (self.ring.next, self.ring.prev)
+        )
+        comm = self.ring.comm
+        recvs = [comm.irecv(part, src) for part in self._incoming]
+        return recvs + [comm.isend(part, dst) for part in self.held]
+
+    def take(self, pending: List) -> None:
+        """Waits for :meth:`post`'s transfers; the received block is held from now on."""
+        self.ring.wait(pending)
+        self.held = tuple(self._incoming)
+
+    def release(self) -> None:
+        self._buffers, self._incoming, self.held = [], None, ()
+
+
 def _forward(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: float):
     local = q.shape[2]
-    kv = torch.stack((k, v))  # one message per step
-    spare = torch.empty_like(kv) if ring.size > 1 else None
+    blocks = _KeyValues(k, v, ring, backward=False)
     out = lse = None
     for step in range(ring.size):
-        last = step == ring.size - 1
-        pending = [] if last else ring.shift(kv, spare)
+        pending = blocks.post() if step < ring.size - 1 else []
         blk = layout.block(ring.rank, (ring.rank - step) % ring.size, local, causal, load_balance)
         if blk is not None:
-            out, lse = _merge(out, lse, blk.q, *_attend(q, kv[0], kv[1], blk, scale))
-        ring.wait(pending)
-        if not last:
-            kv, spare = spare, kv
+            out, lse = _merge(out, lse, blk.q, *_attend(q, *blocks.held, blk, scale))
+        if pending:
+            blocks.take(pending)
     return out.to(q.dtype), lse
 
 
@@ -129,29 +161,29 @@ class _BlockGrads:
 def _backward(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, scale):
     local = q.shape[2]
     saved = (grad_out, q, out, lse)
+    if ring.size == 1:  # one block: the kernel's gradients are the answer
+        return _BlockGrads(
+            saved, [layout.Block(slice(0, local), slice(0, local), causal)], k, v, scale
+        ).parts[0][1]
     dq = torch.zeros(q.shape, dtype=lse.dtype)
     dkv = torch.zeros((2,) + tuple(k.shape), dtype=lse.dtype)  # travels with its block
     early, late = layout.own_block_split(local, causal)
-    if ring.size == 1:
-        _BlockGrads(saved, early + late, k, v, scale).add_to(dq, dkv)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-    kv = torch.stack((k, v))
-    kv_in, dkv_in = torch.empty_like(kv), torch.empty_like(dkv)
-    pending_kv = ring.shift(kv, kv_in, backward=True)
+    blocks = _KeyValues(k, v, ring, backward=True)
+    dkv_in = torch.empty_like(dkv)
+    pending_kv = blocks.post()
     _BlockGrads(saved, early, k, v, scale).add_to(dq, dkv)
     pending_grads = ring.shift(dkv, dkv_in, backward=True)
     for step in range(1, ring.size):
-        ring.wait(pending_kv)  # the block of rank + step
-        kv, kv_in = kv_in, kv
-        last = step == ring.size - 1
-        pending_kv = [] if last else ring.shift(kv, kv_in, backward=True)
+        blocks.take(pending_kv)  # the block of rank + step
+        pending_kv = blocks.post() if step < ring.size - 1 else []
         blk = layout.block(ring.rank, (ring.rank + step) % ring.size, local, causal, load_balance)
-        grads = _BlockGrads(saved, [] if blk is None else [blk], kv[0], kv[1], scale)
+        grads = _BlockGrads(saved, [] if blk is None else [blk], *blocks.held, scale)
         ring.wait(pending_grads)  # that block's gradients so far, from rank + 1
         dkv, dkv_in = dkv_in, dkv
         grads.add_to(dq, dkv)
         pending_grads = ring.shift(dkv, dkv_in, backward=True)  # at the last step: home
-    del kv, kv_in, grads
+    blocks.release()
+    del grads
     home = _BlockGrads(saved, late, k, v, scale)
     ring.wait(pending_grads)
     home.add_to(dq, dkv_in)
