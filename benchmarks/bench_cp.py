@@ -13,7 +13,9 @@ same inputs. Per configuration, after one warm-up iteration:
   rank compares its shard of them with its own (max |error|, FP32);
 - **time**: median over ``--iters`` of forward + backward, the slowest rank's, every rank
   starting together; "x one process" is that over the baseline's median, measured in the
-  same run;
+  same run. "cpu x one" is the same ratio of the main thread's CPU time (the compute; the
+  communicator's threads not counted): on a loaded machine, where ranks are time-sliced,
+  it says what the wall time would be with a core per rank;
 - **hidden**: ``1 - exposed / transfers``. ``exposed`` is the time the ranks spent waiting
   for ring transfers (``cp.ring_wait`` events of one profiled iteration, mean over ranks);
   ``transfers`` is the time the same messages take alone (the forward's cp - 1 key/value
@@ -84,16 +86,19 @@ class _Attention:
         out.backward(self.grad_out)
         return out.detach()
 
-    def timed(self) -> float:
-        """Seconds of one forward + backward, the slowest rank's, all ranks starting together."""
+    def timed(self) -> List[float]:
+        """Seconds of one forward + backward, wall and this thread's CPU time, the slowest
+        rank's of each, all ranks starting together."""
         if self.comm is not None:
             self.comm.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.step()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        elapsed = torch.tensor(
+            [time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64
+        )
         if self.comm is not None:
             self.comm.all_reduce(elapsed, op="max")
-        return float(elapsed)
+        return elapsed.tolist()
 
     def memory(self) -> Dict[str, float]:
         """Bytes autograd saves for the backward, and the rise of resident memory (this rank)."""
@@ -203,7 +208,9 @@ def _rank_main(rank: int, world: int, port: int, args, seq: int, mode: str, ref:
         grads = {n: getattr(attention, n).grad for n in GRADS}
         torch.save({"out": out, **grads}, ref)
     del out
-    row["times_ms"] = [1e3 * attention.timed() for _ in range(args.iters)]
+    times = [attention.timed() for _ in range(args.iters)]
+    row["times_ms"] = [1e3 * wall for wall, _ in times]
+    row["cpu_ms"] = [1e3 * cpu for _, cpu in times]
     if mode == "ring":
         row.update(_gathered(comm, _exposed_wait_ms(attention), "mean"))
     if mode == "ring" and world > 1:
@@ -254,21 +261,23 @@ def _report(rows: List[Dict[str, Any]], args) -> str:
         f"causal={not args.no_causal}, zig-zag shards, one thread per rank, median of "
         f"{args.iters} forward + backward",
         "",
-        "| seq | cp | engine | fwd+bwd ms | x one process | exposed wait ms | transfers "
-        "alone ms | hidden | saved MB/rank | x one | peak MB/rank | x one | max abs error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| seq | cp | engine | fwd+bwd ms | x one process | cpu x one | exposed wait ms | "
+        "transfers alone ms | hidden | saved MB/rank | x one | peak MB/rank | x one | "
+        "max abs error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
     for row in rows:
-        ms = statistics.median(row["times_ms"])
+        ms, cpu = statistics.median(row["times_ms"]), statistics.median(row["cpu_ms"])
         if row["engine"] == "sdpa":
-            base[row["seq"]] = (ms, row["saved_mb"], row["peak_mb"])
-        b_ms, b_saved, b_peak = base[row["seq"]]
+            base[row["seq"]] = (ms, cpu, row["saved_mb"], row["peak_mb"])
+        b_ms, b_cpu, b_saved, b_peak = base[row["seq"]]
         hidden = "-"
         if row.get("transfers_ms"):
             hidden = f"{100 * max(0.0, 1 - row['wait_ms'] / row['transfers_ms']):.0f}%"
         lines.append(
             f"| {row['seq']} | {row['cp']} | {row['engine']} | {ms:.0f} | {ms / b_ms:.3f} | "
+            f"{cpu / b_cpu:.3f} | "
             f"{row.get('wait_ms', 0):.1f} | {row.get('transfers_ms', 0):.1f} | {hidden} | "
             f"{row['saved_mb']:.1f} | {row['saved_mb'] / b_saved:.2f} | {row['peak_mb']:.1f} "
             f"| {row['peak_mb'] / b_peak:.2f} | {row.get('max_error', 0):.1e} |"

@@ -187,6 +187,15 @@ def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
     assert not bad, bad
 
 
+def test_ring_attention_across_hosts():
+    """A cp group over two (emulated) hosts: the ring crosses between them on the hierarchical
+    communicator's gloo links (the mesh warns about such a group; it still computes right)."""
+    cases = [(True, True, torch.float64, SEED), (False, True, torch.float32, SEED + 1)]
+    env = {"DK_HOST_ID": ["host-a", "host-a", "host-b", "host-b"]}
+    for report in run_ranks(4, _rank_ring, cases, env=env, timeout=300):
+        assert all(ratio <= 1 for *_, ratio, _ in report), report
+
+
 def test_the_bound_rejects_a_missing_block():
     """The float32 bound is tight enough to fail attention that lost one ring step's keys."""
     gen = torch.Generator().manual_seed(SEED)
