@@ -162,9 +162,8 @@ def _backward(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, sc
     local = q.shape[2]
     saved = (grad_out, q, out, lse)
     if ring.size == 1:  # one block: the kernel's gradients are the answer
-        return _BlockGrads(
-            saved, [layout.Block(slice(0, local), slice(0, local), causal)], k, v, scale
-        ).parts[0][1]
+        whole = layout.block(0, 0, local, causal, load_balance)
+        return _BlockGrads(saved, [whole], k, v, scale).parts[0][1]
     dq = torch.zeros(q.shape, dtype=lse.dtype)
     dkv = torch.zeros((2,) + tuple(k.shape), dtype=lse.dtype)  # travels with its block
     early, late = layout.own_block_split(local, causal)
