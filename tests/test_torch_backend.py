@@ -325,7 +325,7 @@ def test_dead_peer_or_timeout_raises_dist_backend_error(kind):
     results = run_ranks(2, _peer_failure, kind, expect_death=kind == "dead", timeout=120)
     print(results[0])
     assert results[0].startswith("DistBackendError: [rank 0] all_reduce"), results[0]
-    assert ("died" if kind == "dead" else "timed out") in results[0], results[0]
+    assert ("died" if kind == "dead" else "Timed out") in results[0], results[0]
     if kind == "dead":
         assert isinstance(results[1], RankDied)
     assert shm_leaks() == []

@@ -131,6 +131,15 @@ class Routes:
         options._timeout = self.timeout
         return dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
 
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """For the communicators made so far, the torch backends held, and those made later."""
+        with self._lock:
+            self.timeout = timeout
+            for comm in self._ours.values():
+                comm.set_timeout(timeout)
+            for backend in self._torch.values():
+                backend._set_default_timeout(timeout)
+
     def close(self) -> None:
         for comm in self._ours.values():
             comm.close()
