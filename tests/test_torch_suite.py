@@ -35,7 +35,7 @@ os.environ["BACKEND"] = "gloo" if MODE == "as-gloo" else "dk"
 os.environ["WORLD_SIZE"] = "2"
 
 # torch's test utilities need expecttest (the `integrations` extra installs it).
-pytest.importorskip("expecttest", reason="torch's test suite needs expecttest (pip install .[integrations])")
+pytest.importorskip("expecttest", reason="torch's suite needs expecttest: .[integrations]")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -89,7 +89,8 @@ class TestDkBackend(suite.TestDistBackend, suite.DistributedTest._DistTestBase):
         self = cls(test_name)
         self.rank = rank
         self.file_name = file_name
-        timeout = timedelta(seconds=suite.CUSTOM_PG_TIMEOUT.get(test_name, suite.default_pg_timeout))
+        seconds = suite.CUSTOM_PG_TIMEOUT.get(test_name, suite.default_pg_timeout)
+        timeout = timedelta(seconds=seconds)
         dist.init_process_group(
             init_method=self.init_method,
             backend="dk",
