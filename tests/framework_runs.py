@@ -130,6 +130,58 @@ def lightning(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
     }
 
 
+def lightning_fsdp2(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """ModelParallelStrategy(process_group_backend=...): FSDP2 (fully_shard over the
+    strategy's data-parallel mesh) in configure_model; a few steps."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+            self.losses = []
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x, y = _data(0, 4 * STEPS * world_size)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=world_size, tensor_parallel_size=1, process_group_backend=backend
+        ),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=os.path.join(out_dir, f"lightning-fsdp2-{backend}"),
+    )
+    module = Module()
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
+    params = {k: v.full_tensor().detach().clone() for k, v in module.net.state_dict().items()}
+    group_backend = dist.get_backend()
+    dist.destroy_process_group()
+    return {"losses": torch.stack(module.losses), "params": params, "group_backend": group_backend}
+
+
 # -- HF accelerate -----------------------------------------------------------------------------
 
 
@@ -163,9 +215,20 @@ def accelerate(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
         losses.append(loss.detach())
     wrapped = type(model).__name__
     params = _params(accelerator.unwrap_model(model))
+    state_backend = accelerator.state.backend
+    AcceleratorState._reset_state(reset_partial_state=True)
+    # The trap: without cpu=True on a machine without GPUs, accelerate skips DDP silently.
+    no_cpu_flag = type(Accelerator().prepare(_net())).__name__
     AcceleratorState._reset_state(reset_partial_state=True)
     dist.destroy_process_group()
-    return {"losses": torch.stack(losses), "params": params, "wrapped": wrapped, "refusal": refusal}
+    return {
+        "losses": torch.stack(losses),
+        "params": params,
+        "wrapped": wrapped,
+        "refusal": refusal,
+        "state_backend": state_backend,
+        "wrapped_without_cpu_flag": no_cpu_flag,
+    }
 
 
 # -- transformers Trainer ----------------------------------------------------------------------
@@ -222,6 +285,7 @@ def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict
 
 FRAMEWORKS = {
     "lightning": ("lightning", lightning),
+    "lightning_fsdp2": ("lightning", lightning_fsdp2),
     "accelerate": ("accelerate", accelerate),
     "transformers": ("transformers", transformers),
 }

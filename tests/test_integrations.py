@@ -21,7 +21,7 @@ from mp_pool import shm_leaks
 
 pytestmark = pytest.mark.integrations
 
-FRAMEWORKS = ("lightning", "accelerate", "transformers")
+FRAMEWORKS = ("lightning", "lightning_fsdp2", "accelerate", "transformers")
 WORLD = 2
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -104,11 +104,24 @@ def test_lightning_ddp_strategy_dk_equals_gloo_with_validation_and_resume(runs):
     assert not torch.equal(dk[0]["losses"][0], dk[0]["losses"][-1])
 
 
+def test_lightning_model_parallel_strategy_fsdp2_dk_equals_gloo(runs):
+    result = runs("lightning_fsdp2")
+    gloo, dk = result["gloo"], result["dk"]
+    assert [r["group_backend"] for r in dk] == ["dk"] * WORLD
+    _same(gloo, dk, "losses")
+    _same(gloo, dk, "params")
+    assert not torch.equal(dk[0]["losses"][0], dk[0]["losses"][-1])
+
+
 def test_accelerate_on_a_dk_group_made_first_equals_gloo(runs):
     result = runs("accelerate")
     gloo, dk = result["gloo"], result["dk"]
     assert "backend dk is not available" in dk[0]["refusal"], dk[0]["refusal"]
     assert [r["wrapped"] for r in dk] == ["DistributedDataParallel"] * WORLD
+    # the traps docs/integrations.md names: accelerate says "gloo" of the dk group it uses,
+    # and without cpu=True it does not wrap the model at all (on gloo neither)
+    assert dk[0]["state_backend"] == "gloo", dk[0]["state_backend"]
+    assert {r["wrapped_without_cpu_flag"] for r in gloo + dk} == {"Sequential"}
     _same(gloo, dk, "losses")
     _same(gloo, dk, "params")
     # each rank trained on its own shard, DDP averaged: the replicas agree, the losses do not
