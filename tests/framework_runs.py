@@ -15,6 +15,7 @@ backend under the framework, not the training.
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib.util
 import os
 import sys
@@ -43,6 +44,16 @@ def _net() -> nn.Module:
 
 def _params(module: nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _teardown() -> None:
+    """Ends a run: every rank past its last collective, the framework's objects freed, then
+    the group destroyed. Freeing a gloo group while one of its threads still runs a future's
+    Python callback deadlocks inside torch (the destructor joins that thread holding the GIL
+    it waits for): the barrier lets those callbacks finish first."""
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _init(backend: str, out_dir: str, run: str, rank: int, world_size: int) -> None:
@@ -120,7 +131,7 @@ def lightning(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
     resumed = Module()
     trainer(2, root).fit(resumed, loader(), loader(), ckpt_path=ckpt)
     group_backend = dist.get_backend()
-    dist.destroy_process_group()
+    _teardown()
     return {
         "losses": torch.stack(straight.losses),
         "params": _params(straight),
@@ -178,7 +189,7 @@ def lightning_fsdp2(backend: str, out_dir: str, rank: int, world_size: int) -> d
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
     params = {k: v.full_tensor().detach().clone() for k, v in module.net.state_dict().items()}
     group_backend = dist.get_backend()
-    dist.destroy_process_group()
+    _teardown()
     return {"losses": torch.stack(module.losses), "params": params, "group_backend": group_backend}
 
 
@@ -220,7 +231,7 @@ def accelerate(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
     # The trap: without cpu=True on a machine without GPUs, accelerate skips DDP silently.
     no_cpu_flag = type(Accelerator().prepare(_net())).__name__
     AcceleratorState._reset_state(reset_partial_state=True)
-    dist.destroy_process_group()
+    _teardown()
     return {
         "losses": torch.stack(losses),
         "params": params,
@@ -279,7 +290,7 @@ def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict
     losses = torch.tensor([e["loss"] for e in trainer.state.log_history if "loss" in e])
     wrapped = type(trainer.model_wrapped).__name__
     AcceleratorState._reset_state(reset_partial_state=True)
-    dist.destroy_process_group()
+    _teardown()
     return {"losses": losses, "params": _params(model), "wrapped": wrapped, "refusal": refusal}
 
 

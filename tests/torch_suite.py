@@ -57,9 +57,8 @@ CI_TESTS = {
     "test_send_recv_any_source_torch_profiler",
     # one or two per collective family
     "test_all_reduce_sum",
-    "test_all_reduce_coalesced_max",
     "test_all_gather",
-    "test_all_gather_coalesced_simple",
+    "test_all_reduce_max",
     "test_reduce_scatter_tensor",
     "test_broadcast",
     "test_reduce_sum",
@@ -70,7 +69,7 @@ CI_TESTS = {
     "test_isend",
     "test_barrier",
     "test_irecv",
-    "test_new_subgroups",
+    "test_reduce_max",
 }
 
 # name -> why it fails on dk (docs/torch_backend.md "torch's own tests" lists the same). In
