@@ -211,6 +211,13 @@ def accelerate(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
             refusal = str(e)
         PartialState._reset_state()
     _init(backend, out_dir, "accelerate", rank, world_size)
+    again = dk.init_process_group(backend) is dist.group.WORLD  # asked twice: no error
+    other = "gloo" if backend == "dk" else "dk"
+    try:
+        dk.init_process_group(other)
+        clash = ""
+    except RuntimeError as e:
+        clash = str(e)
     accelerator = Accelerator(cpu=True)
     model, opt = _net(), None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -239,6 +246,7 @@ def accelerate(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
         "refusal": refusal,
         "state_backend": state_backend,
         "wrapped_without_cpu_flag": no_cpu_flag,
+        "helper": (again, clash),
     }
 
 

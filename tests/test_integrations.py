@@ -118,6 +118,8 @@ def test_accelerate_on_a_dk_group_made_first_equals_gloo(runs):
     gloo, dk = result["gloo"], result["dk"]
     assert "backend dk is not available" in dk[0]["refusal"], dk[0]["refusal"]
     assert [r["wrapped"] for r in dk] == ["DistributedDataParallel"] * WORLD
+    again, clash = dk[0]["helper"]  # dk.init_process_group: a second call is fine, another
+    assert again and "already exists with backend 'dk'" in clash, clash  # backend is not
     # the traps docs/integrations.md names: accelerate says "gloo" of the dk group it uses,
     # and without cpu=True it does not wrap the model at all (on gloo neither)
     assert dk[0]["state_backend"] == "gloo", dk[0]["state_backend"]
