@@ -136,7 +136,10 @@ class Routes:
         with self._lock:
             self.timeout = timeout
             for comm in self._ours.values():
-                comm.set_timeout(timeout)
+                if hasattr(comm, "set_timeout"):
+                    comm.set_timeout(timeout)
+                else:  # the CUDA communicator reads its timeout at every host wait
+                    comm.timeout = timeout
             for backend in self._torch.values():
                 backend._set_default_timeout(timeout)
 
