@@ -262,7 +262,7 @@ def _bad_arguments():
                 torch.ones(4, dtype=torch.int32), op=_torch_op("PREMUL_SUM", None), group=group
             ),  # noqa: E501
             lambda: group.allreduce([t, t]),
-            lambda: group.recv_anysource([t], 0),
+            lambda: dist.broadcast(torch.sparse_coo_tensor([[0]], [1.0], (4,)), 0, group=group),
             # the communicator underneath checks too: rank 0 would send itself 1, expect 3
             lambda: group.communicator().all_to_all(torch.empty(4), t, [1, 3], [3, 1]),
         ]
@@ -284,7 +284,7 @@ def test_bad_arguments_raise_before_anything_is_sent():
     assert messages[8].startswith("[rank 0] all_to_all: send_counts[0] (1)"), messages[8]
     assert "BAND" in messages[0] and "gloo" in messages[0]
     assert "all_to_all_single" in messages[4] and "split sizes" in messages[4]
-    assert "NotImplemented" not in messages[7] and "name the source" in messages[7]
+    assert "broadcast: a torch.sparse_coo tensor" in messages[7] and "dense" in messages[7]
 
 
 # -- errors from peers ------------------------------------------------------------------------
