@@ -1,10 +1,10 @@
 """``python -m dist_kernels.train``: parse, check everything, then spawn ranks or join torchrun.
 
 Without ``torchrun`` (no ``RANK`` / ``WORLD_SIZE`` in the environment) it starts
-``dp x tp x pp`` local CPU ranks itself, as ``python -m dist_kernels.bench`` does (spawn, a
-TCPStore on 127.0.0.1, a gloo group). Under ``torchrun`` it is one of the ranks; with
-``--max-restarts`` and ``--resume auto`` a group restarted after a lost rank continues from the
-newest complete checkpoint.
+``dp x tp x pp`` local CPU ranks itself, as ``python -m dist_kernels.bench`` does
+(:mod:`dist_kernels.launch`: a TCPStore this process holds open, a gloo group). Under
+``torchrun`` it is one of the ranks; with ``--max-restarts`` and ``--resume auto`` a group
+restarted after a lost rank continues from the newest complete checkpoint.
 
 Every check that can fail (options, batch arithmetic, data file, checkpoint to resume) runs
 in the launching process, before any rank starts.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import os
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
@@ -167,33 +166,27 @@ def run_rank(cfg: TrainConfig) -> List[Any]:
     return results
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig) -> None:
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=cfg.timeout)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        run_rank(cfg)
-    finally:
-        dist.destroy_process_group()
+def _spawned_rank(cfg: TrainConfig) -> None:
+    run_rank(cfg)  # the results stay on the ranks: rank 0 has printed them
 
 
 def _spawn(cfg: TrainConfig, world_size: int) -> int:
-    import torch.distributed as dist
-
-    from ..bench.cli import run_processes
+    from .. import launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_spawned_rank, args=(r, world_size, store.port, cfg), name=f"dk-train{r}"
+    try:
+        launch.run(
+            world_size,
+            _spawned_rank,
+            cfg,
+            grace=min(60.0, cfg.timeout),
+            group_timeout=cfg.timeout,
+            name="dk-train{rank}",
         )
-        for r in range(world_size)
-    ]
-    return run_processes(procs, cfg.timeout)
+    except launch.RanksError as e:
+        print(f"dist_kernels.train: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _join_torchrun(timeout_s: float) -> None:
