@@ -13,12 +13,13 @@ in the launching process, before any rank starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .config import ConfigError, ModelConfig, TrainConfig
+from .config import ConfigError, TrainConfig
 
 _STRATEGY_HELP = "0 = DDP; 1 / 2 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stragglers, checkpoints, and torch's DDP / FSDP2 beside ours.",
     )
     d = TrainConfig()
-    m = ModelConfig()
+    m = d.model
     add = p.add_argument
     add("--dp", type=int, default=0, help="data-parallel replicas (0: world / (tp x pp))")
     add("--tp", type=int, default=1, help="tensor-parallel ranks")
@@ -70,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--decay", default=d.decay, choices=("cosine", "constant"))
     add("--seed", type=int, default=d.seed)
     add("--data", default=None, help="text file (default: the package's own Python sources)")
-    add("--n-layer", type=int, default=m.n_layer)
-    add("--n-head", type=int, default=m.n_head)
-    add("--d-model", type=int, default=m.d_model)
-    add("--seq-len", type=int, default=m.seq_len)
+    add("--n-layer", type=int, default=m.n_layers, help="transformer blocks")
+    add("--n-head", type=int, default=m.n_heads, help="attention heads per block")
+    add("--d-model", type=int, default=m.dim, help="width of the residual stream")
+    add("--seq-len", type=int, default=m.block_size, help="characters per sample")
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     add("--resume", default=None, help="'auto' (newest complete checkpoint) or a step directory")
@@ -97,8 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    model = ModelConfig(
-        n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len
+    model = dataclasses.replace(
+        TrainConfig().model,
+        n_layers=args.n_layer,
+        n_heads=args.n_head,
+        dim=args.d_model,
+        block_size=args.seq_len,
     )
     return TrainConfig(
         dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, schedule=args.schedule,
@@ -130,7 +135,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"engine={cfg.engine!r} supports tp=1 only (tp={cfg.tp})")
     if cfg.engine != "dk" and cfg.checkpoint_dir is not None:
         raise ConfigError(f"checkpoints are written by --engine dk only (engine={cfg.engine!r})")
-    corpus = CharCorpus.build(cfg.data, cfg.model.seq_len)
+    corpus = CharCorpus.build(cfg.data, cfg.model.block_size)
     model = model_config(cfg, corpus)
     resolve_resume(cfg, identity(cfg, describe(model), corpus.fingerprint()))
     if cfg.plot is not None:
@@ -206,12 +211,12 @@ def _join_torchrun(timeout_s: float) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = config_from_args(args)
     torchrun = under_torchrun()
-    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else (cfg.dp or 1) * cfg.tp * cfg.pp
     try:
+        cfg = config_from_args(args)  # GPTConfig checks the model's shape when built
+        world_size = int(os.environ["WORLD_SIZE"]) if torchrun else (cfg.dp or 1) * cfg.tp * cfg.pp
         cfg = preflight(cfg, world_size)
-    except ValueError as e:  # ConfigError, DataError, CheckpointError
+    except ValueError as e:  # ConfigError, DataError, CheckpointError, GPTConfig's
         print(f"dist_kernels.train: error: {e}", file=sys.stderr)
         return 2
     if world_size == 1:
