@@ -32,6 +32,7 @@ import atexit
 import collections
 import os
 import secrets
+import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from dist_kernels.launch import EnvValue, LocalRanks, RankDied, RankError
@@ -39,6 +40,8 @@ from dist_kernels.launch import EnvValue, LocalRanks, RankDied, RankError
 __all__ = ["RankDied", "RanksFailed", "run_ranks", "shm_leaks", "shutdown_pools", "EnvValue"]
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:  # the workers import test modules by name (they inherit sys.path)
+    sys.path.insert(0, TESTS_DIR)
 MAX_LIVE_POOLS = 2  # idle ranks hold ~300 MB each: keep the two most recently used sizes
 #: This run's shared-memory tag: its segments are named /dk-<tag>-<hex>.
 SHM_TAG = f"t{secrets.token_hex(6)}"
