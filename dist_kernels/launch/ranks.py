@@ -19,6 +19,7 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import signal
 import time
 import traceback
 import weakref
@@ -125,6 +126,10 @@ def _rank_main(
     backend: str,
 ) -> None:
     """A rank's life: join the group, then run calls until the launcher stops it or goes."""
+    # Ctrl-C as Python takes it (KeyboardInterrupt), even when the launcher was started with
+    # SIGINT ignored (a background job of a shell without job control) and passed that on:
+    # the tests interrupt blocked ranks on purpose.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update(env)
     try:
         _join(rank, address, backend, threads)
