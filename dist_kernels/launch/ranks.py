@@ -174,10 +174,12 @@ class LocalRanks:
         group_timeout: seconds, the store's and the group's timeout.
         start_timeout: seconds the ranks may take to start and join (importing torch costs each
             about 3 s on a loaded machine).
-        env: environment variables set in every rank before anything is imported.
+        env: environment variables set in every rank before it joins the group.
         threads: torch threads per rank (and ``OMP_NUM_THREADS``, as torchrun sets it); None
             leaves both as inherited.
         name: the processes' names, formatted with ``rank`` and ``world_size``.
+
+    A rank takes SIGINT as Python does (KeyboardInterrupt, in the call it interrupts).
     """
 
     def __init__(
