@@ -3,11 +3,12 @@
     python benchmarks/bench_async.py [--nproc 3] [--steps 150] [--target 0.02 0.015] \
         [--png benchmarks/results/async.png] [--json out.json]
 
-Spawns ``--nproc`` CPU ranks (gloo process group, one torch thread each) that train the same
-small MLP student on a fixed random teacher (MSE regression, fresh batches per rank and step)
-with six methods: synchronous DDP (dk.DistributedDataParallel), LocalSGD with H = 4 and 16
-(plain averaging), and the ParameterServer (server on rank 0, every rank a worker) in sync,
-bounded(2) and async mode. Every method runs under three conditions in the same processes:
+Spawns ``--nproc`` CPU ranks (``dist_kernels.launch``: a gloo process group, one torch thread
+each) that train the same small MLP student on a fixed random teacher (MSE regression, fresh
+batches per rank and step) with six methods: synchronous DDP (dk.DistributedDataParallel),
+LocalSGD with H = 4 and 16 (plain averaging), and the ParameterServer (server on rank 0, every
+rank a worker) in sync, bounded(2) and async mode. Every method runs under three conditions in
+the same processes:
 
 - ``none``: nothing simulated;
 - ``straggler``: the last rank is 50% slower (after each step's compute it sleeps half of it);
@@ -35,7 +36,6 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -142,12 +142,11 @@ def _train(method: str, comm, task, args, slow: bool) -> List[tuple]:
     return curve
 
 
-def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
+def _rank_main(args) -> Dict[str, Dict[str, List[tuple]]]:
     global _link_delay_s
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     import dist_kernels as dk
+
+    rank, world = dist.get_rank(), dist.get_world_size()
 
     _delay_messages()
     task = Task(args.batch)
@@ -165,10 +164,7 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
             _link_delay_s = 0.0
             if rank == 0:
                 print(f"  {condition:9s} {method:14s} done", flush=True)
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def _time_to(curve, target: float):
@@ -253,22 +249,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows and curves here")
     args = parser.parse_args()
 
-    import socket
+    from dist_kernels import launch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.nproc, port, args, queue))
-        for r in range(args.nproc)
-    ]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
+    results = launch.run(args.nproc, _rank_main, args, threads=1, group_timeout=1800.0)[0]
     rows = _summarise(results, args.target)
     _print(rows, args.target)
     if args.png:

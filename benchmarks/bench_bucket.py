@@ -30,6 +30,7 @@ import argparse
 from typing import Dict, List, Optional
 
 import torch
+from kernel_timing import Row, time_calls  # benchmarks/ is on sys.path when run as a script
 
 from dist_kernels.amp import bucketing as bk
 
@@ -156,7 +157,7 @@ def _unscale_cases(grads, offsets, flat, threads):
     return nbytes, ok, {"dk": dk_unscale, "_amp_foreach_unscale_": torch_unscale}
 
 
-def _copy_bandwidth(grads, time_calls, device: str, repeats: int) -> float:
+def _copy_bandwidth(grads, device: str, repeats: int) -> float:
     src = torch.cat(grads)
     dst = torch.empty_like(src)
     (seconds,) = time_calls([lambda: dst.copy_(src)], device, repeats)
@@ -176,15 +177,10 @@ def measure_cases(
     device: str, tensor_counts, total_bytes: int, repeats: int, threads: Optional[int] = None
 ) -> List[Dict]:
     """The benchmark proper: FP32 gradients of ``total_bytes`` split into each tensor count."""
-    # imported here: bench_kernels imports this module for its bucket section
-    from bench_kernels import time_calls  # benchmarks/ is on sys.path when run as a script
-
     rows = []
     for num in tensor_counts:
         grads, offsets, flat = _setup(num, total_bytes, device)
-        copy_gbps = (
-            _copy_bandwidth(grads, time_calls, device, repeats) if device == "cuda" else None
-        )
+        copy_gbps = _copy_bandwidth(grads, device, repeats) if device == "cuda" else None
         for op, cases in (("pack", _pack_cases), ("unpack", _unpack_cases),
                           ("unscale", _unscale_cases)):  # fmt: skip
             nbytes, ok, impls = cases(grads, offsets, flat, threads)
@@ -205,13 +201,11 @@ def measure_cases(
 
 
 def bucket_rows(device: str, sizes, repeats: int) -> list:
-    """A section for benchmarks/bench_kernels.py: ``SECTIONS.append(bucket_rows)``.
+    """bench_kernels.py's bucket section.
 
     Each size is the total FP32 gradient bytes, split into 1, 100 and 1000 tensors; each row's
     baseline is the fastest eager sequence of its op, named.
     """
-    from bench_kernels import Row  # benchmarks/ is on sys.path when bench_kernels runs
-
     rows = []
     for size in sizes:
         results = measure_cases(device, [1, 100, 1000], size, repeats)

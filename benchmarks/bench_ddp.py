@@ -3,7 +3,7 @@
     python benchmarks/bench_ddp.py [--nproc 1 2] [--grad-dtype bf16] [--steps 6] [--rounds 3]
     python benchmarks/bench_ddp.py --hooks allreduce bf16 powersgd1 powersgd2 powersgd4 --nproc 2
 
-Spawns its own ranks (gloo process group through a TCPStore on localhost, one torch thread per
+Spawns its own ranks (``dist_kernels.launch``: a gloo process group, one torch thread per
 rank). Each rank trains a ~20M-parameter transformer; both engines run in the same processes,
 alternating in rounds so that machine noise hits both alike. Per engine and world size it prints:
 
@@ -28,7 +28,6 @@ every rank stops. The difference is printed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -38,7 +37,6 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 # Run from a source checkout without installing: the repository root (with an in-place build)
@@ -154,12 +152,8 @@ def _engines(args, world: int):
     ]
 
 
-def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=(rank == 0), timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+def _rank_main(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)]
     results: Dict[str, Dict[str, List[float]]] = {}
@@ -178,11 +172,8 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
             if world > 1:
                 bufs = buffers if buffers is not None else model.buckets
                 r["allreduce"].append(_time_allreduce(bufs, reduce))
-    if rank == 0:
-        nparams = sum(p.numel() for p in engines[0][1].parameters())
-        queue.put((world, nparams, results, grad_diff))
-    dist.barrier()
-    dist.destroy_process_group()
+    nparams = sum(p.numel() for p in engines[0][1].parameters())
+    return world, nparams, results, grad_diff
 
 
 # ----------------------------------------------------------------------------- comm hooks
@@ -240,17 +231,12 @@ def _max_rel_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p.detach() - q.detach()).abs().max().item() for p, q in pairs) / scale
 
 
-def _hooks_rank_main(rank: int, world: int, port: int, args, queue) -> None:
+def _hooks_rank_main(args):
     import dist_kernels as dk
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=(rank == 0), timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     counter = _CountingAllReduce()
     dist.all_reduce = counter  # torch's hooks look it up at call time
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)]
     results: Dict[str, dict] = {}
     for name in args.hooks:
@@ -276,11 +262,8 @@ def _hooks_rank_main(rank: int, world: int, port: int, args, queue) -> None:
                 r[n]["step"].append(t)
                 r[n]["bytes"].append((sent() - before) / args.steps)
         ours.close()
-    if rank == 0:
-        nparams = sum(p.numel() for p in _make_model(args).parameters())
-        queue.put((world, nparams, results))
-    dist.barrier()
-    dist.destroy_process_group()
+    nparams = sum(p.numel() for p in _make_model(args).parameters())
+    return dist.get_world_size(), nparams, results
 
 
 def _print_hooks(runs, args) -> List[dict]:
@@ -319,44 +302,11 @@ def _print_hooks(runs, args) -> List[dict]:
     return rows
 
 
-def _run_world(world: int, args, target=None) -> tuple:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    target = target or _rank_main
-    procs = [ctx.Process(target=target, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = _first_result(queue, procs)
-    for p in procs:
-        p.join()
-    return result
+def _run_world(world: int, args, target=_rank_main) -> tuple:
+    """Rank 0's result of ``target(args)`` on ``world`` new local ranks, one torch thread each."""
+    from dist_kernels import launch
 
-
-def _first_result(queue, procs, timeout_s: float = 1800.0):
-    """Rank 0's result; raises as soon as a rank has died without one (instead of waiting
-    for the whole timeout while its peers block on it)."""
-    import queue as queue_module
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except queue_module.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"benchmark rank(s) died (rank, exit code): {dead}") from None
-    raise TimeoutError(f"no result after {timeout_s:.0f} s")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return launch.run(world, target, args, threads=1, group_timeout=300.0)[0]
 
 
 def _summarise(args, runs) -> List[dict]:

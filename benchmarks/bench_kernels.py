@@ -12,52 +12,23 @@ sequence a careful user would write for the same result: preallocated outputs, i
 there are several, each is checked to give our bits and the fastest is reported (named in the
 ``baseline`` column). Each case is checked against torch's result before it is timed.
 
-Sections are plain functions ``section(device, sizes, repeats) -> list[Row]`` so that other
-benchmarks (bench_bucket.py) can add theirs: ``SECTIONS.append(bucket_rows)``.
+Sections are plain functions ``section(device, sizes, repeats) -> list[Row]`` (``Row`` and the
+timing live in kernel_timing.py, which bench_bucket.py's section uses too).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
-import statistics
 import sys
-import time
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
+from bench_bucket import bucket_rows  # benchmarks/ is on sys.path when run as a script
+from kernel_timing import Row, Section, time_calls
 
 from dist_kernels import _C, ReduceOp, ops
 from dist_kernels.dtypes import dtype_code
-
-
-@dataclasses.dataclass
-class Row:
-    """One benchmark line: our kernel and its torch baseline on the same bytes."""
-
-    section: str
-    case: str
-    size_bytes: int  # bytes of one operand buffer (the FP32 source for casts)
-    moved_bytes: int  # bytes read + written per call, charged to both columns
-    ours_s: float  # median seconds per call
-    baseline: str
-    baseline_s: Optional[float]
-
-    @property
-    def ours_gbps(self) -> float:
-        return self.moved_bytes / self.ours_s / 1e9
-
-    @property
-    def baseline_gbps(self) -> Optional[float]:
-        return None if self.baseline_s is None else self.moved_bytes / self.baseline_s / 1e9
-
-    @property
-    def ratio(self) -> Optional[float]:
-        return None if self.baseline_s is None else self.baseline_s / self.ours_s
-
-
-Section = Callable[[str, Sequence[int], int], List[Row]]
 
 
 def parse_size(text: str) -> int:
@@ -74,47 +45,6 @@ def format_size(size: int) -> str:
         if size >= scale and size % scale == 0:
             return f"{size // scale}{unit}"
     return f"{size}B"
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time_once(fn: Callable[[], object], device: str) -> float:
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
-
-
-def time_calls(fns: Sequence[Callable[[], object]], device: str, repeats: int) -> List[float]:
-    """Median seconds per call of each fn, after two warm-up calls each (CUDA: event-timed).
-
-    The functions take turns in blocks (a a a, b b b, a a a, ...) so that on a shared machine
-    both see the same load. Each block starts with one untimed call: right after a parallel
-    torch op, torch's OpenMP workers keep spinning for a while and would steal the other core
-    from whichever function is timed next (measured: our 64 MiB pooled sum drops from ~50 to
-    ~25 GB/s when it strictly alternates with torch's add_).
-    """
-    for fn in fns:
-        for _ in range(2):
-            fn()
-    _synchronize(device)
-    times: List[List[float]] = [[] for _ in fns]
-    block = 3
-    for _ in range(max(1, -(-repeats // block))):
-        for fn, samples in zip(fns, times):
-            fn()
-            _synchronize(device)
-            samples.extend(_time_once(fn, device) for _ in range(block))
-    return [statistics.median(samples) for samples in times]
 
 
 def _check(ok: bool, what: str) -> None:
@@ -238,20 +168,8 @@ def _copy_case(size: int, device: str, repeats: int) -> Row:
     return Row("copy", "device copy_", size, 2 * size, seconds, "-", None)
 
 
-SECTIONS: List[Section] = [copy_rows, reduce_rows, cast_rows]
-
-
-def _bucket_section() -> Optional[Section]:
-    """The fused bucket kernels' section (pack / unpack / unscale), from bench_bucket.py."""
-    try:
-        from bench_bucket import bucket_rows  # benchmarks/ is on sys.path when run as a script
-    except ImportError:
-        return None
-    return bucket_rows
-
-
-if _bucket_section() is not None:
-    SECTIONS.append(_bucket_section())
+#: bucket_rows: the fused bucket kernels (pack / unpack / unscale), from bench_bucket.py.
+SECTIONS: List[Section] = [copy_rows, reduce_rows, cast_rows, bucket_rows]
 
 
 def format_table(rows: Sequence[Row]) -> str:

@@ -3,9 +3,10 @@
     python benchmarks/bench_pipeline.py                    # 2 and 4 CPU ranks, every schedule
     python benchmarks/bench_pipeline.py --nproc 2 --schedules 1f1b --iters 10
 
-Spawns its own ranks (gloo process group, one torch thread each). For each world size and
-schedule both engines train the same model (an MLP split evenly) on the same batches; steps
-alternate between the two engines so that noise from a shared machine hits both alike.
+Spawns its own ranks (``dist_kernels.launch``: a gloo process group, one torch thread each).
+For each world size and schedule both engines train the same model (an MLP split evenly) on
+the same batches; steps alternate between the two engines so that noise from a shared machine
+hits both alike.
 Correctness first: after one step of each engine from the same model on the same batch, the
 loss, every gradient and every parameter of each rank's stages must agree with torch's (max
 relative difference at most ``--tolerance``, 1e-5 by default), or every rank stops before
@@ -25,17 +26,16 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import dist_kernels as dk  # noqa: E402
+from dist_kernels import launch  # noqa: E402
 from dist_kernels.pipeline.partition import build_stage, plan_partition  # noqa: E402
 
 TORCH_SCHEDULES = {
@@ -174,9 +174,9 @@ class _Alone:
                 out.backward(torch.ones_like(out))
 
 
-def _worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(args) -> list:
+    """This world size's rows (rank 0; the others return [])."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     comm = dk.Communicator()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.width, generator=gen)
@@ -202,12 +202,8 @@ def _worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
         dist.all_gather_object(gathered, medians)
         if rank == 0:
             rows.append(_row(schedule, world, gathered, args, first))
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(rows, f)
-    dist.barrier()
     comm.close()
-    dist.destroy_process_group()
+    return rows
 
 
 def _row(schedule, world, gathered, args, first) -> dict:
@@ -260,11 +256,7 @@ def main(argv=None) -> None:
     args.schedules = args.schedules.split(",")
     results = []
     for world in (int(n) for n in args.nproc.split(",")):
-        with tempfile.TemporaryDirectory() as tmp:
-            init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
-            mp.spawn(_worker, args=(world, init_file, args, out_file), nprocs=world, join=True)
-            with open(out_file) as f:
-                results += json.load(f)
+        results += launch.run(world, _worker, args, threads=1, group_timeout=1800.0)[0]
     print(
         f"MLP {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
         f"{args.microbatches} micro-batches, {os.cpu_count()} CPUs; ours over dk.Communicator"

@@ -2,8 +2,8 @@
 
     python benchmarks/bench_torch_backend.py [--nproc 2] [--steps 3] [--rounds 3]
 
-Spawns its ranks (a gloo default group through a TCPStore on localhost, one torch thread per
-rank) and trains the ~20M-parameter transformer of bench_ddp.py with unmodified torch code:
+Spawns its ranks (``dist_kernels.launch``: a gloo default group, one torch thread per rank)
+and trains the ~20M-parameter transformer of bench_ddp.py with unmodified torch code:
 
 - torch DDP (``DistributedDataParallel(model, process_group=...)``),
 - FSDP2 (``fully_shard`` on every encoder layer and the root, over a 1-D DeviceMesh),
@@ -18,7 +18,6 @@ that backward did not hide, the most any backend can save.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -28,12 +27,13 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_ddp import _first_result, _free_port, _make_model, _step  # noqa: E402
+from bench_ddp import _make_model, _step  # noqa: E402
+
+from dist_kernels import launch  # noqa: E402
 
 BACKENDS = ("gloo", "dk")
 
@@ -68,14 +68,8 @@ def _time_steps(model, opt, batches, steps: int, sync: bool = True) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    import dist_kernels  # noqa: F401 - registers "dk"
-
-    timeout = datetime.timedelta(seconds=600)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=(rank == 0), timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+def _rank_main(args):
+    rank = dist.get_rank()
     groups = {"gloo": dist.group.WORLD, "dk": dist.new_group(backend="dk")}
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)]
@@ -95,11 +89,8 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
             if engine == "torch DDP":  # the same step without communication (no_sync)
                 local = _time_steps(model, opt, batches, args.steps, sync=False)
                 results.setdefault("DDP no_sync", {}).setdefault(backend, []).append(local)
-    if rank == 0:
-        nparams = sum(p.numel() for p in _make_model(args).parameters())
-        queue.put((nparams, results, os.getloadavg()))
-    dist.barrier()
-    dist.destroy_process_group()
+    nparams = sum(p.numel() for p in _make_model(args).parameters())
+    return nparams, results, os.getloadavg()
 
 
 def main() -> None:
@@ -117,18 +108,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
     start_load = os.getloadavg()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.nproc, port, args, queue))
-        for r in range(args.nproc)
-    ]
-    for p in procs:
-        p.start()
-    nparams, results, end_load = _first_result(queue, procs)
-    for p in procs:
-        p.join()
+    nparams, results, end_load = launch.run(
+        args.nproc, _rank_main, args, threads=1, group_timeout=600.0
+    )[0]
     print(
         f"# bench_torch_backend: {nparams / 1e6:.1f}M-parameter transformer, {args.nproc} CPU "
         f"ranks, batch {args.batch} x seq {args.seq} per rank, {args.rounds} rounds x "

@@ -2,9 +2,9 @@
 
     python benchmarks/bench_tp.py [--tp 1 2 4] [--steps 20] [--dim 128 --seq 64 ...] [--json f]
 
-For each tp size it spawns ``tp`` CPU ranks (gloo process group on localhost, one torch thread
-per rank). Every rank builds the same ``dist_kernels.models.GPT`` twice from one seed and
-shards it two ways:
+For each tp size it spawns ``tp`` CPU ranks (``dist_kernels.launch``: a gloo process group, one
+torch thread per rank). Every rank builds the same ``dist_kernels.models.GPT`` twice from one
+seed and shards it two ways:
 
 - **dk**: ``model.parallelize(comm)`` (ColumnParallelLinear / RowParallelLinear /
   VocabParallelEmbedding over our shared-memory Communicator, vocabulary-parallel loss);
@@ -32,7 +32,6 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -113,13 +112,10 @@ def _time_step(model, opt, batch, engine: str) -> Dict[str, float]:
     return {"step": t2 - t0, "fwd_bwd": t1 - t0}
 
 
-def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+def _rank_main(args) -> Dict:
     import dist_kernels as dk
+
+    world = dist.get_world_size()
 
     comm = dk.Communicator() if world > 1 else None
     gen = torch.Generator().manual_seed(1)
@@ -143,28 +139,16 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
     for _ in range(args.steps):
         for name, model in engines.items():
             steps[name].append(_time_step(model, opts[name], batch, name))
-    if rank == 0:
-        queue.put({"tp": world, "ref_loss": ref_loss, "losses": losses, "steps": steps})
     if comm is not None:
         comm.close()
-    dist.destroy_process_group()
+    return {"tp": world, "ref_loss": ref_loss, "losses": losses, "steps": steps}
 
 
 def _run(world: int, args) -> Dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = 29400 + (os.getpid() % 500) + world
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, args, queue)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=120)
-        if p.exitcode != 0:
-            raise RuntimeError(f"tp={world}: rank exited with {p.exitcode}")
-    return result
+    """Rank 0's result on ``world`` new local ranks, one torch thread each."""
+    from dist_kernels import launch
+
+    return launch.run(world, _rank_main, args, threads=1, group_timeout=1800.0)[0]
 
 
 def _median(steps: List[Dict[str, float]], key: str) -> float:

@@ -38,7 +38,6 @@ checks that with SGD.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import os
 import statistics
@@ -48,7 +47,6 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dist_kernels.bench.memory import pss_kb, reset_peak_rss, rss_kb  # noqa: E402
@@ -306,12 +304,8 @@ def _print_memory(rows, numel: int, world_size: int) -> None:
         )
 
 
-def _worker(rank: int, world_size: int, port: int, args) -> None:
-    torch.set_num_threads(args.threads)
-    store = dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=600)
-    )
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+def _worker(args) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     numel = sum(
         p.numel()
         for p in Transformer(
@@ -352,8 +346,6 @@ def _worker(rank: int, world_size: int, port: int, args) -> None:
                 f"{diff:13.2e}"
             )
         _print_memory(rows, numel, world_size)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv=None) -> None:
@@ -377,10 +369,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: parameters are checked after it")
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    port = store.port
-    del store
-    mp.spawn(_worker, args=(args.ranks, port, args), nprocs=args.ranks, join=True)
+    from dist_kernels import launch
+
+    launch.run(args.ranks, _worker, args, threads=args.threads, group_timeout=1800.0)
 
 
 if __name__ == "__main__":

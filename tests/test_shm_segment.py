@@ -40,7 +40,7 @@ def test_segment_larger_than_dev_shm_raises_and_leaves_nothing_behind():
     assert f"({rounded} bytes)" in message, message
     assert f"free of {_shm_total_bytes() / 2**30:.1f} GiB" in message, message
     assert "No space left on device" in message and "--shm-size" in message, message
-    name = re.search(r"/(dk-[0-9a-f]{16})", message)
+    name = re.search(r"/(dk-(?:\w+-)?[0-9a-f]{16})", message)
     assert name is not None, message
     assert not os.path.exists(os.path.join(SHM, name.group(1))), "the failed segment leaked"
 
@@ -58,3 +58,24 @@ def test_created_segment_has_its_pages_reserved():
     finally:
         segment.unlink()
     assert not os.path.exists(os.path.join(SHM, segment.name.lstrip("/")))
+
+
+def test_segment_names_carry_the_tag_of_dk_shm_tag(monkeypatch):
+    """DK_SHM_TAG puts a run's tag into its segments' names (the test pools set one per run,
+    so that two suites on one host see only their own segments); a tag that is not a plain
+    word is refused before anything is created."""
+    monkeypatch.setenv("DK_SHM_TAG", "run_7f")
+    segment = _C.ShmSegment.create(4096)
+    try:
+        assert re.fullmatch(r"/dk-run_7f-[0-9a-f]{16}", segment.name), segment.name
+        assert os.path.exists(os.path.join(SHM, segment.name.lstrip("/")))
+    finally:
+        segment.unlink()
+    monkeypatch.delenv("DK_SHM_TAG")
+    untagged = _C.ShmSegment.create(4096)
+    untagged.unlink()
+    assert re.fullmatch(r"/dk-[0-9a-f]{16}", untagged.name), untagged.name
+    for bad in ("a/b", "a-b", "x" * 33):
+        monkeypatch.setenv("DK_SHM_TAG", bad)
+        with pytest.raises(ValueError, match="DK_SHM_TAG must be at most 32 letters"):
+            _C.ShmSegment.create(4096)

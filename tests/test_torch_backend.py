@@ -564,7 +564,8 @@ def test_sparse_refused_and_set_timeout_honoured():
 
 
 def _mixed_devices():
-    """ "cpu:dk,cuda:nccl" and "cpu:gloo,cuda:dk" route CPU tensors by device."""
+    """ "cpu:dk,cuda:nccl" and "cpu:gloo,cuda:dk" route CPU tensors by device; a backend a dk
+    group cannot hand a device to fails the group's first call, naming it."""
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -576,6 +577,10 @@ def _mixed_devices():
         assert torch.equal(t, torch.full((3,), float(n * (n + 1) // 2))), (backend, t)
         seen.append((repr(group.__class__.__name__), group._routes.backends))
         dist.destroy_process_group(group)
+    group = dist.new_group(backend="cpu:dk,cuda:ucc")
+    with pytest.raises(ValueError, match="device 'cuda' asks for backend 'ucc'"):
+        dist.all_reduce(torch.ones(1), group=group)
+    dist.destroy_process_group(group)
     return seen
 
 

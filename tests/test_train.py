@@ -1,7 +1,7 @@
 """python -m dist_kernels.train: layouts against a single-process run of the same global batch,
 exact resume, resharded resume, stragglers, bad input, elastic recovery under torchrun.
 
-Tiny model (1 block, d_model 32, 16 characters), a few steps; the ranks come from the shared
+Tiny model (1 block, width 32, 16 characters), a few steps; the ranks come from the shared
 pools. The reference is the same driver on one process without any engine: the whole global
 batch as micro-batches of the same size, plain torch AdamW.
 """
@@ -21,14 +21,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mp_pool import run_ranks  # noqa: E402
 
-from dist_kernels.train import ConfigError, ModelConfig, TrainConfig, train  # noqa: E402
+from dist_kernels.models import GPTConfig  # noqa: E402
+from dist_kernels.train import ConfigError, TrainConfig, train  # noqa: E402
 from dist_kernels.train.cli import main as cli_main  # noqa: E402
 from dist_kernels.train.cli import preflight  # noqa: E402
 from dist_kernels.train.stragglers import StragglerDetector  # noqa: E402
 
 SEED = 1234
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16)
+TINY = GPTConfig(n_layers=1, n_heads=2, dim=32, block_size=16, tie_embeddings=False)
 # Thresholds far above scheduling noise on a loaded 2-core machine, far below the injected delay
 STRAGGLER = dict(straggler_threshold=0.5, straggler_min_ms=25.0, straggler_patience=2)
 
@@ -72,8 +73,8 @@ def _key_bias_mask(numel: int) -> torch.Tensor:
     """Where the key biases sit in a fused qkv bias: the middle of each head's [q, k, v]
     (dist_kernels.models.GPT lays the fused qkv out head by head)."""
     mask = torch.zeros(numel, dtype=torch.bool)
-    hd = TINY.d_model // TINY.n_head
-    for h in range(TINY.n_head):
+    hd = TINY.dim // TINY.n_heads
+    for h in range(TINY.n_heads):
         mask[h * 3 * hd + hd : h * 3 * hd + 2 * hd] = True
     return mask
 
@@ -305,10 +306,23 @@ def test_cli_errors_before_any_rank_starts(tmp_path, capsys):
     )
 
 
+def test_model_is_a_gpt_config_the_driver_can_train(capsys):
+    """The driver's model config is dk.models.GPTConfig: the CLI maps its options onto it, a
+    shape GPTConfig refuses is a CLI error, and a tied head or dropout is refused by name."""
+    assert TrainConfig().model == GPTConfig(
+        block_size=64, n_layers=2, n_heads=4, dim=128, tie_embeddings=False
+    )
+    assert cli_main(["--d-model", "30", "--n-head", "4"]) == 2
+    assert "GPTConfig: dim(30) % n_heads(4) != 0" in capsys.readouterr().err
+    for change in (dict(tie_embeddings=True), dict(dropout=0.1)):
+        with pytest.raises(ConfigError, match="untied head without dropout"):
+            TrainConfig(model=dataclasses.replace(TINY, **change)).check()
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     cfg = _cfg(steps=1, checkpoint_dir=str(tmp_path), resume="auto")
     train(cfg.with_layout(1))
-    other = dataclasses.replace(cfg, steps=4, model=dataclasses.replace(TINY, d_model=64))
+    other = dataclasses.replace(cfg, steps=4, model=dataclasses.replace(TINY, dim=64))
     with pytest.raises(ConfigError, match="was written with model="):
         preflight(other, 1)
     with pytest.raises(ConfigError, match=r"global_batch\(2\); this run has global_batch\(4\)"):

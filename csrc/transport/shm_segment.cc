@@ -7,10 +7,13 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "transport/shm_layout.h"
 
@@ -18,14 +21,34 @@ namespace dk::shm {
 
 namespace {
 
+constexpr size_t kMaxTagChars = 32;
+
+// DK_SHM_TAG, checked: letters, digits and '_' only (it goes into a file name), or empty.
+Status nameTag(std::string* tag) {
+  const char* env = std::getenv("DK_SHM_TAG");
+  *tag = env == nullptr ? "" : env;
+  const bool valid = std::all_of(tag->begin(), tag->end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+  });
+  if (!valid || tag->size() > kMaxTagChars) {
+    return InvalidArgument("DK_SHM_TAG must be at most " + std::to_string(kMaxTagChars) +
+                           " letters, digits or '_', got '" + *tag + "'");
+  }
+  return Status::Ok();
+}
+
+// "/dk-<16 hex>", or "/dk-<tag>-<16 hex>" when DK_SHM_TAG is set: runs that share a host
+// (two test suites, two jobs) tell their segments apart by the tag.
 Status randomName(std::string* name) {
+  std::string tag;
+  DK_RETURN_IF_ERROR(nameTag(&tag));
   uint64_t bits = 0;
   if (getrandom(&bits, sizeof(bits), 0) != static_cast<ssize_t>(sizeof(bits))) {
     return SystemError("getrandom");
   }
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "/dk-%016llx", static_cast<unsigned long long>(bits));
-  *name = buf;
+  char hex[24];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(bits));
+  *name = "/dk-" + (tag.empty() ? "" : tag + "-") + hex;
   return Status::Ok();
 }
 

@@ -1,7 +1,7 @@
-// A POSIX shared-memory segment mapped into this process. Names are random ("/dk-<hex>"),
-// created with mode 0600 and O_EXCL; the creator unlinks the name as soon as every rank has
-// mapped it (the communicator's rendezvous), so a crash afterwards leaks nothing: the memory
-// lives exactly as long as the last mapping.
+// A POSIX shared-memory segment mapped into this process. Names are random ("/dk-<hex>", or
+// "/dk-<tag>-<hex>" with DK_SHM_TAG), created with mode 0600 and O_EXCL; the creator unlinks the
+// name as soon as every rank has mapped it (the communicator's rendezvous), so a crash
+// afterwards leaks nothing: the memory lives exactly as long as the last mapping.
 #pragma once
 
 #include <cstddef>

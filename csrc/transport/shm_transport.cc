@@ -228,7 +228,11 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
     if (backoff.shouldCheck()) {
       DK_RETURN_IF_ERROR(waitChecks(lane, backoff, &armed, peer, what));
       DK_RETURN_IF_ERROR(pointToPointPeerAlive(lane, peer));
-      DK_RETURN_IF_ERROR(peerCallAgrees(lane, peer));
+      // A peer announces its next collective only after its calls before it have ended, so
+      // after it stored what this wait is for; it may have done both since `seen` was read.
+      // Read the word again after the announcement: not ready yet is a real disagreement.
+      const Status agrees = peerCallAgrees(lane, peer);
+      if (!agrees.ok() && !ready(word.load(std::memory_order_acquire))) return agrees;
       if (std::chrono::steady_clock::now() >= lane.deadline) return timedOut(lane, peer, what);
     }
     backoff.pause(word, seen, sleepers);

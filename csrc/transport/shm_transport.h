@@ -113,8 +113,9 @@ class ShmTransport : public Transport {
     Lane lane = Lane::kBoth;  // of the call: errors report only the counters of its lanes
     bool inPlace = true;      // registered bytes are published for the peer to read in place
     // The collective a peer's announcement is compared with: the one running (both lanes),
-    // or for a send / receive the next one, which no peer may start while this call waits
-    // for it (this rank cannot join it before the call ends). 0: no comparison.
+    // or for a send / receive the next one, which a peer starts only once its own side of
+    // this call has ended (so waitFor reads the awaited word again before it reports a
+    // mismatch: the peer may have delivered and moved on meanwhile). 0: no comparison.
     uint64_t collectiveSeq = 0;
     bool interruptible = false;
     uint64_t sigintsAtStart = 0;  // interrupt::sigintCount() when the call began

@@ -1,10 +1,11 @@
 """Collective benchmark in the style of nccl-tests: ``python -m dist_kernels.bench``.
 
-Spawns ``--nproc`` local ranks itself (multiprocessing spawn, a TCPStore on 127.0.0.1 and a
-Gloo process group), or, under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set), runs as one of
-its ranks. For every size it first checks each algorithm's result against the exact answer
-(#wrong), then times it, and measures the baseline (torch.distributed Gloo on CPU, NCCL through
-``algorithm="nccl"`` on CUDA) in the same run on the same sizes. See docs/benchmarks.md.
+Spawns ``--nproc`` local ranks itself (:mod:`dist_kernels.launch`: a TCPStore this process
+holds open and a Gloo process group), or, under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set),
+runs as one of its ranks. For every size it first checks each algorithm's result against the
+exact answer (#wrong), then times it, and measures the baseline (torch.distributed Gloo on CPU,
+NCCL through ``algorithm="nccl"`` on CUDA) in the same run on the same sizes. See
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import datetime
 import importlib.util
 import itertools
 import math
-import multiprocessing as mp
-import multiprocessing.connection
 import os
 import shlex
 import sys
@@ -26,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import launch
 from . import ops, report
 
 ALGORITHMS = ("ring", "tree", "auto")
@@ -534,61 +534,25 @@ def _print(*lines: str) -> None:
 # Launch
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, args, command: str) -> None:
-    timeout = datetime.timedelta(seconds=args.timeout)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        run_rank(args, f"spawn, {world_size} local ranks", command)
-    finally:
-        dist.destroy_process_group()
+def _spawned_rank(args: argparse.Namespace, command: str) -> None:
+    run_rank(args, f"spawn, {dist.get_world_size()} local ranks", command)
 
 
 def _spawn(args: argparse.Namespace, command: str) -> int:
     """Starts ``--nproc`` ranks and waits; if one fails, the rest get a grace period, then die."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, as torchrun does
-    store = dist.TCPStore("127.0.0.1", 0, args.nproc + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_spawned_rank,
-            args=(r, args.nproc, store.port, args, command),
-            name=f"dk-bench-rank{r}",
-        )
-        for r in range(args.nproc)
-    ]
-    return run_processes(procs, args.timeout)
-
-
-def run_processes(procs: List[Any], timeout: float) -> int:
-    """Starts the spawned ranks and waits for them (:func:`_wait`); whatever is still alive
-    at the end (a rank hung after a peer failed) is killed. 0 if every rank exited 0."""
-    for proc in procs:
-        proc.start()
     try:
-        return _wait(procs, grace=min(60.0, timeout))
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-
-
-def _wait(procs: List[Any], grace: float) -> int:
-    """Waits for every rank; once one has failed, the others get ``grace`` seconds."""
-    failed_at: Optional[float] = None
-    while True:
-        alive = [p for p in procs if p.is_alive()]
-        if not alive:
-            break
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > grace:
-            break
-        mp.connection.wait([p.sentinel for p in alive], timeout=1.0)
-    bad = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        print(f"dist_kernels.bench: ranks failed, (rank, exit code): {bad}", file=sys.stderr)
+        launch.run(
+            args.nproc,
+            _spawned_rank,
+            args,
+            command,
+            grace=min(60.0, args.timeout),
+            group_timeout=args.timeout,
+            name="dk-bench-rank{rank}",
+        )
+    except launch.RanksError as e:
+        print(f"dist_kernels.bench: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -12,8 +12,6 @@ See docs/torch_backend.md for what is supported and how it differs from gloo.
 
 from __future__ import annotations
 
-import sys
-
 BACKEND_NAME = "dk"
 DEVICES = ("cpu", "cuda")
 
@@ -33,6 +31,4 @@ def _create(common_opts, backend_opts):
     """torch's creator hook: called by ``_new_process_group_helper`` for every "dk" group."""
     from .process_group import create_process_group
 
-    # torch tells a creator neither the device it is called for nor the other devices'
-    # backends; its caller's BackendConfig holds both (see routes.device_backends).
-    return create_process_group(common_opts, sys._getframe(1))
+    return create_process_group(common_opts)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ _RED_OPS = {
 }
 
 
-def create_process_group(common_opts, caller_frame) -> ProcessGroupDK:
+def create_process_group(common_opts) -> ProcessGroupDK:
     """The creator torch calls (through ``torch_backend._create``) for each "dk" group."""
     return ProcessGroupDK(
         common_opts.store,
@@ -63,7 +63,6 @@ def create_process_group(common_opts, caller_frame) -> ProcessGroupDK:
         common_opts.group_size,
         common_opts.timeout,
         group_name=str(common_opts.group_id),
-        backends=device_backends(caller_frame),
     )
 
 
@@ -86,6 +85,8 @@ def _routed(torch_name: str) -> Callable:
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def method(self: ProcessGroupDK, *args: Any, **kwargs: Any) -> Any:
+            if self._routes.backends is None:  # the group's first call
+                self._resolve_routes()
             if self._routes.delegates:  # only mixed-device groups pay for the lookup
                 backend = self._routes.delegate(_device_of([*args, *kwargs.values()]))
                 if backend is not None:
@@ -156,7 +157,6 @@ class ProcessGroupDK(dist.ProcessGroup):
         world_size: int,
         timeout: datetime.timedelta,
         group_name: str = "",
-        backends: Optional[Dict[str, str]] = None,
     ) -> None:
         super().__init__(rank, world_size)
         self._rank, self._world_size = rank, world_size
@@ -164,10 +164,8 @@ class ProcessGroupDK(dist.ProcessGroup):
         self._timeout = timeout
         label = f"[rank {rank}] dk group {group_name!r}"
         self._completions = Completions()
-        self._routes = Routes(
-            store, rank, world_size, timeout, backends or {"cpu": BACKEND_NAME}, label
-        )
-        self._cpu = self._routes.ours_on_cpu()
+        self._routes = Routes(store, rank, world_size, timeout, label)
+        self._cpu: Optional[Any] = None  # our CPU communicator, once the routes say it serves
 
     # -- identity (torch's DeviceMesh, FSDP2 and functional collectives look groups up by name)
 
@@ -195,7 +193,15 @@ class ProcessGroupDK(dist.ProcessGroup):
     def communicator(self, device: str = "cpu") -> Any:
         """Our communicator serving ``device`` in this group (the benchmark times it directly,
         beside the same collectives through this group, to show this layer's overhead)."""
+        if self._routes.backends is None:
+            self._resolve_routes()
         return self._routes.comm(torch.device(device), "communicator")
+
+    def _resolve_routes(self) -> None:
+        """The device table, from the backend string torch recorded for this group once it
+        was made (routes.py says why not earlier)."""
+        self._routes.resolve(device_backends(self))
+        self._cpu = self._routes.ours_on_cpu()
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -5,6 +5,14 @@ per-device table), so ``init_process_group("cpu:dk,cuda:nccl")`` is routed here:
 mapped to "dk" run on our communicators (CPU: shared memory, made with the group; CUDA: our
 CUDA communicator, made at the first CUDA call, when a device is known), devices mapped to
 "gloo" or "nccl" on a torch backend this group holds and hands the whole call to.
+
+torch tells a creator neither the device it is called for nor the other devices' backends.
+It records the group's backend string once the creator has returned, readable through
+``torch.distributed.get_backend_config(group)``: the group reads it at its first call
+(:func:`device_backends`, :meth:`Routes.resolve`). The CPU communicator cannot wait for that:
+its rendezvous needs every rank of the group, which only the group's creation guarantees (a
+first call may be a send between two of them), so it is made with the group and closed again
+if the group turns out to send CPU tensors elsewhere.
 """
 
 from __future__ import annotations
@@ -21,17 +29,16 @@ from . import BACKEND_NAME, DEVICES
 TORCH_BACKENDS = ("gloo", "nccl")
 
 
-def device_backends(caller_frame: Any) -> Dict[str, str]:
-    """device type -> backend name, read from the BackendConfig of torch's caller.
-
-    torch's creator hook is told neither; its caller (``_new_process_group_helper``) has
-    them in ``backend_config``. If torch ever stops having it there: "dk" for every device.
-    """
-    config = caller_frame.f_locals.get("backend_config") if caller_frame is not None else None
+def device_backends(group: dist.ProcessGroup) -> Dict[str, str]:
+    """device type -> backend name, from the backend string torch recorded for ``group``
+    (``"cpu:dk,cuda:nccl"``); "dk" for every device where torch has none (a group made
+    outside ``init_process_group`` / ``new_group``)."""
     try:
-        return {str(d): str(b) for d, b in config.get_device_backend_map().items()}
-    except AttributeError:
-        return {device: BACKEND_NAME for device in DEVICES}
+        config = dist.get_backend_config(group)
+    except Exception:  # noqa: BLE001 - torch raises different errors for an unknown group
+        config = ""
+    pairs = [pair.split(":", 1) for pair in config.split(",") if ":" in pair]
+    return {device: backend for device, backend in pairs} or dict.fromkeys(DEVICES, BACKEND_NAME)
 
 
 class Routes:
@@ -40,8 +47,9 @@ class Routes:
     Args:
         store: the group's store (this object takes sub-prefixes of it per device).
         rank, world_size, timeout: as torch handed them to the creator.
-        backends: device type -> "dk", "gloo" or "nccl".
         label: "[rank r] dk group 'name'", for errors.
+
+    Made with our CPU communicator; :meth:`resolve` then sets the device table.
     """
 
     def __init__(
@@ -50,33 +58,46 @@ class Routes:
         rank: int,
         world_size: int,
         timeout: datetime.timedelta,
-        backends: Dict[str, str],
         label: str,
     ) -> None:
-        for device, backend in backends.items():
-            if backend != BACKEND_NAME and backend not in TORCH_BACKENDS:
-                raise ValueError(
-                    f"{label}: device {device!r} asks for backend {backend!r}; a dk group can "
-                    f"hand a device to {' or '.join(TORCH_BACKENDS)} only"
-                )
-        self.store, self.rank, self.world_size = store, rank, world_size
-        self.timeout, self.backends, self.label = timeout, dict(backends), label
-        self._ours: Dict[str, Any] = {}
-        self._torch: Dict[str, Any] = {}
-        # Whether any device goes to a torch backend (else calls skip the device lookup).
-        self.delegates = any(b in TORCH_BACKENDS for b in self.backends.values())
-        self._lock = threading.Lock()
-        if self.backends.get("cpu") == BACKEND_NAME:
-            from ..comm.communicator import Communicator
+        from ..comm.communicator import Communicator
 
-            self._ours["cpu"] = Communicator(
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout, self.label = timeout, label
+        #: device type -> "dk", "gloo" or "nccl"; None until :meth:`resolve`.
+        self.backends: Optional[Dict[str, str]] = None
+        # Whether any device goes to a torch backend (else calls skip the device lookup).
+        self.delegates = False
+        self._torch: Dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._ours: Dict[str, Any] = {
+            "cpu": Communicator(
                 store=dist.PrefixStore("cpu/", store),
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout,
             )
-        elif self.backends.get("cpu") == "gloo":
-            self._torch["cpu"] = self._torch_backend("cpu", "gloo")
+        }
+
+    def resolve(self, backends: Dict[str, str]) -> None:
+        """Sets the device table once (:func:`device_backends`); raises ValueError for a
+        backend a dk group cannot hand a device to."""
+        for device, backend in backends.items():
+            if backend != BACKEND_NAME and backend not in TORCH_BACKENDS:
+                raise ValueError(
+                    f"{self.label}: device {device!r} asks for backend {backend!r}; a dk group "
+                    f"can hand a device to {' or '.join(TORCH_BACKENDS)} only"
+                )
+        with self._lock:
+            if self.backends is not None:
+                return
+            unused = self._ours.pop("cpu", None) if backends.get("cpu") != BACKEND_NAME else None
+            if unused is not None:
+                unused.close()
+            if backends.get("cpu") == "gloo":  # collective: every rank's first call makes it
+                self._torch["cpu"] = self._torch_backend("cpu", "gloo")
+            self.delegates = any(b in TORCH_BACKENDS for b in backends.values())
+            self.backends = dict(backends)
 
     def delegate(self, device: Optional[torch.device]) -> Optional[Any]:
         """The torch backend that serves ``device``, or None when we do."""

@@ -6,7 +6,7 @@ character corpus and its layout-independent sampler), ``model`` (the model seam)
 ``checkpoints`` (resume and elastic recovery), ``report`` (summary table and plot), ``cli``.
 """
 
-from .config import ConfigError, ModelConfig, TrainConfig
+from .config import ConfigError, TrainConfig
 from .driver import RunResult, train
 
-__all__ = ["ConfigError", "ModelConfig", "RunResult", "TrainConfig", "train"]
+__all__ = ["ConfigError", "RunResult", "TrainConfig", "train"]

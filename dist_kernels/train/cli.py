@@ -1,10 +1,10 @@
 """``python -m dist_kernels.train``: parse, check everything, then spawn ranks or join torchrun.
 
 Without ``torchrun`` (no ``RANK`` / ``WORLD_SIZE`` in the environment) it starts
-``dp x tp x cp x pp`` local CPU ranks itself, as ``python -m dist_kernels.bench`` does (spawn, a
-TCPStore on 127.0.0.1, a gloo group). Under ``torchrun`` it is one of the ranks; with
-``--max-restarts`` and ``--resume auto`` a group restarted after a lost rank continues from the
-newest complete checkpoint.
+``dp x tp x cp x pp`` local CPU ranks itself, as ``python -m dist_kernels.bench`` does
+(:mod:`dist_kernels.launch`: a TCPStore this process holds open, a gloo group). Under
+``torchrun`` it is one of the ranks; with ``--max-restarts`` and ``--resume auto`` a group
+restarted after a lost rank continues from the newest complete checkpoint.
 
 Every check that can fail (options, batch arithmetic, data file, checkpoint to resume) runs
 in the launching process, before any rank starts.
@@ -13,13 +13,13 @@ in the launching process, before any rank starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
-import multiprocessing as mp
 import os
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .config import ConfigError, ModelConfig, TrainConfig
+from .config import ConfigError, TrainConfig
 
 _STRATEGY_HELP = "0 = DDP; 1 / 2 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stragglers, checkpoints, and torch's DDP / FSDP2 beside ours.",
     )
     d = TrainConfig()
-    m = ModelConfig()
+    m = d.model
     add = p.add_argument
     add("--dp", type=int, default=0, help="data-parallel replicas (0: world / (tp x cp x pp))")
     add("--tp", type=int, default=1, help="tensor-parallel ranks")
@@ -72,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--decay", default=d.decay, choices=("cosine", "constant"))
     add("--seed", type=int, default=d.seed)
     add("--data", default=None, help="text file (default: the package's own Python sources)")
-    add("--n-layer", type=int, default=m.n_layer)
-    add("--n-head", type=int, default=m.n_head)
-    add("--d-model", type=int, default=m.d_model)
-    add("--seq-len", type=int, default=m.seq_len)
+    add("--n-layer", type=int, default=m.n_layers, help="transformer blocks")
+    add("--n-head", type=int, default=m.n_heads, help="attention heads per block")
+    add("--d-model", type=int, default=m.dim, help="width of the residual stream")
+    add("--seq-len", type=int, default=m.block_size, help="characters per sample")
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     add("--resume", default=None, help="'auto' (newest complete checkpoint) or a step directory")
@@ -99,8 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    model = ModelConfig(
-        n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len
+    model = dataclasses.replace(
+        TrainConfig().model,
+        n_layers=args.n_layer,
+        n_heads=args.n_head,
+        dim=args.d_model,
+        block_size=args.seq_len,
     )
     return TrainConfig(
         dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, zero=args.zero, schedule=args.schedule,
@@ -132,7 +136,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"engine={cfg.engine!r} supports tp=1 only (tp={cfg.tp})")
     if cfg.engine != "dk" and cfg.checkpoint_dir is not None:
         raise ConfigError(f"checkpoints are written by --engine dk only (engine={cfg.engine!r})")
-    corpus = CharCorpus.build(cfg.data, cfg.model.seq_len)
+    corpus = CharCorpus.build(cfg.data, cfg.model.block_size)
     model = model_config(cfg, corpus)
     resolve_resume(cfg, identity(cfg, describe(model), corpus.fingerprint()))
     if cfg.plot is not None:
@@ -168,33 +172,27 @@ def run_rank(cfg: TrainConfig) -> List[Any]:
     return results
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig) -> None:
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=cfg.timeout)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        run_rank(cfg)
-    finally:
-        dist.destroy_process_group()
+def _spawned_rank(cfg: TrainConfig) -> None:
+    run_rank(cfg)  # the results stay on the ranks: rank 0 has printed them
 
 
 def _spawn(cfg: TrainConfig, world_size: int) -> int:
-    import torch.distributed as dist
-
-    from ..bench.cli import run_processes
+    from .. import launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_spawned_rank, args=(r, world_size, store.port, cfg), name=f"dk-train{r}"
+    try:
+        launch.run(
+            world_size,
+            _spawned_rank,
+            cfg,
+            grace=min(60.0, cfg.timeout),
+            group_timeout=cfg.timeout,
+            name="dk-train{rank}",
         )
-        for r in range(world_size)
-    ]
-    return run_processes(procs, cfg.timeout)
+    except launch.RanksError as e:
+        print(f"dist_kernels.train: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _join_torchrun(timeout_s: float) -> None:
@@ -214,13 +212,13 @@ def _join_torchrun(timeout_s: float) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = config_from_args(args)
     torchrun = under_torchrun()
-    local = (cfg.dp or 1) * cfg.tp * cfg.cp * cfg.pp
-    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else local
     try:
+        cfg = config_from_args(args)  # GPTConfig checks the model's shape when built
+        local = (cfg.dp or 1) * cfg.tp * cfg.cp * cfg.pp
+        world_size = int(os.environ["WORLD_SIZE"]) if torchrun else local
         cfg = preflight(cfg, world_size)
-    except ValueError as e:  # ConfigError, DataError, CheckpointError
+    except ValueError as e:  # ConfigError, DataError, CheckpointError, GPTConfig's
         print(f"dist_kernels.train: error: {e}", file=sys.stderr)
         return 2
     if world_size == 1:

@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
+from ..models import GPTConfig
+
 Dtype = Literal["fp32", "bf16", "fp16"]
 Engine = Literal["dk", "torch", "both"]
 LrScaling = Literal["none", "linear", "sqrt"]
@@ -25,20 +27,10 @@ class ConfigError(ValueError):
     """A training option is missing, out of range, or inconsistent with the others."""
 
 
-@dataclass
-class ModelConfig:
-    """Size of the character-level GPT (the vocabulary comes from the corpus)."""
-
-    n_layer: int = 2
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide ``d_model`` (and ``tp``)."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    seq_len: int = 64
-    """Characters per sample (the context length)."""
-    vocab_size: int = 0
-    """Distinct characters; 0 = set from the corpus."""
+def driver_model() -> GPTConfig:
+    """The driver's default model: 2 blocks, width 128, 4 heads, 64 characters of context, an
+    untied head and no dropout (what :meth:`TrainConfig.check` requires of any model)."""
+    return GPTConfig(block_size=64, n_layers=2, n_heads=4, dim=128, tie_embeddings=False)
 
 
 @dataclass
@@ -95,8 +87,9 @@ class TrainConfig:
     """Seeds the model's initialisation and the data order (both independent of layout)."""
     data: Optional[str] = None
     """A text file to train on; None = the package's own Python sources."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Model size."""
+    model: GPTConfig = field(default_factory=driver_model)
+    """The character-level GPT; ``block_size`` is the characters per sample, and
+    ``vocab_size`` is replaced by the corpus's (padded: ``driver.model_config``)."""
     checkpoint_dir: Optional[str] = None
     """Directory of checkpoints (``step-<N>/`` each); None = no checkpoints."""
     checkpoint_every: int = 0
@@ -179,11 +172,12 @@ class TrainConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.resume is not None and self.resume == "auto" and self.checkpoint_dir is None:
             raise ConfigError("resume=auto needs checkpoint_dir")
-        m = self.model
-        for name in ("n_layer", "n_head", "d_model", "seq_len"):
-            _at_least(f"model.{name}", getattr(m, name), 1)
-        if m.d_model % m.n_head:
-            raise ConfigError(f"d_model({m.d_model}) is not a multiple of n_head({m.n_head})")
+        if self.model.tie_embeddings or self.model.dropout:
+            raise ConfigError(
+                "model: the driver trains an untied head without dropout (pipeline stages share "
+                "no weight; the data order is the only random stream), got tie_embeddings="
+                f"{self.model.tie_embeddings}, dropout={self.model.dropout}"
+            )
 
     def _check_layout(self) -> None:
         if self.zero and self.dp * self.cp == 1:
@@ -194,15 +188,15 @@ class TrainConfig:
             raise ConfigError(f"zero({self.zero}) with pp({self.pp}) > 1 is not supported yet")
         if self.pp > 1 and self.engine != "dk":
             raise ConfigError(f"engine={self.engine!r} supports pp=1 only (pp={self.pp})")
-        if self.pp > self.model.n_layer + 2:
+        if self.pp > self.model.n_layers + 2:
             raise ConfigError(
-                f"pp({self.pp}) > n_layer({self.model.n_layer}) + 2: a stage would be empty"
+                f"pp({self.pp}) > n_layers({self.model.n_layers}) + 2: a stage would be empty"
             )
-        if self.tp > 1 and self.model.n_head % self.tp:
-            raise ConfigError(f"n_head({self.model.n_head}) is not a multiple of tp({self.tp})")
-        if self.cp > 1 and self.model.seq_len % (2 * self.cp):
+        if self.tp > 1 and self.model.n_heads % self.tp:
+            raise ConfigError(f"n_heads({self.model.n_heads}) is not a multiple of tp({self.tp})")
+        if self.cp > 1 and self.model.block_size % (2 * self.cp):
             raise ConfigError(
-                f"seq_len({self.model.seq_len}) is not a multiple of 2 x cp({self.cp}) = "
+                f"block_size({self.model.block_size}) is not a multiple of 2 x cp({self.cp}) = "
                 f"{2 * self.cp}: each cp rank holds two of 2 cp chunks (load balancing)"
             )
         if self.cp > 1 and self.engine != "dk":

@@ -110,7 +110,7 @@ def train(cfg: TrainConfig, engine: Optional[str] = None, append_log: bool = Fal
     ("dk" or "torch"; default ``cfg.engine``). Collective: every rank calls it. The JSON log
     is appended to when ``append_log`` or when the run resumes a checkpoint."""
     engine = engine or cfg.engine
-    corpus = CharCorpus.build(cfg.data, cfg.model.seq_len)
+    corpus = CharCorpus.build(cfg.data, cfg.model.block_size)
     cfg = dataclasses.replace(cfg, model=model_config(cfg, corpus))
     world = World(cfg, need_mesh=engine == "dk")
     try:
@@ -124,7 +124,7 @@ class _Run:
         self, cfg: TrainConfig, engine: str, world: World, corpus: CharCorpus, append_log: bool
     ) -> None:
         self.cfg, self.engine_name, self.world = cfg, engine, world
-        self.sampler = Sampler(corpus, cfg.model.seq_len, cfg.global_batch, cfg.seed)
+        self.sampler = Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed)
         self.ident = checkpoints.identity(cfg, describe(cfg.model), corpus.fingerprint())
         resume = checkpoints.resolve_resume(cfg, self.ident)
         full, _ = build_model(cfg.model, cfg.seed)
@@ -144,7 +144,7 @@ class _Run:
         )
         self.result = RunResult(engine, self.start_step)
         self.peak_flops = matmul_peak_flops(seconds=0.1)
-        self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
+        self.tokens_per_step = cfg.global_batch * cfg.model.block_size
         self.progress = Progress(
             cfg.progress and self.is_rank0, cfg.steps, self.start_step, f"train[{engine}]"
         )

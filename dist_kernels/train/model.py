@@ -18,11 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models import GPT, GPTConfig
-from .config import ModelConfig
 
 
 def build_model(
-    cfg: ModelConfig, seed: int, tp_comm: Any = None, cp_comm: Any = None
+    cfg: GPTConfig, seed: int, tp_comm: Any = None, cp_comm: Any = None
 ) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
     layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel), on
@@ -31,26 +30,12 @@ def build_model(
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        gpt = _gpt(cfg)
+        gpt = GPT(cfg)
     if tp_comm is not None and tp_comm.world_size > 1:
         gpt.parallelize(tp_comm)  # slices the unsharded initialisation: same model as tp=1
     if cp_comm is not None and cp_comm.world_size > 1:
         gpt.context_parallel(cp_comm)
     return gpt.as_sequential(), gpt.loss
-
-
-def _gpt(cfg: ModelConfig) -> GPT:
-    return GPT(
-        GPTConfig(
-            vocab_size=cfg.vocab_size,
-            block_size=cfg.seq_len,
-            n_layers=cfg.n_layer,
-            n_heads=cfg.n_head,
-            dim=cfg.d_model,
-            dropout=0.0,
-            tie_embeddings=False,
-        )
-    )
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -66,17 +51,17 @@ def matmul_params(model: nn.Module) -> int:
     )
 
 
-def flops_per_token(cfg: ModelConfig, model: nn.Module) -> int:  # model: unsharded
+def flops_per_token(cfg: GPTConfig, model: nn.Module) -> int:  # model: unsharded
     """Training FLOPs per token: ``6 N + 12 L T d``.
 
     ``6 N``: forward 2 FLOPs per matmul parameter per token, backward twice that (Kaplan et al.
     2020). ``12 L T d``: attention scores ``QK^T`` and ``AV``, 2 matmuls of ``2 T d`` FLOPs per
     token per layer forward, times 3 with backward; causal masking not subtracted (as in PaLM,
-    appendix B). ``N`` = :func:`matmul_params`, ``L`` layers, ``T`` = seq_len, ``d`` = d_model.
+    appendix B). ``N`` = :func:`matmul_params`, ``L`` layers, ``T`` = block_size, ``d`` = dim.
     """
-    return 6 * matmul_params(model) + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+    return 6 * matmul_params(model) + 12 * cfg.n_layers * cfg.block_size * cfg.dim
 
 
-def describe(cfg: ModelConfig) -> Dict[str, Any]:
+def describe(cfg: GPTConfig) -> Dict[str, Any]:
     """The model's identity in checkpoints (resuming another model is refused)."""
     return {"kind": "dist_kernels.models.GPT", **dataclasses.asdict(cfg)}

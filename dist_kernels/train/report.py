@@ -43,7 +43,7 @@ def summary_table(cfg: TrainConfig, results: Sequence[Any]) -> str:
         f"dp={cfg.dp} tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} zero={cfg.zero} "
         f"global_batch={cfg.global_batch} "
         f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x dp {cfg.dp}) "
-        f"seq_len={cfg.model.seq_len} dtype={cfg.dtype}"
+        f"seq_len={cfg.model.block_size} dtype={cfg.dtype}"
     )
     return "\n".join([layout, line(header), *map(line, rows)])
 
