@@ -61,13 +61,14 @@ import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_leaves
 
-from ..amp.bucketing import plan_buckets
-from . import plan
+from ..buckets import plan
+from ..buckets.plan import plan_buckets
 from .broadcast import _broadcast_bytes
 from .grad_bucket import Reductions
 from .join import _UnevenInputs
 from .options import _check_devices, _check_options, _resolve_comm
 from .reducer import _BackwardPass, _hook_name, _is_view, _Reducer
+from .structure import describe_parameters, first_description_mismatch
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -263,13 +264,11 @@ class DistributedDataParallel(_Reducer, _UnevenInputs, nn.Module, Joinable):
         named = list(self.module.named_parameters())
         entries = [  # requires_grad decides the bucket plan: it must agree too
             entry + ("" if p.requires_grad else " frozen")
-            for entry, (_, p) in zip(plan.describe_parameters(named), named)
+            for entry, (_, p) in zip(describe_parameters(named), named)
         ]
-        entries += [
-            "buffer " + e for e in plan.describe_parameters(list(self.module.named_buffers()))
-        ]
+        entries += ["buffer " + e for e in describe_parameters(list(self.module.named_buffers()))]
         per_rank = self._all_gather_bytes("\n".join(entries).encode())
-        message = plan.first_description_mismatch([b.decode().split("\n") for b in per_rank])
+        message = first_description_mismatch([b.decode().split("\n") for b in per_rank])
         if message:
             raise ValueError(f"[rank {self.rank}] {message}")
 
@@ -340,7 +339,7 @@ class DistributedDataParallel(_Reducer, _UnevenInputs, nn.Module, Joinable):
             bucket.zero_()
         self._views: List[Optional[torch.Tensor]] = [None] * len(self._params)
         for b, bucket in zip(layouts, self._buckets):
-            for index, offset, size in zip(b.param_indices, b.offsets, b.sizes):
+            for index, offset, size in zip(b.param_indices, b.offsets, b.counts):
                 param = self._params[index]
                 if self._grad_views and param.is_contiguous():
                     self._views[index] = bucket[offset : offset + size].view(param.shape)
@@ -350,13 +349,13 @@ class DistributedDataParallel(_Reducer, _UnevenInputs, nn.Module, Joinable):
         """One rank: no plan, no buckets, no views (``.grad`` stays where autograd puts it)."""
         #: The bucket plan (printable), in launch order; None on one rank.
         self.bucket_plan = None
-        self._layouts: List[plan.BucketLayout] = []
+        self._layouts: List[plan.Bucket] = []
         self._layout_id = 0
         self._bucket_of = {}
         self._buckets: List[torch.Tensor] = []
         self._views = [None] * len(self._params)
 
-    def _plan(self, order: Sequence[int]) -> List[plan.BucketLayout]:
+    def _plan(self, order: Sequence[int]) -> List[plan.Bucket]:
         #: The bucket plan (printable), in launch order; None on one rank.
         self.bucket_plan = plan_buckets(
             list(zip(self._names, self._params)),
@@ -365,7 +364,7 @@ class DistributedDataParallel(_Reducer, _UnevenInputs, nn.Module, Joinable):
             first_bucket_bytes=self._first_bucket_bytes,
             order=list(order),
         )
-        return plan.layouts_from_plan(self.bucket_plan.buckets)
+        return plan.with_status_slots(self.bucket_plan.buckets)
 
     def _params_with_grad(self) -> List[int]:
         return [i for i, p in enumerate(self._params) if p.grad is not None]
@@ -470,7 +469,7 @@ class DistributedDataParallel(_Reducer, _UnevenInputs, nn.Module, Joinable):
         return list(self._buckets)
 
     @property
-    def bucket_layouts(self) -> List[plan.BucketLayout]:
+    def bucket_layouts(self) -> List[plan.Bucket]:
         """The current bucket plan, in launch order."""
         return list(self._layouts)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..amp.bucketing import pack, unpack
+from ..buckets.kernels import pack, unpack
 from .grad_bucket import GradBucket, all_reduce_future, average_future, check_state
 from .powersgd import PowerSGDState, powerSGD_hook
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.join import Join, JoinHook
 
+from ..buckets import plan
 from ..dtypes import ReduceOp
-from . import plan
 from .broadcast import _broadcast_bytes
 from .reducer import _BackwardPass
 

@@ -24,9 +24,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..amp.bucketing import pack, unpack, unscale_
+from ..buckets import plan
+from ..buckets.kernels import pack, unpack, unscale_
 from ..dtypes import DTYPE_CODES
-from . import plan
 from .grad_bucket import GradBucket
 
 
@@ -34,7 +34,7 @@ class _BackwardPass:
     """Bookkeeping of one synchronised backward."""
 
     def __init__(
-        self, layouts: Sequence[plan.BucketLayout], num_params: int, device: torch.device
+        self, layouts: Sequence[plan.Bucket], num_params: int, device: torch.device
     ) -> None:
         self.pending = [len(b.param_indices) for b in layouts]
         self.ready = [False] * num_params
@@ -209,10 +209,10 @@ class _Reducer:
         else:
             state.works[bucket_index] = self._reductions.all_reduce(bucket)
 
-    def _fill(self, layout: plan.BucketLayout, bucket: torch.Tensor, state: _BackwardPass) -> None:
+    def _fill(self, layout: plan.Bucket, bucket: torch.Tensor, state: _BackwardPass) -> None:
         """This rank's gradients into the bucket, times the pre-scale; flags inf/NaN."""
         present, in_place = [], []
-        for index, offset, size in zip(layout.param_indices, layout.offsets, layout.sizes):
+        for index, offset, size in zip(layout.param_indices, layout.offsets, layout.counts):
             grad, view = self._params[index].grad, self._views[index]
             if grad is None:
                 bucket[offset : offset + size].zero_()
@@ -247,7 +247,7 @@ class _Reducer:
             )
         return future, bucket[:end]
 
-    def _check_fingerprint(self, layout: plan.BucketLayout, status: int) -> None:
+    def _check_fingerprint(self, layout: plan.Bucket, status: int) -> None:
         """DK_DEBUG=1: all ranks compare what they are about to all-reduce; raise on mismatch."""
         mine = plan.fingerprint(
             self._sequence, layout, DTYPE_CODES[layout.dtype], self._layout_id, status

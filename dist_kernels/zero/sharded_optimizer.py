@@ -344,7 +344,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pieces: Dict[Tuple[int, int], List[_Piece]] = defaultdict(list)
         for g, fg in enumerate(self.flat_groups):
             for b in fg.plan.buckets:
-                for s in b.slots:
+                for s in b.param_indices:
                     slot = fg.plan.slots[s]
                     lo = max(b.start, slot.offset)
                     hi = min(b.start + b.numel, slot.offset + slot.numel)
