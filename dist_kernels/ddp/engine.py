@@ -63,8 +63,8 @@ from torch.utils._pytree import tree_leaves
 
 from ..buckets import plan
 from ..buckets.plan import plan_buckets
+from ..buckets.reductions import Reductions
 from .broadcast import _broadcast_bytes
-from .grad_bucket import Reductions
 from .join import _UnevenInputs
 from .options import _check_devices, _check_options, _resolve_comm
 from .reducer import _BackwardPass, _hook_name, _is_view, _Reducer

@@ -25,9 +25,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from ..buckets import plan
+from ..buckets.comm_hook import GradBucket
 from ..buckets.kernels import pack, unpack, unscale_
 from ..dtypes import DTYPE_CODES
-from .grad_bucket import GradBucket
 
 
 class _BackwardPass:
