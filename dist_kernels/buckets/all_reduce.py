@@ -169,12 +169,13 @@ class AllReduce:
     ) -> None:
         world_size = reductions.comm.world_size
         factor = float(predivide or world_size)
+        self.predivide = predivide
         self.memory = buckets
         self.reductions = reductions
         self.device = buckets.device
         self.pre_scale, self.post_scale = 1.0 / factor, factor / world_size
-        self._debug = debug
-        self._rank, self._world_size = rank, world_size
+        self.debug = debug
+        self.rank, self._world_size = rank, world_size
         self._pass_scale = self.pre_scale
         self._shadow = False
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -183,6 +184,14 @@ class AllReduce:
     @property
     def bytes_sent(self) -> int:
         return self.reductions.bytes
+
+    @property
+    def tensors(self) -> List[torch.Tensor]:
+        """The registered bucket tensors, in launch order."""
+        return self.memory.tensors
+
+    def detach_views(self) -> None:
+        self.memory.detach_views()
 
     def allocate(self, buckets: Sequence[Bucket]) -> List[Bucket]:
         return self.memory.allocate(buckets)
@@ -210,7 +219,7 @@ class AllReduce:
         else:
             self.memory.fill(b, self._pass_scale, self.found_inf)
         self.memory.write_status(b, status, self.found_inf)
-        if self._debug:
+        if self.debug:
             self._check_fingerprint(b, status, sequence)
 
     def _start(self, b: int, group: Any) -> Any:
@@ -262,7 +271,7 @@ class AllReduce:
         comm.all_gather(out, torch.tensor(mine, dtype=torch.int64, device=self.device))
         message = plan.fingerprint_mismatch(out.view(self._world_size, -1).tolist())
         if message:
-            raise BucketMismatch(f"[rank {self._rank}] {message}")
+            raise BucketMismatch(f"[rank {self.rank}] {message}")
 
 
 class InPlace:
@@ -277,7 +286,11 @@ class InPlace:
         self.params = list(params)
         self.device = device
         self.bytes_sent = 0
+        self.tensors: List[torch.Tensor] = []
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+
+    def detach_views(self) -> None:
+        """Nothing: on one rank ``.grad`` stays where autograd put it."""
 
     def allocate(self, buckets: Sequence[Bucket]) -> List[Bucket]:
         return []

@@ -138,6 +138,12 @@ class CommHook(AllReduce):
         self._status = reductions.comm.empty((plan.STATUS_SLOTS,), torch.float32)
         self._timeout_s = _seconds(reductions.comm)
 
+    @classmethod
+    def replacing(cls, route: AllReduce, hook: Any, state: Any) -> CommHook:
+        """A hook route over ``route``'s bucket memory and all-reduces (collective: the
+        status buffer), to install in its place (``register_comm_hook``)."""
+        return cls(route.memory, route.reductions, hook, state, debug=route.debug, rank=route.rank)
+
     def _start(self, b: int, group: Any) -> Tuple[torch.futures.Future, torch.Tensor]:
         """Hands bucket ``b`` (without its status slots) to the hook."""
         layout, bucket = self.memory.layouts[b], self.memory.tensors[b]
@@ -153,7 +159,7 @@ class CommHook(AllReduce):
         future = self.hook(self.state, grad_bucket)
         if not isinstance(future, torch._C.Future):  # then() returns the C++ base class
             raise TypeError(
-                f"[rank {self._rank}] DistributedDataParallel: the comm hook "
+                f"[rank {self.rank}] DistributedDataParallel: the comm hook "
                 f"{hook_name(self.hook)} returned {type(future).__name__} for bucket {b}; it "
                 "must return a torch.futures.Future of the reduced buffer"
             )
@@ -179,7 +185,7 @@ class CommHook(AllReduce):
             while not future.done():  # a torch.distributed future completes on its own
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"[rank {self._rank}] DistributedDataParallel: the comm hook "
+                        f"[rank {self.rank}] DistributedDataParallel: the comm hook "
                         f"{hook_name(self.hook)}'s Future for bucket {b} did not complete "
                         "within the communicator's timeout after all of its all-reduces ran; "
                         "the hook must complete it (e.g. from a then() callback)"
@@ -194,7 +200,7 @@ class CommHook(AllReduce):
         if not torch.is_tensor(result) or result.numel() != buffer.numel():
             got = tuple(result.shape) if torch.is_tensor(result) else type(result).__name__
             raise RuntimeError(
-                f"[rank {self._rank}] DistributedDataParallel: the comm hook "
+                f"[rank {self.rank}] DistributedDataParallel: the comm hook "
                 f"{hook_name(self.hook)}'s Future for bucket {b} holds {got}; expected a "
                 f"tensor of the bucket buffer's {buffer.numel()} elements"
             )

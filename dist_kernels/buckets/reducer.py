@@ -100,6 +100,11 @@ class BucketReducer:
         self.launched = 0
         self.set_plan(plan, groups)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the buckets live."""
+        return self.collective.device
+
     # ----------------------------------------------------------------- the plan
 
     def set_plan(self, plan: Any, groups: Optional[Sequence[Any]] = None) -> None:
@@ -133,7 +138,7 @@ class BucketReducer:
         self._rebuilt = True
         order = rebuilt_order(ready_order, self.num_params)
         if self._comm is not None and self._comm.world_size > 1 and order:
-            agreed = torch.tensor(order, dtype=torch.int64, device=self.collective.device)
+            agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
             self._comm.broadcast(agreed, 0)
             order = agreed.tolist()
         if order != self.planned_order():
