@@ -164,10 +164,7 @@ def _ddp_cases() -> Dict[str, Callable[[int], tuple]]:
         "ddp fp16 wire, predivide 2": lambda r: _ddp_train(
             r, grad_dtype=torch.float16, gradient_predivide_factor=2.0
         ),
-        "ddp loss scaler, inf step": lambda r: _ddp_train(
-            r, scaler=dk.LossScaler(init_scale=2.0**6, growth_interval=1), inf_step=1,
-            loss_scaler=None,
-        ),  # fmt: skip
+        "ddp loss scaler, inf step": lambda r: _ddp_train(r, scaler=_scaler(), inf_step=1),
         "ddp loss scaler in DDP, inf step": lambda r: _ddp_scaler_in_ddp(r),
         "ddp find_unused, rank-dependent": lambda r: _ddp_train(
             r, find_unused_parameters=True, skip_last_on_rank1=True
@@ -183,11 +180,15 @@ def _ddp_cases() -> Dict[str, Callable[[int], tuple]]:
     }
 
 
-def _ddp_scaler_in_ddp(rank: int):
-    """The scaler handed to DDP: unscaled in the bucket pass, its verdict from the status slot."""
+def _scaler():
     import dist_kernels as dk
 
-    scaler = dk.LossScaler(init_scale=2.0**6, growth_interval=1)
+    return dk.LossScaler(init_scale=2.0**6, growth_interval=1)
+
+
+def _ddp_scaler_in_ddp(rank: int):
+    """The scaler handed to DDP: unscaled in the bucket pass, its verdict from the status slot."""
+    scaler = _scaler()
     return _ddp_train(rank, scaler=scaler, inf_step=1, loss_scaler=scaler)
 
 
