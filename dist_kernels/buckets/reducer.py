@@ -49,7 +49,7 @@ __all__ = ["BucketReducer"]
 class _Pass:
     """Bookkeeping of one backward (or of a joined rank's stand-in for one)."""
 
-    def __init__(self, buckets: Sequence[Bucket], num_params: int, shadow: bool) -> None:
+    def __init__(self, buckets: Sequence[Bucket], num_params: int) -> None:
         self.pending = [len(b.slots) for b in buckets]  # pieces still to deliver, per bucket
         self.ready = [False] * num_params
         self.used = [False] * num_params
@@ -59,7 +59,6 @@ class _Pass:
         self.next_launch = 0
         self.handles: Dict[int, Any] = {}  # in flight, by bucket, in launch order
         self.status = STATUS_OK  # the worst status a bucket was launched with
-        self.shadow = shadow
 
 
 class BucketReducer:
@@ -74,7 +73,8 @@ class BucketReducer:
         comm: the Communicator every rank of the engine shares (the rebuilt order is
             broadcast on it).
         window: at most this many buckets take gradients at once (None: all).
-        groups: per bucket, the Communicator to reduce it over (None: the collective's).
+        groups: per bucket, the Communicator to reduce it over (None: the collective's);
+            for a fixed plan (without ``planner``, whose plans would not know them).
         planner: ``order -> BucketPlan`` for :meth:`rebuild` (None: the plan is fixed).
     """
 
@@ -89,6 +89,8 @@ class BucketReducer:
         groups: Optional[Sequence[Any]] = None,
         planner: Optional[Callable[[Sequence[int]], BucketPlan]] = None,
     ) -> None:
+        if groups is not None and planner is not None:
+            raise ValueError("BucketReducer: groups need a fixed plan (planner=None)")
         self.collective = collective
         self.num_params = num_params
         self._comm = comm
@@ -104,6 +106,13 @@ class BucketReducer:
     def device(self) -> torch.device:
         """Where the buckets live."""
         return self.collective.device
+
+    def set_collective(self, collective: Any) -> None:
+        """Moves the buckets a different way from now on (DDP's ``register_comm_hook``: a hook
+        route over the same bucket memory)."""
+        if self._pass is not None:
+            raise RuntimeError("BucketReducer.set_collective: a backward is in flight")
+        self.collective = collective
 
     # ----------------------------------------------------------------- the plan
 
@@ -157,7 +166,7 @@ class BucketReducer:
         """
         if self._pass is not None:
             raise RuntimeError("BucketReducer.begin: a backward is already in flight")
-        self._pass = _Pass(self.buckets, self.num_params, shadow)
+        self._pass = _Pass(self.buckets, self.num_params)
         self.collective.begin(shadow=shadow, **options)
 
     def is_ready(self, index: int) -> bool:
@@ -216,7 +225,8 @@ class BucketReducer:
         self._pass = None
 
     def finish(self, status: int = STATUS_OK) -> Any:
-        """Every parameter not reported counts as zeros; launches the rest, waits, ends."""
+        """Reports every parameter not reported yet (with the gradient it holds; none counts
+        as zeros), launches the rest, waits and ends the pass (ZeRO's end of backward)."""
         state = self._pass
         try:
             for index in range(self.num_params):

@@ -74,9 +74,10 @@ class BackwardSync:
         reducer: the engine's bucket reducer.
         named_params: the parameters that require gradients, with their names (the reducer's
             parameter order).
-        rank, world_size: for messages and the uneven-inputs rescale.
-        device: where the loss scaler's found-inf flag goes.
+        comm: the engine's Communicator (its rank and world size; the reducer communicates).
         find_unused_parameters: parameters may go without a gradient (torch's option).
+        static_graph: the graph is the same every iteration (torch's option; see
+            :meth:`set_static_graph`).
         loss_scaler: a LossScaler, or None.
     """
 
@@ -84,21 +85,20 @@ class BackwardSync:
         self,
         reducer: Any,
         named_params: Sequence[Tuple[str, torch.Tensor]],
-        *,
-        rank: int,
-        world_size: int,
-        device: torch.device,
+        comm: Any,
         find_unused_parameters: bool,
+        static_graph: bool,
         loss_scaler: Any,
     ) -> None:
         self.reducer = reducer
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
-        self._rank, self._world_size, self._device = rank, world_size, device
+        self._rank, self._world_size = comm.rank, comm.world_size
+        self._device = torch.device(getattr(comm, "device", "cpu"))
         self.find_unused_parameters = find_unused_parameters
         self.loss_scaler = loss_scaler
-        #: torch's attribute: True after :meth:`set_static_graph`.
-        self.static_graph = False
+        #: torch's attribute: True when constructed so or after :meth:`set_static_graph`.
+        self.static_graph = static_graph
         #: Static graph: per parameter, how often its hook fired in the first synchronised
         #: backward (0: unused); None until that backward completed on every rank.
         self._static_firings: Optional[List[int]] = None

@@ -49,7 +49,7 @@ from ..buckets.reductions import Reductions
 from .backward import BackwardSync
 from .broadcast import broadcast_state
 from .join import DDPJoinHook, UnevenInputs
-from .options import _check_devices, _check_options, _resolve_comm
+from .options import _check_options, _resolve_comm
 from .structure import check_structure
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -123,67 +123,71 @@ class DistributedDataParallel(nn.Module, Joinable):
     """
 
     def __init__(
-        self,
-        module: nn.Module,
-        comm: Any = None,
-        *,
-        bucket_cap_mb: float = 25,
-        first_bucket_mb: float = 1,
-        grad_dtype: Optional[torch.dtype] = None,
-        algorithm: str = "auto",
-        gradient_predivide_factor: Optional[float] = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        loss_scaler: Any = None,
-        process_group: Any = None,
-        device_ids: Optional[Sequence[Any]] = None,
-        output_device: Any = None,
-        dim: int = 0,
-        gradient_as_bucket_view: bool = True,
-        static_graph: bool = False,
-        init_sync: bool = True,
-    ) -> None:
+        self, module: nn.Module, comm: Any = None, *, bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1, grad_dtype: Optional[torch.dtype] = None,
+        algorithm: str = "auto", gradient_predivide_factor: Optional[float] = None,
+        find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+        loss_scaler: Any = None, process_group: Any = None,
+        device_ids: Optional[Sequence[Any]] = None, output_device: Any = None, dim: int = 0,
+        gradient_as_bucket_view: bool = True, static_graph: bool = False, init_sync: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__()
         Joinable.__init__(self)
-        _check_options(
-            module, bucket_cap_mb, first_bucket_mb, grad_dtype, gradient_predivide_factor
-        )
-        _check_devices(module, device_ids, output_device, dim)
+        _check_options(module, bucket_cap_mb, first_bucket_mb, grad_dtype,
+                       gradient_predivide_factor, device_ids, output_device, dim)  # fmt: skip
         self.module, self.dim, self.output_device = module, dim, output_device
         self.device_ids = None if device_ids is None else list(device_ids)
         self.comm, self._owns_comm = _resolve_comm(module, comm, process_group)
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
-        self.grad_dtype, self.algorithm, self.loss_scaler = grad_dtype, algorithm, loss_scaler
+        self.grad_dtype, self.algorithm = grad_dtype, algorithm
         self._predivide, self._comm_hook = gradient_predivide_factor, None
-        self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_bytes_cap = int(bucket_cap_mb * _MB)
-        self.broadcast_buffers = broadcast_buffers
-        #: Whether forwards arm their backward to synchronise (torch DDP's attribute): False inside
-        #: :meth:`no_sync`, and scripts may set it themselves (nanoGPT sets it per micro-step).
-        self.require_backward_grad_sync = True
-        self._sync_switch = True  # set_requires_gradient_sync; persistent, like FSDP2's
+        #: torch DDP's: forwards arm their backward to synchronise (False in :meth:`no_sync`).
+        self.require_backward_grad_sync, self._sync_switch = True, True  # switch: FSDP2's
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         check_structure(self.comm, module, [p for _, p in named])
         if init_sync:
             broadcast_state(self.comm, list(module.parameters()) + list(module.buffers()))
-        #: Owns the gradient buckets (``buckets.reducer.BucketReducer``; module docstring).
         self.reducer = _make_reducer(
-            self.comm, named, self.bucket_bytes_cap, int(first_bucket_mb * _MB), grad_dtype,
-            algorithm, gradient_predivide_factor, gradient_as_bucket_view,
+            self.comm, named, bucket_cap_mb, first_bucket_mb, grad_dtype, algorithm,
+            gradient_predivide_factor, gradient_as_bucket_view,
         )  # fmt: skip
         self._backward = BackwardSync(
-            self.reducer, named, rank=self.rank, world_size=self.world_size,
-            device=self.reducer.device, find_unused_parameters=find_unused_parameters,
-            loss_scaler=loss_scaler,
-        )  # fmt: skip
-        self._uneven = UnevenInputs(
-            self.comm, module, self.reducer, self._backward, broadcast_buffers=broadcast_buffers
+            self.reducer, named, self.comm, find_unused_parameters, static_graph, loss_scaler
         )
-        if static_graph:
-            self._set_static_graph()
+        self._uneven = UnevenInputs(
+            self.comm, module, self.reducer, self._backward, broadcast_buffers
+        )
 
     # ----------------------------------------------------------------- torch's attributes
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """torch's attribute: parameters may go without a gradient (settable, as in torch)."""
+        return self._backward.find_unused_parameters
+
+    @find_unused_parameters.setter
+    def find_unused_parameters(self, value: bool) -> None:
+        self._backward.find_unused_parameters = value
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's attribute: forwards broadcast the buffers first (settable, as in torch)."""
+        return self._uneven.broadcast_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self._uneven.broadcast_buffers = value
+
+    @property
+    def loss_scaler(self) -> Any:
+        """The LossScaler the end of backward unscales for (None: none)."""
+        return self._backward.loss_scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: Any) -> None:
+        self._backward.loss_scaler = scaler
 
     @property
     def static_graph(self) -> bool:
@@ -289,7 +293,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         self._comm_hook = hook
         if isinstance(route, AllReduce):  # on one rank nothing is reduced: no hook runs
-            self.reducer.collective = CommHook.replacing(route, hook, state)
+            self.reducer.set_collective(CommHook.replacing(route, hook, state))
 
     def close(self) -> None:
         """Removes the gradient hooks; closes the Communicator if this engine created it.
@@ -433,8 +437,8 @@ DDP = DistributedDataParallel
 def _make_reducer(
     comm: Any,
     named: Sequence[Tuple[str, torch.Tensor]],
-    cap_bytes: int,
-    first_bucket_bytes: int,
+    bucket_cap_mb: float,
+    first_bucket_mb: float,
     grad_dtype: Optional[torch.dtype],
     algorithm: str,
     predivide: Optional[float],
@@ -444,6 +448,7 @@ def _make_reducer(
     registered buckets all-reduced in reverse registration order first, re-planned in the
     observed order after the first backward (collective: allocates the buckets)."""
     params = [p for _, p in named]
+    cap_bytes, first_bucket_bytes = int(bucket_cap_mb * _MB), int(first_bucket_mb * _MB)
     device = torch.device(getattr(comm, "device", "cpu"))
     if comm.world_size == 1:
         return BucketReducer(InPlace(params, device), [], len(params), comm=comm)

@@ -55,7 +55,6 @@ class UnevenInputs:
         module: torch.nn.Module,
         reducer: Any,
         backward: Any,
-        *,
         broadcast_buffers: bool,
     ) -> None:
         self._comm = comm
