@@ -80,7 +80,8 @@ class ReduceScatter:
         self.holds_reduced = False
         self._reduced_in_place: set = set()  # stage 1: buckets whose slice holds the average
         self._owner: Dict[Tuple[torch.dtype, int], int] = {}  # staging buffer -> bucket
-        self._pieces_left: List[int] = []
+        self._pieces_left: List[int] = []  # per parameter: pieces in the plan
+        self._left: List[int] = []  # per parameter: pieces not delivered in this pass
         self._accumulate = False
 
     @property

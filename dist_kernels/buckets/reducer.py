@@ -186,7 +186,7 @@ class BucketReducer:
     def grad_ready(self, index: int, used: bool = True) -> None:
         """Parameter ``index`` has its gradient (``used=False``: it has none this pass, and
         counts as zeros); launches every bucket that is complete, in plan order."""
-        state = self._pass
+        state = self._in_flight("grad_ready")
         if state.ready[index]:
             raise RuntimeError(f"BucketReducer.grad_ready: parameter {index} is ready already")
         state.ready[index] = True
@@ -201,7 +201,7 @@ class BucketReducer:
         """Launches every bucket not launched yet, in order, with ``status`` in its status
         slots, whatever it holds: pieces never reported count as zeros (a shadow pass sends
         zeros throughout)."""
-        state = self._pass
+        state = self._in_flight("launch_rest")
         while state.next_launch < len(self.buckets):
             self._launch(state, state.next_launch, status)
             state.next_launch += 1
@@ -211,7 +211,7 @@ class BucketReducer:
         """Waits for every collective of the pass; returns the collective's status (DDP: the
         status slots every rank summed). ``used_mask``: the collective also learns which
         parameters had a gradient on some rank."""
-        state = self._pass
+        state = self._in_flight("wait")
         handles, state.handles = state.handles, {}
         used = state.used if used_mask else None
         return self.collective.wait(handles, status=state.status, used=used)
@@ -227,7 +227,7 @@ class BucketReducer:
     def finish(self, status: int = STATUS_OK) -> Any:
         """Reports every parameter not reported yet (with the gradient it holds; none counts
         as zeros), launches the rest, waits and ends the pass (ZeRO's end of backward)."""
-        state = self._pass
+        state = self._in_flight("finish")
         try:
             for index in range(self.num_params):
                 if not state.ready[index]:
@@ -238,6 +238,11 @@ class BucketReducer:
             self.end()
 
     # ----------------------------------------------------------------- internals
+
+    def _in_flight(self, call: str) -> _Pass:
+        if self._pass is None:
+            raise RuntimeError(f"BucketReducer.{call}: no backward in flight (call begin first)")
+        return self._pass
 
     def _deliver(self, state: _Pass, b: int, k: int) -> None:
         if self._window is not None and b >= state.next_launch + self._window:

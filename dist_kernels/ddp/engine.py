@@ -247,11 +247,9 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def describe_buckets(self) -> str:
         """The bucket plan, one bucket a line, with parameter names."""
-        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
-        lines = []
-        for b in self.reducer.buckets:
-            lines.append(f"{b.describe()}: {', '.join(names[i] for i in b.param_indices)}")
-        return "\n".join(lines)
+        return "\n".join(
+            f"{b.describe()}: {', '.join(s.name for s in b.slots)}" for b in self.reducer.buckets
+        )
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Reduces every bucket with ``hook(state, bucket)`` instead of the built-in all-reduce.
