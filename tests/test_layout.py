@@ -122,6 +122,9 @@ def test_public_names_named_by_the_docs():
     assert callable(dk.checkpoint.save) and callable(dk.checkpoint.load)
     assert dk.optim.FusedAdamW.__name__ == "FusedAdamW"
     assert callable(dk.ops.reduce_) and callable(dk.bucketing.pack)
+    from dist_kernels.amp import bucketing  # where the planner and kernels used to live
+
+    assert bucketing.pack is dk.buckets.pack and bucketing.plan_buckets is dk.bucketing.plan_buckets
     assert dk.Work is dk.comm.Work
     assert dk.ReduceOp.SUM is not None
 
