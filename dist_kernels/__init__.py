@@ -66,6 +66,7 @@ _LAZY: Dict[str, str] = {
     "ProcessMesh": "mesh",
     "ParameterServer": "param_server",
     "LocalSGD": "local_sgd",
+    "init_process_group": "torch_backend.frameworks",
 }
 # public submodule name -> module (relative to this package); ``bucketing``: ``buckets``, old name
 _SUBMODULES: Dict[str, str] = {

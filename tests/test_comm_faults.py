@@ -210,7 +210,7 @@ def test_timeout_names_the_missing_rank():
     results = run_ranks(3, _timeout_when_a_rank_does_not_call, timeout=60)
     for rank, (msg, elapsed) in enumerate(results):
         assert msg != "no error", rank
-        assert "timed out after 1.0 s waiting for rank" in msg, msg
+        assert "Timed out after 1.0 s waiting for rank" in msg, msg
         if rank != 2:
             assert elapsed < 3.0, elapsed
 

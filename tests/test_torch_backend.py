@@ -262,7 +262,7 @@ def _bad_arguments():
                 torch.ones(4, dtype=torch.int32), op=_torch_op("PREMUL_SUM", None), group=group
             ),  # noqa: E501
             lambda: group.allreduce([t, t]),
-            lambda: group.recv_anysource([t], 0),
+            lambda: dist.broadcast(torch.sparse_coo_tensor([[0]], [1.0], (4,)), 0, group=group),
             # the communicator underneath checks too: rank 0 would send itself 1, expect 3
             lambda: group.communicator().all_to_all(torch.empty(4), t, [1, 3], [3, 1]),
         ]
@@ -284,7 +284,7 @@ def test_bad_arguments_raise_before_anything_is_sent():
     assert messages[8].startswith("[rank 0] all_to_all: send_counts[0] (1)"), messages[8]
     assert "BAND" in messages[0] and "gloo" in messages[0]
     assert "all_to_all_single" in messages[4] and "split sizes" in messages[4]
-    assert "NotImplemented" not in messages[7] and "name the source" in messages[7]
+    assert "broadcast: a torch.sparse_coo tensor" in messages[7] and "dense" in messages[7]
 
 
 # -- errors from peers ------------------------------------------------------------------------
@@ -325,7 +325,7 @@ def test_dead_peer_or_timeout_raises_dist_backend_error(kind):
     results = run_ranks(2, _peer_failure, kind, expect_death=kind == "dead", timeout=120)
     print(results[0])
     assert results[0].startswith("DistBackendError: [rank 0] all_reduce"), results[0]
-    assert ("died" if kind == "dead" else "timed out") in results[0], results[0]
+    assert ("died" if kind == "dead" else "Timed out") in results[0], results[0]
     if kind == "dead":
         assert isinstance(results[1], RankDied)
     assert shm_leaks() == []
@@ -499,6 +499,65 @@ def _functional(compiled):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 def test_functional_collectives_over_dk(compiled):
     assert run_ranks(2, _functional, compiled, timeout=240) == [True, True]
+
+
+# -- what gloo has and torch's own tests use ---------------------------------------------------
+
+
+def _recv_any_source():
+    """``dist.recv(t)`` without ``src`` returns the sender, as over gloo (each message carries
+    its sender's rank); ``irecv`` without ``src`` names it through ``Work._source_rank()``."""
+    import torch.distributed as dist
+
+    group, rank, n = _dk_group(), dist.get_rank(), dist.get_world_size()
+    if rank != 0:
+        dist.send(torch.full((3,), float(rank)), 0, group=group)
+        dist.send(torch.full((3,), float(10 * rank)), 0, group=group)
+        return None
+    got = []
+    for k in range(2 * (n - 1)):
+        t = torch.empty(3)
+        if k % 2:
+            work = dist.irecv(t, group=group)
+            work.wait()
+            source = work._source_rank()
+        else:
+            source = dist.recv(t, group=group)
+        got.append((source, float(t[0])))
+    return got
+
+
+def test_recv_without_src_returns_the_sender():
+    got = run_ranks(3, _recv_any_source)[0]
+    assert sorted(got) == [(1, 1.0), (1, 10.0), (2, 2.0), (2, 20.0)], got
+    assert [v for s, v in got if s == 1] == [1.0, 10.0], got  # one sender's messages in order
+
+
+def _sparse_and_timeout():
+    """A sparse tensor is refused with our error; ``set_timeout`` lowers the timeout of the
+    next call (made with 60 s, set to 1 s), worded as torch's tests expect ("Timed out")."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+    with pytest.raises(NotImplementedError, match=r"dk backend: allreduce: a torch.sparse_coo"):
+        dist.all_reduce(sparse, group=_dk_group())
+    group = dist.new_group(backend="dk", timeout=datetime.timedelta(seconds=60))
+    group.set_timeout(datetime.timedelta(seconds=1))
+    try:
+        if rank == 0:
+            with pytest.raises(dist.DistBackendError, match=" (Timed out|closed|timeout) ") as e:
+                dist.barrier(group=group)  # alone
+            return str(e.value)
+        time.sleep(2.5)  # alive past rank 0's new timeout
+        return None
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_sparse_refused_and_set_timeout_honoured():
+    message = run_ranks(2, _sparse_and_timeout)[0]
+    assert "Timed out after 1.0 s" in message, message
 
 
 # -- devices, hosts, the world group -----------------------------------------------------------

@@ -11,6 +11,9 @@ Status sendTo(Channel ch, const CollectiveArgs& args);
 // args.dst (count elements) from rank args.root. Touches only the receiving side of the
 // transport, so it may run beside a sendTo() on another thread (the CPU communicator's lanes).
 Status recvFrom(Channel ch, const CollectiveArgs& args);
+// args.dst (count elements) from whichever rank sends first (Transport::waitAnySource), which
+// *source is set to; then as recvFrom() from it.
+Status recvFromAny(Channel ch, const CollectiveArgs& args, int* source);
 
 // Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k;
 // after ceil(log2 n) rounds every rank has heard, indirectly, from every other.

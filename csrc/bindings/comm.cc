@@ -90,7 +90,8 @@ void checkInterrupted(const Status& s, const std::string& context) {
   check(s, context);
 }
 
-// Runs inline (GIL released) or queues and returns a Work.
+// Runs inline (GIL released) or queues and returns a Work; a synchronous receive from any
+// source returns the sender's rank.
 py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
   const std::shared_ptr<CpuCommunicator> comm = c.live(requestName(r));
   r.interruptible = !asyncOp && onMainThread();
@@ -103,6 +104,7 @@ py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
   checkInterrupted(s, c.context(r));
   if (asyncOp) {
     work->context = c.context(r);
+    work->source = r.source;
     work->onInterrupt = [weak = std::weak_ptr<CpuCommunicator>(comm), label = c.label,
                          what = std::string(requestName(r))](const Status&) {
       if (const auto live = weak.lock()) {
@@ -113,6 +115,7 @@ py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
     };
     return py::cast(work);
   }
+  if (r.source) return py::int_(*r.source);
   return py::none();
 }
 
@@ -165,7 +168,10 @@ void bindWork(py::module_& m) {
             checkInterrupted(s, w.context);
           },
           py::arg("timeout") = py::none())
-      .def("is_completed", &Work::isCompleted);
+      .def("is_completed", &Work::isCompleted)
+      // The sender of a completed receive from any source (-1 otherwise).
+      .def("source_rank",
+           [](const Work& w) { return w.source && w.isCompleted() ? *w.source : -1; });
 }
 
 void bindCommunicator(py::module_& m) {
@@ -213,6 +219,15 @@ void bindCommunicator(py::module_& m) {
              return runRequest(c, makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, peer, 0),
                                asyncOp);
            })
+      .def("recv_any",
+           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, bool asyncOp) {
+             Request r = makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, -1, 0);
+             r.source = std::make_shared<int>(-1);
+             return runRequest(c, r, asyncOp);
+           })
+      .def("set_timeout",
+           [](PyCommunicator& c, double seconds) { c.live("set_timeout")->setTimeout(seconds); })
+      .def("dead_peers", [](PyCommunicator& c) { return c.live("dead_peers")->deadPeers(); })
       .def("all_to_all",
            [](PyCommunicator& c, uintptr_t out, uintptr_t in, std::vector<size_t> sendCounts,
               std::vector<size_t> recvCounts, int dtype, bool asyncOp) {

@@ -22,6 +22,7 @@ const char* requestName(const Request& r) {
 CpuCommunicator::CpuCommunicator(std::unique_ptr<shm::ShmTransport> transport, Options options)
     : transport_(std::move(transport)),
       options_(options),
+      timeoutSec_(options.timeoutSec),
       scratch_(transport_->maxMessageBytes()) {}
 
 Status CpuCommunicator::create(std::shared_ptr<shm::Segment> segment, int rank, Options options,
@@ -193,6 +194,14 @@ void CpuCommunicator::abort(const Status& cause) {
   if (failed_.ok()) failed_ = cause;
 }
 
+std::vector<int> CpuCommunicator::deadPeers() const {
+  std::vector<int> dead;
+  for (int peer = 0; peer < worldSize(); ++peer) {
+    if (transport_->peerDied(peer)) dead.push_back(peer);
+  }
+  return dead;
+}
+
 Status CpuCommunicator::failure() const {
   std::lock_guard<std::mutex> lock(failedMutex_);
   return failed_;
@@ -207,7 +216,7 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
   r.algorithm = resolve(request);
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(options_.timeoutSec));
+                            std::chrono::duration<double>(timeoutSec_.load()));
   const shm::MessageHeader header = headerOf(r);
   const shm::Lane lane = laneOf(r);
   // One-shot sends copy: a rank overwrites its input (in place) while peers may still read it.
@@ -223,7 +232,9 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
   }
   if (status.ok()) status = dispatch(r);
   if (status.ok() && needsAgreement(r)) status = transport_->agree();
-  if (!status.ok()) abort(status);
+  // A send or receive whose peer died fails alone: the other peers may go on (a parameter
+  // server outlives a worker); everything else fails the communicator on every rank.
+  if (!status.ok() && status.code() != Code::kPeerLost) abort(status);
   return status;
 }
 
@@ -254,7 +265,8 @@ Status CpuCommunicator::dispatch(const Request& r) {
       return algo::treeBroadcast(
           ch, args, args.count * dtypeSize(args.dtype) > transport_->maxMessageBytes());
     case CollectiveKind::kSendRecv:
-      return r.isSend ? algo::sendTo(ch, args) : algo::recvFrom(ch, args);
+      if (r.isSend) return algo::sendTo(ch, args);
+      return r.source ? algo::recvFromAny(ch, args, r.source.get()) : algo::recvFrom(ch, args);
     case CollectiveKind::kBarrier:
       return algo::barrier(ch);
     case CollectiveKind::kAllToAll:

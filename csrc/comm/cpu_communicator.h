@@ -59,6 +59,12 @@ class CpuCommunicator {
   // Which transport lanes a request holds (see above).
   static shm::Lane laneOf(const Request& request);
 
+  // The timeout of calls started from now on (torch's ProcessGroup.set_timeout).
+  void setTimeout(double seconds) { timeoutSec_.store(seconds, std::memory_order_relaxed); }
+  // Peers some rank found dead (see ShmTransport::peerDied): after a receive from any source
+  // lost one (Code::kPeerLost), the caller learns here which.
+  std::vector<int> deadPeers() const;
+
   Status run(Request request);
   Status submit(Request request, std::shared_ptr<Work>* work);
   Status registerBuffer(uint32_t id, std::shared_ptr<shm::Segment> local,
@@ -89,6 +95,7 @@ class CpuCommunicator {
   std::unique_ptr<shm::ShmTransport> transport_;
   CpuCompute compute_;
   Options options_;
+  std::atomic<double> timeoutSec_;  // options_.timeoutSec until setTimeout()
   std::vector<char> scratch_;
   uint64_t collectiveSeq_ = 0;  // collectives started; changed with both lanes held
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "algorithm/collective.h"
@@ -14,6 +15,9 @@ struct Request {
   algo::Algorithm algorithm = algo::Algorithm::kAuto;
   algo::CollectiveArgs args;
   bool isSend = false;  // kSendRecv: send (else receive)
+  // A receive from any source: the sender's rank is written here before the request
+  // completes (null: a receive from args.root).
+  std::shared_ptr<int> source;
   // kAllToAll: elements for / from each rank, blocks back to back in src / dst.
   std::vector<size_t> sendCounts, recvCounts;
   // A synchronous call on the thread Python delivers signals to: Ctrl-C ends its waits.

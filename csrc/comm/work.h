@@ -3,6 +3,7 @@
 
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -23,6 +24,8 @@ class Work {
   std::string context;
   // Set by the bindings: fails the communicator the operation runs on.
   std::function<void(const Status&)> onInterrupt;
+  // Set by the bindings for a receive from any source: the sender, once completed.
+  std::shared_ptr<const int> source;
 
  private:
   mutable std::mutex mutex_;

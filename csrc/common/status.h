@@ -19,6 +19,8 @@ enum class Code {
   kNcclError,        // a failed NCCL call -> CommError
   kTimeout,          // a peer did not answer within the timeout -> CommError
   kPeerFailure,      // a peer died or closed -> CommError
+  kPeerLost,         // a send's or receive's peer died; the call fails alone and the
+                     // communicator stays usable with the other peers -> CommError
   kMismatch,         // ranks disagree on count / dtype / op -> CommError
   kInterrupted,      // SIGINT (Ctrl-C) while waiting -> KeyboardInterrupt (csrc/common/interrupt.h)
   kInternal,         // a broken invariant -> RuntimeError

@@ -3,7 +3,8 @@
 //
 //   offset 0            SegmentHeader        (magic, geometry, abort word + reason)
 //   rankControlOffset   RankControl[n]       (liveness mutex, closed flag, the rank's last two
-//                                              collective announcements), one per rank
+//                                              collective announcements, its doorbell), one
+//                                              per rank
 //   fifoControlOffset   FifoControl[n(n-1)]  (head, tail, slot descriptors), one per pair
 //   slotDataOffset      slot data[n(n-1)][slots][slotBytes], page aligned
 //
@@ -21,7 +22,7 @@ namespace dk::shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
-constexpr uint64_t kMagic = 0x646b2d73686d3032ull;  // "dk-shm02"
+constexpr uint64_t kMagic = 0x646b2d73686d3033ull;  // "dk-shm03"
 constexpr int kMaxSlots = 8;
 constexpr size_t kReasonBytes = 448;
 
@@ -124,6 +125,18 @@ static_assert(sizeof(Announcement) == kCacheLine, "one announcement per cache li
 // broadcast checks the announcements), so no rank announces s + 2 while a peer still reads s.
 constexpr int kAnnouncements = 2;
 
+// What a receive from any source sleeps on. A named receive sleeps on its FIFO's `head`; one
+// that waits for whichever peer sends first cannot sleep on n - 1 words, so while `waiting` is
+// set every sender to this rank also rings `rings` after publishing its message (Dekker: the
+// receiver sets `waiting`, then scans the heads; a sender stores `head`, then reads `waiting`;
+// one of the two sees the other). A send to a rank that is not waiting reads one shared line.
+struct alignas(kCacheLine) Doorbell {
+  std::atomic<uint64_t> rings;     // bumped by senders while `waiting` is 1
+  std::atomic<uint32_t> sleepers;  // this rank asleep on `rings` (futex)
+  std::atomic<uint32_t> waiting;   // 1 while this rank waits for a message from any peer
+};
+static_assert(sizeof(Doorbell) == kCacheLine, "one doorbell per cache line");
+
 // One per rank. The rank's dispatcher thread (OpQueue) holds `alive` (a robust, process-shared
 // mutex) for the communicator's whole life: when the process dies the kernel marks the mutex
 // owner-dead, and a peer's trylock returns EOWNERDEAD, even while the dead process is still a
@@ -135,10 +148,13 @@ struct alignas(kCacheLine) RankControl {
   std::atomic<uint32_t> dead;                          // 1 once a peer saw it owner-dead
   int32_t pid;
   Announcement announced[kAnnouncements];
+  Doorbell doorbell;
 };
 static_assert(sizeof(pthread_mutex_t) <= kCacheLine, "mutex fits one line");
 static_assert(offsetof(RankControl, announced) == 2 * kCacheLine, "announcements on own lines");
-static_assert(sizeof(RankControl) == (2 + kAnnouncements) * kCacheLine, "RankControl size");
+static_assert(offsetof(RankControl, doorbell) == (2 + kAnnouncements) * kCacheLine,
+              "doorbell on its own line");
+static_assert(sizeof(RankControl) == (3 + kAnnouncements) * kCacheLine, "RankControl size");
 
 struct alignas(kCacheLine) SegmentHeader {
   uint64_t magic;

@@ -18,6 +18,11 @@ const char* kindName(uint32_t collective) {
   return collectiveKindName(static_cast<CollectiveKind>(collective & 0xff));
 }
 
+constexpr const char* kAnySourceWait = "waiting for a message from any rank";
+
+// "rank 3", or for a receive from any source (peer < 0) "any rank".
+std::string awaited(int peer) { return peer < 0 ? "any rank" : "rank " + std::to_string(peer); }
+
 }  // namespace
 
 // e.g. "all_reduce(count=100, float32, sum, algorithm 1)"
@@ -87,6 +92,7 @@ Status ShmTransport::attach(std::shared_ptr<Segment> segment, int rank, bool ove
   t->received_.assign(g.worldSize, 0);
   t->released_.assign(g.worldSize, 0);
   t->zeroCopyUntil_.assign(g.worldSize, 0);
+  t->gone_.assign(g.worldSize, 0);
   *out = std::move(t);
   return Status::Ok();
 }
@@ -193,6 +199,23 @@ Status ShmTransport::health() const {
   return Status(code, reason + " (reported by rank " + std::to_string(who - 1) + ")");
 }
 
+Status ShmTransport::waitChecks(const LaneState& lane, const Backoff& backoff, bool* armed,
+                                int peer, const char* what) const {
+  if (cancelled_.load(std::memory_order_acquire)) {
+    return Status(Code::kPeerFailure, "rank " + std::to_string(rank_) +
+                                          " closed the communicator while a call waited for " +
+                                          awaited(peer) + " (" + what + ")");
+  }
+  if (lane.interruptible) {
+    if (!*armed && backoff.sleeping()) {
+      interrupt::armSigint();
+      *armed = true;
+    }
+    if (interrupt::sigintCount() != lane.sigintsAtStart) return interrupted(lane, peer, what);
+  }
+  return Status::Ok();
+}
+
 template <typename Ready>
 Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
                              const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
@@ -203,20 +226,8 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
        seen = word.load(std::memory_order_acquire)) {
     if (header()->abortRank.load(std::memory_order_relaxed) != 0) return health();
     if (backoff.shouldCheck()) {
-      if (cancelled_.load(std::memory_order_acquire)) {
-        return Status(Code::kPeerFailure, "rank " + std::to_string(rank_) +
-                                              " closed the communicator while a call waited for "
-                                              "rank " +
-                                              std::to_string(peer) + " (" + what + ")");
-      }
-      if (lane.interruptible) {
-        if (!armed && backoff.sleeping()) {
-          interrupt::armSigint();
-          armed = true;
-        }
-        if (interrupt::sigintCount() != lane.sigintsAtStart) return interrupted(lane, peer, what);
-      }
-      DK_RETURN_IF_ERROR(peerAlive(peer));
+      DK_RETURN_IF_ERROR(waitChecks(lane, backoff, &armed, peer, what));
+      DK_RETURN_IF_ERROR(pointToPointPeerAlive(lane, peer));
       DK_RETURN_IF_ERROR(peerCallAgrees(lane, peer));
       if (std::chrono::steady_clock::now() >= lane.deadline) return timedOut(lane, peer, what);
     }
@@ -226,14 +237,20 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
 }
 
 Status ShmTransport::interrupted(const LaneState& lane, int peer, const char* what) const {
-  return Status(Code::kInterrupted, "rank " + std::to_string(rank_) +
-                                        " was interrupted (SIGINT) while waiting for rank " +
-                                        std::to_string(peer) + " (" + describeHeader(lane.header) +
-                                        "; " + what + ")");
+  return Status(Code::kInterrupted,
+                "rank " + std::to_string(rank_) + " was interrupted (SIGINT) while waiting for " +
+                    awaited(peer) + " (" + describeHeader(lane.header) + "; " + what + ")");
 }
 
 Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what) const {
   const double secs = std::chrono::duration<double>(lane.deadline - lane.started).count();
+  char buf[320];
+  // "Timed out", as torch's backends word it (torch's tests match it).
+  if (peer < 0) {
+    std::snprintf(buf, sizeof(buf), "Timed out after %.1f s %s (%s)", secs, what,
+                  describeHeader(lane.header).c_str());
+    return Status(Code::kTimeout, buf);
+  }
   // Only a collective owns both directions; a send or receive must not read the other lane's
   // counters, which a concurrent call on that lane may be writing.
   std::string counters;
@@ -244,8 +261,7 @@ Status ShmTransport::timedOut(const LaneState& lane, int peer, const char* what)
     counters += std::string(counters.empty() ? "" : ", ") + "messages from it " +
                 std::to_string(received_[peer]);
   }
-  char buf[320];
-  std::snprintf(buf, sizeof(buf), "timed out after %.1f s waiting for rank %d (%s; %s; %s)", secs,
+  std::snprintf(buf, sizeof(buf), "Timed out after %.1f s waiting for rank %d (%s; %s; %s)", secs,
                 peer, describeHeader(lane.header).c_str(), what, counters.c_str());
   return Status(Code::kTimeout, buf);
 }
@@ -356,8 +372,16 @@ Status ShmTransport::postSend(const SendOp& send) {
   desc.header = sendLane().header;
   f->head.store(seq + 1, std::memory_order_seq_cst);
   wakeSleepers(f->head, f->headSleepers);
+  ringDoorbell(peer);
   sent_[peer] = seq + 1;
   return Status::Ok();
+}
+
+void ShmTransport::ringDoorbell(int peer) {
+  Doorbell& bell = rankControl(peer)->doorbell;
+  if (bell.waiting.load(std::memory_order_seq_cst) == 0) return;  // after our head store
+  bell.rings.fetch_add(1, std::memory_order_seq_cst);
+  wakeSleepers(bell.rings, bell.sleepers);
 }
 
 Status ShmTransport::mismatch(const LaneState& lane, int peer, const MessageHeader& theirs,
@@ -415,6 +439,112 @@ Status ShmTransport::exchange(const SendOp* sends, int nsends, RecvOp* recvs, in
   for (int i = 0; i < nsends; ++i) DK_RETURN_IF_ERROR(postSend(sends[i]));
   for (int i = 0; i < nrecvs; ++i) DK_RETURN_IF_ERROR(completeRecv(recvs[i]));
   return Status::Ok();
+}
+
+bool ShmTransport::peerDied(int peer) const {
+  return peer >= 0 && peer < worldSize() && rankControl(peer)->dead.load(std::memory_order_acquire);
+}
+
+bool ShmTransport::pendingFrom(int peer) const {
+  const FifoControl* f = fifo(peer, rank_);
+  const uint64_t seq = received_[peer];
+  if (f->head.load(std::memory_order_seq_cst) <= seq) return false;
+  // A collective's message (the peer has started one) is not for a receive.
+  const MessageHeader& h = f->slots[seq % geometry_.slotsPerFifo].header;
+  return static_cast<CollectiveKind>(h.collective & 0xff) == CollectiveKind::kSendRecv &&
+         h.seq == 0;
+}
+
+bool ShmTransport::pendingSource(int* source) const {
+  const int n = worldSize();
+  for (int i = 1; i <= n; ++i) {
+    const int peer = (lastSource_ + i) % n;
+    if (peer != rank_ && !gone_[peer] && pendingFrom(peer)) {
+      *source = peer;
+      return true;
+    }
+  }
+  return false;
+}
+
+Status ShmTransport::pointToPointPeerAlive(const LaneState& lane, int peer) {
+  Status alive = peerAlive(peer);
+  if (alive.ok() || lane.lane == Lane::kBoth || !peerDied(peer)) return alive;
+  if (lane.lane == Lane::kRecv) {
+    gone_[peer] = 1;
+  } else {
+    zeroCopyUntil_[peer] = 0;  // it will never read our buffer: later finish() calls go on
+  }
+  return Status(Code::kPeerLost, alive.message());
+}
+
+Status ShmTransport::sourceAlive(int peer) {
+  Status alive = peerAlive(peer);
+  if (alive.ok() || pendingFrom(peer)) return Status::Ok();  // what it sent before it went
+  const bool closed = rankControl(peer)->closed.load(std::memory_order_acquire);
+  if (!closed && !peerDied(peer)) return alive;  // not gone: a system call failed
+  gone_[peer] = 1;
+  // Closed cleanly: it sends nothing more, and no receive from any source needs it.
+  return closed ? Status::Ok() : Status(Code::kPeerLost, alive.message());
+}
+
+Status ShmTransport::checkSources(const LaneState& lane) {
+  int live = 0, example = -1;
+  bool allInCollective = checkDescriptors_;
+  MessageHeader theirs, exampleCall;
+  for (int peer = 0; peer < worldSize(); ++peer) {
+    if (peer == rank_ || gone_[peer]) continue;
+    DK_RETURN_IF_ERROR(sourceAlive(peer));
+    if (gone_[peer]) continue;
+    ++live;
+    // A peer that started the next collective cannot send to this rank before it ends, and
+    // this rank cannot join it before this receive ends. Its announcement is read before its
+    // head, so a message it sent before announcing is seen.
+    if (allInCollective && announcement(peer, lane.collectiveSeq, &theirs) && !pendingFrom(peer)) {
+      if (example < 0) example = peer, exampleCall = theirs;
+    } else {
+      allInCollective = false;
+    }
+  }
+  if (live == 0) {
+    return Status(Code::kPeerFailure,
+                  "every other rank closed the communicator or died: none is left to send to "
+                  "this one (" +
+                      describeHeader(lane.header) + " from any rank)");
+  }
+  if (!allInCollective) return Status::Ok();
+  return Status(Code::kMismatch, "ranks disagree: rank " + std::to_string(rank_) + " called " +
+                                     describeHeader(lane.header) +
+                                     " from any rank, but every other rank has started a "
+                                     "collective (rank " +
+                                     std::to_string(example) + " called " +
+                                     describeHeader(exampleCall) + ")");
+}
+
+Status ShmTransport::waitAnySource(int* source) {
+  const LaneState& lane = recvLane();
+  Doorbell& bell = rankControl(rank_)->doorbell;
+  bell.waiting.store(1, std::memory_order_seq_cst);  // before the heads are read
+  Backoff backoff(oversubscribed_);
+  bool armed = false;
+  Status status;
+  for (uint64_t rung = bell.rings.load(std::memory_order_seq_cst); !pendingSource(source);
+       rung = bell.rings.load(std::memory_order_seq_cst)) {
+    if (header()->abortRank.load(std::memory_order_relaxed) != 0) {
+      status = health();
+    } else if (backoff.shouldCheck()) {
+      status = waitChecks(lane, backoff, &armed, -1, kAnySourceWait);
+      if (status.ok()) status = checkSources(lane);
+      if (status.ok() && std::chrono::steady_clock::now() >= lane.deadline) {
+        status = timedOut(lane, -1, kAnySourceWait);
+      }
+    }
+    if (!status.ok()) break;
+    backoff.pause(bell.rings, rung, bell.sleepers);
+  }
+  bell.waiting.store(0, std::memory_order_relaxed);
+  if (status.ok()) lastSource_ = *source;
+  return status;
 }
 
 Status ShmTransport::release(const RecvOp* recvs, int nrecvs) {

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/shm_backoff.h"
 #include "transport/shm_layout.h"
 #include "transport/shm_segment.h"
 #include "transport/transport.h"
@@ -51,6 +52,14 @@ class ShmTransport : public Transport {
   Status exchange(const SendOp* sends, int nsends, RecvOp* recvs, int nrecvs) override;
   Status release(const RecvOp* recvs, int nrecvs) override;
   Status finish() override;
+  // Receive lane. Skips peers whose first unreceived message belongs to a collective (a peer
+  // may start one while this rank still receives: that message is not for this call) and
+  // peers that closed or died with nothing left to receive. A peer found dead is reported once,
+  // as Code::kPeerLost (not a failure of the communicator: the caller may go on with the
+  // others), and skipped from then on.
+  Status waitAnySource(int* source) override;
+  // True once some rank found `peer`'s process dead (it exited holding the communicator).
+  bool peerDied(int peer) const;
 
   // Starts one collective (or one send / receive, on its lane): later messages carry `header`,
   // incoming ones must match it, and every wait gives up at `deadline`. Calls on different
@@ -118,6 +127,10 @@ class ShmTransport : public Transport {
   template <typename Ready>
   Status waitFor(const LaneState& lane, int peer, const char* what,
                  const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers, Ready ready);
+  // The checks of a wait's slow path that concern no peer: close(), Ctrl-C, the deadline.
+  Status waitChecks(const LaneState& lane, const Backoff& backoff, bool* armed, int peer,
+                    const char* what) const;
+  // peer < 0: a wait for any source.
   Status timedOut(const LaneState& lane, int peer, const char* what) const;
   Status interrupted(const LaneState& lane, int peer, const char* what) const;
   // Fails if `peer` announced a collective this call cannot be paired with (see announce()).
@@ -125,12 +138,28 @@ class ShmTransport : public Transport {
   // The peer's announcement of collective `seq`, if it has made it (false otherwise).
   bool announcement(int peer, uint64_t seq, MessageHeader* out) const;
   Status peerAlive(int peer);
+  // peerAlive() of a wait inside a call. A send or receive whose peer died fails alone
+  // (Code::kPeerLost: no other rank depends on this call, and the communicator stays usable
+  // with them; a receive from any source skips the peer from then on); a collective, or a
+  // peer that closed while a call needed it, fails the communicator.
+  Status pointToPointPeerAlive(const LaneState& lane, int peer);
+  // A candidate of a receive from any source that has sent nothing: one that closed is
+  // skipped, one that died is reported once (Code::kPeerLost) and skipped from then on.
+  Status sourceAlive(int peer);
+  // The next peer in turn (after the last source) with an unreceived point-to-point message.
+  bool pendingSource(int* source) const;
+  bool pendingFrom(int peer) const;
+  // Slow path of waitAnySource: drops closed peers, reports dead ones, fails when every
+  // peer is gone or in a collective (none of them can send this rank a message then).
+  Status checkSources(const LaneState& lane);
   Status postSend(const SendOp& send);
   Status completeRecv(RecvOp& recv);
   Status payloadPointer(int peer, const SlotDescriptor& desc, const void** data) const;
   Status mismatch(const LaneState& lane, int peer, const MessageHeader& theirs, uint64_t bytes,
                   uint64_t expected) const;
   bool findRegistered(const void* p, size_t bytes, uint32_t* id, uint64_t* offset) const;
+  // After a message to `peer` is published: wakes it if it waits for any source.
+  void ringDoorbell(int peer);
 
   struct Registration {
     uint32_t id;
@@ -151,6 +180,8 @@ class ShmTransport : public Transport {
   std::vector<uint64_t> received_;       // per peer: messages taken
   std::vector<uint64_t> released_;       // per peer: messages handed back (local copy of tail)
   std::vector<uint64_t> zeroCopyUntil_;  // per peer: head after our last in-place send
+  std::vector<uint8_t> gone_;            // per peer: closed or died, skipped by any-source waits
+  int lastSource_ = 0;                   // the last any-source receive's source (round robin)
   std::vector<Registration> registrations_;
 };
 

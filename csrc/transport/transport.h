@@ -51,6 +51,14 @@ class Transport {
 
   // Ends one collective: returns when every peer has consumed every send of this rank.
   virtual Status finish() = 0;
+
+  // A receive from any source: waits until some peer has a point-to-point message for this
+  // rank and sets *source to it; the caller then receives it from *source with exchange().
+  // Peers are taken in turn (round robin), so a busy one cannot starve the others.
+  virtual Status waitAnySource(int* source) {
+    (void)source;
+    return Unsupported("receiving from any source is not supported by this transport");
+  }
 };
 
 }  // namespace dk

@@ -468,9 +468,18 @@ class Communicator:
         """
         self._p2p("send", tensor, dst, async_op=False)
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
-        """Receives into ``tensor`` what rank ``src`` sends."""
+    def recv(self, tensor: torch.Tensor, src: Optional[int] = None) -> int:
+        """Receives into ``tensor`` what rank ``src`` sends; returns the sender's rank.
+
+        ``src=None`` receives from whichever rank sends first, as ``torch.distributed.recv``
+        without ``src`` does (ranks are taken in turn when several have sent). A peer that
+        died before sending raises :class:`CommError` for this call only: the communicator
+        stays usable with the others, and :meth:`dead_peers` names it. One host only.
+        """
+        if src is None:
+            return self._recv_any(tensor, async_op=False)
         self._p2p("recv", tensor, src, async_op=False)
+        return src
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Work:
         """Starts sending ``tensor`` to rank ``dst``; do not modify it before ``wait()``.
@@ -482,9 +491,27 @@ class Communicator:
         """
         return self._p2p("send", tensor, dst, async_op=True)
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
-        """Starts receiving into ``tensor`` from rank ``src``; read it after ``wait()``."""
+    def irecv(self, tensor: torch.Tensor, src: Optional[int] = None) -> Work:
+        """Starts receiving into ``tensor`` from rank ``src``; read it after ``wait()``.
+
+        ``src=None``: from any rank, as :meth:`recv`; ``Work.source_rank()`` then names the
+        sender once the receive has completed.
+        """
+        if src is None:
+            return self._recv_any(tensor, async_op=True)
         return self._p2p("recv", tensor, src, async_op=True)
+
+    def _recv_any(self, tensor: torch.Tensor, async_op: bool):
+        self._check_open("recv")
+        code = self._check_tensor(tensor, "tensor", "recv")
+        recv_any = getattr(self._backend, "recv_any", None)
+        if recv_any is None:
+            raise NotImplementedError(
+                f"[rank {self.rank}] recv: receiving from any source works among the ranks of "
+                f"one host; this communicator spans several: name the source rank"
+            )
+        handle = recv_any(tensor, code, async_op)
+        return self._finish(handle, (tensor,), async_op) if async_op else handle
 
     def _p2p(self, what: str, tensor: torch.Tensor, peer: int, async_op: bool):
         self._check_open(what)
@@ -492,6 +519,25 @@ class Communicator:
         self._check_peer(peer, "dst" if what == "send" else "src", what, allow_self=False)
         handle = getattr(self._backend, what)(tensor, code, peer, async_op)
         return self._finish(handle, (tensor,), async_op)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """The timeout of every call started from now on (``torch.distributed``'s
+        ``ProcessGroup.set_timeout``, which torchtitan lowers after its first step)."""
+        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(
+                f"[rank {self.rank}] set_timeout: timeout must be a positive "
+                f"datetime.timedelta, got {timeout!r}"
+            )
+        self._check_open("set_timeout")
+        self._backend.set_timeout(timeout)
+        self.timeout = timeout
+
+    def dead_peers(self) -> List[int]:
+        """Ranks found dead (their process exited holding this communicator), e.g. the one a
+        receive from any source raised :class:`CommError` for."""
+        self._check_open("dead_peers")
+        dead_peers = getattr(self._backend, "dead_peers", None)
+        return dead_peers() if dead_peers is not None else []
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has entered the barrier."""

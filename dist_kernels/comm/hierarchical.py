@@ -219,6 +219,15 @@ class HierarchicalBackend:
     def empty(self, shape, dtype):
         return self.local.empty(shape, dtype)
 
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """Shared memory's and our gloo links' (a torch default group we borrow keeps its own)."""
+        self.local.set_timeout(timeout)
+        for link in (self.leaders, self.links.peers):
+            if isinstance(link, dist.ProcessGroupGloo):
+                link._set_default_timeout(timeout)
+            elif link is not None and link is not dist.distributed_c10d._get_default_group():
+                dist.distributed_c10d._set_pg_timeout(timeout, link)
+
     def abort(self, reason: str) -> None:
         self.local.abort(reason)
 

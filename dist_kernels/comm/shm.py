@@ -159,8 +159,20 @@ class ShmBackend:
     def recv(self, t, code: int, src: int, async_op: bool):
         return self.impl.recv(t.data_ptr(), t.numel(), code, src, async_op)
 
+    def recv_any(self, t, code: int, async_op: bool):
+        return self.impl.recv_any(t.data_ptr(), t.numel(), code, async_op)
+
     def barrier(self, async_op: bool):
         return self.impl.barrier(async_op)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.timeout = timeout
+        self.impl.set_timeout(timeout.total_seconds())
+
+    def dead_peers(self) -> List[int]:
+        """Local ranks found dead (translated to the communicator's ranks by the caller on
+        one host: the local ranks are the communicator's)."""
+        return list(self.impl.dead_peers())
 
     def abort(self, reason: str) -> None:
         """Fails the communicator on every rank (queued calls end at once)."""

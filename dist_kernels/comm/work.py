@@ -42,6 +42,12 @@ class Work:
         """True once the collective has finished (successfully or not)."""
         return self._handle is None or self._handle.is_completed()
 
+    def source_rank(self) -> int:
+        """The sender of a completed receive from any source (``irecv(t)`` without ``src``),
+        as torch's ``Work.source_rank()``; -1 for any other call or before it completed."""
+        source_rank = getattr(self._handle, "source_rank", None)
+        return source_rank() if source_rank is not None else -1
+
 
 class DoneWork(Work):
     """A Work whose operation already ran synchronously (hierarchical path)."""

@@ -1,19 +1,24 @@
-"""One Communicator per (server, worker) pair, and the messages they exchange.
+"""The two communicators a parameter server talks over, and the messages they carry.
 
-Why pairs: a Communicator runs its receives one after the other, so a server waiting on one
-worker's next push could not hear another's. A two-rank Communicator per pair gives every pair
-its own lanes; a server thread per worker then blocks on that worker alone.
+    requests   worker -> server   a server receives from any source: one loop hears every
+                                  worker, whichever speaks first
+    replies    server -> worker   a worker receives from the server it asked
 
-Messages (worker -> server): a header ``[kind, clock, version_read]`` (int64), then for PUSH the
-gradient shard. Reply to PULL (server -> worker): a header ``[version, 0, 0]``, then the shard.
+Two, not one: a rank that is a server and a worker at once receives on both (its server loop
+from any worker, its worker from the other servers), and a receive from any source would take
+a reply meant for the worker. Whatever the number of servers and workers, that is all: no
+communicator per pair.
+
+Messages (worker -> server): a header ``[kind, clock, version_read]`` (int64), then for PUSH
+the gradient shard. Reply to PULL (server -> worker): a header ``[version, 0, 0]``, then the
+shard.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..errors import CommError
 
@@ -25,57 +30,26 @@ def header(kind: int, clock: int, version: int) -> torch.Tensor:
     return torch.tensor([kind, clock, version], dtype=torch.int64)
 
 
-class PairChannel:
-    """The link between global ranks ``me`` and ``peer``; errors name the peer's global rank."""
+class Channels:
+    """The requests and replies communicators over ``comm``'s group (collective: every rank
+    of the group creates them, in the same order as its other communicators)."""
 
-    def __init__(self, comm, me: int, peer: int, peer_role: str) -> None:
-        self.comm = comm
-        self.me = me
-        self.peer = peer
-        self.peer_role = peer_role
-        self._peer_local = 1 - comm.rank  # the pair's ranks are 0 and 1
+    def __init__(self, comm, timeout) -> None:
+        from ..comm import Communicator
 
-    def _call(self, what: str, fn, tensor: torch.Tensor) -> None:
+        self.rank = comm.rank
+        self.requests = Communicator(group=comm.group, device=comm.device, timeout=timeout)
+        self.replies = Communicator(group=comm.group, device=comm.device, timeout=timeout)
+
+    def call(self, what: str, role: str, peer: int, fn: Callable[[], object]):
+        """Runs one send or receive with ``peer``; errors name it (``server rank 2``)."""
         try:
-            fn(tensor, self._peer_local)
+            return fn()
         except (CommError, RuntimeError) as e:
             raise CommError(
-                f"[rank {self.me}] ParameterServer.{what}: {self.peer_role} rank {self.peer} "
-                f"failed: {e}"
+                f"[rank {self.rank}] ParameterServer.{what}: {role} rank {peer} failed: {e}"
             ) from e
 
-    def send(self, tensor: torch.Tensor, what: str) -> None:
-        self._call(what, self.comm.send, tensor)
-
-    def recv(self, tensor: torch.Tensor, what: str) -> None:
-        self._call(what, self.comm.recv, tensor)
-
     def close(self) -> None:
-        self.comm.close()
-
-
-def open_pair_channels(
-    comm, servers: Sequence[int], workers: Sequence[int], timeout
-) -> Dict[Tuple[int, int], PairChannel]:
-    """Creates the (server, worker) pair communicators this rank belongs to.
-
-    Collective over the default group: ``dist.new_group`` must run on every rank, for every
-    pair, in the same (sorted) order; creating the pairs in that order cannot deadlock.
-    """
-    from ..comm import Communicator
-
-    me = dist.get_rank()
-    channels = {}
-    for server in sorted(servers):
-        for worker in sorted(workers):
-            if server == worker:
-                continue  # a rank serving itself calls its server directly
-            group = dist.new_group([server, worker])
-            if me not in (server, worker):
-                continue
-            pair = Communicator(group=group, device=comm.device, timeout=timeout)
-            if me == worker:
-                channels[(server, worker)] = PairChannel(pair, me, server, "server")
-            else:
-                channels[(server, worker)] = PairChannel(pair, me, worker, "worker")
-    return channels
+        self.requests.close()
+        self.replies.close()

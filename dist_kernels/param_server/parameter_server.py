@@ -10,7 +10,8 @@
 
 The flat parameter buffer is cut into contiguous byte ranges, one per server rank
 (:func:`plan.shard_ranges`). A rank may be a server and a worker at once: its worker talks to
-its own shard by a direct call, to the other servers through their pair channels.
+its own shard by a direct call, to the other servers through the requests and replies
+communicators (:mod:`.channel`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import datetime
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from .channel import DONE, HEADER, PULL, PUSH, PairChannel, header, open_pair_channels
+from .channel import DONE, HEADER, PULL, PUSH, Channels, header
 from .plan import Consistency, shard_ranges
 from .server import ShardServer
 
@@ -46,7 +46,8 @@ class ParameterServer:
     Args:
         model: the model; trainable parameters share one dtype. Rank 0's values are broadcast
             at construction (every rank of ``comm`` constructs, in the same order).
-        comm: a CPU Communicator over the default (WORLD) group.
+        comm: a CPU Communicator of a torch group (ranks below are its ranks); the server
+            makes two communicators of its own over the same group.
         optimizer: factory ``params -> torch.optim.Optimizer``; each server builds one over
             its shard.
         servers: ranks holding shards (default ``[0]``).
@@ -54,8 +55,8 @@ class ParameterServer:
         mode: ``"sync"``, ``"bounded"`` or ``"async"`` (see :class:`plan.Consistency`).
         max_staleness: s for ``"bounded"``: a worker more than s pushes ahead of the slowest
             live worker waits in :meth:`pull`.
-        timeout: per-message timeout of the pair channels (default ``comm.timeout``); a
-            worker may wait that long for a straggler in bounded or sync mode.
+        timeout: per-message timeout (default ``comm.timeout``); a worker may wait that long
+            for a straggler in bounded or sync mode, a server that long for the next request.
     """
 
     def __init__(
@@ -71,10 +72,10 @@ class ParameterServer:
         timeout: Optional[datetime.timedelta] = None,
     ) -> None:
         self.rank = comm.rank
-        if comm.world_size != dist.get_world_size():
+        if getattr(comm, "group", None) is None:
             raise ValueError(
-                f"[rank {self.rank}] ParameterServer: comm must span the default group "
-                f"(world_size {dist.get_world_size()}), got {comm.world_size} ranks"
+                f"[rank {self.rank}] ParameterServer: comm must be a Communicator of a torch "
+                f"group (Communicator(group=...)), not one built from a store"
             )
         self.consistency = Consistency(mode, max_staleness)
         self.servers = _check_ranks("servers", servers, comm.world_size, self.rank)
@@ -89,8 +90,7 @@ class ParameterServer:
             comm.broadcast(self.flat, src=0)
             self._write_params()
         self.shards = shard_ranges(self.flat.numel(), self.flat.element_size(), self.servers)
-        channels = open_pair_channels(comm, self.servers, self.workers, timeout or comm.timeout)
-        self._channels = channels
+        self._channels = Channels(comm, timeout or comm.timeout)
         self.server: Optional[ShardServer] = None
         for shard in self.shards:
             if shard.server == self.rank:
@@ -102,10 +102,8 @@ class ParameterServer:
                     self.workers,
                     self.consistency,
                 )
-                self.server.serve({w: ch for (s, w), ch in channels.items() if s == self.rank})
-        self._to_server: Dict[int, PairChannel] = {
-            s: ch for (s, w), ch in channels.items() if w == self.rank
-        }
+                remote = [w for w in self.workers if w != self.rank]
+                self.server.serve(self._channels, remote)
         self.is_worker = self.rank in self.workers
         self.clock = 0  # pushes done by this worker
         self.versions = {s: 0 for s in self.servers}  # server version of the last pull
@@ -154,26 +152,32 @@ class ParameterServer:
             if shard.server == self.rank:
                 self.server.push(self.rank, self.clock, version, piece.clone())
                 continue
-            channel = self._to_server[shard.server]
-            channel.send(header(PUSH, self.clock, version), "push")
-            channel.send(piece.contiguous(), "push")
+            self._send(header(PUSH, self.clock, version), shard.server, "push")
+            self._send(piece.contiguous(), shard.server, "push")
+
+    def _send(self, tensor: torch.Tensor, server: int, what: str) -> None:
+        requests = self._channels.requests
+        self._channels.call(what, "server", server, lambda: requests.send(tensor, server))
+
+    def _recv(self, tensor: torch.Tensor, server: int, what: str) -> None:
+        replies = self._channels.replies
+        self._channels.call(what, "server", server, lambda: replies.recv(tensor, server))
 
     def pull(self) -> None:
         """Writes the servers' parameters into the model (waits as the mode requires)."""
         self._check_worker("pull")
         remote = [s for s in self.shards if s.server != self.rank]
         for shard in remote:  # ask every server first: they answer in parallel
-            self._to_server[shard.server].send(header(PULL, self.clock, 0), "pull")
+            self._send(header(PULL, self.clock, 0), shard.server, "pull")
         reply = torch.empty(HEADER, dtype=torch.int64)
         for shard in self.shards:
             if shard.server == self.rank:
                 version, values = self.server.pull(self.rank, self.clock)
                 self.flat[shard.start : shard.stop].copy_(values)
             else:
-                channel = self._to_server[shard.server]
-                channel.recv(reply, "pull")
+                self._recv(reply, shard.server, "pull")
                 version = int(reply[0])
-                channel.recv(self.flat[shard.start : shard.stop], "pull")
+                self._recv(self.flat[shard.start : shard.stop], shard.server, "pull")
             self.versions[shard.server] = version
         with torch.no_grad():
             self._write_params()
@@ -215,15 +219,15 @@ class ParameterServer:
         self._closed = True
         try:
             if self.is_worker:
-                for _, channel in sorted(self._to_server.items()):
-                    channel.send(header(DONE, self.clock, 0), "close")
+                for server in self.servers:
+                    if server != self.rank:
+                        self._send(header(DONE, self.clock, 0), server, "close")
                 if self.server is not None:
                     self.server.finish(self.rank)
             if self.server is not None:
                 self.server.join()
         finally:
-            for channel in self._channels.values():
-                channel.close()
+            self._channels.close()
 
     def __enter__(self) -> ParameterServer:
         return self

@@ -94,15 +94,37 @@ def _routed(torch_name: str) -> Callable:
                 return fn(self, *args, **kwargs)
             except CommError as e:
                 raise to_dist_error(e) from e
+            except _NotStrided as e:
+                raise NotImplementedError(
+                    f"{self._what(torch_name)}: a {e.layout} tensor; this backend takes dense "
+                    f"(strided) tensors only: call .to_dense() first, or use a gloo group for "
+                    f"sparse all-reduce"
+                ) from None
 
         return method
 
     return wrap
 
 
+class _NotStrided(Exception):
+    """A sparse or other non-strided tensor reached a collective (``_routed`` names both)."""
+
+    def __init__(self, layout: torch.layout) -> None:
+        super().__init__(str(layout))
+        self.layout = layout
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous strided tensor (a copy when it is not one); raises _NotStrided
+    for a sparse, nested or other non-strided tensor (their storage is not one buffer)."""
+    if t.layout is not torch.strided:
+        raise _NotStrided(t.layout)
+    return t.contiguous()
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A contiguous 1-D tensor; for dtypes we do not reduce, their bytes (data movement)."""
-    flat = t.reshape(-1)
+    flat = _dense(t).view(-1)
     if t.dtype not in DTYPE_CODES:
         flat = flat.contiguous().view(torch.uint8)
     return flat
@@ -113,7 +135,7 @@ class _Staged:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.target = t
-        self.buf = t if t.is_contiguous() else t.contiguous()
+        self.buf = t if t.is_contiguous() else _dense(t)
 
     def copy_back(self) -> None:
         if self.buf is not self.target:
@@ -257,7 +279,7 @@ class ProcessGroupDK(dist.ProcessGroup):
                 f"{self._what('allreduce_coalesced')}: tensors must share one dtype and device"
             )
         op, factor = self._op(opts.reduceOp, tensors[0], "allreduce_coalesced")
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = torch.cat([_dense(t).view(-1) for t in tensors])
         if factor is not None:
             flat.mul_(factor)
         comm = self._comm(tensors[0], "allreduce_coalesced")
@@ -287,7 +309,7 @@ class ProcessGroupDK(dist.ProcessGroup):
             )
         staged = _Staged(output)
         comm = self._comm(input, what)
-        handle = comm.all_gather(_flat(staged.buf), _flat(input.contiguous()), async_op=async_op)
+        handle = comm.all_gather(_flat(staged.buf), _flat(input), async_op=async_op)
         return handle, staged.copy_back
 
     @_routed("allgather")
@@ -353,7 +375,7 @@ class ProcessGroupDK(dist.ProcessGroup):
                 f"({self._world_size}) * output.numel() ({output.numel()})"
             )
         op, factor = self._op(op_arg, input, what)
-        source = input.reshape(-1).contiguous()
+        source = _dense(input).view(-1)
         if factor is not None:
             source = source * factor  # a copy: the caller's input stays as it was
         staged = _Staged(output)
@@ -367,7 +389,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         out = self._one(outputs, "reduce_scatter")
         inputs = self._one(input_lists, "reduce_scatter")
         self._list_of_world(inputs, out, "input_list", "reduce_scatter")
-        flat = torch.cat([t.reshape(-1) for t in inputs])
+        flat = torch.cat([_dense(t).view(-1) for t in inputs])
         handle, finish, _ = self._reduce_scatter_flat(
             out, flat, opts.reduceOp, opts.asyncOp, "reduce_scatter"
         )
@@ -426,7 +448,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         op, factor = self._op(opts.reduceOp, t, "reduce")
         staged = _Staged(t)
         # Only the root keeps the result; the others reduce a copy.
-        buf = staged.buf if self._rank == root else t.contiguous().clone()
+        buf = staged.buf if self._rank == root else _dense(t).clone()
         if factor is not None:
             buf.mul_(factor)
         handle = self._comm(t, "reduce").all_reduce(buf, op, async_op=opts.asyncOp)
@@ -507,7 +529,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         recv_counts = self._splits(output, output_split_sizes or (), "output")
         send_counts = self._splits(input, input_split_sizes or (), "input")
         staged = _Staged(output)
-        source = _flat(input.contiguous())
+        source = _flat(input)
         if source.numel() and source.data_ptr() == _flat(staged.buf).data_ptr():
             source = source.clone()  # in place: every rank still reads its original input
         handle = self._comm(input, what).all_to_all(
@@ -532,7 +554,7 @@ class ProcessGroupDK(dist.ProcessGroup):
             )
         if len({t.dtype for t in [*output_tensors, *input_tensors]}) != 1:
             raise TypeError(f"{self._what(what)}: all tensors must share one dtype")
-        source = torch.cat([t.reshape(-1) for t in input_tensors])
+        source = torch.cat([_dense(t).view(-1) for t in input_tensors])
         out = torch.empty(
             sum(t.numel() for t in output_tensors), dtype=source.dtype, device=source.device
         )
@@ -576,10 +598,20 @@ class ProcessGroupDK(dist.ProcessGroup):
         handle, finish = self._p2p("recv", self._comm(t, "recv"), t, self._check_peer(src, "recv"))
         return self._work([handle], tensors, finish)
 
-    def recv_anysource(self, tensors, tag: int = 0):
-        raise NotImplementedError(
-            f"{self._what('recv')}: receiving from any source is not supported; name the "
-            f"source rank (or use a gloo group)"
+    @_routed("recv_anysource")
+    def recv_anysource(self, tensors, tag: int = 0) -> DkWork:
+        """``dist.recv(t)`` / ``dist.irecv(t)`` without ``src``: from whichever rank sends
+        first; the Work's ``_source_rank()`` names it (what ``dist.recv`` returns)."""
+        t = self._one(tensors, "recv")
+        if not t.is_cpu:
+            raise NotImplementedError(
+                f"{self._what('recv')}: receiving from any source works on CPU tensors only "
+                f"(got {t.device}); name the source rank"
+            )
+        staged = _Staged(t)
+        handle = self._comm(t, "recv").irecv(_flat(staged.buf))
+        return DkWork(
+            [handle], tensors, staged.copy_back, self._completions, source=handle.source_rank
         )
 
     @_routed("barrier")
@@ -593,6 +625,16 @@ class ProcessGroupDK(dist.ProcessGroup):
             f"{self._what('monitored_barrier')}: not supported (gloo only); use barrier(), "
             f"whose timeout names the collective"
         )
+
+    # -- timeouts --------------------------------------------------------------------------
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """The timeout of calls started from now on, on every device of the group (torch's
+        ``ProcessGroup.set_timeout``)."""
+        self._timeout = timeout
+        self._routes.set_timeout(timeout)
+
+    _set_default_timeout = set_timeout
 
     # -- lifetime --------------------------------------------------------------------------
 

@@ -131,6 +131,18 @@ class Routes:
         options._timeout = self.timeout
         return dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
 
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """For the communicators made so far, the torch backends held, and those made later."""
+        with self._lock:
+            self.timeout = timeout
+            for comm in self._ours.values():
+                if hasattr(comm, "set_timeout"):
+                    comm.set_timeout(timeout)
+                else:  # the CUDA communicator reads its timeout at every host wait
+                    comm.timeout = timeout
+            for backend in self._torch.values():
+                backend._set_default_timeout(timeout)
+
     def close(self) -> None:
         for comm in self._ours.values():
             comm.close()

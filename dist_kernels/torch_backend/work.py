@@ -43,6 +43,7 @@ class DkWork(dist.Work):
         result: the tensors ``get_future().value()`` and ``result()`` return.
         finish: copy-outs that make ``result`` valid, run once after every handle completed.
         completions: the group's watcher that completes futures.
+        source: for a receive from any source, what names the sender once it completed.
     """
 
     def __init__(
@@ -51,8 +52,10 @@ class DkWork(dist.Work):
         result: List[torch.Tensor],
         finish: Optional[Callable[[], None]],
         completions: Completions,
+        source: Optional[Callable[[], int]] = None,
     ) -> None:
         super().__init__()
+        self._source = source
         self._handles = [h for h in handles if h is not None]
         self._result = result
         self._finish = finish
@@ -69,7 +72,20 @@ class DkWork(dist.Work):
         dist.Work.__init__(work)
         work._handles, work._result, work._finish = (), result, None
         work._completions, work._future, work._done = completions, None, True
+        work._source = None
         return work
+
+    def source_rank(self) -> int:
+        """The sender of a receive from any source (``dist.recv(t)`` without ``src`` returns
+        it); waits for the receive first."""
+        if self._source is None:
+            raise ValueError(
+                "source_rank() may only be called on the Work of a receive from any source"
+            )
+        self.wait()
+        return self._source()
+
+    _source_rank = source_rank
 
     def _complete(self) -> None:
         if self._finish is not None:

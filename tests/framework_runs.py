@@ -1,0 +1,341 @@
+"""One rank of the framework runs of tests/test_integrations.py (docs/integrations.md).
+
+    python tests/framework_runs.py OUT_DIR RANK WORLD_SIZE PORT FRAMEWORK...
+
+Each rank runs every named framework twice, on gloo and on "dk", in this one process (torch
+and the frameworks are imported once), and writes ``OUT_DIR/<framework>-<backend>-<rank>.pt``:
+the run's losses and final parameters, or ``{"error": traceback}``, or ``{"skip": reason}``
+when the framework is not installed. Every run starts from the same seed and data, so the
+test compares the two backends bitwise.
+
+The examples are the ones docs/integrations.md shows, kept to a few steps: the point is the
+backend under the framework, not the training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.util
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import dist_kernels as dk
+
+STEPS = 4
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _data(rank: int, n: int = 16):
+    """The same batches on every backend; each rank its own shard."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _params(module: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _teardown() -> None:
+    """Ends a run: every rank past its last collective, the framework's objects freed, then
+    the group destroyed. Freeing a gloo group while one of its threads still runs a future's
+    Python callback deadlocks inside torch (the destructor joins that thread holding the GIL
+    it waits for): the barrier lets those callbacks finish first."""
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _init(backend: str, out_dir: str, run: str, rank: int, world_size: int) -> None:
+    """The default group, made before the framework looks (the workaround where the framework
+    refuses the name "dk"; for gloo the same path, so the two runs differ in the backend only)."""
+    dk.init_process_group(
+        backend,
+        init_method=f"file://{os.path.join(out_dir, f'{run}-{backend}.store')}",
+        rank=rank,
+        world_size=world_size,
+        timeout=TIMEOUT,
+    )
+
+
+# -- PyTorch Lightning -------------------------------------------------------------------------
+
+
+def lightning(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """DDPStrategy(process_group_backend=...): Lightning makes the group itself (env://).
+    Two epochs of two steps with validation (sync_dist); then the same from the epoch-1
+    checkpoint: the resumed run must end where the straight one did."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+            self.losses = []
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.detach())
+            return loss
+
+        def validation_step(self, batch, _):
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def loader():
+        from torch.utils.data import DataLoader, TensorDataset
+
+        x, y = _data(0, 8 * world_size)  # Lightning's sampler shards it over the ranks
+        return DataLoader(TensorDataset(x, y), batch_size=2)
+
+    def trainer(epochs, root):
+        return L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=DDPStrategy(process_group_backend=backend, timeout=TIMEOUT),
+            max_epochs=epochs,
+            limit_train_batches=2,
+            limit_val_batches=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            deterministic=True,
+        )
+
+    root = os.path.join(out_dir, f"lightning-{backend}")
+    first = Module()
+    t = trainer(1, root)
+    t.fit(first, loader(), loader())
+    ckpt = os.path.join(root, "epoch1.ckpt")
+    t.save_checkpoint(ckpt)
+    straight = Module()
+    t2 = trainer(2, root)
+    t2.fit(straight, loader(), loader())
+    val = float(t2.callback_metrics["val_loss"])
+    resumed = Module()
+    trainer(2, root).fit(resumed, loader(), loader(), ckpt_path=ckpt)
+    group_backend = dist.get_backend()
+    _teardown()
+    return {
+        "losses": torch.stack(straight.losses),
+        "params": _params(straight),
+        "resumed_params": _params(resumed),
+        "val_loss": val,
+        "group_backend": group_backend,
+    }
+
+
+def lightning_fsdp2(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """ModelParallelStrategy(process_group_backend=...): FSDP2 (fully_shard over the
+    strategy's data-parallel mesh) in configure_model; a few steps."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+            self.losses = []
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x, y = _data(0, 4 * STEPS * world_size)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=world_size, tensor_parallel_size=1, process_group_backend=backend
+        ),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=os.path.join(out_dir, f"lightning-fsdp2-{backend}"),
+    )
+    module = Module()
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
+    params = {k: v.full_tensor().detach().clone() for k, v in module.net.state_dict().items()}
+    group_backend = dist.get_backend()
+    _teardown()
+    return {"losses": torch.stack(module.losses), "params": params, "group_backend": group_backend}
+
+
+# -- HF accelerate -----------------------------------------------------------------------------
+
+
+def accelerate(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """accelerate refuses backend="dk"; with the group made first, Accelerator(cpu=True)
+    uses it and wraps the model in DDP."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    refusal = ""
+    if backend == "dk":
+        try:
+            PartialState(cpu=True, backend="dk")
+        except ValueError as e:
+            refusal = str(e)
+        PartialState._reset_state()
+    _init(backend, out_dir, "accelerate", rank, world_size)
+    again = dk.init_process_group(backend) is dist.group.WORLD  # asked twice: no error
+    other = "gloo" if backend == "dk" else "dk"
+    try:
+        dk.init_process_group(other)
+        clash = ""
+    except RuntimeError as e:
+        clash = str(e)
+    accelerator = Accelerator(cpu=True)
+    model, opt = _net(), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data(rank)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)  # this rank's own shard
+    model, opt = accelerator.prepare(model, opt)
+    losses = []
+    for (xb, yb), _ in zip(loader, range(STEPS)):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(xb), yb)
+        accelerator.backward(loss)
+        opt.step()
+        losses.append(loss.detach())
+    wrapped = type(model).__name__
+    params = _params(accelerator.unwrap_model(model))
+    state_backend = accelerator.state.backend
+    AcceleratorState._reset_state(reset_partial_state=True)
+    # The trap: without cpu=True on a machine without GPUs, accelerate skips DDP silently.
+    no_cpu_flag = type(Accelerator().prepare(_net())).__name__
+    AcceleratorState._reset_state(reset_partial_state=True)
+    _teardown()
+    return {
+        "losses": torch.stack(losses),
+        "params": params,
+        "wrapped": wrapped,
+        "refusal": refusal,
+        "state_backend": state_backend,
+        "wrapped_without_cpu_flag": no_cpu_flag,
+        "helper": (again, clash),
+    }
+
+
+# -- transformers Trainer ----------------------------------------------------------------------
+
+
+def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """TrainingArguments(ddp_backend="dk") is refused; with the group made first (and
+    ddp_backend left unset) Trainer trains on it."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, x, labels):
+            return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+
+    refusal = ""
+    if backend == "dk":
+        try:
+            TrainingArguments(output_dir=out_dir, ddp_backend="dk", use_cpu=True)
+        except ValueError as e:
+            refusal = str(e)
+    _init(backend, out_dir, "transformers", rank, world_size)
+    x, y = _data(0, 4 * STEPS * world_size)  # the Trainer's sampler shards it
+    dataset = [{"x": x[i], "labels": y[i]} for i in range(len(x))]
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, f"transformers-{backend}"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=0.1,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        weight_decay=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    model = Model()
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    losses = torch.tensor([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    wrapped = type(trainer.model_wrapped).__name__
+    AcceleratorState._reset_state(reset_partial_state=True)
+    _teardown()
+    return {"losses": losses, "params": _params(model), "wrapped": wrapped, "refusal": refusal}
+
+
+FRAMEWORKS = {
+    "lightning": ("lightning", lightning),
+    "lightning_fsdp2": ("lightning", lightning_fsdp2),
+    "accelerate": ("accelerate", accelerate),
+    "transformers": ("transformers", transformers),
+}
+
+
+def main(out_dir: str, rank: int, world_size: int, port: int, names) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    for run_index, name in enumerate(names):
+        module, fn = FRAMEWORKS[name]
+        for b, backend in enumerate(("gloo", "dk")):
+            os.environ["MASTER_PORT"] = str(port + 2 * run_index + b)
+            path = os.path.join(out_dir, f"{name}-{backend}-{rank}.pt")
+            if importlib.util.find_spec(module) is None:
+                torch.save({"skip": f"{module} is not installed: .[integrations]"}, path)
+                continue
+            try:
+                result = fn(backend, out_dir, rank, world_size)
+            except Exception:  # noqa: BLE001 - reported by the test, with the traceback
+                result = {"error": traceback.format_exc()}
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            torch.save(result, path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
