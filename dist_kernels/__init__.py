@@ -68,13 +68,14 @@ _LAZY: Dict[str, str] = {
     "LocalSGD": "local_sgd",
     "init_process_group": "torch_backend.frameworks",
 }
-# public submodule name -> module (relative to this package); ``bucketing`` kept its old name
+# public submodule name -> module (relative to this package); ``bucketing``: ``buckets``, old name
 _SUBMODULES: Dict[str, str] = {
     "ops": "ops",
     "checkpoint": "checkpoint",
     "optim": "optim",
     "pipeline": "pipeline",
-    "bucketing": "amp.bucketing",
+    "bucketing": "buckets",
+    "buckets": "buckets",
     "bench": "bench",
     "info": "info",
     "comm": "comm",

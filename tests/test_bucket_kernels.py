@@ -11,7 +11,8 @@ import itertools
 import pytest
 import torch
 
-from dist_kernels.amp import bucketing as bk
+from dist_kernels.buckets import kernels as bk
+from dist_kernels.buckets.plan import plan_buckets
 
 _C = pytest.importorskip("dist_kernels._C")
 from dist_kernels import ops  # noqa: E402  (needs the extension)
@@ -54,7 +55,7 @@ def _grads(num: int, dtype: torch.dtype, device: str, gen: torch.Generator):
 
 
 def _bucket_for(grads, wire: torch.dtype):
-    plan = bk.plan_buckets([g.numel() for g in grads], cap_bytes=1 << 40, dtype=wire)
+    plan = plan_buckets([g.numel() for g in grads], cap_bytes=1 << 40, dtype=wire)
     (bucket,) = plan.buckets
     return bucket, list(reversed(grads))  # the plan fills in reverse order
 
@@ -252,7 +253,7 @@ def test_argument_errors():
         bk.pack(g, flat, [0, 8], scale="2")
     with pytest.raises(ValueError, match="sum_squares"):
         bk.unpack(flat, g, [0, 8], sum_squares=torch.zeros(3))
-    plan = bk.plan_buckets([4, 3], dtype=torch.float32)
+    plan = plan_buckets([4, 3], dtype=torch.float32)
     with pytest.raises(ValueError, match="grads"):
         bk.pack(g, flat, plan.buckets[0])  # slot order is reversed: counts differ
     with pytest.raises(TypeError, match="plan_or_offsets"):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dist_kernels.amp.bucketing import plan_buckets
+from dist_kernels.buckets.plan import plan_buckets
 
 SEED = 5
 ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}

@@ -1,4 +1,5 @@
-"""Pure DDP planning: bucket layouts, rebuilt order, fingerprints, model descriptions."""
+"""Pure DDP planning: bucket layouts with status slots, rebuilt order, fingerprints, model
+descriptions."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import random
 import pytest
 import torch
 
-from dist_kernels.amp.bucketing import plan_buckets
-from dist_kernels.ddp import plan
+from dist_kernels.buckets import plan
+from dist_kernels.buckets.plan import plan_buckets
+from dist_kernels.ddp import structure
 
 SEED = 7
 
@@ -16,7 +18,7 @@ SEED = 7
 def _layouts(order, sizes, dtypes, wire=None, cap=64, first=64):
     params = [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
     bucket_plan = plan_buckets(params, cap, dtype=wire, first_bucket_bytes=first, order=order)
-    return bucket_plan, plan.layouts_from_plan(bucket_plan.buckets)
+    return bucket_plan, plan.with_status_slots(bucket_plan.buckets)
 
 
 @pytest.mark.parametrize("wire", [None, torch.float16])
@@ -37,7 +39,7 @@ def test_layouts_keep_the_plan_and_add_status_slots_to_the_last_bucket(wire):
         ]
         for layout, bucket in zip(layouts, bucket_plan.buckets):
             assert layout.param_indices == bucket.param_indices
-            assert layout.offsets == bucket.offsets and layout.sizes == bucket.counts
+            assert layout.offsets == bucket.offsets and layout.counts == bucket.counts
             item = torch.empty((), dtype=layout.dtype).element_size()
             assert layout.numel * item % 16 == 0
             if layout.status_offset is None:
@@ -94,10 +96,10 @@ def test_layout_signature_changes_with_order():
 
 def test_first_description_mismatch():
     w = torch.zeros(2, 3)
-    a = plan.describe_parameters([("fc.weight", w), ("fc.bias", torch.zeros(2))])
-    b = plan.describe_parameters([("fc.weight", w), ("fc.bias", torch.zeros(3))])
-    assert plan.first_description_mismatch([a, a]) is None
-    message = plan.first_description_mismatch([a, a, b])
+    a = structure.describe_parameters([("fc.weight", w), ("fc.bias", torch.zeros(2))])
+    b = structure.describe_parameters([("fc.weight", w), ("fc.bias", torch.zeros(3))])
+    assert structure.first_description_mismatch([a, a]) is None
+    message = structure.first_description_mismatch([a, a, b])
     assert "entry 1" in message and "ranks [2]" in message and "rank 2: fc.bias (3,)" in message
-    message = plan.first_description_mismatch([a, a[:1]])
+    message = structure.first_description_mismatch([a, a[:1]])
     assert "rank 1: <missing>" in message

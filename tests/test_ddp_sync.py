@@ -384,6 +384,12 @@ def _one_rank_behaviour() -> Dict[str, object]:
     ours = dk.DDP(copy.deepcopy(module))
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
     out["keys_match"] = list(ours.state_dict()) == list(theirs.state_dict())
+    # ShardedOptimizer refuses a DDP's parameters (it would reduce them a second time).
+    try:
+        dk.ShardedOptimizer(ours.parameters(), stage=2, lr=0.1)
+        out["zero_refuses_ddp"] = "no error"
+    except ValueError as e:
+        out["zero_refuses_ddp"] = str(e)
     return out
 
 
@@ -413,3 +419,4 @@ def test_one_rank_errors_unused_strided_and_keys():
     assert "already unscaled since the last update()" in r["double_unscale"], r
     assert "called during a synchronised backward" in r["switch_in_backward"], r
     assert r["keys_match"]
+    assert "belong to a dist_kernels.DistributedDataParallel" in r["zero_refuses_ddp"], r

@@ -1,8 +1,7 @@
-"""Mixed precision: :class:`LossScaler` and the fused bucket kernels it and DDP share.
+"""Mixed precision: :class:`LossScaler`, ``torch.amp.GradScaler``'s policy over the fused
+unscale kernel of :mod:`dist_kernels.buckets`, with the skip decision agreed across ranks.
 
-``bucketing`` plans gradient buckets and packs / unpacks them with a cast, a scale and a
-non-finite check in one pass (``_C`` kernels); ``loss_scaler`` is ``torch.amp.GradScaler``'s
-policy over those kernels, with the skip decision agreed across ranks.
+``amp.bucketing`` keeps the bucket planner and kernels importable where they used to live.
 """
 
 from . import bucketing

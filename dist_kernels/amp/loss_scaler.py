@@ -3,7 +3,7 @@
 Differences from ``GradScaler`` (everything else behaves the same, with the same defaults):
 
 * FP16 gradients are accepted (``GradScaler`` refuses them); unscaling runs through the fused
-  multi-tensor kernel of :mod:`dist_kernels.bucketing` where it can.
+  multi-tensor kernel of :mod:`dist_kernels.buckets.kernels` where it can.
 * ``hysteresis``: the number of consecutive overflowing steps tolerated before the scale backs
   off. Every overflowing step is skipped; the first ``hysteresis - 1`` of a run of consecutive
   overflows leave the scale alone, each further one multiplies it by ``backoff_factor``. A clean
@@ -417,7 +417,7 @@ class LossScaler:
 
     def _unscale_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor):
         """Unscales every gradient; returns the found-inf flag (float32) on the scale's device."""
-        from . import bucketing
+        from ..buckets import kernels as bucketing
 
         by_device: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:

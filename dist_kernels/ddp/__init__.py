@@ -1,6 +1,7 @@
-"""Data parallelism: :class:`DistributedDataParallel` (``engine``; its backward in ``reducer``,
-uneven inputs in ``join``) over a pure bucket plan (``plan``: which parameters share a bucket,
-in what order their gradients arrive)."""
+"""Data parallelism: :class:`DistributedDataParallel` (``engine``) and the parts it holds: its
+gradient buckets in a :class:`dist_kernels.buckets.reducer.BucketReducer` (``ddp.reducer``),
+the autograd side that drives it (``backward``), uneven inputs (``join``); comm hooks in
+``hooks`` and ``powersgd``."""
 
 from .engine import DDP, DistributedDataParallel
 

@@ -7,12 +7,28 @@ One byte-wise broadcast serves any mix of dtypes and shapes: DistributedDataPara
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 
-def _broadcast_bytes(
+def alloc_bytes(comm: Any, tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A registered byte buffer that holds ``tensors`` (collective); None on one rank or when
+    there is nothing to send."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if comm.world_size == 1 or total == 0:
+        return None
+    return comm.empty((total,), torch.uint8)
+
+
+def broadcast_state(comm: Any, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Copies rank ``src``'s values of ``tensors`` to every rank: one byte-wise broadcast."""
+    flat = alloc_bytes(comm, tensors)
+    if flat is not None:
+        broadcast_bytes(comm, flat, tensors, src)
+
+
+def broadcast_bytes(
     comm: Any, flat: torch.Tensor, tensors: Sequence[torch.Tensor], src: int = 0
 ) -> None:
     """Rank ``src``'s bytes of ``tensors`` to every rank through one registered byte buffer."""

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..amp.bucketing import pack, unpack
-from .grad_bucket import GradBucket, all_reduce_future, average_future, check_state
+from ..buckets.comm_hook import GradBucket, all_reduce_future, average_future, check_state
+from ..buckets.kernels import pack, unpack
 from .powersgd import PowerSGDState, powerSGD_hook
 
 __all__ = [

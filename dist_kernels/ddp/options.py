@@ -54,7 +54,12 @@ def _check_options(
     first_bucket_mb: float,
     grad_dtype: Optional[torch.dtype],
     gradient_predivide_factor: Optional[float],
+    device_ids: Optional[Sequence[Any]],
+    output_device: Any,
+    dim: int,
 ) -> None:
+    """Every constructor argument that is checked alone (before the engine touches the
+    module or communicates)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
@@ -69,6 +74,7 @@ def _check_options(
         raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if any(p.is_sparse for p in module.parameters()):
         raise TypeError("module: sparse parameters are not supported")
+    _check_devices(module, device_ids, output_device, dim)
 
 
 def _check_devices(

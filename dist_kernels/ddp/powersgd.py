@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .grad_bucket import GradBucket, all_reduce_future, average_future, check_state
+from ..buckets.comm_hook import GradBucket, all_reduce_future, average_future, check_state
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
 

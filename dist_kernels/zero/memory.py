@@ -10,7 +10,7 @@ parameters are their own master)::
     stage 3:  s_p P / N + s_g P / N + K P / N
 
 On top of it the engine holds alignment padding (every parameter offset and every bucket slice
-is 16-byte aligned) and communication buffers: at most ``_STAGING_SLOTS`` wire buckets, as many
+is 16-byte aligned) and communication buffers: at most ``STAGING_SLOTS`` wire buckets, as many
 bucket slices, one FP32 bucket slice to step 16-bit shards, and at stage 3 the gathered full
 parameters of the units in use. :class:`MemoryReport` puts the measured bytes beside the
 formula, per kind, with the padding and the buffer bound the engine allows itself.

@@ -12,15 +12,19 @@ holds exactly the same number of elements and a parameter may span several ranks
     bucket 1                    |r0 r0 |r1 r1  |
     shard of r0  [bucket 0 slice 0][bucket 1 slice 0]  (contiguous in the rank's shard)
 
-The plan depends only on names, shapes, dtypes, world size and bucket size: no tensors, no I/O.
-It is recorded in checkpoints, whose loader re-plans for the new world size and maps the pieces
-by parameter name and element offset.
+The buckets come from :func:`dist_kernels.buckets.plan.plan_flat_buckets` (the bucket planner
+DDP uses too); this module adds the shard view of them: where each parameter sits in the flat
+buffer and the segments of each rank's shard. The plan depends only on names, shapes, dtypes,
+world size and bucket size: no tensors, no I/O. It is recorded in checkpoints, whose loader
+re-plans for the new world size and maps the pieces by parameter name and element offset.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
+
+from ..buckets.plan import Bucket, plan_flat_buckets
 
 ALIGN_BYTES = 16
 """Parameter offsets and shard slices are multiples of 16 bytes: one SSE/NEON vector, and the
@@ -45,22 +49,6 @@ class Slot:
     shape: Tuple[int, ...]
     offset: int  # first element in the flat buffer
     numel: int
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """A range of the flat buffer reduced and gathered by one collective."""
-
-    index: int
-    start: int  # first element in the flat buffer
-    numel: int  # a multiple of world_size * align
-    slice_numel: int  # numel // world_size: each rank's slice
-    shard_offset: int  # where every rank's slice of this bucket sits in its shard
-    slots: Tuple[int, ...]  # indexes of the parameters that overlap the bucket
-
-    def slice_start(self, rank: int) -> int:
-        """First flat element of ``rank``'s slice."""
-        return self.start + rank * self.slice_numel
 
 
 @dataclass(frozen=True)
@@ -111,7 +99,8 @@ class FlatGroupPlan:
         for b in self.buckets:
             lines.append(
                 f"  bucket {b.index}: flat [{b.start}, {b.start + b.numel}), slice "
-                f"{b.slice_numel} per rank at shard offset {b.shard_offset}, params {list(b.slots)}"
+                f"{b.slice_numel} per rank at shard offset {b.shard_offset}, "
+                f"params {list(b.param_indices)}"
             )
         for s in self.slots:
             lines.append(
@@ -135,16 +124,12 @@ class PartitionPlan:
     __str__ = describe
 
 
-def _round_up(n: int, unit: int) -> int:
-    return (n + unit - 1) // unit * unit
-
-
 def _rank_segments(plan: FlatGroupPlan, rank: int) -> List[Segment]:
     segments = []
     for bucket in plan.buckets:
         lo = bucket.slice_start(rank)
         hi = lo + bucket.slice_numel
-        for index in bucket.slots:
+        for index in bucket.param_indices:
             slot = plan.slots[index]
             start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if start < end:
@@ -168,30 +153,26 @@ def plan_flat_group(
     ``world_size * align``; the ranks' shards have equal size and together cover every
     parameter element exactly once.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size: must be >= 1, got {world_size}")
-    if bucket_cap_bytes <= 0:
-        raise ValueError(f"bucket_cap_bytes: must be > 0, got {bucket_cap_bytes}")
-    align = max(1, ALIGN_BYTES // itemsize)
-    slots, offset = [], 0
-    for i, p in enumerate(params):
-        slots.append(Slot(i, p.name, tuple(p.shape), offset, p.numel))
-        offset = _round_up(offset + p.numel, align)
-    unit = world_size * align
-    numel = _round_up(max(offset, 1), unit)
-    bucket_numel = max(unit, bucket_cap_bytes // itemsize // unit * unit)
-    buckets, start = [], 0
-    while start < numel:
-        size = min(bucket_numel, numel - start)
-        overlapping = tuple(
-            s.index for s in slots if s.offset < start + size and s.offset + s.numel > start
-        )
-        buckets.append(
-            Bucket(len(buckets), start, size, size // world_size, start // world_size, overlapping)
-        )
-        start += size
+    flat = plan_flat_buckets(
+        [p.numel for p in params],
+        itemsize,
+        bucket_cap_bytes,
+        world_size,
+        names=[p.name for p in params],
+        align=ALIGN_BYTES,
+    )
+    slots = tuple(
+        Slot(i, p.name, tuple(p.shape), offset, p.numel)
+        for i, (p, offset) in enumerate(zip(params, flat.flat_offsets))
+    )
     return FlatGroupPlan(
-        key, itemsize, world_size, tuple(slots), tuple(buckets), numel, numel // world_size
+        key,
+        itemsize,
+        world_size,
+        slots,
+        flat.buckets,
+        flat.flat_numel,
+        flat.flat_numel // world_size,
     )
 
 

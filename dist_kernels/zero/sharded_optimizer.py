@@ -12,15 +12,16 @@ optimizer state it holds. The local optimizer steps one tensor per bucket slice:
 parameters a view of the values themselves (no copy of the shard), for 16-bit parameters a view
 of one FP32 master shard. How one iteration runs:
 
-1. Backward. A post-accumulate-grad hook of ours marks each parameter ready (no DDP wrapper
-   needed). Buckets are reduce-scattered in plan order (the same order on every rank) as soon as
-   all their gradients are in, asynchronously, so communication overlaps the rest of backward.
-   *Stage 1* keeps the full gradients (``.grad`` are views of one flat gradient buffer) and
-   reduce-scatters each bucket in place: this rank's slice of the buffer becomes its gradient
-   shard. *Stages 2 and 3* copy each gradient into one of two bucket-sized staging buffers
-   (cast to ``grad_dtype`` on the way) and free ``.grad`` at once; the bucket is
-   reduce-scattered into the gradient shard. A callback at the end of backward launches what
-   is left and waits.
+1. Backward. A post-accumulate-grad hook of ours reports each parameter ready to
+   ``self.reducer``, a :class:`dist_kernels.buckets.reducer.BucketReducer` (the object DDP's
+   buckets use too) driving a ``buckets.reduce_scatter.ReduceScatter``: buckets are
+   reduce-scattered in plan order (the same order on every rank) as soon as all their gradients
+   are in, asynchronously, so communication overlaps the rest of backward. *Stage 1* keeps the
+   full gradients (``.grad`` are views of one flat gradient buffer) and reduce-scatters each
+   bucket in place: this rank's slice of the buffer becomes its gradient shard. *Stages 2 and
+   3* copy each gradient into one of two bucket-sized staging buffers (cast to ``grad_dtype``
+   on the way) and free ``.grad`` at once; the bucket is reduce-scattered into the gradient
+   shard. A callback at the end of backward has the reducer launch what is left and wait.
 2. ``step()``: the local optimizer steps the shard (16-bit shards one bucket at a time, through
    one FP32 bucket-slice buffer), then stages 1 and 2 all-gather every bucket back in place.
    Stage 3 keeps only the shard: ``stage3.py`` gathers each unit's full parameters just
@@ -46,6 +47,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
+from ..buckets.reduce_scatter import STAGING_SLOTS, ReduceScatter, ShardTarget
+from ..buckets.reducer import BucketReducer
 from ..dtypes import ReduceOp
 from . import memory
 from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_partition
@@ -54,7 +57,6 @@ __all__ = ["ShardedOptimizer"]
 
 _MB = 1024 * 1024
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_STAGING_SLOTS = 2  # stages 2, 3: one bucket filling while the previous one is on the wire
 
 
 def _default_comm() -> Any:
@@ -84,31 +86,6 @@ class _FlatGroup:
     grad_flat: Optional[torch.Tensor] = None  # stage 1: the full gradient buffer (registered)
     grad_shard: Optional[torch.Tensor] = None  # stages 2, 3: this rank's gradient shard
     unit: int = 0  # stage 3: the unit of modules that gathers this group
-
-
-@dataclass
-class _Piece:
-    """The part of one parameter that falls in one bucket."""
-
-    group: int
-    slot: int
-    bucket: int  # global bucket index
-    param_lo: int  # element range within the parameter
-    param_hi: int
-    bucket_lo: int  # element offset within the bucket
-
-
-@dataclass
-class _Pass:
-    """Bookkeeping of one synchronised backward."""
-
-    pending: List[int]  # pieces still to deliver, per global bucket
-    left: Dict[Tuple[int, int], int]  # pieces still to deliver, per parameter
-    delivered: set = field(default_factory=set)  # (group, slot, bucket)
-    deferred: List[_Piece] = field(default_factory=list)
-    next_launch: int = 0
-    works: List[Tuple[int, Any, Callable[[], None]]] = field(default_factory=list)  # in flight
-    slot_owner: Dict[Tuple[torch.dtype, int], Tuple[int, Any]] = field(default_factory=dict)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -164,15 +141,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if stage == 3:
             from .stage3 import ParameterGatherer
 
-            self._gatherer = ParameterGatherer(self, module, units)
+            self._gatherer = ParameterGatherer(self.comm, module, units, self.bucket_cap_bytes)
             unit_of = self._gatherer.unit_of_param
         self.plan, self.flat_groups = self._build_flat_groups(groups, unit_of)
-        self._buckets = [
-            (g, b) for g, fg in enumerate(self.flat_groups) for b in range(len(fg.plan.buckets))
-        ]
-        self._bucket_base = _bucket_bases(self.flat_groups)
-        self._pieces = self._param_pieces()
-        self._allocate_buffers()
+        #: Owns the gradient buckets through backward (readiness, reduce-scatters, waiting).
+        self.reducer = self._make_reducer()
+        self._step_grad = self._step_grad_buffer()
         local_groups = [
             {**_group_options(groups[gi]), "params": fg.pieces}
             for gi, fg in zip(self._group_of, self.flat_groups)
@@ -182,26 +156,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
         self._sync = True
-        self._pass: Optional[_Pass] = None
         self._callback_queued = False
-        self._shard_grads_valid = False
-        self._reduced_in_place: set = set()  # stage 1: buckets whose slice holds the average
         self._grad_factor = 1.0  # pending unscale / clip factor of 16-bit gradient shards
         for p in self._all_params():
             p._dk_sharded_optimizer = True  # lets dk.DistributedDataParallel refuse these params
+        units_of = [fg.unit for fg in self.flat_groups for _ in fg.params]
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(g, s))
-            for g, fg in enumerate(self.flat_groups)
-            for s, p in enumerate(fg.params)
+            p.register_post_accumulate_grad_hook(self._make_hook(i, unit))
+            for i, (p, unit) in enumerate(zip(self._all_params(), units_of))
         ]
         if stage == 1:
             self._hooks += [
-                p.register_hook(self._make_reopen_hook(g, s))
-                for g, fg in enumerate(self.flat_groups)
-                for s, p in enumerate(fg.params)
+                p.register_hook(self._make_reopen_hook(i)) for i, p in enumerate(self._all_params())
             ]
         if self._gatherer is not None:
-            self._gatherer.attach()
+            self._gatherer.attach(self.flat_groups)
 
     # ----------------------------------------------------------------- construction
 
@@ -312,53 +281,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b, piece in enumerate(fg.pieces):
             piece.grad = self._shard_grad(fg, b) if fg.master is None else None
 
-    def _allocate_buffers(self) -> None:
-        """Staging buckets and reduce-scatter outputs, shared by every flat group of one wire
-        dtype (``_STAGING_SLOTS`` each), and one FP32 bucket slice to step 16-bit shards."""
-        biggest: Dict[torch.dtype, int] = defaultdict(int)
-        needs: Dict[torch.dtype, bool] = defaultdict(bool)
+    def _make_reducer(self) -> BucketReducer:
+        """The bucket reducer over every flat group's buckets, in plan order, each
+        reduce-scattered into this rank's gradient shard (collective: staging memory)."""
+        buckets, targets, first_param = [], [], 0
         for fg in self.flat_groups:
-            for b in fg.plan.buckets:
-                biggest[fg.wire_dtype] = max(biggest[fg.wire_dtype], b.numel)
-            needs[fg.wire_dtype] |= self.stage != 1 or fg.wire_dtype != fg.dtype
-        self._staging: Dict[torch.dtype, List[torch.Tensor]] = {}
-        self._rs_out: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for wire, numel in biggest.items():
-            if not needs[wire]:
-                continue
-            self._staging[wire] = [self.comm.empty((numel,), wire) for _ in range(_STAGING_SLOTS)]
-            if any(fg.wire_dtype == wire != fg.dtype for fg in self.flat_groups):
-                slice_numel = numel // self.world_size
-                self._rs_out[wire] = [
-                    self.comm.empty((slice_numel,), wire) for _ in range(_STAGING_SLOTS)
-                ]
+            for bucket in fg.plan.buckets:
+                full = None
+                if fg.grad_flat is not None:
+                    full = fg.grad_flat[bucket.start : bucket.start + bucket.numel]
+                shard = self._shard_grad(fg, bucket.index)
+                targets.append(ShardTarget(shard, fg.wire_dtype, full))
+                buckets.append(bucket.renumbered(len(buckets), first_param))
+            first_param += len(fg.params)
+        views = None
+        if self.stage == 1:
+            views = [
+                self._grad_view(fg, s) for fg in self.flat_groups for s in range(len(fg.params))
+            ]
+        params = list(self._all_params())
+        rs = ReduceScatter(self.comm, params, targets, stage=self.stage, grad_views=views)
+        return BucketReducer(rs, buckets, len(params), comm=self.comm, window=rs.window)
+
+    def _step_grad_buffer(self) -> Optional[torch.Tensor]:
+        """One FP32 bucket slice to step 16-bit shards through (None without them)."""
         slices = [
             b.slice_numel
             for fg in self.flat_groups
             if fg.master is not None
             for b in fg.plan.buckets
         ]
-        self._step_grad = torch.empty(max(slices), dtype=torch.float32) if slices else None
-
-    def _param_pieces(self) -> Dict[Tuple[int, int], List[_Piece]]:
-        pieces: Dict[Tuple[int, int], List[_Piece]] = defaultdict(list)
-        for g, fg in enumerate(self.flat_groups):
-            for b in fg.plan.buckets:
-                for s in b.slots:
-                    slot = fg.plan.slots[s]
-                    lo = max(b.start, slot.offset)
-                    hi = min(b.start + b.numel, slot.offset + slot.numel)
-                    pieces[(g, s)].append(
-                        _Piece(
-                            g,
-                            s,
-                            self._bucket_base[g] + b.index,
-                            lo - slot.offset,
-                            hi - slot.offset,
-                            lo - b.start,
-                        )
-                    )
-        return pieces
+        return torch.empty(max(slices), dtype=torch.float32) if slices else None
 
     def _all_params(self) -> Iterator[torch.nn.Parameter]:
         for fg in self.flat_groups:
@@ -380,208 +333,56 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finally:
             self._sync = previous
 
-    def _make_hook(self, g: int, s: int) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, index: int, unit: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if self._gatherer is not None:
-                self._gatherer.grad_ready(g, s)
+                self._gatherer.grad_ready(unit)
             if not self._sync:
                 return
-            if self._pass is None:
+            if not self.reducer.in_pass:
                 _refuse_ddp(param)  # a DDP wrapped after us would reduce a second time
-            state = self._begin_pass()
-            self.queue_end_of_backward()
-            if self.overlap:
-                for piece in self._pieces[(g, s)]:
-                    self._deliver(state, piece)
-                self._launch_ready(state)
+                self.reducer.begin()
+            self._queue_end_of_backward()
+            if self.overlap and not self.reducer.is_ready(index):
+                self.reducer.grad_ready(index)
 
         return hook
 
-    def queue_end_of_backward(self) -> None:
+    def _queue_end_of_backward(self) -> None:
         """Makes ``_end_backward`` run when the current backward ends (call from inside it)."""
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _make_reopen_hook(self, g: int, s: int) -> Callable[[torch.Tensor], None]:
+    def _make_reopen_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         """Stage 1, before a gradient accumulates onto a buffer reduced in place: see
-        :meth:`_reopen_bucket`."""
+        ``ReduceScatter.reopen``."""
 
         def hook(grad: torch.Tensor) -> None:
-            if self._reduced_in_place:
-                for piece in self._pieces[(g, s)]:
-                    self._reopen_bucket(piece.bucket)
+            reduce_scatter = self.reducer.collective
+            if reduce_scatter.reduced_in_place:
+                for b in self.reducer.buckets_of(index):
+                    reduce_scatter.reopen(b)
 
         return hook
-
-    def _reopen_bucket(self, bucket: int) -> None:
-        """Stage 1: after an in-place reduce-scatter this rank's slice holds the average and
-        the other slices its local gradients. Before more gradients accumulate (a backward
-        without ``zero_grad``), make the bucket a valid local contribution again: N times the
-        average in our slice, zeros elsewhere, so the next reduce-scatter averages to
-        average + new average on every rank."""
-        if bucket not in self._reduced_in_place:
-            return
-        self._reduced_in_place.discard(bucket)
-        g, b = self._buckets[bucket]
-        fg = self.flat_groups[g]
-        bplan = fg.plan.buckets[b]
-        rows = fg.grad_flat[bplan.start : bplan.start + bplan.numel].view(self.world_size, -1)
-        mine = rows[self.rank].clone() if self.world_size > 1 else None
-        if mine is not None:
-            rows.zero_()
-            rows[self.rank].copy_(mine.mul_(self.world_size))
-
-    def _begin_pass(self) -> _Pass:
-        if self._pass is None:
-            pending = [0] * len(self._buckets)
-            for plist in self._pieces.values():
-                for piece in plist:
-                    pending[piece.bucket] += 1
-            left = {key: len(plist) for key, plist in self._pieces.items()}
-            self._pass = _Pass(pending, left)
-        return self._pass
 
     def _end_backward(self) -> None:
         self._callback_queued = False
         if self._sync:
             self._finish_pass()
-        if self._gatherer is not None:
-            self._gatherer.end_backward()
-
-    def _acquire_staging(self, state: _Pass, bucket: int) -> Optional[torch.Tensor]:
-        """The staging buffer of ``bucket``, zeroed when first taken; None while the window of
-        ``_STAGING_SLOTS`` buckets after the next launch does not reach it yet."""
-        if bucket >= state.next_launch + _STAGING_SLOTS:
-            return None
-        g, b = self._buckets[bucket]
-        fg = self.flat_groups[g]
-        key = (fg.wire_dtype, bucket % _STAGING_SLOTS)
-        owner = state.slot_owner.get(key)
-        if owner is None or owner[0] != bucket:
-            if owner is not None:
-                self._wait_bucket(state, owner[0])  # launched earlier: its bytes are on the wire
-            buf = self._staging[fg.wire_dtype][bucket % _STAGING_SLOTS][: fg.plan.buckets[b].numel]
-            buf.zero_()
-            state.slot_owner[key] = (bucket, buf)
-        return state.slot_owner[key][1]
-
-    def _deliver(self, state: _Pass, piece: _Piece) -> None:
-        """Hands one piece of a gradient to its bucket (stages 2, 3: copies it into staging)."""
-        key = (piece.group, piece.slot, piece.bucket)
-        if key in state.delivered:
-            return
-        fg = self.flat_groups[piece.group]
-        p = fg.params[piece.slot]
-        if self.stage == 1:
-            self._adopt_grad(fg, piece.slot)
-        else:
-            staging = self._acquire_staging(state, piece.bucket)
-            if staging is None:
-                state.deferred.append(piece)
-                return
-            if p.grad is not None:
-                n = piece.param_hi - piece.param_lo
-                src = p.grad.reshape(-1)[piece.param_lo : piece.param_hi]
-                staging[piece.bucket_lo : piece.bucket_lo + n].copy_(src)
-        state.delivered.add(key)
-        state.pending[piece.bucket] -= 1
-        state.left[(piece.group, piece.slot)] -= 1
-        if self.stage != 1 and state.left[(piece.group, piece.slot)] == 0:
-            p.grad = None  # the gradient lives on only in the bucket
-
-    def _adopt_grad(self, fg: _FlatGroup, s: int) -> None:
-        """Stage 1: makes ``.grad`` the view of the flat gradient buffer again (a user's
-        ``zero_grad(set_to_none=True)`` on the model makes autograd allocate a fresh one)."""
-        p, view = fg.params[s], self._grad_view(fg, s)
-        if p.grad is None:
-            view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-        p.grad = view
-
-    def _launch_ready(self, state: _Pass) -> None:
-        while state.next_launch < len(self._buckets) and state.pending[state.next_launch] == 0:
-            self._launch(state, state.next_launch)
-            state.next_launch += 1
-            deferred, state.deferred = state.deferred, []
-            for piece in deferred:
-                self._deliver(state, piece)
-
-    def _launch(self, state: _Pass, bucket: int) -> None:
-        """Starts the reduce-scatter of one bucket into this rank's gradient shard.
-
-        Stage 1 with the wire in the parameter dtype reduces in place: the output is this
-        rank's own slice of the bucket (allowed, as in NCCL), so no second gradient copy."""
-        g, b = self._buckets[bucket]
-        fg = self.flat_groups[g]
-        bplan = fg.plan.buckets[b]
-        shard_grad = self._shard_grad(fg, b)
-        if self.stage == 1:
-            self._reopen_bucket(bucket)  # no gradient of it arrived in this backward
-            src = fg.grad_flat[bplan.start : bplan.start + bplan.numel]
-            if fg.wire_dtype != fg.dtype:
-                staging = self._acquire_staging(state, bucket)
-                staging.copy_(src)
-                src = staging
-        else:
-            src = self._acquire_staging(state, bucket)
-        accumulate = self.stage != 1 and self._shard_grads_valid
-        rs_out = self._rs_out.get(fg.wire_dtype)
-        direct = fg.wire_dtype == fg.dtype and not accumulate
-        if direct:
-            out = shard_grad
-        elif fg.wire_dtype != fg.dtype:
-            out = rs_out[bucket % _STAGING_SLOTS][: bplan.slice_numel]
-        else:  # accumulating in the parameter dtype: a temporary the size of one slice
-            out = torch.empty_like(shard_grad)
-        work = self.comm.reduce_scatter(out, src, op=ReduceOp.AVG, async_op=True)
-
-        def finish() -> None:
-            if direct:
-                return
-            if accumulate:
-                shard_grad.add_(out)
-            else:
-                shard_grad.copy_(out)
-
-        state.works.append((bucket, work, finish))
-
-    def _wait_bucket(self, state: _Pass, bucket: int) -> None:
-        for i, (b, work, finish) in enumerate(state.works):
-            if b == bucket:
-                work.wait()
-                finish()
-                del state.works[i]
-                return
 
     def _finish_pass(self) -> None:
         """Delivers what backward left (unused parameters count as zero gradients), launches
         the remaining buckets in order and waits for every reduce-scatter."""
-        state = self._begin_pass()
-        for piece_list in self._pieces.values():
-            for piece in piece_list:
-                if (piece.group, piece.slot, piece.bucket) not in state.delivered:
-                    state.deferred.append(piece)
-        state.deferred.sort(key=lambda pc: pc.bucket)
-        while state.next_launch < len(self._buckets):
-            deferred, state.deferred = state.deferred, []
-            for piece in deferred:
-                self._deliver(state, piece)
-            self._launch_ready(state)
-        for _bucket, work, finish in state.works:
-            work.wait()
-            finish()
-        self._pass = None
-        self._shard_grads_valid = True
-        if self.stage == 1:
-            self._reduced_in_place = set(range(len(self._buckets)))
+        if not self.reducer.in_pass:
+            self.reducer.begin()
+        self.reducer.finish()
 
     # ----------------------------------------------------------------- step
 
     def _reduced(self) -> None:
         """Makes sure the shard gradients hold this iteration's reduced gradients."""
-        if self._pass is not None or not self._shard_grads_valid:
+        if self.reducer.in_pass or not self.reducer.collective.holds_reduced:
             self._finish_pass()
 
     def _shard_grads(self) -> Iterator[Tuple[_FlatGroup, torch.Tensor]]:
@@ -690,7 +491,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clears the gradients: stage 1 zeroes the flat gradient buffer (``.grad`` stay its
         views), stages 2, 3 set ``.grad`` to None; the shard gradients are rewritten by the
         next reduction."""
-        if self._pass is not None:
+        if self.reducer.in_pass:
             self._finish_pass()  # never leave collectives in flight
         for fg in self.flat_groups:
             if self.stage == 1:
@@ -701,8 +502,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for p in fg.params:
                     p.grad = None
                 fg.grad_shard.zero_()
-        self._shard_grads_valid = False
-        self._reduced_in_place = set()
+        self.reducer.collective.clear()
         self._grad_factor = 1.0
 
     # ----------------------------------------------------------------- introspection
@@ -737,7 +537,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return report.measured["gradients"] + memory.storage_bytes(self._wire_buffers())
 
     def _wire_buffers(self) -> List[torch.Tensor]:
-        return [t for bufs in (*self._staging.values(), *self._rs_out.values()) for t in bufs]
+        return self.reducer.collective.buffers()
 
     def memory_report(self) -> memory.MemoryReport:
         """Bytes per rank by kind, measured from the tensors this engine and its optimizer
@@ -796,7 +596,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def buffer_bound(self) -> int:
         """The communication buffers this engine allows itself, in bytes: per wire dtype
-        ``_STAGING_SLOTS`` buckets and as many bucket slices, one FP32 bucket slice (16-bit
+        ``STAGING_SLOTS`` buckets and as many bucket slices, one FP32 bucket slice (16-bit
         parameters), and at stage 3 the gathered full values of at most three units (the
         root, the one running and the one prefetched) plus one per level of unit nesting."""
         bucket = {}
@@ -806,7 +606,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 * torch.empty((), dtype=fg.wire_dtype).element_size()
             )
             bucket[fg.wire_dtype] = max(bucket.get(fg.wire_dtype, 0), size)
-        bound = sum(_STAGING_SLOTS * (n + n // self.world_size) for n in bucket.values())
+        bound = sum(STAGING_SLOTS * (n + n // self.world_size) for n in bucket.values())
         if self._step_grad is not None:
             bound += self._step_grad.numel() * 4
         if self._gatherer is not None:
@@ -965,14 +765,6 @@ def _param_groups(params: Iterable[Any]) -> List[Dict[str, Any]]:
 
 def _group_options(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _bucket_bases(flat_groups: List[_FlatGroup]) -> List[int]:
-    bases, total = [], 0
-    for fg in flat_groups:
-        bases.append(total)
-        total += len(fg.plan.buckets)
-    return bases
 
 
 def _refuse_ddp(p: torch.Tensor) -> None:

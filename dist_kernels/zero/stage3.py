@@ -77,10 +77,12 @@ class _Unit:
 class ParameterGatherer:
     """Gathers and frees the units' full parameters around forward and backward (stage 3)."""
 
-    def __init__(self, optimizer: Any, root: torch.nn.Module, units: Optional[Any]) -> None:
-        self.opt = optimizer
+    def __init__(
+        self, comm: Any, root: torch.nn.Module, units: Optional[Any], cap_bytes: int
+    ) -> None:
+        self.comm = comm
         self.root = root
-        chosen = choose_units(root, optimizer.bucket_cap_bytes) if units is None else list(units)
+        chosen = choose_units(root, cap_bytes) if units is None else list(units)
         names = {m: n for n, m in root.named_modules()}
         for m in chosen:
             if m not in names:
@@ -92,6 +94,7 @@ class ParameterGatherer:
             for p in unit.module.parameters():
                 self._unit_of.setdefault(id(p), unit.index)  # the innermost unit owns it
         self._handles: List[Any] = []
+        self._flat_groups: List[Any] = []
         self.in_backward = False
         self._forward_order: List[int] = []
         self._backward_order: List[int] = []
@@ -103,9 +106,11 @@ class ParameterGatherer:
     def unit_of_param(self, p: torch.Tensor) -> int:
         return self._unit_of.get(id(p), 0)
 
-    def attach(self) -> None:
-        """Links units to their flat groups and registers the module hooks."""
-        for g, fg in enumerate(self.opt.flat_groups):
+    def attach(self, flat_groups: List[Any]) -> None:
+        """Links units to their flat groups (the optimizer's ``_FlatGroup`` s: each knows its
+        unit, its full buffer and this rank's value shard) and registers the module hooks."""
+        self._flat_groups = list(flat_groups)
+        for g, fg in enumerate(self._flat_groups):
             unit = self.units[fg.unit]
             unit.groups.append(g)
             unit.numel_params += len(fg.params)
@@ -139,9 +144,9 @@ class ParameterGatherer:
         if unit.gathered or not unit.groups:
             return
         unit.gathered = True  # storage allocated; values valid once ``works`` are waited for
-        comm = self.opt.comm
+        comm = self.comm
         for g in unit.groups:
-            fg = self.opt.flat_groups[g]
+            fg = self._flat_groups[g]
             fg.flat.untyped_storage().resize_(fg.plan.numel * fg.flat.element_size())
             for b in fg.plan.buckets:
                 out = fg.flat[b.start : b.start + b.numel]
@@ -166,7 +171,7 @@ class ParameterGatherer:
             work.wait()  # never free memory a collective still writes
         unit.works = []
         for g in unit.groups:
-            self.opt.flat_groups[g].flat.untyped_storage().resize_(0)
+            self._flat_groups[g].flat.untyped_storage().resize_(0)
         unit.gathered = False
         self.gathered_bytes -= unit.nbytes
 
@@ -240,17 +245,17 @@ class ParameterGatherer:
         self._backward_cursor = 0
         for unit in self.units:
             unit.grads_left = unit.numel_params
-        self.opt.queue_end_of_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def _prefetch(self, order: List[int], position: int) -> None:
         if position + 1 < len(order):
             self._start_gather(self.units[order[position + 1]])
 
-    def grad_ready(self, g: int, s: int) -> None:
-        """A gradient of flat group ``g`` accumulated; the unit is freed after its last one."""
+    def grad_ready(self, unit_index: int) -> None:
+        """A gradient of unit ``unit_index`` accumulated; the unit is freed after its last."""
         if not self.in_backward:
             self._begin_backward()
-        unit = self.units[self.opt.flat_groups[g].unit]
+        unit = self.units[unit_index]
         unit.grads_left -= 1
         if unit.grads_left == 0:
             self._free(unit)
