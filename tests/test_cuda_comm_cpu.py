@@ -265,6 +265,7 @@ def test_array_interface_stream_orders_the_collective_both_ways(fake_cuda):
     assert owner in comm.stream.waited_streams  # the producer's work comes first
     assert owner.waited_events == [done]  # its consumer (same stream) waits for the result
     assert _cuda_comm.owner_stream(_InterfaceArray(stream=None)) is None  # None: no sync needed
+    assert _cuda_comm.owner_stream(_InterfaceArray(stream=1)) == 0  # legacy default: torch's 0
 
 
 def test_cupy_array_through_dlpack_orders_cupys_current_stream(fake_cuda, monkeypatch):

@@ -173,14 +173,18 @@ Status ringReduceScatter(const Lanes& lanes, const CollectiveArgs& a) {
 Status ringAllGather(const Lanes& lanes, const CollectiveArgs& a) {
   std::vector<Ring> rings = ringsOf(lanes, a, /*perRank=*/true);
   auto* dst = static_cast<char*>(a.dst);
+  const auto* src = static_cast<const char*>(a.src);
   const Range own = rings[0].chunk(rings[0].nb.position);
-  DK_RETURN_IF_ERROR(
-      lanes[0].compute.copy(dst + own.offset * rings[0].elem, a.src, rings[0].bytes(own)));
-  if (rings[0].n == 1) return Status::Ok();
+  // Our own slice j is copied into place by the lane that then sends it (on a GPU the lanes
+  // are streams: a copy on another lane would not be ordered before the send).
   for (size_t j = 0; j < rings[0].slices(); ++j) {
-    DK_RETURN_IF_ERROR(allGatherSlice(rings[j % rings.size()], j, dst));
+    Ring& ring = rings[j % rings.size()];
+    const Range mine = ring.slice(ring.nb.position, j);
+    const char* from = src + (mine.offset - own.offset) * ring.elem;
+    DK_RETURN_IF_ERROR(ring.ch.compute.copy(dst + mine.offset * ring.elem, from, ring.bytes(mine)));
+    if (ring.n > 1) DK_RETURN_IF_ERROR(allGatherSlice(ring, j, dst));
   }
-  return finishAll(lanes);
+  return rings[0].n == 1 ? Status::Ok() : finishAll(lanes);
 }
 
 }  // namespace dk::algo

@@ -131,7 +131,10 @@ def owner_stream(obj: Any) -> Optional[int]:
     synchronisation is needed), else CuPy's current stream for a CuPy array."""
     interface = getattr(obj, "__cuda_array_interface__", None)
     if isinstance(interface, dict) and interface.get("stream") is not None:
-        return int(interface["stream"])
+        # 1 is the interface's name for the legacy default stream, torch's stream 0; 2 (the
+        # per-thread default stream) is also CUDA's own handle for it.
+        stream = int(interface["stream"])
+        return 0 if stream == 1 else stream
     if type(obj).__module__.split(".")[0] == "cupy" and "cupy" in sys.modules:
         return int(sys.modules["cupy"].cuda.get_current_stream().ptr)
     return None
