@@ -500,6 +500,22 @@ def test_collectives_pass_the_codes_and_cpp_resolves_auto(fake_cuda, monkeypatch
     assert runs == {"auto": "nccl", "ring": "ring", "nccl": "nccl"}
 
 
+def test_lanes_come_from_rank_0_and_the_environment(monkeypatch):
+    monkeypatch.setenv("DK_NCCL_LANES", "1")
+    assert _cuda_comm.default_lanes() == 1
+    monkeypatch.setenv("DK_NCCL_LANES", "two")
+    with pytest.raises(ValueError, match="DK_NCCL_LANES"):
+        _cuda_comm.default_lanes()
+    ids = iter(bytes([i]) * 128 for i in range(10))
+    monkeypatch.setattr(_cuda_comm, "_C", types.SimpleNamespace(nccl_unique_id=lambda: next(ids)))
+    store, timeout = torch.distributed.HashStore(), datetime.timedelta(seconds=5)
+    first = _cuda_comm._unique_ids(store, 0, 2, timeout)
+    assert first == [bytes([0]) * 128, bytes([1]) * 128]  # one id per lane, made by rank 0
+    assert _cuda_comm._unique_ids(store, 1, 2, timeout) == first
+    with pytest.raises(ValueError, match=r"\[rank 1\].*lanes=1, but rank 0 has 2"):
+        _cuda_comm._unique_ids(store, 1, 1, timeout)
+
+
 def test_both_communicators_share_one_base():
     from dist_kernels.comm.base import BaseCommunicator
 
