@@ -12,16 +12,17 @@ sequence a careful user would write for the same result: preallocated outputs, i
 there are several, each is checked to give our bits and the fastest is reported (named in the
 ``baseline`` column). Each case is checked against torch's result before it is timed.
 
-Sections are plain functions ``section(device, sizes, repeats) -> list[Row]`` (``Row`` and the
-timing live in kernel_timing.py, which bench_bucket.py's section uses too).
+Sections are plain functions ``section(device, sizes, repeats) -> iterable of Row`` (``Row`` and
+the timing live in kernel_timing.py, which bench_bucket.py's section uses too). Each row is
+printed as soon as it is measured (a generator section yields them one by one), so a run cut
+short still shows what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 from bench_bucket import bucket_rows  # benchmarks/ is on sys.path when run as a script
@@ -85,15 +86,13 @@ def _reduce_one_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
     _C.kernels_reduce(dst.data_ptr(), ptrs, dst.numel(), dtype_code(dst.dtype), 0, parallel=False)
 
 
-def reduce_rows(device: str, sizes: Sequence[int], repeats: int) -> List[Row]:
+def reduce_rows(device: str, sizes: Sequence[int], repeats: int) -> Iterator[Row]:
     """dst += src with ops.reduce_ against torch's dst.add_(src): fp32 and bf16."""
-    rows = []
     for size in sizes:
-        rows.append(_reduce_case(torch.float32, size, device, repeats, parallel=True))
+        yield _reduce_case(torch.float32, size, device, repeats, parallel=True)
         if device == "cpu":
-            rows.append(_reduce_case(torch.float32, size, device, repeats, parallel=False))
-        rows.append(_reduce_case(torch.bfloat16, size, device, repeats, parallel=True))
-    return rows
+            yield _reduce_case(torch.float32, size, device, repeats, parallel=False)
+        yield _reduce_case(torch.bfloat16, size, device, repeats, parallel=True)
 
 
 def _cast_case(dtype: torch.dtype, size: int, device: str, repeats: int) -> Row:
@@ -144,21 +143,19 @@ def _fastest_baseline(ours, baselines, device: str, repeats: int):
     return name, seconds, times[0]
 
 
-def cast_rows(device: str, sizes: Sequence[int], repeats: int) -> List[Row]:
+def cast_rows(device: str, sizes: Sequence[int], repeats: int) -> Iterator[Row]:
     """FP32 -> BF16 / FP16 with a scale: ops.cast_ against the fastest preallocated eager
     sequence with the same result (``mul(out=)`` then ``copy_``, or ``copy_`` then ``mul_``)."""
-    return [
-        _cast_case(dtype, size, device, repeats)
-        for size in sizes
-        for dtype in (torch.bfloat16, torch.float16)
-    ]
+    for size in sizes:
+        for dtype in (torch.bfloat16, torch.float16):
+            yield _cast_case(dtype, size, device, repeats)
 
 
-def copy_rows(device: str, sizes: Sequence[int], repeats: int) -> List[Row]:
+def copy_rows(device: str, sizes: Sequence[int], repeats: int) -> Iterator[Row]:
     """The device's copy bandwidth (dst.copy_(src): 2 buffers moved), for scale; CUDA only."""
-    if device != "cuda":
-        return []
-    return [_copy_case(size, device, repeats) for size in sizes]
+    if device == "cuda":
+        for size in sizes:
+            yield _copy_case(size, device, repeats)
 
 
 def _copy_case(size: int, device: str, repeats: int) -> Row:
@@ -172,34 +169,39 @@ def _copy_case(size: int, device: str, repeats: int) -> Row:
 SECTIONS: List[Section] = [copy_rows, reduce_rows, cast_rows, bucket_rows]
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    header = ("section", "case", "size", "ours GB/s", "baseline", "base GB/s", "ours/base")
-    lines = [header]
-    for row in rows:
-        base = "-" if row.baseline_gbps is None else f"{row.baseline_gbps:.1f}"
-        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
-        lines.append(
-            (
-                row.section,
-                row.case,
-                format_size(row.size_bytes),
-                f"{row.ours_gbps:.1f}",
-                row.baseline,
-                base,
-                ratio,
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines)
+#: Columns and their widths: fixed, so each row can be printed as soon as it is measured.
+COLUMNS = (
+    ("section", 8),
+    ("case", 38),
+    ("size", 7),
+    ("ours GB/s", 9),
+    ("baseline", 28),
+    ("base GB/s", 9),
+    ("ours/base", 9),
+)
+
+
+def _line(cells: Sequence[str]) -> str:
+    return "  ".join(c.ljust(w) for c, (_, w) in zip(cells, COLUMNS)).rstrip()
+
+
+def format_header() -> str:
+    return _line([name for name, _ in COLUMNS])
+
+
+def format_row(row: Row) -> str:
+    base = "-" if row.baseline_gbps is None else f"{row.baseline_gbps:.1f}"
+    ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
+    cells = (row.section, row.case, format_size(row.size_bytes), f"{row.ours_gbps:.1f}")
+    return _line((*cells, row.baseline, base, ratio))
 
 
 def run_sections(
     sections: Sequence[Section], device: str, sizes: Sequence[int], repeats: int
-) -> List[Row]:
-    rows: List[Row] = []
+) -> Iterator[Row]:
+    """Every section's rows, one at a time, as they are measured."""
     for section in sections:
-        rows.extend(section(device, sizes, repeats))
-    return rows
+        yield from section(device, sizes, repeats)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -221,8 +223,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     threads = f", torch threads {torch.get_num_threads()}" if args.device == "cpu" else ""
     print(f"device {args.device}, CPU kernel build {ops.cpu_isa()}{threads}")
     print("GB/s = (bytes read + bytes written, each buffer once) / median time\n")
-    print(format_table(run_sections(SECTIONS, args.device, args.sizes, args.repeats)))
-    sys.stdout.flush()
+    print(format_header(), flush=True)
+    for row in run_sections(SECTIONS, args.device, args.sizes, args.repeats):
+        print(format_row(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 # gpu test tier and the GPU benchmarks, and write benchmarks/results/<date>-<gpu>.md with a JSON
 # beside it holding every step's command, exit status, time and output.
 #
-#   bash benchmarks/device_check.sh                       # repository root; at most ~6 minutes
+#   bash benchmarks/device_check.sh                       # repository root; at most 8 minutes
 #   DK_DEVICE_CHECK_DRY=1 bash benchmarks/device_check.sh # the plumbing only, with stand-ins
 #
-# Time: every step has a limit and the limits add up to the budget (DK_CHECK_BUDGET_S, default
-# 360 s; another budget scales every limit alike), so the whole check fits one 10-minute device
-# command with room for a rerun. A step also never runs past what is left of the budget.
+# Time: every step has a share of the budget (DK_CHECK_BUDGET_S, default 480 s; another budget
+# scales every share alike) and must end by the sum of its share and those of the steps before
+# it. So a step that ends early leaves its unused seconds to the steps after it, and one that
+# hangs is cut at its deadline with every later step still getting its own share; the whole
+# check ends within the budget, inside one 10-minute device command (timeout about 540 s).
 #
 # Installs nothing and needs no network: it builds from this checkout with what is installed
 # (python3 with torch (CUDA build), pybind11, cmake, ninja, pytest, pytest-timeout; NCCL from the
@@ -19,8 +21,9 @@
 # Output as it goes: with $OUT set (the device tool's output folder) the log is written there
 # line by line and the report (.md and .json) after every step, so a check stopped by its time
 # limit still returns what ran; pytest's JUnit XML and the benchmarks' JSON rows go there too
-# (at most 6 files: the device tool returns 8). At the end the report also goes to
-# benchmarks/results/.
+# (6 files in all: the device tool returns 8). The GPU's name, which names the report, is read
+# before the first report is written, so no stale pair of report files takes two of the slots.
+# At the end the report also goes to benchmarks/results/.
 #
 # Knobs: PYTHON (default python3), DK_CUDA_ARCHS (default 90), DK_CHECK_BUDGET_S,
 # DK_BENCH_ARGS (replace the short default sweep of python -m dist_kernels.bench),
@@ -41,12 +44,16 @@ export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} # NCCL says why it fails, and nothing more
 
-# Step limits in seconds at the reference budget; they add up to it (checked below).
-REFERENCE_BUDGET=360
+# Step shares in seconds at the reference budget; they add up to it (checked below). Sized for
+# one H200 with 16 cores: the build compiles ~50 files (nvcc for sm_90 only); gpu_tests runs the
+# single-process tests (~30 s), then the two-rank ones (one pool of two ranks per test, ~5 s to
+# start each, every test under 30 s); bench_ws2 is ~16 collectives per size over loopback
+# sockets (~4 ms a message) at 8 sizes, 8 iterations at most: ~20 s plus ~10 s of start-up.
+REFERENCE_BUDGET=480
 STEP_ORDER=(precheck driver toolchain device build info gpu_tests bench_ws1 bench_ws2 bench_kernels)
 declare -A LIMIT=(
-  [precheck]=5 [driver]=10 [toolchain]=10 [device]=20 [build]=90 [info]=15
-  [gpu_tests]=120 [bench_ws1]=25 [bench_ws2]=40 [bench_kernels]=25
+  [precheck]=5 [driver]=10 [toolchain]=10 [device]=20 [build]=150 [info]=15
+  [gpu_tests]=160 [bench_ws1]=30 [bench_ws2]=45 [bench_kernels]=35
 )
 BUDGET=${DK_CHECK_BUDGET_S:-$REFERENCE_BUDGET}
 total=0
@@ -55,11 +62,17 @@ for name in "${STEP_ORDER[@]}"; do total=$((total + LIMIT[$name])); done
   echo "device_check.sh: step limits add up to ${total}s, not ${REFERENCE_BUDGET}s" >&2
   exit 2
 }
-# limit_of NAME: the step's limit scaled to the budget (at least 1 s).
-limit_of() {
-  local scaled=$((LIMIT[$1] * BUDGET / REFERENCE_BUDGET))
-  echo $((scaled < 1 ? 1 : scaled))
-}
+# SHARE[name]: the step's share scaled to the budget (at least 1 s). DEADLINE[name]: seconds
+# after the start by which the step must end: its share plus the shares of the steps before it
+# (at most the budget), so what an earlier step left unused goes to the later ones.
+declare -A SHARE DEADLINE
+sum=0
+for name in "${STEP_ORDER[@]}"; do
+  SHARE[$name]=$((LIMIT[$name] * BUDGET / REFERENCE_BUDGET))
+  ((SHARE[$name] < 1)) && SHARE[$name]=1
+  sum=$((sum + SHARE[$name]))
+  DEADLINE[$name]=$((sum > BUDGET ? BUDGET : sum))
+done
 
 START=$(date +%s)
 WORK=$(mktemp -d)
@@ -80,8 +93,13 @@ fi
 STEPS=$WORK/steps.tsv # name, status, rc, seconds, limit, log file, command
 : >"$STEPS"
 FAILED=0
-GPU=unknown-gpu
-[ "$DRY" = 1 ] && GPU=dry-run
+# The GPU names the report: read it before the first report is written (a later rename would
+# leave a stale pair of files in $OUT).
+GPU=dry-run
+if [ "$DRY" != 1 ]; then
+  GPU=$(timeout 15 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  GPU=${GPU:-unknown-gpu}
+fi
 
 elapsed() { echo $(($(date +%s) - START)); }
 log() { echo "$*" | tee -a "$LOG"; }
@@ -97,46 +115,52 @@ report() {
 
 # record NAME STATUS RC SECONDS LIMIT LOGFILE COMMAND: one line of steps.tsv, then the report.
 record() {
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STEPS"
+  local command=${7//$'\n'/ }
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "${@:1:6}" "${command//$'\t'/ }" >>"$STEPS"
   [ "$2" = ok ] || [ "$2" = missing ] || FAILED=1
   report 0 "${REPORT_DIRS[@]}"
 }
 
 # stand_in NAME: what a dry run executes instead of the step's command.
+# DK_DEVICE_CHECK_DRY_SLOW=STEP:SECONDS makes that step's stand-in take SECONDS.
 stand_in() {
+  local slow=${DK_DEVICE_CHECK_DRY_SLOW:-}
   if [ "${DK_DEVICE_CHECK_DRY_HANG:-}" = "$1" ]; then
     echo "sleep 3600"
   elif [ "${DK_DEVICE_CHECK_DRY_FAIL:-}" = "$1" ]; then
     echo "exit 3"
+  elif [ "${slow%%:*}" = "$1" ]; then
+    echo "sleep ${slow#*:}"
   else
     echo "true"
   fi
 }
 
-# step NAME COMMAND...: runs COMMAND with the step's limit (capped by the budget left), logs its
-# output, and records the outcome: ok, failed or timeout. Reads stdin from the caller (heredocs).
+# step NAME COMMAND...: runs COMMAND until the step's deadline (DEADLINE), logs its output,
+# and records the outcome: ok, failed or timeout. Reads stdin from the caller (heredocs).
 step() {
   local name=$1
   shift
-  local limit left out=$WORK/$name.log t0 rc status
-  limit=$(limit_of "$name")
-  left=$((BUDGET - $(elapsed)))
-  ((left < limit)) && limit=$left
-  log "== [$(elapsed)s] $name (limit ${limit}s): $*"
+  local limit out=$WORK/$name.log t0 rc status
+  limit=$((DEADLINE[$name] - $(elapsed)))
+  log "== [$(elapsed)s] $name (limit ${limit}s, share ${SHARE[$name]}s): $*"
   if ((limit <= 0)); then
     echo "no time left in the ${BUDGET}s budget" | tee "$out" -a "$LOG"
     record "$name" timeout 124 0 0 "$out" "$*"
     return 1
   fi
   t0=$(date +%s)
+  # SIGTERM at the deadline less the grace, SIGKILL at the deadline: the step ends by then.
+  local grace=$((limit > 10 ? 5 : 1))
+  local term=$((limit - grace > 0 ? limit - grace : 1))
   if [ "$DRY" = 1 ]; then
     echo "dry run: stand-in for: $*" >"$out"
-    timeout --kill-after=2 "$limit" bash -c "$(stand_in "$name")" >>"$out" 2>&1 </dev/null
+    timeout --kill-after="$grace" "$term" bash -c "$(stand_in "$name")" >>"$out" 2>&1 </dev/null
     rc=$?
     cat "$out" >>"$LOG"
   else
     # Output reaches the log as it comes (tee), so a killed check keeps what the step printed.
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out" >>"$LOG"
+    timeout --kill-after="$grace" "$term" "$@" 2>&1 | tee "$out" >>"$LOG"
     rc=${PIPESTATUS[0]}
   fi
   tail -n 25 "$out"
@@ -171,27 +195,51 @@ exec "$@"
 SH
 chmod +x "$WORK/rank_env.sh"
 TWO_RANK_ENV=(env NCCL_NET=Socket NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo)
-# The default sweep: 8 B to 16 MiB by x8 (8 sizes), 20 timed iterations at most: seconds per
-# world size even over loopback sockets (~4 ms a message), against the full sweep's minutes.
+# The default sweep: 8 B to 16 MiB by x8 (8 sizes), 20 timed iterations at most at world size 1;
+# at world size 2 (loopback sockets, ~4 ms a message) 8 at most, so it fits its share.
 BENCH_SWEEP=${DK_BENCH_ARGS:--b 8 -e 16M -f 8 --iters 20 --warmup 3 --timeout 20}
-log "device check: budget ${BUDGET}s, dry run ${DRY}, python $PY, NCCL_DEBUG=$NCCL_DEBUG"
+BENCH_SWEEP_WS2=${DK_BENCH_ARGS:--b 8 -e 16M -f 8 --iters 8 --warmup 2 --timeout 20}
+log "device check: budget ${BUDGET}s, dry run ${DRY}, python $PY, GPU $GPU, NCCL_DEBUG=$NCCL_DEBUG"
+log "$(printf '%-14s %6s %8s\n' step share 'ends by')"
+for name in "${STEP_ORDER[@]}"; do
+  log "$(printf '%-14s %5ss %7ss\n' "$name" "${SHARE[$name]}" "${DEADLINE[$name]}")"
+done
 
-# 0. One second: what the build needs (Python.h for this interpreter, the tools).
+# 0. One second: what the build and the tests need (Python.h for this interpreter, the tools, a
+# CUDA build of torch 2.3 or newer); pytest-timeout is optional (without it no per-test limit).
 step precheck "$PY" - <<'PYEOF'
-import os, shutil, sys, sysconfig
+import importlib.util, os, shutil, sys, sysconfig
 header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
 print(sys.executable, sys.version.split()[0], header)
 missing = [] if os.path.isfile(header) else [f"{header} (the Python headers: no build possible)"]
 missing += [f"{tool} on PATH" for tool in ("nvcc", "cmake", "ninja") if not shutil.which(tool)]
+missing += [f"python module {m}" for m in ("torch", "pybind11", "pytest")
+            if importlib.util.find_spec(m) is None]
+if importlib.util.find_spec("torch") is not None:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda)
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) < (2, 3):
+        missing.append(f"torch >= 2.3 (dist_kernels' minimum), found {torch.__version__}")
+    if torch.version.cuda is None:
+        missing.append(f"a CUDA build of torch, found {torch.__version__} (CPU only)")
+print("pytest-timeout", "present" if importlib.util.find_spec("pytest_timeout") else "absent")
 sys.exit("missing: " + "; ".join(missing) if missing else 0)
 PYEOF
 PRECHECK=$?
 
-# 1. What the machine has.
-step driver nvidia-smi
+# 1. What the machine has: the GPU, its compute mode (two processes share it only in Default
+# mode), the driver and torch first, then nvidia-smi's full view.
+QUERY=name,compute_mode,driver_version,memory.total,clocks.max.sm
+step driver bash -c 'nvidia-smi --query-gpu="$1" --format=csv; "$0" -c "$2"; nvidia-smi' "$PY" \
+  "$QUERY" 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+TWO_RANKS_WHY=""
 if [ "$DRY" != 1 ]; then
-  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-  GPU=${GPU:-unknown-gpu}
+  MODE=$(timeout 15 nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n 1)
+  case "$MODE" in
+    *Exclusive* | *Prohibited*) TWO_RANKS_WHY="compute mode $MODE: two processes cannot share the GPU" ;;
+  esac
+  [ -n "$TWO_RANKS_WHY" ] && log "$TWO_RANKS_WHY: the two-rank tests and bench_ws2 are skipped"
 fi
 step toolchain bash -c 'nvcc --version | tail -n 2; cmake --version | head -n 1; ninja --version'
 step device "$PY" - <<'PYEOF'
@@ -238,17 +286,25 @@ else
   skip info "the build failed"
 fi
 
-# 3. The gpu tier. Per-test timeout below the step's limit, so a hang still ends in pytest's
-# summary (the 2-rank tests set the NCCL socket variables per rank themselves).
-GPU_LIMIT=$(limit_of gpu_tests)
-PYTEST_ARGS=(-q -m gpu -rs -p no:cacheprovider --durations=10 --timeout=$((GPU_LIMIT * 6 / 10)))
-if "$PY" -c 'import inspect, pytest_timeout, sys; sys.exit("session_timeout" not in inspect.getsource(pytest_timeout))' 2>/dev/null; then
-  PYTEST_ARGS+=(--session-timeout=$((GPU_LIMIT * 85 / 100)))
+# 3. The gpu tier: single-process tests first, the two-rank ones last (tests/conftest.py), so
+# a hang of two ranks cannot hide the rest. Per-test timeout below the step's share, so a hang
+# still ends in pytest's summary (the 2-rank tests set the NCCL socket variables per rank and
+# time out at 30 s themselves).
+GPU_SHARE=${SHARE[gpu_tests]}
+PYTEST_ARGS=(-q -m gpu -rs -p no:cacheprovider --durations=10)
+# (A dry run takes the device's pytest-timeout as present.)
+if [ "$DRY" = 1 ] || "$PY" -c 'import pytest_timeout' 2>/dev/null; then
+  PYTEST_ARGS+=(--timeout=$((GPU_SHARE * 4 / 10)))
+  if [ "$DRY" = 1 ] || "$PY" -c 'import inspect, pytest_timeout, sys; sys.exit("session_timeout" not in inspect.getsource(pytest_timeout))' 2>/dev/null; then
+    PYTEST_ARGS+=(--session-timeout=$((GPU_SHARE * 85 / 100)))
+  fi
 fi
 [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && PYTEST_ARGS+=(--junitxml="$OUT/gpu_tests.xml")
+GPU_ENV=(env DK_REQUIRE_GPU=1)
+[ -n "$TWO_RANKS_WHY" ] && GPU_ENV+=(DK_GPU_TWO_RANKS=0)
 if ((BUILT)); then
   # DK_REQUIRE_GPU=1: the tier fails, rather than skips, where it cannot run here.
-  step gpu_tests env DK_REQUIRE_GPU=1 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/
+  step gpu_tests "${GPU_ENV[@]}" "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/
 else
   skip gpu_tests "the build failed"
 fi
@@ -256,18 +312,27 @@ fi
 # 4. Benchmarks: our collectives against NCCL at world size 1 (one rank) and 2 (two ranks on the
 # one GPU over sockets); our kernels.
 # Each benchmark's rows as JSON beside the report, where $OUT is set.
+# The rows reach the JSON as each size is measured, so a benchmark cut at its deadline keeps
+# what it measured.
 bench_json() { [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && echo "--json $OUT/$1.json"; }
+# The probe reads the whole help text before matching: `--help | grep -q` under pipefail would
+# fail the pipeline whenever grep stops reading first.
+BENCH_HELP=$([ "$DRY" = 1 ] && echo "--device" || "$PY" -m dist_kernels.bench --help 2>&1)
 if ((!BUILT)); then
   skip bench_ws1 "the build failed"
   skip bench_ws2 "the build failed"
-elif [ "$DRY" = 1 ] || "$PY" -m dist_kernels.bench --help 2>&1 | grep -q -- "--device"; then
+elif [[ "$BENCH_HELP" == *--device* ]]; then
   # shellcheck disable=SC2086
   step bench_ws1 "$PY" -m dist_kernels.bench --device cuda --nproc 1 $BENCH_SWEEP \
     $(bench_json bench_ws1)
-  # shellcheck disable=SC2086
-  step bench_ws2 "${TWO_RANK_ENV[@]}" "$PY" -m torch.distributed.run --standalone \
-    --nproc_per_node=2 --no-python "$WORK/rank_env.sh" "$PY" -m dist_kernels.bench --device cuda \
-    $BENCH_SWEEP $(bench_json bench_ws2)
+  if [ -n "$TWO_RANKS_WHY" ]; then
+    skip bench_ws2 "$TWO_RANKS_WHY"
+  else
+    # shellcheck disable=SC2086
+    step bench_ws2 "${TWO_RANK_ENV[@]}" "$PY" -m torch.distributed.run --standalone \
+      --nproc_per_node=2 --no-python "$WORK/rank_env.sh" "$PY" -m dist_kernels.bench \
+      --device cuda $BENCH_SWEEP_WS2 $(bench_json bench_ws2)
+  fi
 else
   missing bench_ws1 "dist_kernels.bench with a --device option is not in this checkout"
   missing bench_ws2 "dist_kernels.bench with a --device option is not in this checkout"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class Row:
         return None if self.baseline_s is None else self.baseline_s / self.ours_s
 
 
-Section = Callable[[str, Sequence[int], int], List[Row]]
+Section = Callable[[str, Sequence[int], int], Iterable[Row]]
 
 
 def _synchronize(device: str) -> None:

@@ -47,6 +47,21 @@ def _check_like(dst: torch.Tensor, t: torch.Tensor, arg: str, same_dtype: bool) 
         raise ValueError(f"{arg}: has {t.numel()} elements but dst has {dst.numel()}")
     if same_dtype and t.dtype != dst.dtype:
         raise TypeError(f"{arg}: dtype {t.dtype} differs from dst's {dst.dtype}")
+    _check_no_partial_overlap(dst, t, arg)
+
+
+def _check_no_partial_overlap(dst: torch.Tensor, t: torch.Tensor, arg: str) -> None:
+    """``t`` is ``dst`` itself or shares no byte with it: the kernels read and write in vector
+    packs and threads, so an element written may be one another thread has yet to read."""
+    first, size = t.data_ptr(), t.numel() * t.element_size()
+    dst_first, dst_size = dst.data_ptr(), dst.numel() * dst.element_size()
+    if (first, size) == (dst_first, dst_size) or size == 0 or dst_size == 0:
+        return
+    if first < dst_first + dst_size and dst_first < first + size:
+        raise ValueError(
+            f"{arg}: overlaps dst partially (bytes {first:#x}+{size} and {dst_first:#x}+"
+            f"{dst_size}); pass dst itself or a tensor that shares no memory with it"
+        )
 
 
 @functools.cache
@@ -73,8 +88,9 @@ def reduce_(
 
     ``op`` is a :class:`ReduceOp`, its name, or a ``torch.distributed.ReduceOp``. ``AVG`` sums,
     then divides by the number of operands (``1 + len(srcs)``; integers truncate toward zero).
-    ``dst`` may also appear among ``srcs``. All tensors: contiguous, same device, dtype and
-    number of elements (shapes may differ).
+    ``dst`` may also appear among ``srcs``; a source that overlaps ``dst`` only in part raises
+    ``ValueError``. All tensors: contiguous, same device, dtype and number of elements (shapes
+    may differ).
     """
     rop = reduce_op(op, "op")
     _check_tensor(dst, "dst")

@@ -145,7 +145,7 @@ def _exit_with_queued_call():
     import torch.distributed as dist
 
     import dist_kernels as dk
-    from dist_kernels.comm.communicator import _abort_open_communicators
+    from dist_kernels.comm.base import _close_open_communicators
 
     rank = dist.get_rank()
     comm = _comm()
@@ -154,7 +154,7 @@ def _exit_with_queued_call():
     if rank == 0:
         work = comm.irecv(torch.empty(10), 1)
         time.sleep(0.2)
-        _abort_open_communicators()
+        _close_open_communicators()
         assert comm._closed
         try:
             work.wait()

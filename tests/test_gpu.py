@@ -126,14 +126,12 @@ def test_cast_scale_kernel_matches_torch(src_dtype, dst_dtype):
 # -- collectives at world size 1: out-of-place only, into poisoned outputs ---------------------
 
 
-def _algorithms():
-    return ["nccl", "ring", "tree"] if hasattr(_C, "CudaCommunicator") else ["nccl"]
+#: Every all-reduce algorithm of the CUDA route ("auto" is "nccl" there).
+ALGORITHMS = ["nccl", "ring", "tree"]
 
 
 @pytest.mark.parametrize("algorithm", ["nccl", "ring"])
 def test_reduce_scatter_all_gather_world_one_write_the_output(comm, algorithm):
-    if algorithm not in _algorithms():
-        pytest.skip("this build has no ring/tree CUDA communicator")
     gen = torch.Generator().manual_seed(SEED)
     x = _random(1000, torch.int32, gen)
     out = torch.full_like(x, -7)  # poisoned: a call that returns early leaves -7
@@ -176,8 +174,10 @@ _TWO_RANKS_ENV = {
     "NCCL_SOCKET_IFNAME": "lo",
 }
 #: A call on two ranks ends well inside benchmarks/device_check.sh's per-test pytest timeout
-#: (72 s), so a hang shows up as run_ranks' TimeoutError naming the ranks still running.
-TWO_RANK_TIMEOUT_S = 50
+#: (64 s), so a hang shows up as run_ranks' TimeoutError naming the ranks still running, and a
+#: hung test costs the check 30 s, not its whole share. The slowest (every collective x dtype x
+#: op, ~500 calls at a few ms over loopback sockets) is estimated at ~10 s.
+TWO_RANK_TIMEOUT_S = 30
 #: Each rank's communicator: a host wait longer than this is a CommError, not a hang.
 COMM_TIMEOUT_S = 20
 #: torch.cuda._sleep cycles that hold a stream for ~0.1 s (at ~2 GHz), so that work queued
@@ -186,6 +186,8 @@ HOLD_CYCLES = 200_000_000
 
 
 def _two_ranks(fn, *args):
+    """Runs ``fn`` on two ranks sharing the GPU; tests that use it are marked ``two_ranks`` and
+    run after every single-process test (tests/conftest.py)."""
     if os.environ.get("DK_GPU_TWO_RANKS", "1") == "0":
         pytest.skip("DK_GPU_TWO_RANKS=0")
     mp_pool = pytest.importorskip("mp_pool")
@@ -193,14 +195,14 @@ def _two_ranks(fn, *args):
     return mp_pool.run_ranks(2, fn, *args, env=_TWO_RANKS_ENV, timeout=TWO_RANK_TIMEOUT_S)
 
 
-def _rank_comm():
+def _rank_comm(**kwargs):
     """This rank's CUDA communicator, through the public entry point."""
     import datetime
 
     import dist_kernels
 
     comm = dist_kernels.Communicator(
-        device="cuda:0", timeout=datetime.timedelta(seconds=COMM_TIMEOUT_S)
+        device="cuda:0", timeout=datetime.timedelta(seconds=COMM_TIMEOUT_S), **kwargs
     )
     assert isinstance(comm, _cuda_comm.CudaCommunicator), type(comm)
     return comm
@@ -297,8 +299,9 @@ def _check_scatter_gather_broadcast(comm, mine, first, second, op, algorithms):
     return wrong
 
 
+@pytest.mark.two_ranks
 def test_two_ranks_every_collective_dtype_and_op_against_nccl_and_float64():
-    results = _two_ranks(_two_rank_collectives, SEED, _algorithms())
+    results = _two_ranks(_two_rank_collectives, SEED, ALGORITHMS)
     assert results == [[], []], results
 
 
@@ -319,6 +322,8 @@ def _two_rank_async_streams_graphs(algorithms):
             wrong.append(f"{algorithm}: async all_reduce")
         wrong += _side_stream_case(comm, rank, algorithm)
         wrong += _graph_case(comm, rank, algorithm)
+    wrong += _graph_async_cases(comm, rank)
+    wrong += _lanes_case(comm, rank)
     comm.close()
     return wrong
 
@@ -367,8 +372,96 @@ def _graph_case(comm, rank, algorithm):
     return wrong
 
 
+@pytest.mark.two_ranks
+def _graph_async_cases(comm, rank):
+    """async_op=True inside a capture: waited inside, the graph replays right; a Work waited
+    outside its capture is a RuntimeError (and the next call reports it)."""
+    wrong = []
+    x = torch.zeros(1 << 12, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        comm.all_reduce(x, algorithm="ring")  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(rank + 1)
+        comm.all_reduce(x, algorithm="ring", async_op=True).wait()
+        x.mul_(2)
+    x.fill_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    if not torch.all(x == 2 * ((1 + 1) + (1 + 2))):
+        wrong.append(f"async inside a graph: {x[:4].tolist()}")
+    return wrong
+
+
+def _two_rank_graph_staging():
+    """A captured ring all-reduce allocates its own staging inside the graph (cudaMallocAsync:
+    graph memory, which CUDA counts apart), so a replay never shares the eager calls' slots;
+    the replay is right after the eager staging has been used with other data meanwhile."""
+    rank = _rank_comm_rank()
+    comm = _rank_comm()
+    n = 3 * (_cuda_comm.DEFAULT_SLOT_BYTES // 4)  # several slots of staging
+    g, e = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        comm.all_reduce(g, algorithm="ring")  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        comm.all_reduce(g, algorithm="ring")
+    e.fill_(10 * (rank + 1))
+    comm.all_reduce(e, algorithm="ring")  # the eager slots now hold other bytes
+    g.fill_(rank + 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    wrong = [] if torch.all(g == 3) and torch.all(e == 30) else [f"replay {g[:2].tolist()}"]
+    used = _graph_memory_high()
+    staging = comm.lanes * (_cuda_comm.DEFAULT_NUM_SLOTS + 1) * _cuda_comm.DEFAULT_SLOT_BYTES
+    if used is not None and used < staging:
+        wrong.append(f"graph memory {used} B < one staging of {staging} B: not the graph's own")
+    comm.close()
+    return wrong
+
+
+def _graph_memory_high():
+    """cudaGraphMemAttrUsedMemHigh (bytes of graph-owned memory), through CuPy; None without."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.deviceGetGraphMemAttribute(0, 1))
+    except (ImportError, AttributeError):
+        return None
+
+
+@pytest.mark.two_ranks
+def test_two_ranks_captured_collective_has_its_own_staging():
+    results = _two_ranks(_two_rank_graph_staging)
+    assert results == [[], []], results
+
+
+def _lanes_case(comm, rank):
+    """One lane and two lanes give the same bits (ring and tree, several slices)."""
+    one_lane = _rank_comm(lanes=1)
+    gen = torch.Generator().manual_seed(SEED + rank)
+    x = _random(5 * (_cuda_comm.DEFAULT_SLOT_BYTES // 4) + 3, torch.float32, gen)
+    wrong = []
+    for algorithm in ("ring", "tree"):
+        a, b = x.clone(), x.clone()
+        comm.all_reduce(a, algorithm=algorithm)
+        one_lane.all_reduce(b, algorithm=algorithm)
+        torch.cuda.synchronize()
+        if comm.lanes != 2 or one_lane.lanes != 1 or not torch.equal(a, b):
+            wrong.append(f"{algorithm}: 2 lanes ({comm.lanes}) differ from 1 ({one_lane.lanes})")
+    one_lane.close()
+    return wrong
+
+
+@pytest.mark.two_ranks
 def test_two_ranks_async_side_stream_and_graph_capture():
-    results = _two_ranks(_two_rank_async_streams_graphs, _algorithms())
+    results = _two_ranks(_two_rank_async_streams_graphs, ALGORITHMS)
     assert results == [[], []], results
 
 
@@ -399,7 +492,26 @@ def _two_rank_cupy():
     if not bool((b == cupy.arange(n, dtype=cupy.float32) * 3).all()):
         wrong.append("__cuda_array_interface__ all_reduce")
     wrong += _cupy_kept_alive(comm, cupy, n)
+    wrong += _cupy_stream_order(comm, cupy, rank, n)
     comm.close()
+    return wrong
+
+
+def _cupy_stream_order(comm, cupy, rank, n):
+    """On a non-default CuPy stream, CuPy's next kernel sees the collective's result: the
+    collective (held back by a sleep on torch's stream) orders CuPy's current stream after it,
+    for DLPack and for __cuda_array_interface__ inputs."""
+    wrong = []
+    for how, wrap in (("DLPack", lambda a: a), ("__cuda_array_interface__", _ArrayInterfaceOnly)):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            a = cupy.full(n, rank + 1, dtype=cupy.float32)
+            torch.cuda._sleep(HOLD_CYCLES)  # the comm stream starts after torch's stream
+            comm.all_reduce(wrap(a))
+            seen = a.copy()  # on CuPy's stream: must wait for the all-reduce
+            stream.synchronize()
+        if not bool((seen == 3).all()):
+            wrong.append(f"{how}: CuPy's stream read {float(seen[0])} before the all-reduce")
     return wrong
 
 
@@ -418,6 +530,7 @@ def _cupy_kept_alive(comm, cupy, n):
     return ["a pending all_reduce's CuPy input was freed (its memory reused)"] if reused else []
 
 
+@pytest.mark.two_ranks
 def test_two_ranks_cupy_inputs():
     pytest.importorskip("cupy")
     results = _two_ranks(_two_rank_cupy)
@@ -460,6 +573,7 @@ def _two_rank_point_to_point(seed: int):
     return wrong
 
 
+@pytest.mark.two_ranks
 def test_two_ranks_point_to_point():
     results = _two_ranks(_two_rank_point_to_point, SEED)
     assert results == [[], []], results
@@ -471,10 +585,14 @@ def _two_rank_timeout_aborts():
 
     rank = _rank_comm_rank()
     comm = _rank_comm()
-    comm.barrier()  # both communicators are up before rank 1 stays away
+    # The same all-reduce on both ranks first: NCCL connects lazily, on a collective's first call
+    # of its kind, and that connection needs the peer; without the warm-up rank 0's timed call
+    # would block on the host inside ncclAllReduce, never reaching wait(timeout).
+    x = torch.ones(1 << 10, device="cuda")
+    comm.all_reduce(x)
+    comm.barrier()  # both have finished it before rank 1 stays away
     outcome = {}
     if rank == 0:
-        x = torch.ones(1 << 10, device="cuda")
         work = comm.all_reduce(x, async_op=True)
         start = time.monotonic()
         try:
@@ -495,6 +613,7 @@ def _two_rank_timeout_aborts():
     return outcome
 
 
+@pytest.mark.two_ranks
 def test_two_ranks_wait_timeout_aborts_with_comm_error():
     rank0, rank1 = _two_ranks(_two_rank_timeout_aborts)
     assert rank1 == {}

@@ -312,6 +312,21 @@ def test_dst_may_alias_a_source_and_tensors_need_no_alignment(isa):
     assert torch.equal(x, twice)
 
 
+def test_partially_overlapping_tensors_are_refused():
+    base = torch.arange(16.0)
+    before = base.clone()
+    with pytest.raises(ValueError, match=r"srcs\[0\]: overlaps dst partially"):
+        ops.reduce_(base[0:8], base[4:12])
+    with pytest.raises(ValueError, match=r"srcs\[1\]: overlaps dst partially"):
+        ops.reduce_(base[4:12], base[4:12], base[0:8])
+    halves = base.view(torch.bfloat16)  # 32 bf16 over the 16 floats' bytes
+    with pytest.raises(ValueError, match="src: overlaps dst partially"):
+        ops.cast_(halves[:16], base[:16])  # bf16 dst inside the fp32 source's bytes
+    assert torch.equal(base, before)
+    ops.reduce_(base[0:8], base[8:16])  # adjacent, not overlapping
+    assert torch.equal(base[0:8], before[0:8] + before[8:16])
+
+
 def _cast_sources(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Random bit patterns (every class: subnormals, NaN, inf, huge) plus rounding ties."""
     n = 1 << 16
@@ -473,7 +488,9 @@ def test_cuda_reduce_matches_cpu_kernels(dtype, op):
 @needs_cuda
 def test_cuda_cast_is_bit_exact(src_dtype, dst_dtype):
     src = _cast_sources(src_dtype, _gen(10)).cuda()
-    for offset in (0, 1):  # aligned (vector path) and misaligned (scalar path)
+    # 256-byte aligned and 16-byte aligned (both the vector path: it needs 16 bytes, so an FP32
+    # view at 4 elements keeps it), and misaligned (the scalar path).
+    for offset in (0, 16 // src.element_size(), 1):
         view = src[offset:]
         dst = torch.empty(view.shape, dtype=dst_dtype, device="cuda")
         ops.cast_(dst, view, 0.75)

@@ -164,37 +164,7 @@ def test_build_info_reports_nccl_keys():
 
 # -- a fake NCCL built from C: the success path, in a fresh process each (one NCCL per process) --
 
-_FAKE_NCCL = r"""
-#include <string.h>
-typedef struct { char internal[128]; } ncclUniqueId;
-/* What the tests steer (through ctypes) and read back. */
-static int fake_async_error = 0, fake_call_result = 0, fake_aborts = 0, fake_comms = 0;
-static char fake_last[256] = "";
-static char fake_comm_storage[64];
-void fake_set_async_error(int r) { fake_async_error = r; }
-void fake_set_call_result(int r) { fake_call_result = r; }
-void fake_set_last_error(const char* s) { strncpy(fake_last, s, sizeof(fake_last) - 1); }
-int fake_abort_count(void) { return fake_aborts; }
-
-int ncclGetVersion(int* v) { *v = VERSION; return 0; }
-const char* ncclGetErrorString(int r) { return r == 6 ? "fake remote error" : "fake error"; }
-#ifndef DROP_LAST_ERROR
-const char* ncclGetLastError(void* comm) { return fake_last; }
-#endif
-int ncclCommInitRank(void** comm, int nranks, ncclUniqueId id, int rank) {
-  *comm = &fake_comm_storage[fake_comms++ % 64];
-  return 0;
-}
-int ncclCommGetAsyncError(void* comm, int* error) { *error = fake_async_error; return 0; }
-int ncclCommAbort(void* comm) { fake_aborts++; return 0; }
-int ncclAllReduce() { return fake_call_result; }
-#define STUB(name) int name() { return 0; }
-STUB(ncclGetUniqueId) STUB(ncclCommDestroy) STUB(ncclGroupStart) STUB(ncclGroupEnd) STUB(ncclSend)
-STUB(ncclRecv) STUB(ncclReduceScatter) STUB(ncclAllGather)
-#ifndef DROP_BROADCAST
-STUB(ncclBroadcast)
-#endif
-"""
+FAKE_NCCL_SOURCE = Path(__file__).resolve().parent / "fake_nccl.c"
 
 
 def _build_fake_nccl(tmp_path: Path, name: str, *defines: str) -> Path:
@@ -204,12 +174,11 @@ def _build_fake_nccl(tmp_path: Path, name: str, *defines: str) -> Path:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler to build a fake NCCL")
-    source = tmp_path / "fake_nccl.c"
-    source.write_text(_FAKE_NCCL)
     lib = tmp_path / name / "libnccl.so.2"
     lib.parent.mkdir()
     flags = [f"-D{d}" for d in defines]
-    subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", str(lib), str(source)], check=True)
+    command = [compiler, "-shared", "-fPIC", "-pthread", *flags, "-o", str(lib)]
+    subprocess.run([*command, str(FAKE_NCCL_SOURCE)], check=True)
     return lib
 
 
@@ -278,7 +247,8 @@ path, _ = _nccl.load()
 fake = ctypes.CDLL(path)  # the same handle: the tests steer the library dist_kernels loaded
 out = {}
 def new_comm(rank=1):
-    return _C.NcclComm(_C.nccl_unique_id(), rank, 2, -1)  # -1: no CUDA device is bound
+    # Host memory (device -1, stream 0): no CUDA device is bound. One lane, 4 slots of 256 B.
+    return _C.NcclCommunicator([_C.nccl_unique_id()], rank, 2, -1, 0, 256, 4)
 def error_of(call):
     try:
         call()
@@ -358,11 +328,13 @@ def test_failed_nccl_call_carries_nccl_last_error(tmp_path):
 comm = new_comm(rank=1)
 fake.fake_set_call_result(5)
 fake.fake_set_last_error(b"invalid usage: count mismatch seen by rank 1")
-out["error"] = error_of(lambda: comm.all_reduce(0, 0, 4, 0, 0, 0))
+out["error"] = error_of(lambda: comm.all_reduce(0, 0, 4, 0, 0, 4))  # 4: algorithm "nccl"
+out["later"] = error_of(lambda: comm.all_reduce(0, 0, 0, 0, 0, 1))  # ring: refused at once
 """,
     )
     error = out["error"]
     assert error.startswith("[rank 1] all_reduce: "), error
+    assert "failed earlier and cannot be used" in out["later"], out  # the first failure poisons
     assert "failed: NCCL error 5 (fake error)" in error
     assert "NCCL's last error: invalid usage: count mismatch seen by rank 1" in error
 

@@ -695,12 +695,32 @@ def _cuda_routes():
         dist.all_gather_into_tensor(out, t, group=group)
         torch.cuda.synchronize()
         expected = float(n * (n + 1) // 2)
-        results.append(bool((t == expected).all()) and bool((out == expected).all()))
+        ok = bool((t == expected).all()) and bool((out == expected).all())
+        if backend == "cuda:dk":
+            ok = ok and _cuda_future_after_the_gpu(group, rank, n)
+        results.append(ok)
         dist.destroy_process_group(group)
     return results
 
 
+def _cuda_future_after_the_gpu(group, rank: int, n: int) -> bool:
+    """The future of an async all-reduce held back on the GPU is not done until the GPU is, and a
+    then() callback on another stream sees the result (DDP comm hooks work this way)."""
+    import torch.distributed as dist
+
+    t = torch.full((1 << 16,), float(rank + 1), device="cuda")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s: the collective is still pending when we look
+    future = dist.all_reduce(t, group=group, async_op=True).get_future()
+    pending = not future.done()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        doubled = future.then(lambda f: f.value()[0] * 2).wait()
+    torch.cuda.synchronize()
+    return pending and bool((doubled == n * (n + 1)).all())
+
+
 @pytest.mark.gpu
+@pytest.mark.two_ranks
 @pytest.mark.skipif(_NO_GPU, reason="needs a CUDA device")
 def test_cuda_routes_on_one_gpu():
     env = {
@@ -710,4 +730,5 @@ def test_cuda_routes_on_one_gpu():
         "NCCL_SHM_DISABLE": "1",
         "NCCL_SOCKET_IFNAME": "lo",
     }
-    assert run_ranks(2, _cuda_routes, env=env, timeout=240) == [[True, True]] * 2
+    # 30 s: a hang ends inside the device check's per-test timeout (64 s), in pytest's summary.
+    assert run_ranks(2, _cuda_routes, env=env, timeout=30) == [[True, True]] * 2

@@ -20,7 +20,7 @@ namespace dk::algo {
 
 namespace {
 
-// One ring, one collective, one slice index at a time.
+// One ring on one lane, one collective, one slice index at a time.
 struct Ring {
   Channel ch;
   const CollectiveArgs& args;
@@ -54,14 +54,34 @@ struct Ring {
   Range slice(int p, size_t j) const { return sliceRange(chunk(p), sliceElems, j); }
   size_t bytes(Range r) const { return r.count * elem; }
 
-  // Posts a send of `sendRange` from `src`, then receives slice
-  // `recvRange` from prev into `recv`.
-  Status step(const char* src, Range sendRange, Range recvRange, RecvOp* recv) {
+  // Posts a send of `sendRange` from `src`, then receives slice `recvRange` from prev into
+  // `recv` (straight into `into` where the transport can: see RecvOp::into).
+  Status step(const char* src, Range sendRange, Range recvRange, RecvOp* recv,
+              char* into = nullptr) {
     SendOp send{nb.next, src, bytes(sendRange)};
-    *recv = RecvOp{nb.prev, bytes(recvRange)};
+    *recv = RecvOp{nb.prev, bytes(recvRange), into};
     return ch.transport.exchange(&send, 1, recv, 1);
   }
+
+  // Puts a received final slice at `to` (nothing to copy if it arrived there), then frees it.
+  Status land(char* to, RecvOp& recv) {
+    if (recv.data != to) DK_RETURN_IF_ERROR(ch.compute.copy(to, recv.data, recv.bytes));
+    return ch.transport.release(&recv, 1);
+  }
 };
+
+// One Ring per lane; slice j runs on lane j % lanes.count().
+std::vector<Ring> ringsOf(const Lanes& lanes, const CollectiveArgs& a, bool perRank) {
+  std::vector<Ring> rings;
+  for (int l = 0; l < lanes.count(); ++l) rings.emplace_back(lanes[l], a, perRank);
+  return rings;
+}
+
+// Ends the collective on every lane.
+Status finishAll(const Lanes& lanes) {
+  for (int l = 0; l < lanes.count(); ++l) DK_RETURN_IF_ERROR(lanes[l].transport.finish());
+  return Status::Ok();
+}
 
 // Reduce-scatter of slice j. `in` holds every chunk; partials go to partialBase + offset
 // (dst for all-reduce, scratch for reduce-scatter, at slice offset 0); the owned result goes
@@ -95,25 +115,24 @@ Status reduceScatterSlice(Ring& ring, size_t j, const char* in, char* partialBas
 }
 
 // All-gather of slice j: every chunk's final slice lives at out + offset; ours is in place.
+// Each received slice is final, so it is received straight into `out` where the transport can.
 Status allGatherSlice(Ring& ring, size_t j, char* out) {
-  Compute& c = ring.ch.compute;
   const int p = ring.nb.position;
   const int n = ring.n;
   auto at = [&](Range r) { return out + r.offset * ring.elem; };
   RecvOp x;
   // send: our final slice.
-  DK_RETURN_IF_ERROR(ring.step(at(ring.slice(p, j)), ring.slice(p, j), ring.slice(p - 1, j), &x));
+  Range next = ring.slice(p - 1, j);
+  DK_RETURN_IF_ERROR(ring.step(at(ring.slice(p, j)), ring.slice(p, j), next, &x, at(next)));
   // n-2 x recv-copy-send.
   for (int k = 1; k <= n - 2; ++k) {
     const Range r = ring.slice(p - k, j);
-    DK_RETURN_IF_ERROR(c.copy(at(r), x.data, ring.bytes(r)));
-    DK_RETURN_IF_ERROR(ring.ch.transport.release(&x, 1));
-    DK_RETURN_IF_ERROR(ring.step(at(r), r, ring.slice(p - k - 1, j), &x));
+    DK_RETURN_IF_ERROR(ring.land(at(r), x));
+    next = ring.slice(p - k - 1, j);
+    DK_RETURN_IF_ERROR(ring.step(at(r), r, next, &x, at(next)));
   }
   // recv: the last chunk arrives.
-  const Range last = ring.slice(p + 1, j);
-  DK_RETURN_IF_ERROR(c.copy(at(last), x.data, ring.bytes(last)));
-  return ring.ch.transport.release(&x, 1);
+  return ring.land(at(ring.slice(p + 1, j)), x);
 }
 
 // A single rank: the result is its own input.
@@ -123,40 +142,49 @@ Status selfOnly(Channel ch, const CollectiveArgs& a, size_t count) {
 
 }  // namespace
 
-Status ringAllReduce(Channel ch, const CollectiveArgs& a) {
-  if (ch.transport.worldSize() == 1) return selfOnly(ch, a, a.count);
-  Ring ring(ch, a, /*perRank=*/false);
+Status ringAllReduce(const Lanes& lanes, const CollectiveArgs& a) {
+  if (lanes[0].transport.worldSize() == 1) return selfOnly(lanes[0], a, a.count);
+  std::vector<Ring> rings = ringsOf(lanes, a, /*perRank=*/false);
   auto* dst = static_cast<char*>(a.dst);
   const auto* src = static_cast<const char*>(a.src);
-  for (size_t j = 0; j < ring.slices(); ++j) {
+  for (size_t j = 0; j < rings[0].slices(); ++j) {
+    Ring& ring = rings[j % rings.size()];
     char* owned = dst + ring.slice(ring.nb.position, j).offset * ring.elem;
     DK_RETURN_IF_ERROR(reduceScatterSlice(ring, j, src, dst, false, owned));
     DK_RETURN_IF_ERROR(allGatherSlice(ring, j, dst));
   }
-  return ch.transport.finish();
+  return finishAll(lanes);
 }
 
-Status ringReduceScatter(Channel ch, const CollectiveArgs& a) {
-  if (ch.transport.worldSize() == 1) return selfOnly(ch, a, a.count);
-  Ring ring(ch, a, /*perRank=*/true);
+Status ringReduceScatter(const Lanes& lanes, const CollectiveArgs& a) {
+  if (lanes[0].transport.worldSize() == 1) return selfOnly(lanes[0], a, a.count);
+  std::vector<Ring> rings = ringsOf(lanes, a, /*perRank=*/true);
   auto* dst = static_cast<char*>(a.dst);
-  const Range own = ring.chunk(ring.nb.position);
-  for (size_t j = 0; j < ring.slices(); ++j) {
+  const Range own = rings[0].chunk(rings[0].nb.position);
+  for (size_t j = 0; j < rings[0].slices(); ++j) {
+    Ring& ring = rings[j % rings.size()];
     char* owned = dst + (ring.slice(ring.nb.position, j).offset - own.offset) * ring.elem;
     DK_RETURN_IF_ERROR(reduceScatterSlice(ring, j, static_cast<const char*>(a.src),
-                                          static_cast<char*>(a.scratch), true, owned));
+                                          static_cast<char*>(ring.ch.scratch), true, owned));
   }
-  return ch.transport.finish();
+  return finishAll(lanes);
 }
 
-Status ringAllGather(Channel ch, const CollectiveArgs& a) {
-  Ring ring(ch, a, /*perRank=*/true);
+Status ringAllGather(const Lanes& lanes, const CollectiveArgs& a) {
+  std::vector<Ring> rings = ringsOf(lanes, a, /*perRank=*/true);
   auto* dst = static_cast<char*>(a.dst);
-  const Range own = ring.chunk(ring.nb.position);
-  DK_RETURN_IF_ERROR(ch.compute.copy(dst + own.offset * ring.elem, a.src, ring.bytes(own)));
-  if (ring.n == 1) return Status::Ok();
-  for (size_t j = 0; j < ring.slices(); ++j) DK_RETURN_IF_ERROR(allGatherSlice(ring, j, dst));
-  return ch.transport.finish();
+  const auto* src = static_cast<const char*>(a.src);
+  const Range own = rings[0].chunk(rings[0].nb.position);
+  // Our own slice j is copied into place by the lane that then sends it (on a GPU the lanes
+  // are streams: a copy on another lane would not be ordered before the send).
+  for (size_t j = 0; j < rings[0].slices(); ++j) {
+    Ring& ring = rings[j % rings.size()];
+    const Range mine = ring.slice(ring.nb.position, j);
+    const char* from = src + (mine.offset - own.offset) * ring.elem;
+    DK_RETURN_IF_ERROR(ring.ch.compute.copy(dst + mine.offset * ring.elem, from, ring.bytes(mine)));
+    if (ring.n > 1) DK_RETURN_IF_ERROR(allGatherSlice(ring, j, dst));
+  }
+  return rings[0].n == 1 ? Status::Ok() : finishAll(lanes);
 }
 
 }  // namespace dk::algo

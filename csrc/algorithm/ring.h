@@ -10,6 +10,10 @@
 //
 // Every element of chunk c is reduced in the same order (starting at position c+1, ending at
 // c), and all-gather copies that one result everywhere, so all ranks hold identical bits.
+//
+// Lanes: slice j runs on lane j % lanes.count() (its own transport, compute and scratch), so
+// with two lanes the reduce of slice j overlaps the transfers of slice j+1 (collective.h). The
+// arithmetic and its order do not depend on the lane: the bits are the same with any count.
 #pragma once
 
 #include "algorithm/collective.h"
@@ -17,10 +21,11 @@
 namespace dk::algo {
 
 // dst = reduce over ranks of src (count elements; src may equal dst).
-Status ringAllReduce(Channel ch, const CollectiveArgs& args);
-// dst (count elements) = chunk `rank` of reduce over ranks of src (worldSize * count elements).
-Status ringReduceScatter(Channel ch, const CollectiveArgs& args);
+Status ringAllReduce(const Lanes& lanes, const CollectiveArgs& args);
+// dst (count elements) = chunk `rank` of reduce over ranks of src (worldSize * count elements);
+// partial sums go to each lane's scratch.
+Status ringReduceScatter(const Lanes& lanes, const CollectiveArgs& args);
 // dst (worldSize * count elements) = concatenation over ranks of src (count elements).
-Status ringAllGather(Channel ch, const CollectiveArgs& args);
+Status ringAllGather(const Lanes& lanes, const CollectiveArgs& args);
 
 }  // namespace dk::algo

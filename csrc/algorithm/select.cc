@@ -68,4 +68,6 @@ Algorithm chooseReduceScatter(const CostModel& m, int n, size_t bytes, bool oneS
   return oneShot ? Algorithm::kOneShot : Algorithm::kRing;
 }
 
+Algorithm chooseOnNccl(int /*worldSize*/, size_t /*bytes*/) { return Algorithm::kNccl; }
+
 }  // namespace dk::algo

@@ -37,4 +37,9 @@ double oneShotReduceScatterUs(const CostModel& m, int worldSize, size_t bytes);
 Algorithm chooseAllGather(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
 Algorithm chooseReduceScatter(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
 
+// NCCL transport: what "auto" runs. NCCL's own collective, for every size and collective,
+// until our ring and tree over NCCL send/recv have been measured on a GPU (docs/gpu.md): there
+// is no cost model for this transport yet, and NCCL's tuning is the better default.
+Algorithm chooseOnNccl(int worldSize, size_t bytes);
+
 }  // namespace dk::algo

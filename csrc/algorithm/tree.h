@@ -13,6 +13,9 @@
 //
 // Broadcast: a chain (large messages: each rank forwards once, slices pipelined) or a binary
 // heap tree rooted at `root` (small messages: depth log2 n).
+//
+// Lanes (collective.h): tree t of the all-reduce travels lane t, and broadcast slice j lane j,
+// so with two lanes one's reduce or forward overlaps the other's transfer; the bits are the same.
 #pragma once
 
 #include "algorithm/collective.h"
@@ -20,8 +23,8 @@
 
 namespace dk::algo {
 
-Status treeAllReduce(Channel ch, const CollectiveArgs& args);
+Status treeAllReduce(const Lanes& lanes, const CollectiveArgs& args);
 // args.dst (count elements) on every rank = args.dst on rank args.root.
-Status treeBroadcast(Channel ch, const CollectiveArgs& args, bool chain);
+Status treeBroadcast(const Lanes& lanes, const CollectiveArgs& args, bool chain);
 
 }  // namespace dk::algo

@@ -8,6 +8,7 @@
 
 #include "bindings/errors.h"
 #include "bindings/registry.h"
+#include "cuda/device_guard.h"
 #include "kernels/bucket.h"
 
 namespace py = pybind11;
@@ -42,8 +43,11 @@ void runChecked(const std::vector<TensorSegment>& segments, const CastScaleArgs&
   dk::Status status;
   {
     py::gil_scoped_release release;
-    status = dk::kernels::castScaleMulti(segments, args, device, reinterpret_cast<void*>(stream),
+    // The bucket's device is current for the launch, whatever the caller's current device is.
+    status = dk::onDevice(device, [&] {
+      return dk::kernels::castScaleMulti(segments, args, device, reinterpret_cast<void*>(stream),
                                          num_threads);
+    });
   }
   dk::bindings::check(status, what);
 }

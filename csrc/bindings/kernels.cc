@@ -13,13 +13,10 @@
 #include "bindings/errors.h"
 #include "bindings/registry.h"
 #include "common/dtype.h"
+#include "cuda/device_guard.h"
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_thread_pool.h"
 #include "kernels/reduce.h"
-
-#if DK_WITH_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 namespace py = pybind11;
 
@@ -35,31 +32,12 @@ constexpr size_t kReleaseGilBytes = size_t{64} << 10;
 
 void* asPointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
-#if DK_WITH_CUDA
-Status cudaFailure(const std::string& what) {
-  return Status(Code::kCudaError, what + ": " + cudaGetErrorString(cudaGetLastError()));
-}
-#endif
-
 // Runs fn with `device` current (CUDA) and the GIL released for large calls.
 template <typename Fn>
 Status runOn(int device, size_t bytes, Fn fn) {
   std::optional<py::gil_scoped_release> release;
   if (bytes >= kReleaseGilBytes) release.emplace();
-  if (device < 0) return fn();
-#if DK_WITH_CUDA
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
-    return cudaFailure("cudaSetDevice(" + std::to_string(device) + ")");
-  }
-  Status status = fn();
-  if (previous != device && cudaSetDevice(previous) != cudaSuccess && status.ok()) {
-    return cudaFailure("restoring cudaSetDevice(" + std::to_string(previous) + ")");
-  }
-  return status;
-#else
-  return Unsupported("CUDA tensors need a CUDA build of dist_kernels (this one is CPU-only)");
-#endif
+  return onDevice(device, fn);
 }
 
 // The sources of a reduction as pointers, and the bytes it touches (they decide whether the

@@ -8,6 +8,7 @@
 
 #include "bindings/errors.h"
 #include "bindings/registry.h"
+#include "cuda/device_guard.h"
 #include "kernels/adamw.h"
 
 namespace py = pybind11;
@@ -65,12 +66,15 @@ void adamwStep(const Ptrs& params, const Ptrs& grads, const Ptrs& exp_avgs, cons
       status =
           dk::kernels::adamwCpu(tensors.data(), static_cast<int>(tensors.size()), pd, gd, hyper);
     } else {
+      // The parameters' device is current for the launch, whatever the caller's current one is.
+      status = dk::onDevice(device, [&] {
 #if DK_WITH_CUDA
-      status = dk::kernels::adamwCuda(tensors.data(), static_cast<int>(tensors.size()), pd, gd,
+        return dk::kernels::adamwCuda(tensors.data(), static_cast<int>(tensors.size()), pd, gd,
                                       hyper, reinterpret_cast<void*>(stream));
 #else
-      status = dk::Unsupported("adamw_step: this build has no CUDA kernels (DK_WITH_CUDA=0)");
+        return dk::Unsupported("adamw_step: this build has no CUDA kernels (DK_WITH_CUDA=0)");
 #endif
+      });
     }
   }
   dk::bindings::check(status, "adamw_step");

@@ -246,9 +246,8 @@ bool CpuCommunicator::needsAgreement(const Request& r) {
 }
 
 Status CpuCommunicator::dispatch(const Request& r) {
-  algo::Channel ch{*transport_, compute_};
-  algo::CollectiveArgs args = r.args;
-  args.scratch = scratch_.data();
+  algo::Channel ch{*transport_, compute_, scratch_.data()};
+  const algo::CollectiveArgs& args = r.args;
   const bool ring = r.algorithm == algo::Algorithm::kRing;
   switch (r.kind) {
     case CollectiveKind::kAllReduce:

@@ -1,6 +1,7 @@
 // CUDA cast with scale: dst = (D)(float(src) * scale), rounded once to nearest even (half.h's
 // device conversions), 8 elements per thread step: one 16-byte load or store on the 16-bit side,
-// two on the FP32 side; a bounds-checked scalar tail covers the rest.
+// two on the FP32 side, for pointers aligned to 16 bytes; a bounds-checked scalar tail covers the
+// rest.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -44,8 +45,8 @@ __global__ void castScaleKernel(D* dst, const S* src, size_t count, float scale,
 
 template <typename D, typename S>
 Status launchCast(void* dst, const void* src, size_t count, float scale, cudaStream_t stream) {
-  const bool vectorized =
-      isAligned(dst, sizeof(Pack<D, kCastVec>)) && isAligned(src, sizeof(Pack<S, kCastVec>));
+  const bool vectorized = isAligned(dst, cuda::kPackAlignment<D, kCastVec>) &&
+                          isAligned(src, cuda::kPackAlignment<S, kCastVec>);
   const size_t work = vectorized ? count / kCastVec : count;
   castScaleKernel<D, S><<<gridFor(work), kThreadsPerBlock, 0, stream>>>(
       static_cast<D*>(dst), static_cast<const S*>(src), count, scale, vectorized);

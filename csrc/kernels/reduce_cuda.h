@@ -13,12 +13,18 @@
 
 namespace dk::kernels::cuda {
 
-// N elements loaded or stored with one vector instruction per 16 bytes; the pointer must be
-// aligned to sizeof(Pack) (checked on the host by isAligned before the vector path is chosen).
+// N elements loaded or stored with one vector instruction per 16 bytes (a pack of 32 bytes, 8
+// FP32 values, is two 16-byte loads); the pointer must be aligned to min(sizeof(Pack), 16)
+// (checked on the host by isAligned before the vector path is chosen). 16 bytes is what a
+// vector load needs: asking 32 for an FP32 pack would send a 16-byte aligned tensor (a view at
+// an offset of 4 elements) down the scalar path.
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
+struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
   T v[N];
 };
+
+template <typename T, int N>
+constexpr size_t kPackAlignment = alignof(Pack<T, N>);
 
 // Elements per 16 bytes of T: 4 for FP32, 8 for FP16 / BF16, 16 for int8.
 template <typename T>

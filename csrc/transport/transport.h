@@ -22,7 +22,11 @@ struct SendOp {
 
 struct RecvOp {
   int peer;
-  size_t bytes;                // must equal the matching SendOp's bytes
+  size_t bytes;  // must equal the matching SendOp's bytes
+  // Where the caller will copy the bytes anyway (the all-gather phase's output), or null. A
+  // transport that receives into caller memory (NCCL) writes them there and sets data = into,
+  // saving the copy; one that cannot (shared memory reads in place from the peer) ignores it.
+  void* into = nullptr;
   const void* data = nullptr;  // set by exchange(): where the received bytes can be read
 };
 
@@ -46,7 +50,8 @@ class Transport {
   // guarantee it by their data dependencies); finish() waits until every peer is done.
   virtual Status exchange(const SendOp* sends, int nsends, RecvOp* recvs, int nrecvs) = 0;
 
-  // Hands the receive buffers of an exchange back to the transport (frees the sender's slot).
+  // Hands the receive buffers of an exchange back to the transport (frees the sender's slot);
+  // a receive that landed in its `into` holds nothing and is skipped.
   virtual Status release(const RecvOp* recvs, int nrecvs) = 0;
 
   // Ends one collective: returns when every peer has consumed every send of this rank.

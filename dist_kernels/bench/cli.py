@@ -287,6 +287,8 @@ class _Rank:
             "root": self._root(),
             "world_size": self.world_size,
             "device": args.device,
+            # CUDA: NCCL communicators / streams our ring and tree alternate over (DK_NCCL_LANES)
+            "nccl_lanes": getattr(self.comm, "lanes", None) if args.device == "cuda" else None,
             "buffers": args.buffers,
             "buffers_label": "registered (comm.empty)"
             if args.buffers == "registered"
@@ -508,6 +510,8 @@ def run_rank(args: argparse.Namespace, launcher: str, command: str) -> List[repo
             all_rows += rows
             if printing:
                 _print(*(report.format_row(r, bench.baseline) for r in rows))
+                if args.json:  # the rows so far: a run cut short keeps what it measured
+                    report.write_json(args.json, meta, all_rows)
     finally:
         bench.close()
     if printing:

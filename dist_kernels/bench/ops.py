@@ -299,18 +299,16 @@ def algorithm_choices(comm, op: str, requested: List[str]) -> Tuple[List[str], O
     """Algorithms to run for ``op``, each named by what runs, and a note on any change."""
     if op == "sendrecv":
         return ["default"], "sendrecv: point-to-point calls take no algorithm argument"
-    if op in _TABLES:
-        return _table_choices(op, getattr(comm, _TABLES[op], None), requested)
+    if op in _TABLED:
+        return _table_choices(op, comm.algorithm_runs(op), requested)
     if _accepts_algorithm(getattr(comm, op)):
         return requested, None
     return ["default"], f"Communicator.{op} takes no algorithm argument: ran its default"
 
 
-# The collectives whose communicator says, per algorithm name, what runs.
-_TABLES = {
-    "reduce_scatter": "REDUCE_SCATTER_ALGORITHMS",
-    "all_gather": "ALL_GATHER_ALGORITHMS",
-}
+# The collectives whose communicator says, per algorithm name, what runs
+# (BaseCommunicator.algorithm_runs).
+_TABLED = ("reduce_scatter", "all_gather")
 
 
 def _table_choices(

@@ -278,9 +278,11 @@ def layer_overhead_lines(rows: List[Row], meta: Dict[str, Any], layer: str, dire
 
 
 def write_json(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
-    with open(path, "w") as out:
+    """Writes then renames, so a reader (or a run killed mid-write) never sees half a file."""
+    with open(path + ".tmp", "w") as out:
         json.dump({"meta": meta, "rows": rows}, out, indent=1)
         out.write("\n")
+    os.replace(path + ".tmp", path)
 
 
 def plot(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:

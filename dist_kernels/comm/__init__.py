@@ -1,11 +1,14 @@
 """The communicator layer: :class:`Communicator`, :class:`Work` and the module-level calls.
 
-``communicator`` chooses a backend per group and checks arguments; the backends below it carry
-the calls to ``_C``: ``shm`` (one host, POSIX shared memory), ``hierarchical`` (shared memory
-inside a host, gloo between host leaders), ``cuda`` (NCCL send/recv, loaded at run time by
+``base`` holds what the CPU and CUDA communicators share (``BaseCommunicator``) and
+``algorithms`` the one table of algorithm names; ``communicator`` chooses a backend per group
+and checks arguments; the backends below it carry the calls to ``_C``: ``shm`` (one host, POSIX
+shared memory), ``hierarchical`` (shared memory inside a host, gloo between host leaders),
+``cuda`` (the CUDA communicator over ``_C.NcclCommunicator``, NCCL loaded at run time by
 ``nccl``). ``work`` holds the handle type that every backend returns.
 """
 
+from .base import BaseCommunicator
 from .communicator import (
     Communicator,
     all_gather,
@@ -23,6 +26,7 @@ from .communicator import (
 from .work import Work
 
 __all__ = [
+    "BaseCommunicator",
     "Communicator",
     "Work",
     "init",

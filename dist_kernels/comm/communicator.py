@@ -14,20 +14,20 @@ between host leaders). ``device="cuda"`` hands over to ``dist_kernels.comm.cuda`
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import itertools
 import os
 import socket
 import threading
-import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from ..dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from ..dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code
+from . import algorithms
+from .base import BaseCommunicator
 from .work import Work
 
 __all__ = [
@@ -47,12 +47,8 @@ __all__ = [
     "ReduceOp",
 ]
 
-ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "one_shot": 3}
-#: What reduce_scatter's and all_gather's ``algorithm`` accepts, and what each choice runs: the
-#: ring or the one-shot exchange ("auto" picks between them by the cost model); there is no tree
-#: (it reduces to a root, which neither collective needs).
-REDUCE_SCATTER_ALGORITHMS = {"auto": "auto", "ring": "ring", "one_shot": "one_shot"}
-ALL_GATHER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
+#: all_reduce's names -> codes (dist_kernels/comm/algorithms.py): a dict lookup on the hot path.
+_ALL_REDUCE_CODES = algorithms.codes("cpu", "all_reduce")
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Communicators of one group are told apart by creation order: every member creates them in
@@ -60,36 +56,12 @@ _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _creation_counters: Dict[Tuple[int, ...], itertools.count[int]] = {}
 _creation_lock = threading.Lock()
 
-# Open CPU communicators: at interpreter exit (a KeyboardInterrupt that reached the top, say)
-# they are failed, not drained, so a queued call that waits for a peer cannot hold the exit
-# up until its timeout, and the peers learn at once that this rank is gone.
-_open_communicators: weakref.WeakSet[Communicator] = weakref.WeakSet()
-
-
-@atexit.register
-def _abort_open_communicators() -> None:
-    for comm in list(_open_communicators):
-        backend = getattr(comm, "_backend", None)
-        if backend is not None and not comm._closed and hasattr(backend, "abort"):
-            backend.abort("exited with the communicator open")
-            comm.close()
-
 
 def _host_id() -> str:
     return os.environ.get("DK_HOST_ID") or socket.gethostname()
 
 
-def _algorithm_code(algorithm: str, rank: int, what: str) -> int:
-    try:
-        return ALGORITHMS[algorithm]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"[rank {rank}] {what}: algorithm must be one of {sorted(ALGORITHMS)}, "
-            f"got {algorithm!r}"
-        ) from None
-
-
-class Communicator:
+class Communicator(BaseCommunicator):
     """Collectives among the ranks of a torch ProcessGroup.
 
     Args:
@@ -110,8 +82,7 @@ class Communicator:
     rank and leaves the communicator unusable.
     """
 
-    REDUCE_SCATTER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
-    ALL_GATHER_ALGORITHMS = ALL_GATHER_ALGORITHMS
+    device_type = "cpu"
 
     def __new__(
         cls, group=None, device: Union[str, torch.device] = "cpu", timeout=None, **store_args
@@ -154,7 +125,7 @@ class Communicator:
         self._pending_lock = threading.Lock()
         self._closed = False
         self._backend = self._connect()
-        _open_communicators.add(self)
+        self._track_open()
 
     def _from_group(self, group, rank, world_size) -> None:
         if rank is not None or world_size is not None:
@@ -257,25 +228,6 @@ class Communicator:
         except TypeError as e:
             raise TypeError(f"[rank {self.rank}] {what}: {e}") from None
 
-    def _check_peer(self, peer: Any, arg: str, what: str, allow_self: bool = True) -> int:
-        if not isinstance(peer, int) or isinstance(peer, bool):
-            raise TypeError(f"[rank {self.rank}] {what}: {arg} must be an int, got {peer!r}")
-        if not 0 <= peer < self.world_size or (not allow_self and peer == self.rank):
-            raise ValueError(
-                f"[rank {self.rank}] {what}: {arg}={peer} is out of range for "
-                f"world_size {self.world_size}"
-                + ("" if allow_self else " (and must not be this rank)")
-            )
-        return peer
-
-    def _op(self, op: ReduceOpLike, what: str) -> ReduceOp:
-        if type(op) is ReduceOp:
-            return op
-        try:
-            return reduce_op(op)
-        except ValueError as e:
-            raise ValueError(f"[rank {self.rank}] {what}: {e}") from None
-
     def _finish(self, handle: Any, tensors: Tuple[torch.Tensor, ...], async_op: bool):
         if not async_op:
             return None
@@ -310,9 +262,9 @@ class Communicator:
             self._check_open("all_reduce")
         code = self._check_tensor(tensor, "tensor", "all_reduce")
         op = op if type(op) is ReduceOp else self._op(op, "all_reduce")
-        algo = ALGORITHMS.get(algorithm) if type(algorithm) is str else None
+        algo = _ALL_REDUCE_CODES.get(algorithm) if type(algorithm) is str else None
         if algo is None:
-            algo = _algorithm_code(algorithm, self.rank, "all_reduce")
+            algo = self._algorithm("all_reduce", algorithm)
         handle = self._backend.all_reduce(tensor, code, op, algo, async_op)  # op: an int
         return self._finish(handle, (tensor,), async_op) if async_op else None
 
@@ -344,16 +296,6 @@ class Communicator:
             )
         return code
 
-    def _gather_scatter_algorithm(self, algorithm: str, opname: str) -> int:
-        """The algorithm code of reduce_scatter / all_gather; "tree" and unknowns raise."""
-        if type(algorithm) is not str or algorithm not in REDUCE_SCATTER_ALGORITHMS:
-            raise ValueError(
-                f"[rank {self.rank}] {opname}: algorithm must be one of "
-                f"{sorted(REDUCE_SCATTER_ALGORITHMS)} ({opname} has no tree), "
-                f"got {algorithm!r}"
-            )
-        return ALGORITHMS[algorithm]
-
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -375,7 +317,7 @@ class Communicator:
         self._check_open("reduce_scatter")
         code = self._check_whole_and_chunk(output, input, "input", "output", "reduce_scatter")
         op = self._op(op, "reduce_scatter")
-        algo = self._gather_scatter_algorithm(algorithm, "reduce_scatter")
+        algo = self._algorithm("reduce_scatter", algorithm)
         handle = self._backend.reduce_scatter(output, input, code, int(op), algo, async_op)
         return self._finish(handle, (output, input), async_op)
 
@@ -396,7 +338,7 @@ class Communicator:
         """
         self._check_open("all_gather")
         code = self._check_whole_and_chunk(output, input, "output", "input", "all_gather")
-        algo = self._gather_scatter_algorithm(algorithm, "all_gather")
+        algo = self._algorithm("all_gather", algorithm)
         handle = self._backend.all_gather(output, input, code, algo, async_op)
         return self._finish(handle, (output, input), async_op)
 
@@ -573,18 +515,12 @@ class Communicator:
         self._pending = []
         self._backend.close()
 
-    def __enter__(self) -> Communicator:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return (
-            f"Communicator(rank={self.rank}, world_size={self.world_size}, "
-            f"device={self.device}, {state})"
-        )
+    def _close_at_exit(self) -> None:
+        """Fails the open communicator on every rank rather than draining its queue."""
+        backend = getattr(self, "_backend", None)
+        if backend is not None and hasattr(backend, "abort"):
+            backend.abort("exited with the communicator open")
+            self.close()
 
 
 # -- module-level calls on the default communicator -------------------------------------------

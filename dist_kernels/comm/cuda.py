@@ -1,35 +1,42 @@
 """The CUDA side of :class:`dist_kernels.Communicator` (``device="cuda"``).
 
-Python owns everything here (the NCCL communicator, the communicator's stream, the staging
-buffer); the C++ core borrows pointers and the stream handle (design decisions 1 and 3).
+One C++ object does the work: ``_C.NcclCommunicator`` (csrc/comm/nccl_communicator.h) owns the
+NCCL communicators (one per lane), their transports, compute and staging, runs every
+collective (NCCL's own, or our ring and tree over NCCL send/recv) and resolves ``"auto"``. This
+module owns what is torch's: the communicator's stream, the ordering against the caller's
+streams, tensors' lifetimes, host waits and errors (design decisions 1 and 3).
 
 Stream semantics (design decision 7): each collective runs on the communicator's own stream,
 ordered after the caller's current stream (the comm stream waits on an event recorded there) and
 before later work on it (the caller's stream waits on an event recorded after the collective).
 Only events are used, never host synchronisation, so a collective can be captured in a CUDA
-graph. ``async_op=True`` returns a ``dist_kernels.Work`` (around a :class:`CudaWork`) instead of
-making the caller's stream wait; its ``wait()`` makes the then-current stream of the
-communicator's device wait, as torch.distributed's NCCL work does, and ``wait(timeout)`` also
-blocks the host until the collective ends or ``timeout`` seconds pass.
+graph (a captured collective's staging is the graph's own, allocated inside it). ``async_op=True``
+returns a ``dist_kernels.Work`` (around a :class:`CudaWork`) instead of making the caller's
+stream wait; its ``wait()`` makes the then-current stream of the communicator's device wait, as
+torch.distributed's NCCL work does, and ``wait(timeout)`` also blocks the host until the
+collective ends or ``timeout`` seconds pass. A Work started inside a graph capture must be
+waited inside the same capture (``RuntimeError`` otherwise).
+
+Arrays of other libraries (CuPy): the collective also waits for, and is then waited by, the
+stream their owner uses: ``__cuda_array_interface__``'s ``stream``, or CuPy's current stream for
+a CuPy array passed through DLPack; they are held until the collective has completed.
 
 Failures (:class:`NcclWatch`): every call first asks NCCL for an asynchronous error (a dead peer,
 a closed socket); a host wait (``wait(timeout)``, ``barrier()``, ``close()``) polls for it while
-it waits. An error or a timeout aborts the NCCL communicator (``ncclCommAbort``, which also ends
-its kernels still waiting on the device) and raises ``CommError`` naming the rank, the operation
-and NCCL's own message; every later call raises ``CommError`` too.
+it waits. An error or a timeout aborts the NCCL communicators (``ncclCommAbort``, which also ends
+their kernels still waiting on the device) and raises ``CommError`` naming the rank, the
+operation and NCCL's own message; every later call raises ``CommError`` too.
 
-Memory: every input gets ``record_stream(comm stream)`` (torch's allocator then keeps its block
-until the collective is done); arrays from other libraries (CuPy) are not torch's to keep, so
-the communicator holds them until the event after the collective has completed.
-
-Inputs: torch CUDA tensors, and any array with ``__dlpack__`` or ``__cuda_array_interface__``
-(CuPy), viewed as a torch tensor without a copy.
+Threads: one thread at a time per communicator (NCCL's rule); a call that finds another thread
+inside raises ``RuntimeError`` instead of interleaving the two on the stream.
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import os
+import sys
 import threading
 import time
 import zlib
@@ -38,27 +45,26 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tupl
 import torch
 
 from .. import _C
-from ..dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from ..dtypes import ReduceOp, ReduceOpLike, dtype_code
 from ..errors import CommError
-from . import nccl
+from . import algorithms, nccl
+from .base import BaseCommunicator
 from .work import Work
 
-#: Staging for NcclTransport receives: 8 slots of 4 MiB (32 MiB per communicator). A slot is the
-#: largest message of one algorithm step (ring and tree cut their slices to fit); the ring holds
-#: one slot at a time and the tree two (its two children), so 8 leaves room. Not yet tuned on a
-#: GPU: the slot size trades NCCL calls per byte against the size of the smallest pipelined slice.
+#: Staging per lane for NcclTransport receives: 8 slots of 4 MiB, plus one slot of scratch. A
+#: slot is the largest message of one algorithm step (ring and tree cut their slices to fit); the
+#: ring holds one slot at a time and the tree two (its two children), so 8 leaves room. Not yet
+#: tuned on a GPU: the slot size trades NCCL calls per byte against the smallest pipelined slice.
 DEFAULT_SLOT_BYTES = 4 << 20
 DEFAULT_NUM_SLOTS = 8
-ALGORITHMS = ("auto", "ring", "tree", "nccl")
-#: C++ codes of algo::Algorithm (csrc/algorithm/collective.h).
-_ALGORITHM_CODES = {"ring": 1, "tree": 2}
-#: What reduce_scatter's and all_gather's ``algorithm`` accepts, and what each choice runs
-#: (neither has a tree: refused rather than silently run as the ring).
-REDUCE_SCATTER_ALGORITHMS = {"auto": "nccl", "ring": "ring", "nccl": "nccl"}
-ALL_GATHER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
+#: Lanes (one NCCL communicator, stream and staging each): ring slices and tree halves alternate
+#: over them, so one lane's reduce overlaps the next slice's transfer. DK_NCCL_LANES overrides
+#: (1 = one stream, as before lanes existed: what the device check compares against).
+DEFAULT_LANES = 2
+_NAMES = {code: name for name, code in algorithms.CODES.items()}
 
 DeviceLike = Union[torch.device, int, str, None]
-#: Per-collective timeout for host waits (barrier, close, the unique id), as on CPU.
+#: Per-collective timeout for host waits (barrier, close, the unique ids), as on CPU.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 #: Host polling while waiting: starts at 0.1 ms (short collectives end fast) and doubles up to
 #: 10 ms, so a long wait costs the host little and an error is seen within 10 ms.
@@ -69,11 +75,19 @@ def unavailable_reason() -> Optional[str]:
     """Why a CUDA communicator cannot be made here, or None when it can."""
     if not getattr(_C, "build_info", lambda: {})().get("cuda_compiled", False):
         return "dist_kernels was built without CUDA (DK_WITH_CUDA=0 or no nvcc at build time)"
-    if not hasattr(_C, "NcclTransport"):
-        return "this build of dist_kernels._C has no NCCL transport"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device (CPU build of torch, no driver, or no GPU)"
     return None
+
+
+def default_lanes() -> int:
+    """DK_NCCL_LANES, else :data:`DEFAULT_LANES`."""
+    value = os.environ.get("DK_NCCL_LANES", "")
+    if not value:
+        return DEFAULT_LANES
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"DK_NCCL_LANES: expected a positive integer, got {value!r}")
+    return int(value)
 
 
 def _cuda_device(device: DeviceLike) -> torch.device:
@@ -111,10 +125,25 @@ def as_cuda_tensor(obj: Any, device: torch.device, arg: str) -> torch.Tensor:
     return tensor
 
 
+def owner_stream(obj: Any) -> Optional[int]:
+    """The stream (a raw handle) on which the owner of a foreign array orders its work, or None
+    when nothing says: ``__cuda_array_interface__``'s ``stream`` (None there means no
+    synchronisation is needed), else CuPy's current stream for a CuPy array."""
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    if isinstance(interface, dict) and interface.get("stream") is not None:
+        # 1 is the interface's name for the legacy default stream, torch's stream 0; 2 (the
+        # per-thread default stream) is also CUDA's own handle for it.
+        stream = int(interface["stream"])
+        return 0 if stream == 1 else stream
+    if type(obj).__module__.split(".")[0] == "cupy" and "cupy" in sys.modules:
+        return int(sys.modules["cupy"].cuda.get_current_stream().ptr)
+    return None
+
+
 class NcclWatch:
     """Turns a hang or NCCL's asynchronous error into ``CommError`` (see the module docstring).
 
-    ``comm`` is an ``_C.NcclComm`` (or anything with ``closed``, ``async_error()``,
+    ``comm`` is an ``_C.NcclCommunicator`` (or anything with ``closed``, ``async_error()``,
     ``last_error()`` and ``abort()``). Once it has failed, :attr:`failure` holds the first
     error's message.
     """
@@ -163,13 +192,37 @@ class NcclWatch:
 
 
 class CudaWork:
-    """Completion of one collective on the communicator's stream."""
+    """Completion of one collective on the communicator's stream.
 
-    def __init__(self, done: Any, watch: NcclWatch, what: str, device: torch.device) -> None:
+    ``owners``: raw handles of foreign arrays' streams that wait too (see :func:`owner_stream`).
+    ``capture``: the CUDA graph capture it was started in (0: none); it must be waited there.
+    """
+
+    def __init__(
+        self,
+        done: Any,
+        watch: NcclWatch,
+        what: str,
+        device: torch.device,
+        owners: Sequence[int] = (),
+        capture: int = 0,
+    ) -> None:
         self._done = done
         self._watch = watch
         self._what = what
         self._device = device
+        self._owners = tuple(owners)
+        self.capture = capture
+        self.waited = False
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def done_event(self) -> Any:
+        """The event recorded after the collective (the torch backend orders futures by it)."""
+        return self._done
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Makes the current stream of the communicator's device wait for the collective.
@@ -180,19 +233,42 @@ class CudaWork:
         waits.)
         """
         self._watch.check(self._what)
-        if timeout is not None and not _capturing(self._device):
+        self._check_same_capture(_capture_id(self._device))
+        if timeout is not None and not self.capture:
             self._watch.wait(self._done.query, timeout, self._what)
         torch.cuda.current_stream(self._device).wait_event(self._done)
+        _owners_wait(self._owners, self._done, self._device)
+        self.waited = True
         return True
 
     def is_completed(self) -> bool:
         """True once the device has finished the collective (or the communicator failed)."""
         return self._watch.failure is not None or self._done.query()
 
+    def _check_same_capture(self, current: int) -> None:
+        """A graph's collective is waited inside its capture, an eager one outside any."""
+        if current == self.capture:
+            return
+        where = f"CUDA graph capture {self.capture}" if self.capture else "no graph capture"
+        raise RuntimeError(
+            f"[rank {self._watch.rank}] {self._what}: this Work was started in {where} and is "
+            f"waited in {f'capture {current}' if current else 'eager mode'}: wait() a captured "
+            "collective's Work inside its capture (before the `torch.cuda.graph` block ends), "
+            "an eager one before a capture begins"
+        )
 
-def _capturing(device: torch.device) -> bool:
+
+def _capture_id(device: torch.device) -> int:
+    """The CUDA graph capture the current stream of ``device`` takes part in, or 0."""
     with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
+        if not torch.cuda.is_current_stream_capturing():
+            return 0
+        return _C.cuda_capture_id(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _owners_wait(owners: Sequence[int], done: Any, device: torch.device) -> None:
+    for handle in owners:
+        torch.cuda.ExternalStream(handle, device=device).wait_event(done)
 
 
 def _foreign(*objs: Any) -> Tuple[Any, ...]:
@@ -229,7 +305,25 @@ def _group_store(group: Any) -> Tuple[Any, int, int]:
     return store, rank, world_size
 
 
-class CudaCommunicator:
+def _unique_ids(store: Any, rank: int, lanes: int, timeout: datetime.timedelta) -> List[bytes]:
+    """One ncclUniqueId per lane, made by rank 0 and carried by the Store; rank 0's lane count
+    is everyone's (a rank asking for another one raises ``ValueError``)."""
+    if rank == 0:
+        for lane in range(lanes):
+            store.set(f"nccl_unique_id/{lane}", _C.nccl_unique_id())
+        store.set("lanes", str(lanes))
+    store.wait(["lanes"], timeout)
+    agreed = int(store.get("lanes"))
+    if agreed != lanes:
+        raise ValueError(
+            f"[rank {rank}] Communicator(device='cuda'): lanes={lanes}, but rank 0 has {agreed}"
+        )
+    keys = [f"nccl_unique_id/{lane}" for lane in range(lanes)]
+    store.wait(keys, timeout)
+    return [bytes(store.get(key)) for key in keys]
+
+
+class CudaCommunicator(BaseCommunicator):
     """Collectives among the ranks of a torch ProcessGroup on CUDA tensors (NCCL underneath).
 
     ``dist_kernels.Communicator(group, device="cuda")`` returns one of these; the methods
@@ -237,18 +331,19 @@ class CudaCommunicator:
 
     Args:
         group: a torch.distributed ProcessGroup; default WORLD (its Store carries the
-            ncclUniqueId from rank 0 to the others).
+            ncclUniqueIds from rank 0 to the others).
         device: this rank's CUDA device (``"cuda"`` = the current device).
-        timeout: how long a host wait may take (rank 0's ncclUniqueId, ``barrier()``,
+        timeout: how long a host wait may take (rank 0's ncclUniqueIds, ``barrier()``,
             ``close()``; a ``datetime.timedelta``, default 30 minutes) before ``CommError``.
             ``Work.wait(timeout)`` takes its own.
         store, rank, world_size: use this Store and these numbers instead of torch.distributed
             (tests and custom launchers); all three or none.
-        slot_bytes, num_slots: NcclTransport staging (a multiple of 256 bytes; at least 1).
+        slot_bytes, num_slots: staging per lane (a multiple of 256 bytes; at least 1 slot).
+        lanes: NCCL communicators and streams the ring and tree alternate over (default
+            ``DK_NCCL_LANES`` or 2; every rank passes the same).
     """
 
-    REDUCE_SCATTER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
-    ALL_GATHER_ALGORITHMS = ALL_GATHER_ALGORITHMS
+    device_type = "cuda"
 
     def __init__(
         self,
@@ -261,9 +356,12 @@ class CudaCommunicator:
         world_size: Optional[int] = None,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         num_slots: int = DEFAULT_NUM_SLOTS,
+        lanes: Optional[int] = None,
     ) -> None:
         self._comm = None
         self._held: List[Tuple[Any, Tuple[Any, ...]]] = []  # (done event, foreign inputs)
+        self._captured: List[CudaWork] = []  # async works of graph captures, until waited
+        self._busy = threading.Lock()
         if store is not None and (rank is None or world_size is None):
             raise ValueError("store: pass rank= and world_size= with it")
         reason = unavailable_reason()
@@ -277,35 +375,15 @@ class CudaCommunicator:
         self.device = _cuda_device(device)
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         nccl.load()
-        if rank == 0:
-            store.set("nccl_unique_id", _C.nccl_unique_id())
-        store.wait(["nccl_unique_id"], self.timeout)
-        unique_id = bytes(store.get("nccl_unique_id"))
+        ids = _unique_ids(store, rank, default_lanes() if lanes is None else lanes, self.timeout)
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
-            self._comm = _C.NcclComm(unique_id, rank, world_size, self.device.index)
-            self._watch = NcclWatch(self._comm, rank)
-            self._staging = torch.empty(
-                slot_bytes * num_slots, dtype=torch.uint8, device=self.device
-            )
-            self._scratch = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
-        handle = self.stream.cuda_stream
-        # Both C++ objects borrow the same staging: they only ever run on the one stream, one
-        # collective at a time, and return every slot before a collective ends.
-        self._transport = _C.NcclTransport(
-            self._comm, handle, self._staging.data_ptr(), slot_bytes, num_slots
-        )
-        # Ring and tree over NcclTransport + CudaCompute, when the algorithms are in the build.
-        self._algorithms = None
-        if hasattr(_C, "CudaCommunicator"):
-            self._algorithms = _C.CudaCommunicator(
-                self._comm,
-                handle,
-                self._staging.data_ptr(),
-                slot_bytes,
+            self._comm = _C.NcclCommunicator(
+                ids, rank, world_size, self.device.index, self.stream.cuda_stream, slot_bytes,
                 num_slots,
-                self._scratch.data_ptr(),
-            )
+            )  # fmt: skip
+        self._watch = NcclWatch(self._comm, rank)
+        self._track_open()
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -313,6 +391,11 @@ class CudaCommunicator:
     def closed(self) -> bool:
         """True after :meth:`close` or :meth:`abort`."""
         return self._comm is None
+
+    @property
+    def lanes(self) -> int:
+        """NCCL communicators (and streams) the ring and tree alternate over."""
+        return self._comm.lanes
 
     def _tensor(self, obj: Any, arg: str, what: str) -> torch.Tensor:
         if self._comm is None:
@@ -326,31 +409,65 @@ class CudaCommunicator:
         self,
         what: str,
         tensors: Sequence[torch.Tensor],
-        launch: Callable[[int], None],
+        launch: Callable[[], None],
         async_op: bool,
         foreign: Tuple[Any, ...] = (),
     ) -> Any:
-        """Runs ``launch(stream_handle)`` on the comm stream, ordered by events around it.
+        """Runs ``launch()`` (which enqueues on the comm stream), ordered by events around it.
 
         ``caller`` is the current stream of the communicator's device (not of the current
-        device, which may be another). ``foreign``: inputs held until the collective is done.
+        device, which may be another). ``foreign``: inputs held until the collective is done,
+        whose owners' streams order it too. One thread at a time.
         """
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"[rank {self.rank}] {what}: another thread is calling this communicator; a "
+                "CUDA communicator takes calls from one thread at a time (as NCCL requires)"
+            )
+        try:
+            return self._run_alone(what, tensors, launch, async_op, foreign)
+        finally:
+            self._busy.release()
+
+    def _run_alone(self, what, tensors, launch, async_op, foreign) -> Any:
         self._watch.check(what)
         caller = torch.cuda.current_stream(self.device)
-        capturing = _capturing(self.device)
+        capture = _capture_id(self.device)
+        self._check_captured(what, capture)
+        # Foreign arrays' owners in a capture would join it from outside: they order eagerly only.
+        owners = [] if capture else [h for h in map(owner_stream, foreign) if h is not None]
         self.stream.wait_stream(caller)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            launch(self.stream.cuda_stream)
+        with torch.cuda.device(self.device):
+            for handle in owners:  # the collective starts after their owners' work too
+                self.stream.wait_stream(torch.cuda.ExternalStream(handle, device=self.device))
+            launch()
             done = torch.cuda.Event()
             done.record(self.stream)
-        if not capturing:  # a captured graph's memory is the graph's (and its caller's) to keep
+        if not capture:  # a captured graph's memory is the graph's (and its caller's) to keep
             for tensor in tensors:  # the allocator must not reuse them before the comm stream ends
                 tensor.record_stream(self.stream)
             self._hold(done, foreign)
         if not async_op:
             caller.wait_event(done)
+            _owners_wait(owners, done, self.device)
             return None
-        return _public_work(CudaWork(done, self._watch, what, self.device), tuple(tensors))
+        work = CudaWork(done, self._watch, what, self.device, owners, capture)
+        if capture:
+            self._captured.append(work)
+        return Work(work, tuple(tensors), self.device)
+
+    def _check_captured(self, what: str, capture: int) -> None:
+        """Raises once for async works of an ended capture that were never waited inside it."""
+        stale = [w for w in self._captured if not w.waited and w.capture != capture]
+        self._captured = [w for w in self._captured if not w.waited and w.capture == capture]
+        if stale:
+            names = ", ".join(f"{w._what} (capture {w.capture})" for w in stale)
+            raise RuntimeError(
+                f"[rank {self.rank}] {what}: earlier async_op=True calls were started inside a "
+                f"CUDA graph capture and never waited inside it: {names}. Call wait() on a "
+                "captured collective's Work before its capture ends (its graph could not be "
+                "completed without it)"
+            )
 
     def _hold(self, done: Any, foreign: Tuple[Any, ...]) -> None:
         """Keeps ``foreign`` alive until ``done`` completes; drops what finished before."""
@@ -358,25 +475,8 @@ class CudaCommunicator:
         if foreign:
             self._held.append((done, foreign))
 
-    def _resolve(self, algorithm: str, what: str, allowed: Any = ALGORITHMS) -> str:
-        """ "auto" is NCCL's own collective on GPUs: its tuning is the better default until our
-        ring and tree over NCCL send/recv have been measured on a GPU. ``allowed``: what the
-        collective accepts (reduce_scatter and all_gather have no tree)."""
-        if algorithm not in allowed:
-            choices = allowed if isinstance(allowed, tuple) else sorted(allowed)
-            no_tree = "" if "tree" in allowed else f" ({what} has no tree)"
-            raise ValueError(
-                f"[rank {self.rank}] {what}: algorithm must be one of {choices}{no_tree}, "
-                f"got {algorithm!r}"
-            )
-        if algorithm == "auto":
-            return "nccl"
-        if algorithm != "nccl" and self._algorithms is None:
-            raise RuntimeError(
-                f"[rank {self.rank}] {what}: algorithm={algorithm!r} needs the ring/tree CUDA "
-                "communicator (_C.CudaCommunicator), which this build lacks; use 'nccl'"
-            )
-        return algorithm
+    def _auto_runs(self, collective: str) -> str:
+        return "auto" if self._comm is None else _NAMES[self._comm.resolve(0, 0)]
 
     def _pair(self, output: Any, input: Any, what: str, big: str):
         """Checks an (output, input) pair whose side ``big`` holds world_size times the other."""
@@ -395,22 +495,6 @@ class CudaCommunicator:
             )
         return out, inp
 
-    def _op(self, op: ReduceOpLike, what: str) -> int:
-        try:
-            return int(reduce_op(op))
-        except ValueError as e:
-            raise ValueError(f"[rank {self.rank}] {what}: {e}") from None
-
-    def _peer(self, peer: Any, arg: str, what: str, allow_self: bool = True) -> int:
-        if not isinstance(peer, int) or isinstance(peer, bool):
-            raise TypeError(f"[rank {self.rank}] {what}: {arg} must be an int, got {peer!r}")
-        if not 0 <= peer < self.world_size or (not allow_self and peer == self.rank):
-            raise ValueError(
-                f"[rank {self.rank}] {what}: {arg}={peer} is out of range for world_size "
-                f"{self.world_size}" + ("" if allow_self else " (and must not be this rank)")
-            )
-        return peer
-
     # -- collectives ------------------------------------------------------------------------
 
     def all_reduce(
@@ -426,14 +510,10 @@ class CudaCommunicator:
         send/recv with our reduce kernels) or "auto" (= "nccl" on GPUs for now).
         """
         t = self._tensor(tensor, "tensor", "all_reduce")
-        code, red = dtype_code(t.dtype), self._op(op, "all_reduce")
-        algorithm = self._resolve(algorithm, "all_reduce")
+        code, red = dtype_code(t.dtype), int(self._op(op, "all_reduce"))
+        which = self._algorithm("all_reduce", algorithm)
         ptr, n = t.data_ptr(), t.numel()
-        if algorithm == "nccl":
-            launch = lambda s: self._comm.all_reduce(ptr, ptr, n, code, red, s)  # noqa: E731
-        else:
-            which = _ALGORITHM_CODES[algorithm]
-            launch = lambda _s: self._algorithms.all_reduce(ptr, ptr, n, code, red, which)  # noqa: E731
+        launch = lambda: self._comm.all_reduce(ptr, ptr, n, code, red, which)  # noqa: E731
         return self._run("all_reduce", [t], launch, async_op, _foreign(tensor))
 
     def reduce_scatter(
@@ -450,12 +530,10 @@ class CudaCommunicator:
         There is no tree reduce-scatter: "tree" raises ValueError.
         """
         out, inp = self._pair(output, input, "reduce_scatter", big="input")
-        code, red = dtype_code(out.dtype), self._op(op, "reduce_scatter")
-        args = (inp.data_ptr(), out.data_ptr(), out.numel(), code, red)
-        if self._resolve(algorithm, "reduce_scatter", REDUCE_SCATTER_ALGORITHMS) == "nccl":
-            launch = lambda s: self._comm.reduce_scatter(*args, s)  # noqa: E731
-        else:
-            launch = lambda _s: self._algorithms.reduce_scatter(*args)  # noqa: E731
+        code, red = dtype_code(out.dtype), int(self._op(op, "reduce_scatter"))
+        which = self._algorithm("reduce_scatter", algorithm)
+        args = (inp.data_ptr(), out.data_ptr(), out.numel(), code, red, which)
+        launch = lambda: self._comm.reduce_scatter(*args)  # noqa: E731
         return self._run("reduce_scatter", [out, inp], launch, async_op, _foreign(output, input))
 
     def all_gather(
@@ -466,11 +544,9 @@ class CudaCommunicator:
         "ring", "nccl" or "auto" (NCCL's); there is no tree all-gather: "tree" raises ValueError.
         """
         out, inp = self._pair(output, input, "all_gather", big="output")
-        args = (inp.data_ptr(), out.data_ptr(), inp.numel(), dtype_code(out.dtype))
-        if self._resolve(algorithm, "all_gather", ALL_GATHER_ALGORITHMS) == "nccl":
-            launch = lambda s: self._comm.all_gather(*args, s)  # noqa: E731
-        else:
-            launch = lambda _s: self._algorithms.all_gather(*args)  # noqa: E731
+        which = self._algorithm("all_gather", algorithm)
+        args = (inp.data_ptr(), out.data_ptr(), inp.numel(), dtype_code(out.dtype), which)
+        launch = lambda: self._comm.all_gather(*args)  # noqa: E731
         return self._run("all_gather", [out, inp], launch, async_op, _foreign(output, input))
 
     def broadcast(
@@ -482,12 +558,10 @@ class CudaCommunicator:
         pipelined chain for a message of several slots, the heap tree for one slot.
         """
         t = self._tensor(tensor, "tensor", "broadcast")
-        src = self._peer(src, "src", "broadcast")
-        ptr, n, code = t.data_ptr(), t.numel(), dtype_code(t.dtype)
-        if self._resolve(algorithm, "broadcast") == "nccl":
-            launch = lambda s: self._comm.broadcast(ptr, ptr, n, code, src, s)  # noqa: E731
-        else:  # chain or heap tree, by size
-            launch = lambda _s: self._algorithms.broadcast(ptr, n, code, src)  # noqa: E731
+        src = self._check_peer(src, "src", "broadcast")
+        which = self._algorithm("broadcast", algorithm)
+        args = (t.data_ptr(), t.numel(), dtype_code(t.dtype), src, which)
+        launch = lambda: self._comm.broadcast(*args)  # noqa: E731
         return self._run("broadcast", [t], launch, async_op, _foreign(tensor))
 
     def send(self, tensor: Any, dst: int) -> None:
@@ -530,10 +604,10 @@ class CudaCommunicator:
             name = arg if what == "send_recv" else "tensor"
             t = self._tensor(obj, name, what)
             tensors.append(t)
-            peer = self._peer(peer, peer_arg, what, allow_self=allow_self)
+            peer = self._check_peer(peer, peer_arg, what, allow_self=allow_self)
             sides += [t.data_ptr(), t.numel() * t.element_size(), peer]
         originals = _foreign(*(side[0] for side in (send, recv) if side is not None))
-        launch = lambda _s: self._transport.send_recv(*sides)  # noqa: E731
+        launch = lambda: self._comm.send_recv(*sides)  # noqa: E731
         return self._run(what, tensors, launch, async_op, originals)
 
     def barrier(self, async_op: bool = False) -> Any:
@@ -560,7 +634,7 @@ class CudaCommunicator:
 
     def close(self) -> None:
         """Waits for this communicator's work (at most ``timeout``), then destroys the NCCL
-        communicator. After a failure (or on timeout) it aborts instead of waiting."""
+        communicators. After a failure (or on timeout) it aborts instead of waiting."""
         if self._comm is None:
             return
         try:
@@ -572,16 +646,23 @@ class CudaCommunicator:
             self._release(aborted=self._watch.failure is not None)
 
     def abort(self) -> None:
-        """Aborts the NCCL communicator without waiting (``ncclCommAbort``: its kernels still
+        """Aborts the NCCL communicators without waiting (``ncclCommAbort``: their kernels still
         on the device end too), for a peer that died; the communicator is closed after it."""
         if self._comm is None:
             return
         self._release(aborted=True)
 
+    def _close_at_exit(self) -> None:
+        """An idle communicator is closed; one whose stream still has work is aborted rather
+        than waited for (a peer may never come), as a CPU one is failed."""
+        if self.stream.query():
+            self.close()
+        else:
+            self.abort()
+
     def _release(self, aborted: bool) -> None:
-        self._algorithms = None
-        self._transport = None
         self._held = []
+        self._captured = []
         comm, self._comm = self._comm, None
         if comm.closed:  # NcclWatch aborted it already
             return
@@ -589,21 +670,3 @@ class CudaCommunicator:
             comm.abort()
         else:
             comm.close()
-
-    def __enter__(self) -> CudaCommunicator:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._comm is None else "open"
-        return (
-            f"Communicator(rank={self.rank}, world_size={self.world_size}, "
-            f"device={self.device}, {state})"
-        )
-
-
-def _public_work(work: CudaWork, tensors: Tuple[torch.Tensor, ...]) -> Work:
-    """The public :class:`Work` around ``work``, keeping ``tensors`` alive until it is waited."""
-    return Work(work, tensors)

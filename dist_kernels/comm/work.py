@@ -17,12 +17,20 @@ __all__ = ["Work", "DoneWork"]
 class Work:
     """Handle of an asynchronous collective (``async_op=True``).
 
-    Keeps the collective's tensors alive until it completes.
+    Keeps the collective's tensors alive until it completes. :attr:`device` is the CUDA device
+    whose stream the collective runs on (None on CPU): there ``wait()`` orders the caller's
+    current stream after it rather than blocking the host (see ``dist_kernels.comm.cuda``).
     """
 
-    def __init__(self, handle: Any, tensors: Tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        tensors: Tuple[torch.Tensor, ...],
+        device: Optional[torch.device] = None,
+    ) -> None:
         self._handle = handle
         self._tensors: Optional[Tuple[torch.Tensor, ...]] = tensors
+        self.device = device
 
     def wait(self, timeout: Optional[Union[float, datetime.timedelta]] = None) -> bool:
         """Blocks until the collective has finished; raises :class:`CommError` if it failed.

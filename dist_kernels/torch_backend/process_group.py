@@ -163,7 +163,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         self._group_name, self._group_desc = group_name, ""
         self._timeout = timeout
         label = f"[rank {rank}] dk group {group_name!r}"
-        self._completions = Completions()
+        self._completions = Completions(timeout)
         self._routes = Routes(store, rank, world_size, timeout, label)
         self._cpu: Optional[Any] = None  # our CPU communicator, once the routes say it serves
 

@@ -5,6 +5,12 @@ point-to-point forms), the copy-outs to run once they complete (list outputs, no
 tensors) and the tensors its future carries. ``get_future()`` (which torch DDP waits on) is
 completed by one watcher thread per process group, started the first time a future is asked
 for an unfinished call.
+
+CUDA tensors, as ProcessGroupNCCL does it: ``wait()`` makes the caller's current stream wait
+for the collective (and the copy-outs), without blocking the host; the future carries the CUDA
+devices of its tensors (``torch.futures.Future(devices=...)``) and is completed only once the
+GPU work is done, its events recorded after the collective and the copy-outs, so ``then()``
+callbacks (DDP comm hooks) and ``Future.wait()`` on any stream are ordered after it.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,10 @@ def to_dist_error(e: CommError) -> dist.DistBackendError:
     err = dist.DistBackendError(str(e))
     err.__cause__ = e
     return err
+
+
+#: The watcher's host wait for CUDA work when the group has no timeout: as long as it takes.
+_NO_TIMEOUT = datetime.timedelta(days=365)
 
 
 def _seconds(timeout: Any) -> Optional[float]:
@@ -61,6 +71,8 @@ class DkWork(dist.Work):
         self._finish = finish
         self._completions = completions
         self._future: Optional[torch.futures.Future] = None
+        self.device = _cuda_device(self._handles)  # where the work runs (None: the CPU)
+        self._ready: Optional[Any] = None  # CUDA: an event after the copy-outs
         self._done = not self._handles and finish is None  # a synchronous call: nothing left
         if not self._handles and finish is not None:
             self._complete()
@@ -73,6 +85,7 @@ class DkWork(dist.Work):
         work._handles, work._result, work._finish = (), result, None
         work._completions, work._future, work._done = completions, None, True
         work._source = None
+        work.device, work._ready = None, None
         return work
 
     def source_rank(self) -> int:
@@ -88,16 +101,28 @@ class DkWork(dist.Work):
     _source_rank = source_rank
 
     def _complete(self) -> None:
+        """Runs the copy-outs (on CUDA: on the current stream, which waited for the handles),
+        once."""
         if self._finish is not None:
             self._finish()
             self._finish = None
+        if self.device is not None:
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(self.device))
         self._handles = []
         self._done = True
 
+    def _order_current_stream(self) -> None:
+        """CUDA: the caller's current stream continues after the copy-outs, wherever they ran."""
+        if self._ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+
     def wait(self, timeout: Any = None) -> bool:
-        """Blocks until done; raises DistBackendError (our CommError's message) on failure or
-        when ``timeout`` passes first (the call itself keeps running)."""
+        """Blocks until done (CUDA: the current stream waits, the host only with ``timeout``);
+        raises DistBackendError (our CommError's message) on failure or when ``timeout`` passes
+        first (the call itself keeps running)."""
         if self._done:
+            self._order_current_stream()
             return True
         seconds = _seconds(timeout)
         try:
@@ -108,6 +133,7 @@ class DkWork(dist.Work):
         with self._completions.lock:
             if not self._done:
                 self._complete()
+        self._order_current_stream()
         return True
 
     def is_completed(self) -> bool:
@@ -137,7 +163,9 @@ class DkWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         with self._completions.lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                # A synchronous CUDA call is already ordered on the caller's stream: its future
+                # records its events there.
+                self._future = torch.futures.Future(devices=_cuda_devices(self._result))
                 if self._done:
                     self._future.set_result(self._result)
                 else:
@@ -145,13 +173,40 @@ class DkWork(dist.Work):
         return self._future
 
 
-class Completions:
-    """Completes the futures of unfinished calls, in issue order, on one daemon thread."""
+def _cuda_device(handles: Sequence[Any]) -> Optional[torch.device]:
+    """The CUDA device the handles run on (our Work and DkWork say), or None."""
+    devices = {getattr(h, "device", None) for h in handles} - {None}
+    return next(iter(devices)) if len(devices) == 1 else None
 
-    def __init__(self) -> None:
+
+def _cuda_devices(tensors: Any) -> List[torch.device]:
+    """The CUDA devices of ``tensors`` (nested lists of tensors), sorted."""
+    found = set()
+    stack = [tensors]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.is_cuda:
+                found.add(item.device)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sorted(found, key=lambda d: d.index)
+
+
+class Completions:
+    """Completes the futures of unfinished calls, in issue order, on one daemon thread.
+
+    CUDA work is completed on a stream of this thread's own per device: the stream waits for
+    the collective, the host waits (at most ``timeout``) until the GPU is done, the copy-outs run
+    on that stream, and only then is the future's result set, with its events recorded there.
+    """
+
+    def __init__(self, timeout: Optional[datetime.timedelta] = None) -> None:
         self._queue: queue.SimpleQueue[Optional[DkWork]] = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._timeout = timeout
+        self._streams: Dict[torch.device, Any] = {}  # the thread's CUDA streams
         # Guards every DkWork of the group: its copy-outs run once, its future is made once.
         self.lock = threading.Lock()
 
@@ -168,10 +223,20 @@ class Completions:
         while (work := self._queue.get()) is not None:
             future = work._future
             try:
-                work.wait()
+                if work.device is None:
+                    work.wait()
+                    future.set_result(work._result)
+                else:
+                    self._complete_on_device(work, future)
             except BaseException as e:  # noqa: BLE001 - the future carries it to its waiter
                 future.set_exception(e)
-                continue
+
+    def _complete_on_device(self, work: DkWork, future: torch.futures.Future) -> None:
+        stream = self._streams.get(work.device)
+        if stream is None:
+            stream = self._streams[work.device] = torch.cuda.Stream(work.device)
+        with torch.cuda.device(work.device), torch.cuda.stream(stream):
+            work.wait(self._timeout if self._timeout is not None else _NO_TIMEOUT)
             future.set_result(work._result)
 
     def close(self) -> None:
