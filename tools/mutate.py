@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import os
 import platform
@@ -268,6 +269,10 @@ class Runner:
             self.kill()
             out, _ = self.proc.communicate()
             return None, out
+        except BaseException:  # Ctrl-C: its own session does not get the SIGINT, so end it
+            self.kill()
+            self.proc.wait()
+            raise
         finally:
             self.proc = None
 
@@ -419,8 +424,16 @@ def select(mutations: List[Mutation], only: str) -> List[Mutation]:
     return [m for m in mutations if m.id in wanted]
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    # Ctrl-C, and a kill or a CI timeout too, stop the run cleanly (even when started in the
+    # background, where a shell leaves SIGINT ignored).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     mutations = select(load_mutations(args.list), args.only)
     if args.check:
         return 1 if check_patterns(mutations, ROOT) else 0
@@ -430,6 +443,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
+    os.makedirs(args.workdir, exist_ok=True)
+    lock = open(os.path.join(args.workdir, "lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log(f"mutate: another run is using {args.workdir} (pass another --workdir)")
+        return 2
     scratch = Scratch(args.workdir, log)
     runner = Runner(scratch.tree, args.timeout, args.pytest_args.split())
     outcomes: List[Outcome] = []
@@ -457,8 +477,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if outcome.status in ("MISSED", "error", "timeout") and outcome.log:
                 log("  " + outcome.log[-1500:].replace("\n", "\n  "))
     except KeyboardInterrupt:
-        runner.kill()
-        log("interrupted: scratch copy restored")
+        log("interrupted: the tests' processes ended, the scratch copy restored")
     finally:
         scratch.restore()
         if outcomes:
