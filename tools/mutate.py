@@ -464,11 +464,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.no_baseline:
             union = sorted({t for m in mutations for t in m.tests})
             log(f"baseline: {len(union)} test ids on the pristine copy")
-            code, out = runner.run(union, stop_first=False)
+            baseline = Runner(scratch.tree, args.timeout * len(mutations), runner.pytest_args)
+            code, out = baseline.run(union, stop_first=False)
             if code != 0:
                 log(out[-5000:])
-                log("baseline failed: fix the tests (or the list) before judging mutations")
+                why = "timed out" if code is None else f"failed (pytest exit status {code})"
+                log(f"baseline {why}: fix the tests (or the list) before judging mutations")
                 return 2
+            log(f"baseline passed: {out.strip().splitlines()[-1]}")
         for i, m in enumerate(ordered(mutations), 1):
             log(f"[{i}/{len(mutations)}] {m.id} ({m.file})")
             outcome = run_one(m, scratch, runner, args.cuda)
