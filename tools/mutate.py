@@ -352,12 +352,30 @@ def machine() -> str:
     return f"{platform.node()}, {os.cpu_count()} cpus, {platform.platform()}, load {load}"
 
 
-def write_report(path: str, outcomes, total: int, command: str, started: str) -> None:
+def tree_version(root: str) -> str:
+    """The commit the scratch copy was taken from, and whether the tree had changes on top."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return f"{head} (with uncommitted changes)" if dirty else head
+
+
+def write_report(
+    path: str, outcomes, total: int, command: str, started: str, started_on: str
+) -> None:
     lines = [
         "# Mutation check: planted bugs against the test suite",
         "",
         f"- Date: {started} to {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- Machine at the start: {started_on}",
         f"- Machine at the end: {machine()}",
+        f"- Tree: {tree_version(ROOT)}",
         f"- Command: `{command}`",
         f"- Result: {summary(outcomes, total)}",
         "",
@@ -437,7 +455,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mutations = select(load_mutations(args.list), args.only)
     if args.check:
         return 1 if check_patterns(mutations, ROOT) else 0
-    started = datetime.datetime.now().isoformat(timespec="seconds")
+    started, started_on = datetime.datetime.now().isoformat(timespec="seconds"), machine()
     command = "python tools/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     def log(line: str) -> None:
@@ -486,7 +504,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if outcomes:
             log("\n" + table(outcomes) + "\n" + summary(outcomes, len(mutations)))
             if args.report:
-                write_report(args.report, outcomes, len(mutations), command, started)
+                write_report(args.report, outcomes, len(mutations), command, started, started_on)
             if args.json:
                 with open(args.json, "w") as f:
                     rows = [
