@@ -84,10 +84,8 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
             consumed[(step, first + i)] = inputs[i].numel()
         return inputs, targets
 
-    with (
-        mock.patch.object(data.Sampler, "batch", counting_batch),
-        mock.patch.object(driver, "matmul_peak_flops", lambda **_: (rank + 1) * PEAK_FLOPS),
-    ):
+    peak = mock.patch.object(driver, "matmul_peak_flops", lambda **_: (rank + 1) * PEAK_FLOPS)
+    with mock.patch.object(data.Sampler, "batch", counting_batch), peak:
         start = time.perf_counter()
         r = train(cfg.with_layout(dist.get_world_size()), engine)
         wall_s = time.perf_counter() - start
