@@ -189,7 +189,34 @@ def _run_case(
         "keys_match": list(ours.state_dict()) == list(theirs.state_dict()),
         "digest": _digest(_params(ours)),
     }
+    if micro > 1:
+        x, y = batches[0]
+        result.update(_no_sync_stays_local(ours, kind, x[shard][:PER_RANK], y[shard][:PER_RANK]))
     return result
+
+
+def _no_sync_stays_local(ddp, kind: str, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Gradients of a backward inside ``no_sync()`` against a plain copy's on the same data.
+
+    Averaging every micro-batch ("always sync") trains exactly like averaging their sum once,
+    so the parameters cannot tell; the gradients inside ``no_sync`` can: they must be this
+    rank's own, bitwise (the same operations on the same inputs), while a synchronised
+    backward of the same batch gives the ranks' mean, which differs (every rank's data do)."""
+    local = copy.deepcopy(ddp.module)
+
+    def grads_of(model, sync: bool) -> Dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        ctx = _nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()
+        with ctx:
+            _loss(kind, model(x), y).backward()
+        inner = getattr(model, "module", model)
+        return {n: p.grad.detach().clone() for n, p in inner.named_parameters()}
+
+    expected = grads_of(local, sync=False)
+    return {
+        "no_sync_vs_local": _rel_diff(grads_of(ddp, sync=False), expected),
+        "synced_vs_local": _rel_diff(grads_of(ddp, sync=True), expected),
+    }
 
 
 def _fp32_cases() -> Dict[str, dict]:
@@ -216,6 +243,10 @@ def test_matches_single_process_and_torch_ddp(world_size):
         assert case["vs_single"] < FP32_RTOL, (name, case)
         assert case["vs_torch"] < FP32_RTOL, (name, case)
         assert case["keys_match"], name
+    for name in ("no_sync", "no_sync_grads_kept", "no_sync_packed"):
+        for case in (r[name] for r in results):
+            assert case["no_sync_vs_local"] == 0.0, (name, case)  # nothing was communicated
+            assert case["synced_vs_local"] > 100 * FP32_RTOL, (name, case)  # a sync would show
     for name in results[0]:
         assert len({r[name]["digest"] for r in results}) == 1, f"{name}: ranks differ"
 

@@ -2,7 +2,8 @@
 
 sync must equal synchronous SGD bitwise (each rank replays it alone: every rank can draw every
 rank's batch); bounded(s) must never answer a pull more than s clocks ahead of the slowest
-live worker, from the server's own log; async must reach the least-squares optimum; a dead
+live worker, from the server's own log; bounded and async updates must equal, pull by pull,
+a one-process replay of the server's log; async must reach the least-squares optimum; a dead
 worker is named and the rest finish; a dead server is named on every worker.
 """
 
@@ -143,22 +144,61 @@ def test_sync_equals_synchronous_sgd_bitwise():
 
 
 def _straggler_run(mode, max_staleness, steps, slow_rank, delay_s):
+    """Trains with one slow rank; returns the servers' logs, and what each worker pushed and
+    pulled, by clock: enough to replay every server in one process."""
     import torch.distributed as dist
 
     import dist_kernels as dk
 
     rank = dist.get_rank()
+    pushed, pulled = {}, {}
     with dk.Communicator() as comm:
         model = _model()
         with _ps(model, comm, mode=mode, max_staleness=max_staleness) as ps:
             ps.pull()
+            pulled[0] = _flat(model)
             for step in range(steps):
-                _grads(model, rank, step)
+                grads = _grads(model, rank, step)
+                pushed[step + 1] = torch.cat([g.reshape(-1) for g in grads])
                 if rank == slow_rank:
                     time.sleep(delay_s)
                 ps.step()
+                pulled[ps.clock] = _flat(model)
         stats, log = ps.staleness(), ps.log
-    return {"stats": stats, "gaps": [e["gap"] for e in log if e["event"] == "pull"]}
+        shards = {s.server: (s.start, s.stop) for s in ps.shards}
+    return {
+        "stats": stats,
+        "gaps": [e["gap"] for e in log if e["event"] == "pull"],
+        "log": log,
+        "shards": shards,
+        "pushed": pushed,
+        "pulled": pulled,
+    }
+
+
+def _replay(server, results):
+    """Replays ``server``'s log in one process: its shard, a fresh optimizer, every logged push
+    applied in log order as the gradient that worker pushed at that clock divided by the number
+    of workers (bounded and async: one round of pushes moves the parameters as far as one
+    synchronous step). Every logged pull must have returned, bitwise, the replay's shard at the
+    version the log gives. Returns the number of pushes and pulls checked."""
+    start, stop = results[server]["shards"][server]
+    param = nn.Parameter(_flat(_model())[start:stop].clone())
+    opt = _sgd([param])
+    versions = [param.detach().clone()]  # versions[v]: the shard after v applied pushes
+    checked = {"push": 0, "pull": 0}
+    for e in results[server]["log"]:
+        worker = results[e["worker"]]
+        if e["event"] == "push":
+            param.grad = worker["pushed"][e["clock"]][start:stop] / WORLD
+            opt.step()
+            versions.append(param.detach().clone())
+        elif e["event"] == "pull":
+            assert e["version"] == len(versions) - 1, (server, e)  # pulls see every push before
+            got = worker["pulled"][e["clock"]][start:stop]
+            assert torch.equal(got, versions[e["version"]]), (server, e)
+        checked[e["event"]] += 1
+    return checked
 
 
 def test_bounded_never_answers_beyond_s_and_async_does():
@@ -171,6 +211,19 @@ def test_bounded_never_answers_beyond_s_and_async_does():
         assert max(gaps) == s, (rank, gaps)  # the bound was reached, so it was enforced
         assert bounded[rank]["stats"]["max_staleness"] > 0
         assert max(free[rank]["gaps"]) > s, free[rank]  # without the bound it is exceeded
+
+
+@pytest.mark.parametrize("mode, s", [("bounded", 1), ("async", 0)])
+def test_updates_equal_a_replay_of_the_server_log(mode, s):
+    """Step by step: every pull a worker got equals a one-process replay of the server's log
+    (the pushes in the order applied, each divided by the worker count), with a straggler so
+    that pushes are applied stale and out of rank order."""
+    print(f"seed {SEED}")
+    results = run_ranks(WORLD, _straggler_run, mode, s, 6, 2, 0.03, timeout=120)
+    for server in SERVERS:
+        checked = _replay(server, results)
+        assert checked == {"push": 6 * WORLD, "pull": 7 * WORLD}, (server, checked)
+        assert results[server]["stats"]["max_staleness"] > 0  # some push was applied stale
 
 
 def _least_squares_run(steps):

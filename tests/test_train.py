@@ -14,17 +14,30 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from unittest import mock
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mp_pool import run_ranks  # noqa: E402
+from test_gpt_tp import shard_of  # noqa: E402
 
 from dist_kernels.models import GPTConfig  # noqa: E402
-from dist_kernels.train import ConfigError, TrainConfig, train  # noqa: E402
+from dist_kernels.train import (  # noqa: E402
+    ConfigError,
+    TrainConfig,
+    data,
+    driver,
+    metrics,
+    train,
+)
 from dist_kernels.train.cli import main as cli_main  # noqa: E402
 from dist_kernels.train.cli import preflight  # noqa: E402
+from dist_kernels.train.model import build_model  # noqa: E402
 from dist_kernels.train.stragglers import StragglerDetector  # noqa: E402
 
 SEED = 1234
@@ -32,6 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = GPTConfig(n_layers=1, n_heads=2, dim=32, block_size=16, tie_embeddings=False)
 # Thresholds far above scheduling noise on a loaded 2-core machine, far below the injected delay
 STRAGGLER = dict(straggler_threshold=0.5, straggler_min_ms=25.0, straggler_patience=2)
+# The matmul probe each rank reports in the layout tests, patched to a known value: rank r
+# reports (r + 1) x PEAK_FLOPS, so the record's peak is a sum the test can write down.
+PEAK_FLOPS = 1e9
+ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which the driver keeps
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -50,23 +67,47 @@ def _cfg(**kw) -> TrainConfig:
 
 
 def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
-    """Runs on every pool rank: the resolved config trained; rank results made picklable."""
+    """Runs on every pool rank: the resolved config trained; rank results made picklable.
+
+    Besides the driver's results, the rank reports what it consumed, counted outside the
+    driver: every sample its sampler handed out, ``(step, index in the global batch) ->
+    tokens``; and the wall time of the whole run. The matmul probe reports a known peak."""
     import torch.distributed as dist
 
-    r = train(cfg.with_layout(dist.get_world_size()), engine)
+    rank = dist.get_rank()
+    consumed = {}
+    real_batch = data.Sampler.batch
+
+    def counting_batch(sampler, step, first, count):
+        inputs, targets = real_batch(sampler, step, first, count)
+        for i in range(count):
+            consumed[(step, first + i)] = inputs[i].numel()
+        return inputs, targets
+
+    peak = mock.patch.object(driver, "matmul_peak_flops", lambda **_: (rank + 1) * PEAK_FLOPS)
+    with mock.patch.object(data.Sampler, "batch", counting_batch), peak:
+        start = time.perf_counter()
+        r = train(cfg.with_layout(dist.get_world_size()), engine)
+        wall_s = time.perf_counter() - start
     return {
         "losses": [rec["loss"] for rec in r.records],
         "records": r.records,
         "stragglers": [(s.rank, s.phase, s.interval) for s in r.stragglers],
         "params": r.params,
         "start": r.start_step,
+        "consumed": consumed,
+        "wall_s": wall_s,
     }
+
+
+def _one_process(cfg: TrainConfig) -> TrainConfig:
+    """``cfg``'s model, data and global batch on one process without any engine."""
+    return dataclasses.replace(cfg, dp=1, tp=1, pp=1, zero=0, grad_accum=0).with_layout(1)
 
 
 def _single(cfg: TrainConfig):
     """The reference: one process, the same global batch."""
-    one = dataclasses.replace(cfg, dp=1, pp=1, zero=0, grad_accum=0)
-    return train(one.with_layout(1))
+    return train(_one_process(cfg))
 
 
 def _key_bias_mask(numel: int) -> torch.Tensor:
@@ -79,35 +120,120 @@ def _key_bias_mask(numel: int) -> torch.Tensor:
     return mask
 
 
-def _assert_params_close(a, b, lr=3e-3, steps=10, **tol):
-    """Parameters after AdamW steps, to FP32 rounding as Adam propagates it.
+def _key_bias_noise(cfg: TrainConfig) -> float:
+    """The largest key-bias gradient of ``cfg``'s steps, from the initial parameters on one
+    process in FP32: pure rounding, since the exact gradient is zero (softmax ignores a
+    constant added to every key)."""
+    cfg = _one_process(cfg)
+    corpus = data.CharCorpus.build(cfg.data, cfg.model.block_size)
+    model, loss_fn = build_model(driver.model_config(cfg, corpus), cfg.seed)
+    sampler = data.Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed)
+    bias = model[1].attn.qkv.bias
+    key = _key_bias_mask(bias.numel())
+    noise = 0.0
+    for step in range(cfg.steps):
+        model.zero_grad()
+        inputs, targets = sampler.replica_batch(step, 0, cfg.global_batch)
+        for x, y in zip(inputs.split(cfg.micro_batch), targets.split(cfg.micro_batch)):
+            (loss_fn(model(x), y) / cfg.grad_accum).backward()
+        noise = max(noise, bias.grad[key].abs().max().item())
+    return noise
+
+
+def _key_bias_bound(cfg: TrainConfig) -> float:
+    """How far two runs' key biases may drift apart under AdamW: pure rounding, bounded.
+
+    Adam moves an element by ``lr |m_hat| / (sqrt(v_hat) + eps)`` a step, and ``|m_hat|`` (a
+    bias-corrected mean of past gradients) is at most their largest magnitude ``G``: so a step
+    moves a key bias by at most ``lr G / eps``, and ``steps`` steps by ``steps lr G / eps``
+    (the rate is at most ``lr``: warm-up and decay only lower it). ``G`` is the rounding noise
+    of :func:`_key_bias_noise`; a layout sums the same micro-batch gradients in another order,
+    which we allow to double it. The two runs drift independently: ``(1 + 2) G`` in all.
+    With lr 3e-3, 3 steps and G ~ 2e-11 that is ~5e-5, against ~7.7e-3 that training moves
+    the other parameters."""
+    return cfg.steps * cfg.lr * 3 * _key_bias_noise(cfg) / ADAM_EPS
+
+
+def _assert_params_close(mine, ref, key_bound, tp_rank=0, rtol=1e-5, atol=3e-5):
+    """A rank's parameters (its stage; its tensor shard) after AdamW steps, against the same
+    parameters of a reference run, to FP32 rounding as Adam propagates it.
 
     Adam divides each gradient by its own root mean square, so the rounding in a tiny gradient
     (an embedding row of a rare character) moves its parameter by a fraction of ``lr``: the
-    callers' ``atol`` is 1% of one step (3e-5 at lr 3e-3).
-
-    The key third of ``qkv.bias`` is looser still: its gradient is zero in exact arithmetic (softmax
-    ignores a constant added to every key), and Adam divides that rounding noise by its own
-    root mean square, so those entries wander by up to ``lr`` a step in either direction. They
-    are held to that bound only."""
-    assert a.keys() == b.keys()
-    for k in a:
-        x, y = a[k], b[k]
+    callers' ``atol`` is 1% of one step (3e-5 at lr 3e-3), ``rtol`` FP32 rounding accumulated
+    over a few steps. The key third of ``qkv.bias`` has no gradient but rounding noise at all:
+    it is held to ``key_bound`` (:func:`_key_bias_bound`)."""
+    assert mine and set(mine) <= set(ref), (sorted(mine), sorted(ref))
+    for k, x in mine.items():
+        y = shard_of(ref[k], x, tp_rank)
         if k.endswith("qkv.bias"):
-            key = _key_bias_mask(x.numel())
-            assert (x[key] - y[key]).abs().max() <= lr * steps, k
+            key = shard_of(_key_bias_mask(ref[k].numel()), x, tp_rank)
+            assert (x[key] - y[key]).abs().max() <= key_bound, k
             x, y = x[~key], y[~key]
-        torch.testing.assert_close(x, y, msg=lambda m, k=k: f"{k}: {m}", **tol)
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _counted_flops_per_token(cfg: TrainConfig) -> int:
+    """Training FLOPs per token of ``cfg``'s model, counted by torch's FlopCounterMode over one
+    forward and backward (attention on the math backend, whose matmuls it sees), plus 6 per
+    ``nn.Linear`` bias: the driver counts a bias as a matmul parameter (6 N, Kaplan et al.),
+    while the counter sees only the addmm's product."""
+    cfg = _one_process(cfg)
+    corpus = data.CharCorpus.build(cfg.data, cfg.model.block_size)
+    model, loss_fn = build_model(driver.model_config(cfg, corpus), cfg.seed)
+    sampler = data.Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed)
+    inputs, targets = sampler.batch(0, 0, cfg.micro_batch)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss_fn(model(inputs), targets).backward()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    biases = sum(m.bias.numel() for m in linears if m.bias is not None)
+    total = counter.get_total_flops()
+    assert total % inputs.numel() == 0, (total, inputs.shape)
+    return total // inputs.numel() + 6 * biases
+
+
+def _assert_metrics(ranks, cfg: TrainConfig) -> None:
+    """tokens/s, samples/s, FLOPs per token, MFU and scaling efficiency of every record,
+    against counts made outside the driver: the samples and tokens the ranks' samplers handed
+    out for that step (a sample read by several ranks, tp or pp, counts once), the FLOPs of the
+    model counted by torch, and the known peak each rank's probe reported. The step time is
+    the record's own; the steps' sum must fit in the run's wall time."""
+    consumed = {}
+    for r in ranks:
+        consumed.update(r["consumed"])
+    world = len(ranks)
+    peak = sum((rank + 1) * PEAK_FLOPS for rank in range(world))
+    flops_per_token = _counted_flops_per_token(cfg)
+    records = ranks[0]["records"]
+    assert [rec["step"] for rec in records] == list(range(1, cfg.steps + 1))  # log_every 1
+    for rec in records:
+        step = rec["step"] - 1
+        tokens = sum(n for (s, _), n in consumed.items() if s == step)
+        samples = sum(1 for s, _ in consumed if s == step)
+        step_s = rec["step_ms"] / 1e3
+        assert rec["tokens_per_s"] == pytest.approx(tokens / step_s, rel=1e-9), (rec, tokens)
+        assert rec["samples_per_s"] == pytest.approx(samples / step_s, rel=1e-9), rec
+        assert rec["flops_per_token"] == flops_per_token, rec
+        assert rec["peak_flops"] == pytest.approx(peak, rel=1e-12), rec
+        mfu = tokens / step_s * flops_per_token / peak
+        assert rec["mfu"] == pytest.approx(mfu, rel=1e-9), (rec, mfu)
+        if cfg.reference_tokens_per_s:
+            ideal = world * cfg.reference_tokens_per_s
+            assert rec["scaling_efficiency"] == pytest.approx(tokens / step_s / ideal, rel=1e-9)
+    assert sum(rec["step_ms"] for rec in records) / 1e3 <= ranks[0]["wall_s"]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """Single-process losses and parameters of the global batch 8 used by the layout tests."""
+    """Single-process losses and parameters of the global batch 8 used by the layout tests,
+    and the key-bias bound of those runs."""
     print(f"seed {SEED}")
     cfg = _cfg(global_batch=8)
     result = _single(cfg)
     assert len(result.records) == cfg.steps
-    return [rec["loss"] for rec in result.records], result.params
+    bound = _key_bias_bound(cfg)
+    print(f"key-bias bound {bound:.2e}")
+    return [rec["loss"] for rec in result.records], result.params, bound
 
 
 # ------------------------------------------------------------------ layouts
@@ -115,13 +241,13 @@ def reference():
 
 @pytest.mark.parametrize("engine", ["dk", "torch"])
 def test_dp2_matches_single_process(reference, engine):
-    ref_losses, ref_params = reference
+    ref_losses, ref_params, key_bound = reference
     cfg = _cfg(dp=2, global_batch=8, reference_tokens_per_s=1000.0)
     ranks = run_ranks(2, _on_ranks, cfg, engine, timeout=180)
     losses = ranks[0]["losses"]
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     for r in ranks:
-        _assert_params_close(r["params"], ref_params, rtol=1e-5, atol=3e-5)
+        _assert_params_close(r["params"], ref_params, key_bound)
     # the check sees a wrong answer: the reference shifted by one step is far off
     assert abs(losses[1] - ref_losses[0]) > 1e-3
     rec = ranks[0]["records"][-1]
@@ -129,32 +255,43 @@ def test_dp2_matches_single_process(reference, engine):
                 "backward_ms", "comm_ms", "optimizer_ms", "peak_mem_mb"):  # fmt: skip
         assert key in rec, key
     assert rec["comm_ms"] is not None and rec["comm_ms"] >= 0
-    assert len(rec["peak_mem_mb"]) == 2 and 0 < rec["mfu"]
-    assert rec["scaling_efficiency"] == pytest.approx(rec["tokens_per_s"] / (2 * 1000.0))
+    assert len(rec["peak_mem_mb"]) == 2
+    _assert_metrics(ranks, cfg)
     assert ranks[0]["stragglers"] == []  # no delay: nobody named
 
 
-def test_pp2_matches_single_process(reference):
-    ref_losses, _ = reference
-    ranks = run_ranks(2, _on_ranks, _cfg(pp=2, global_batch=8, micro_batch=2), timeout=180)
-    assert ranks[0]["records"][-1]["forward_ms"] is None  # inside the schedule: not split out
+def _assert_layout_matches(ranks, reference, tp: int = 1) -> None:
+    """Losses of rank 0 (the record), and every rank's updated parameters (its stage, its
+    tensor shard: tensor-parallel ranks are adjacent) against the single-process run."""
+    ref_losses, ref_params, key_bound = reference
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
+    for rank, r in enumerate(ranks):
+        _assert_params_close(r["params"], ref_params, key_bound, tp_rank=rank % tp)
+    # every parameter of the model is checked by some rank
+    assert set().union(*(r["params"] for r in ranks)) == set(ref_params)
+
+
+def test_pp2_matches_single_process(reference):
+    cfg = _cfg(pp=2, global_batch=8, micro_batch=2)
+    ranks = run_ranks(2, _on_ranks, cfg, timeout=180)
+    assert ranks[0]["records"][-1]["forward_ms"] is None  # inside the schedule: not split out
+    _assert_layout_matches(ranks, reference)
+    _assert_metrics(ranks, cfg)
 
 
 def test_dp2_x_tp1_x_pp2_matches_single_process(reference):
     """4 ranks: two pipelines of two stages, their stage gradients averaged by DDP."""
-    ref_losses, _ = reference
     cfg = _cfg(dp=2, pp=2, global_batch=8, micro_batch=2)
-    ranks = run_ranks(4, _on_ranks, cfg, timeout=240)
-    torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
+    _assert_layout_matches(run_ranks(4, _on_ranks, cfg, timeout=240), reference)
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, tp=2)], ids=["tp2", "dp2xtp2"])
 def test_tensor_parallel_matches_single_process(reference, layout):
-    ref_losses, _ = reference
     world = layout.get("dp", 1) * layout["tp"]
-    ranks = run_ranks(world, _on_ranks, _cfg(global_batch=8, **layout), timeout=240)
-    torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
+    cfg = _cfg(global_batch=8, **layout)
+    ranks = run_ranks(world, _on_ranks, cfg, timeout=240)
+    _assert_layout_matches(ranks, reference, tp=layout["tp"])
+    _assert_metrics(ranks, cfg)
 
 
 @pytest.mark.parametrize(
@@ -164,20 +301,34 @@ def test_tensor_parallel_matches_single_process(reference, layout):
 )
 def test_context_parallel_matches_single_process(reference, layout):
     """The sequence split over cp ranks (ring attention), gradients averaged over dp x cp."""
-    ref_losses, ref_params = reference
     world = layout.get("dp", 1) * layout["cp"] * layout.get("pp", 1)
-    ranks = run_ranks(world, _on_ranks, _cfg(global_batch=8, **layout), timeout=240)
-    torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
-    if "pp" not in layout:  # a stage holds part of the parameters
-        for r in ranks:
-            _assert_params_close(r["params"], ref_params, rtol=1e-5, atol=3e-5)
+    cfg = _cfg(global_batch=8, **layout)
+    ranks = run_ranks(world, _on_ranks, cfg, timeout=240)
+    _assert_layout_matches(ranks, reference)
+    _assert_metrics(ranks, cfg)
 
 
 def test_dp2_zero2_matches_single_process(reference):
-    ref_losses, ref_params = reference
+    ref_losses, ref_params, key_bound = reference
     ranks = run_ranks(2, _on_ranks, _cfg(dp=2, zero=2, global_batch=8), timeout=180)
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
-    _assert_params_close(ranks[1]["params"], ref_params, rtol=1e-5, atol=3e-5)
+    _assert_params_close(ranks[1]["params"], ref_params, key_bound)
+
+
+def test_matmul_peak_is_the_flops_it_ran_over_the_time_it_took(monkeypatch):
+    """The probe behind MFU: FLOPs counted by torch over a clock that ticks 1 ms a read."""
+    reads = []
+
+    def clock():
+        reads.append(len(reads) * 1e-3)
+        return reads[-1]
+
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    size = 48
+    with FlopCounterMode(display=False) as counter:
+        peak = metrics.matmul_peak_flops.__wrapped__(size=size, seconds=0.01)
+    timed = counter.get_total_flops() - 2 * size**3  # its one warm-up matmul is not timed
+    assert timed > 0 and peak == pytest.approx(timed / (reads[-1] - reads[0]), rel=1e-12)
 
 
 def test_lr_scaling_reaches_the_optimizer():
@@ -243,7 +394,8 @@ def test_resume_on_fewer_ranks_reshards(tmp_path):
     resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=180)
     straight = run_ranks(2, _on_ranks, cfg, timeout=180)
     assert resumed[0]["start"] == 4
-    _assert_params_close(resumed[0]["params"], straight[0]["params"], rtol=1e-5, atol=3e-5)
+    key_bound = _key_bias_bound(cfg)
+    _assert_params_close(resumed[0]["params"], straight[0]["params"], key_bound)
     torch.testing.assert_close(
         resumed[0]["losses"][-1], straight[0]["losses"][-1], rtol=1e-5, atol=0
     )
@@ -285,7 +437,7 @@ def test_batch_arithmetic_errors():
         ConfigError, match=r"dp\(2\) x tp\(1\) x cp\(2\) x pp\(1\) != world_size\(2\)"
     ):
         TrainConfig(dp=2, cp=2).with_layout(2)
-    with pytest.raises(ConfigError, match=r"seq_len\(16\) is not a multiple of 2 x cp\(3\) = 6"):
+    with pytest.raises(ConfigError, match=r"block_size\(16\) is not a multiple of 2 x cp\(3\) = 6"):
         TrainConfig(cp=3, model=TINY).with_layout(3)
     with pytest.raises(ConfigError, match=r"engine='torch' supports cp=1 only"):
         TrainConfig(cp=2, engine="torch", model=TINY).with_layout(2)

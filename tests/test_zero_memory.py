@@ -3,9 +3,11 @@
 For every stage, FP32 and BF16 mixed precision (16-bit parameters and gradients, FP32 master,
 Adam m and v), on 2 and 3 ranks: parameters, gradients and optimizer state must equal the
 formula plus at most the alignment padding the plan adds (computed from the plan), and the
-communication buffers stay within the stated bound. The allowance is smaller than one FP32
-copy of a shard, so a redundant master copy of FP32 parameters (or a second gradient shard)
-would fail the check.
+communication buffers equal exactly what the design allocates (staging buckets, the FP32 step
+slice, at stage 3 the gathered peak of the prefetch schedule), not only the engine's own
+looser bound. The allowance is smaller than one FP32 copy of a shard, so a redundant master
+copy of FP32 parameters (or a second gradient shard) would fail the check, and so would a
+unit left gathered after its forward.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mp_pool import run_ranks  # noqa: E402
 from test_zero import SEED, batch, make_comm, make_model, optimizer_spec  # noqa: E402
+from test_zero_stage3 import _units, expected_peak  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer_state", "buffers")
 CASES = [
@@ -48,10 +51,35 @@ def _reports(cases):
             opt.step()
             opt.zero_grad()
         report = opt.memory_report()
-        rows.append({"report": report, "text": str(report), "numel": numel})
+        assert all(fg.wire_dtype == fg.dtype for fg in opt.flat_groups)
+        gatherer = opt._gatherer
+        rows.append(
+            {
+                "report": report,
+                "text": str(report),
+                "numel": numel,
+                "bucket_numel": max(b.numel for fg in opt.flat_groups for b in fg.plan.buckets),
+                "peak": gatherer.peak_gathered_bytes if gatherer else 0,
+                "units": _units(gatherer) if gatherer else None,
+            }
+        )
         opt.close()
     comm.close()
     return rows
+
+
+def _buffer_bytes(stage, n, s_p, row):
+    """The communication buffers of flat groups whose wire is their own dtype, from the
+    engine's design (docs/zero.md): stage 1 reduce-scatters the gradient buffer in place (no
+    staging); stages 2 and 3 copy gradients into two staging buffers of the largest bucket,
+    one filling while the other is on the wire, and reduce-scatter them straight into the
+    gradient shard (no output slice); 16-bit parameters step their FP32 master through one
+    FP32 slice of the largest bucket; stage 3 adds the gathered units at their peak
+    (:func:`test_zero_stage3.expected_peak`)."""
+    staging = 2 * row["bucket_numel"] * s_p if stage != 1 else 0
+    step_slice = 4 * row["bucket_numel"] // n if s_p != 4 else 0
+    gathered = expected_peak(row["units"], n) if stage == 3 else 0
+    return staging + step_slice + gathered
 
 
 def _formula(stage, n, numel, s_p, state_bytes):
@@ -88,6 +116,11 @@ def test_bytes_per_rank_equal_the_zero_formula(world_size):
                     f"rank {rank} stage {stage} {dtype} {opt_name}: {kind} {measured} B, "
                     f"formula {expected[kind]} + allowance {allowance}"
                 )
+            # buffers: exactly the design's, not only within the engine's own bound
+            assert report.measured["buffers"] == _buffer_bytes(stage, world_size, s_p, row), (
+                f"rank {rank} stage {stage} {dtype} {opt_name}: buffers "
+                f"{report.measured['buffers']} B (gathered peak {row['peak']} B)"
+            )
             # the padding allowance could not hide a redundant FP32 copy of the shard
             shard_fp32 = 4 * (numel // world_size)
             for kind in ("parameters", "gradients", "optimizer_state"):
