@@ -88,6 +88,23 @@ uint64_t scheduleFromPython(FlightRecorder& r, const std::string& op, int dtype,
   return 0;
 }
 
+// The recorder's own cost: schedule + started + completed of one call, in ns, measured over
+// `iterations` calls in C++ (no Python, no peers; benchmarks/bench_recorder.py prints it beside
+// the end-to-end difference).
+double recorderCostNs(size_t capacity, size_t iterations) {
+  py::gil_scoped_release nogil;
+  FlightRecorder recorder(capacity, false);
+  TraceCall call{TraceOp::kAllReduce, 0, 0, -1, 0, 2, 2, nullptr};
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < iterations; ++i) {
+    const uint64_t id = recorder.schedule(call);
+    recorder.started(id, 3);
+    recorder.completed(id);
+  }
+  const std::chrono::duration<double, std::nano> elapsed = std::chrono::steady_clock::now() - start;
+  return elapsed.count() / static_cast<double>(iterations ? iterations : 1);
+}
+
 void bindRecorder(py::module_& m) {
   py::class_<FlightRecorder, std::shared_ptr<FlightRecorder>>(
       m, "FlightRecorder", "The last N calls of one communicator (csrc/comm/flight_recorder.h).")
@@ -109,23 +126,6 @@ void bindRecorder(py::module_& m) {
       .def("completed", &FlightRecorder::completed, py::arg("op_id"))
       .def("failed", &FlightRecorder::failed, py::arg("op_id"), py::arg("cause"));
   m.def("_flight_recorder_cost_ns", &recorderCostNs, py::arg("capacity"), py::arg("iterations"));
-}
-
-// The recorder's own cost: schedule + started + completed of one call, in ns, measured over
-// `iterations` calls in C++ (no Python, no peers; benchmarks/bench_recorder.py prints it beside
-// the end-to-end difference).
-double recorderCostNs(size_t capacity, size_t iterations) {
-  py::gil_scoped_release nogil;
-  FlightRecorder recorder(capacity, false);
-  TraceCall call{TraceOp::kAllReduce, 0, 0, -1, 0, 2, 2, nullptr};
-  const auto start = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < iterations; ++i) {
-    const uint64_t id = recorder.schedule(call);
-    recorder.started(id, 3);
-    recorder.completed(id);
-  }
-  const std::chrono::duration<double, std::nano> elapsed = std::chrono::steady_clock::now() - start;
-  return elapsed.count() / static_cast<double>(iterations ? iterations : 1);
 }
 
 void bindWakeup(py::module_& m) {

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from .timeout import resolve_timeout
 from .work import Work
 
 __all__ = [
@@ -53,11 +54,11 @@ ALGORITHMS = {"auto": 0, "ring": 1, "tree": 2, "one_shot": 3}
 #: (it reduces to a root, which neither collective needs).
 REDUCE_SCATTER_ALGORITHMS = {"auto": "auto", "ring": "ring", "one_shot": "one_shot"}
 ALL_GATHER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Communicators of one group are told apart by creation order: every member creates them in
 # the same order, so the n-th one of a group gets the same store prefix on every rank.
 _creation_counters: Dict[Tuple[int, ...], itertools.count[int]] = {}
+_store_counter = itertools.count()  # communicators made from a store (flight-recorder names)
 _creation_lock = threading.Lock()
 
 # Open CPU communicators: at interpreter exit (a KeyboardInterrupt that reached the top, say)
@@ -96,7 +97,8 @@ class Communicator:
         group: a torch.distributed ProcessGroup; default the WORLD group
             (``torch.distributed.init_process_group`` must have run).
         device: ``"cpu"`` (shared memory, hierarchical across hosts) or ``"cuda"`` (NCCL).
-        timeout: per-collective timeout as a ``datetime.timedelta``; default the group's.
+        timeout: per-collective timeout as a ``datetime.timedelta``; default ``DK_TIMEOUT``,
+            else the group's when it was set, else 5 minutes (``comm/timeout.py``).
         store, rank, world_size: rendezvous on this Store as ``rank`` of ``world_size``
             instead of a torch group (all three or none; ``group`` must then be None). The
             store must be private to this communicator (a ``PrefixStore`` of its own): this is
@@ -149,7 +151,7 @@ class Communicator:
         from .shm import group_timeout
 
         group_default = group_timeout(self.group) if self.group is not None else None
-        self.timeout = timeout or group_default or _DEFAULT_TIMEOUT
+        self.timeout = resolve_timeout(timeout, group_default)
         self._pending: List[Work] = []
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -196,6 +198,9 @@ class Communicator:
         hosts = [store.get(f"host/{r}").decode() for r in range(self.world_size)]
         local = [r for r in range(self.world_size) if hosts[r] == hosts[self.rank]]
         host_store = dist.PrefixStore(f"host-{hosts[self.rank]}/", store)
+        name, desc, ranks = self._debug_name
+        if len(local) < self.world_size:  # the recorder sees this host's part of the group
+            name = f"{name}:{hosts[self.rank]}"
         shm = ShmBackend(
             host_store,
             local.index(self.rank),
@@ -203,7 +208,9 @@ class Communicator:
             self.timeout,
             rendezvous_timeout,
             self.rank,
+            debug_group=(name, desc, [ranks[r] for r in local]),
         )
+        self._debug_source = shm.debug_source
         if len(local) == self.world_size:
             return shm
         from .hierarchical import HierarchicalBackend, gloo_links
@@ -211,13 +218,24 @@ class Communicator:
         return HierarchicalBackend(self, shm, hosts, gloo_links(self, hosts, store))
 
     def _rendezvous_store(self):
-        """A store private to this communicator instance, and the store it is a prefix of."""
+        """A store private to this communicator instance, and the store it is a prefix of.
+
+        Also names the group for the flight recorder (``_debug_name``: name, description,
+        global ranks); the "dk" torch backend renames its groups after torch's.
+        """
         if self._store is not None:
+            with _creation_lock:
+                instance = next(_store_counter)
+            ranks = list(range(self.world_size))
+            self._debug_name = (f"dk:store:{instance}", "undefined", ranks)
             return dist.PrefixStore("dk/comm/", self._store), self._store
         global_ranks = tuple(dist.get_process_group_ranks(self.group))
         with _creation_lock:
             counter = _creation_counters.setdefault(global_ranks, itertools.count())
             instance = next(counter)
+        name = f"dk:{self.group.group_name}" + (f":{instance}" if instance else "")
+        desc = getattr(self.group, "group_desc", "") or "undefined"
+        self._debug_name = (name, desc, list(global_ranks))
         tag = f"{zlib.crc32(repr(global_ranks).encode()):08x}"
         base = dist.distributed_c10d._get_default_store()
         return dist.PrefixStore(f"dk/comm/{tag}/{instance}/", base), base

@@ -1,0 +1,209 @@
+"""The debug monitor: one daemon thread per process, started with its first communicator.
+
+It sleeps on the C++ wake-up pipe (csrc/common/debug_wakeup.h) and every second looks at the
+communicators' Stores, like the heartbeat monitor of torch's NCCL process group:
+
+- SIGUSR1 (``kill -USR1 <pid>``): dumps this rank's flight recorders (no other effect: the
+  running collectives do not notice).
+- A communicator of this rank fails (timeout, dead peer, ranks that disagree, ...): the dump
+  is written first (it needs nothing but this process), then the failure is announced in the
+  group's Store, the rank's final footprint published there, the other ranks' footprints
+  gathered (for at most ``GRACE_S``) and the desync report printed on stderr.
+- Another rank announced a failure in a Store this rank shares: the same, so that a rank
+  which is not inside a collective (the one that skipped it, say) dumps and reports too.
+
+While nothing fails, each communicator's footprint is refreshed in its Store every
+``PUBLISH_S`` when it changed: a rank that died leaves its last one there.
+
+A failure detected while the interpreter exits (an uncaught CommError) is still handled: an
+``atexit`` hook finishes the handling before the communicators are torn down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from . import desync
+from .flight_recorder import Source, dump, global_rank, sources
+
+POLL_S = 1.0  # how often the Stores are asked whether a peer failed
+PUBLISH_S = 2.0  # footprints refreshed at most this often, when they changed
+GRACE_S = 2.0  # how long a reporter waits for the other ranks' final footprints
+FAILURE_KEY = "dk_debug/failure"
+FINAL_KEY = "dk_debug/final"
+
+
+def _footprint_key(member: int) -> str:
+    return f"dk_debug/footprint/{member}"
+
+
+class _Watch:
+    """What the monitor remembers about one source."""
+
+    def __init__(self) -> None:
+        self.handled = False  # its failure (local or a peer's) was handled
+        self.published: Optional[Dict[str, Any]] = None
+        self.published_at = 0.0
+
+
+class Monitor:
+    def __init__(self) -> None:
+        from .. import _C
+
+        self._fd = _C.debug_wakeup_fd()
+        self.sigusr1 = os.environ.get("DK_DUMP_ON_SIGUSR1", "1") != "0" and (
+            _C.debug_handle_sigusr1()
+        )
+        self._watches: Dict[int, _Watch] = {}
+        self._lock = threading.Lock()  # the watches, and one failure handled at a time
+        self._workers: List[threading.Thread] = []
+        self.reports: List[Dict[str, Any]] = []
+        self._last_poll = 0.0
+        self._thread = threading.Thread(target=self._loop, name="dk-debug-monitor", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            ready, _, _ = select.select([self._fd], [], [], POLL_S)
+            reasons = os.read(self._fd, 4096) if ready else b""
+            if b"U" in reasons:
+                self._dump_now("SIGUSR1")
+            try:
+                self.check(poll_stores=time.monotonic() - self._last_poll >= POLL_S)
+            except Exception as error:  # noqa: BLE001 - the monitor must outlive a bad Store
+                print(f"[dk debug monitor] {error!r}", file=sys.stderr, flush=True)
+
+    def _dump_now(self, why: str) -> Optional[str]:
+        try:
+            path = dump()
+        except OSError as error:
+            print(
+                f"[rank {global_rank()}] flight recorder dump failed ({why}): {error}",
+                file=sys.stderr,
+            )
+            return None
+        print(f"[rank {global_rank()}] flight recorder dumped to {path} ({why})", file=sys.stderr)
+        return path
+
+    def _watch(self, source: Source) -> _Watch:
+        return self._watches.setdefault(id(source), _Watch())
+
+    def check(self, poll_stores: bool) -> None:
+        """Handles new failures (this rank's; a peer's when ``poll_stores``) and refreshes
+        footprints; called by the thread and by the exit hook."""
+        if poll_stores:
+            self._last_poll = time.monotonic()
+        failed = []
+        with self._lock:
+            for source in sources():
+                watch = self._watch(source)
+                if watch.handled or source.closed:
+                    continue
+                cause = self._failure(source, poll_stores)
+                if cause is not None:
+                    watch.handled = True
+                    failed.append((source, cause))
+                elif poll_stores:
+                    self._publish(source, watch, final=False)
+        if failed:
+            self._dump_now("communicator failure")
+            for source, cause in failed:
+                worker = threading.Thread(target=self._report, args=(source, cause), daemon=True)
+                worker.start()
+                self._workers.append(worker)
+
+    def _failure(self, source: Source, poll_store: bool) -> Optional[tuple]:
+        """(cause, local) if ``source`` failed here or a member announced a failure."""
+        footprint = source.recorder.footprint()
+        if footprint["failed_op_id"]:
+            return footprint["failure"], footprint["failed_ns"], True
+        if poll_store and source.store is not None and source.store.check([FAILURE_KEY]):
+            return source.store.get(FAILURE_KEY).decode(), time.time_ns(), False
+        return None
+
+    def _publish(self, source: Source, watch: _Watch, final: bool) -> None:
+        if source.store is None:
+            return
+        now = time.monotonic()
+        footprint = desync.footprint(source.recorder, final)
+        same = watch.published is not None and _progress(watch.published) == _progress(footprint)
+        if not final and (same or now - watch.published_at < PUBLISH_S):
+            return
+        source.store.set(_footprint_key(source.rank), json.dumps(footprint))
+        watch.published, watch.published_at = footprint, now
+
+    def _report(self, source: Source, failure: tuple) -> None:
+        cause, detected_ns, local = failure
+        try:
+            store = source.store
+            if store is not None:
+                if local:
+                    store.set(FAILURE_KEY, f"rank {source.ranks[source.rank]} saw: {cause}")
+                self._publish(source, self._watch(source), final=True)
+                store.add(FINAL_KEY, 1)
+                prints = _gather(store, source.world_size)
+            else:
+                prints = {source.rank: desync.footprint(source.recorder, final=True)}
+            text = desync.report(source.name, source.rank, source.ranks, prints, cause)
+        except Exception as error:  # noqa: BLE001 - a report is best effort, never a new failure
+            text = f"[rank {global_rank()}] desync report for {source.name!r} failed: {error!r}"
+        print(text, file=sys.stderr, flush=True)
+        self.reports.append(
+            {
+                "group": source.name,
+                "text": text,
+                "detected_ns": detected_ns,
+                "time_ns": time.time_ns(),
+            }
+        )
+
+    def finish(self, timeout: float) -> None:
+        """Handles what failed just now and waits (at most ``timeout`` s) for the reports."""
+        self.check(poll_stores=False)
+        deadline = time.monotonic() + timeout
+        for worker in list(self._workers):
+            worker.join(max(0.0, deadline - time.monotonic()))
+
+
+def _progress(footprint: Dict[str, Any]) -> tuple:
+    keys = ("last_scheduled", "last_started", "last_completed", "p2p_pending", "failure")
+    return tuple(footprint[k] for k in keys)
+
+
+def _gather(store: Any, world_size: int) -> Dict[int, Optional[Dict[str, Any]]]:
+    """Every member's footprint: waits up to GRACE_S for all final ones, then takes what is
+    there (a rank that never answered leaves its last periodic one, or none)."""
+    deadline = time.monotonic() + GRACE_S
+    while int(store.add(FINAL_KEY, 0)) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    prints: Dict[int, Optional[Dict[str, Any]]] = {}
+    for member in range(world_size):
+        key = _footprint_key(member)
+        prints[member] = json.loads(store.get(key)) if store.check([key]) else None
+    return prints
+
+
+_monitor: Optional[Monitor] = None
+_start_lock = threading.Lock()
+
+
+def ensure_started() -> Monitor:
+    """The process's monitor (started on first use, by the first communicator)."""
+    global _monitor
+    with _start_lock:
+        if _monitor is None:
+            _monitor = Monitor()
+            atexit.register(_monitor.finish, GRACE_S + 1.0)
+    return _monitor
+
+
+def reports() -> List[Dict[str, Any]]:
+    """The desync reports this process printed: group, text, detection and print times (ns)."""
+    return list(_monitor.reports) if _monitor is not None else []
