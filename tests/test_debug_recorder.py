@@ -1,0 +1,250 @@
+"""The flight recorder: the ring keeps exactly the last N calls, states move scheduled ->
+started -> completed, a dump taken while calls run is consistent and torch's analyzer reads
+it, SIGUSR1 dumps without disturbing a running collective.
+
+References: the calls each test makes itself (their order, kinds and sizes), torch's own
+loader and analyzer (torch.distributed.flight_recorder) for the dump format.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from mp_pool import run_ranks
+
+from dist_kernels import _C
+
+
+def _entries_ok(entries):
+    """The invariants every snapshot must satisfy, whatever runs meanwhile."""
+    ids = [e["op_id"] for e in entries]
+    assert ids == list(range(ids[0], ids[0] + len(ids))), ids  # consecutive, oldest first
+    records = [e["record_id"] for e in entries]
+    assert records == sorted(records) and len(set(records)) == len(records)
+    for e in entries:
+        assert e["created_ns"] > 0
+        if e["state"] == "scheduled":
+            assert e["started_ns"] == 0 and e["completed_ns"] == 0, e
+        elif e["state"] == "started":
+            assert e["started_ns"] >= e["created_ns"] and e["completed_ns"] == 0, e
+        else:
+            assert e["state"] == "completed", e
+            assert e["completed_ns"] >= e["started_ns"] >= e["created_ns"], e
+
+
+def test_ring_keeps_exactly_the_last_n_and_states_advance():
+    recorder = _C.FlightRecorder(4)
+    ids = []
+    for i in range(10):
+        op = "send" if i % 3 == 2 else "all_reduce"
+        ids.append(recorder.schedule(op, 0, 0, 1 if op == "send" else -1, 0, i + 1, i + 1))
+    assert ids == list(range(1, 11))
+    entries = recorder.entries()
+    assert [e["op_id"] for e in entries] == [7, 8, 9, 10]
+    assert [e["in_count"] for e in entries] == [7, 8, 9, 10]
+    assert all(e["state"] == "scheduled" for e in entries)
+    # collectives and sends are numbered apart, as torch's collective_seq_id / p2p_seq_id
+    assert [(e["collective_seq_id"], e["p2p_seq_id"]) for e in entries] == [
+        (5, 2),
+        (6, 2),
+        (6, 3),
+        (7, 3),
+    ]
+    recorder.started(9, 1)
+    assert recorder.entries()[2]["state"] == "started"
+    assert recorder.entries()[2]["algorithm"] == 1
+    recorder.completed(9)
+    recorder.started(3, 1)  # pushed out of the ring already: nothing changes
+    entries = recorder.entries()
+    assert [e["state"] for e in entries] == ["scheduled", "scheduled", "completed", "scheduled"]
+    _entries_ok(entries)
+    footprint = recorder.footprint()
+    assert (footprint["last_scheduled"], footprint["last_p2p_scheduled"]) == (7, 3)
+    assert (footprint["last_completed"], footprint["last_p2p_completed"]) == (0, 3)
+    recorder.capacity = 2  # keeps the newest
+    assert [e["op_id"] for e in recorder.entries()] == [9, 10]
+
+
+def _ring_of_five(tmp):
+    import dist_kernels as dk
+
+    with dk.Communicator() as comm:
+        t = torch.ones(3)
+        for _ in range(7):
+            comm.all_reduce(t)
+        comm.broadcast(t, 0)
+        entries = comm._debug_source.recorder.entries()
+    return entries, t.tolist()
+
+
+def test_communicator_records_its_last_n_calls(tmp_path):
+    results = run_ranks(2, _ring_of_five, str(tmp_path), env={"DK_TRACE_BUFFER_SIZE": "5"})
+    for entries, value in results:
+        assert value == [2.0**7] * 3
+        assert [e["op"] for e in entries] == ["all_reduce"] * 4 + ["broadcast"]
+        assert [e["collective_seq_id"] for e in entries] == [4, 5, 6, 7, 8]
+        assert all(e["state"] == "completed" and e["in_count"] == 3 for e in entries)
+        assert entries[-1]["peer"] == 0
+        _entries_ok(entries)
+
+
+def _in_flight(path):
+    """Rank 0 queues two all-reduces while rank 1 waits 1 s: the first is started (waiting for
+    rank 1), the second scheduled behind it; a dump then must say so."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank = dist.get_rank()
+    with dk.Communicator(timeout=datetime.timedelta(seconds=60)) as comm:
+        a, b = torch.ones(8), torch.ones(8)
+        if rank == 1:
+            time.sleep(1.0)
+            comm.all_reduce(a)
+            comm.all_reduce(b)
+            return None
+        first = comm.all_reduce(a, async_op=True)
+        second = comm.all_reduce(b, async_op=True)
+        time.sleep(0.3)
+        during = comm._debug_source.recorder.entries()
+        dumped = dk.debug.dump(path)
+        first.wait()
+        second.wait()
+        after = comm._debug_source.recorder.entries()
+        return during, dumped, after, a.tolist()
+
+
+def test_states_in_flight_and_a_dump_meanwhile(tmp_path):
+    path = str(tmp_path / "dk_trace_rank_0")
+    (during, dumped, after, value), _ = run_ranks(2, _in_flight, path)
+    assert value == [2.0] * 8
+    assert [e["state"] for e in during] == ["started", "scheduled"]
+    assert [e["state"] for e in after] == ["completed", "completed"]
+    _entries_ok(during)
+    _entries_ok(after)
+    with open(dumped, "rb") as f:
+        dump = pickle.load(f)
+    assert [e["state"] for e in dump["entries"]] == ["started", "scheduled"]
+    assert dump["entries"][0]["time_discovered_completed_ns"] is None
+    assert dump["pg_status"]["0"]["last_started_collective"] == 1
+
+
+def _all_ranks(comm, flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (a MIN all-reduce; this call is recorded too)."""
+    value = torch.tensor([float(flag)])
+    comm.all_reduce(value, "min")
+    return bool(value.item())
+
+
+def _dumps_while_running(directory, calls):
+    """A thread dumps in a loop while the main thread runs ``calls`` all-reduces."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank = dist.get_rank()
+    with dk.Communicator() as comm:
+        stop, snapshots = threading.Event(), []
+
+        def dump_loop():
+            while not stop.is_set():
+                path = dk.debug.dump(os.path.join(directory, f"dk_trace_rank_{rank}"))
+                with open(path, "rb") as f:
+                    snapshots.append(pickle.load(f)["entries"])
+
+        thread = threading.Thread(target=dump_loop)
+        thread.start()
+        t = torch.full((16,), float(rank))
+        i = 0  # both ranks call until both have taken 10 dumps (decided by a collective)
+        while i < calls or not _all_ranks(comm, len(snapshots) >= 10):
+            # the average stays 0.5: every call checks the last one's bytes
+            work = comm.all_reduce(t, dk.ReduceOp.AVG, async_op=i % 2 == 1)
+            if work is not None:
+                work.wait()
+            i += 1
+        stop.set()
+        thread.join()
+        dk.debug.dump(os.path.join(directory, f"dk_trace_rank_{rank}"))  # for the analyzer
+        return snapshots, t[0].item()
+
+
+def test_dumps_taken_while_calls_run_are_consistent_and_parse(tmp_path):
+    calls = 400
+    results = run_ranks(
+        2, _dumps_while_running, str(tmp_path), calls, env={"DK_TRACE_BUFFER_SIZE": "64"}
+    )
+    for snapshots, value in results:
+        assert value == 0.5
+        assert len(snapshots) >= 10
+        for entries in snapshots:
+            assert len(entries) <= 64
+            seqs = [e["collective_seq_id"] for e in entries]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
+            for e in entries:
+                assert e["state"] in ("scheduled", "started", "completed")
+                if e["state"] == "completed":
+                    assert e["time_discovered_completed_ns"] >= e["time_discovered_started_ns"]
+    # the last dumps (all calls completed) through torch's analyzer, unchanged
+    analyzed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path),
+         "--prefix", "dk_trace_rank_", "-o", str(tmp_path / "db.pkl")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert analyzed.returncode == 0, analyzed.stderr
+    with open(tmp_path / "db.pkl", "rb") as f:
+        _, db = pickle.load(f)
+    assert len(db.collectives) == 64 and all(c.pass_check for c in db.collectives)
+    assert {c.collective_name for c in db.collectives} == {"gloo:all_reduce"}
+    assert {c.collective_state for c in db.collectives} == {"completed"}
+
+
+def _sigusr1_during_a_collective(path):
+    """Rank 0 is inside a synchronous all-reduce (rank 1 joins 1 s late) when a SIGUSR1
+    arrives: the dump appears and the all-reduce ends with the right sum."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank = dist.get_rank()
+    with dk.Communicator(timeout=datetime.timedelta(seconds=60)) as comm:
+        t = torch.full((1024,), float(rank + 1))
+        if rank == 1:
+            time.sleep(1.0)
+            comm.all_reduce(t)
+            return t[0].item(), None
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        comm.all_reduce(t)
+        dumped = f"{path}{rank}"
+        deadline = time.monotonic() + 10
+        while not os.path.exists(dumped) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(dumped, "rb") as f:
+            entries = pickle.load(f)["entries"]
+        return t[0].item(), entries
+
+
+def test_sigusr1_dumps_without_disturbing_a_running_collective(tmp_path):
+    prefix = str(tmp_path / "dk_trace_rank_")
+    (value0, entries), (value1, _) = run_ranks(
+        2, _sigusr1_during_a_collective, prefix, env={"DK_TRACE_FILE": prefix}
+    )
+    assert value0 == value1 == 3.0
+    assert [(e["profiling_name"], e["state"]) for e in entries] == [("gloo:all_reduce", "started")]
+
+
+@pytest.mark.parametrize("size", ["-1", "x"])
+def test_bad_buffer_size_is_a_clear_error(monkeypatch, size):
+    from dist_kernels.debug import flight_recorder
+
+    monkeypatch.setenv("DK_TRACE_BUFFER_SIZE", size)
+    with pytest.raises(ValueError, match="DK_TRACE_BUFFER_SIZE must be an integer >= 0"):
+        flight_recorder.buffer_size()
