@@ -125,6 +125,12 @@ class TrainConfig:
     """Show a tqdm progress bar on rank 0."""
     timeout: float = 300.0
     """Seconds any collective may wait before the run fails."""
+    profile_steps: Optional[Tuple[int, int]] = None
+    """(A, B): torch.profiler over steps A to B (counted from 1), our collectives included."""
+    profile_dir: str = "dk_profile"
+    """Where ``profile_steps`` writes ``rank<r>.pt.trace.json`` and the merged trace."""
+    tensorboard: Optional[str] = None
+    """Write TensorBoard scalars (loss, lr, tokens/s, MFU, phase times, memory) here (rank 0)."""
 
     def with_layout(self, world_size: int) -> TrainConfig:
         """A copy with ``dp``, ``grad_accum`` and ``global_batch`` resolved for ``world_size``;
@@ -179,6 +185,12 @@ class TrainConfig:
             _at_least(f"model.{name}", getattr(m, name), 1)
         if m.d_model % m.n_head:
             raise ConfigError(f"d_model({m.d_model}) is not a multiple of n_head({m.n_head})")
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last <= self.steps:
+                raise ConfigError(
+                    f"profile_steps {first}:{last} must satisfy 1 <= A <= B <= steps({self.steps})"
+                )
 
     def _check_layout(self) -> None:
         if self.zero and self.dp == 1:
