@@ -248,3 +248,44 @@ def test_bad_buffer_size_is_a_clear_error(monkeypatch, size):
     monkeypatch.setenv("DK_TRACE_BUFFER_SIZE", size)
     with pytest.raises(ValueError, match="DK_TRACE_BUFFER_SIZE must be an integer >= 0"):
         flight_recorder.buffer_size()
+
+
+class _Event:
+    """A CUDA event stand-in: reached once the test says the stream passed it."""
+
+    def __init__(self):
+        self.reached = False
+
+    def query(self):
+        return self.reached
+
+
+def test_stream_recorder_discovers_progress_from_events():
+    from dist_kernels.debug.stream_recorder import StreamRecorder
+
+    stream = StreamRecorder(_C.FlightRecorder(16))
+    launches = []
+    for calls in (
+        [("all_reduce", 0, 0, -1, 8, 8)],
+        [("send", 0, -1, 1, 4, 4), ("recv", 0, -1, 1, 4, 4)],
+    ):
+        ids = stream.schedule(calls)
+        start, done = _Event(), _Event()
+        stream.launched(ids, start, done)
+        launches.append((ids, start, done))
+    states = lambda: [e["state"] for e in stream.recorder.entries()]  # noqa: E731
+    stream.refresh()
+    assert states() == ["scheduled"] * 3
+    launches[1][1].reached = True  # stream order: the second cannot be seen before the first
+    stream.refresh()
+    assert states() == ["scheduled"] * 3
+    launches[0][1].reached = True
+    stream.refresh()
+    assert states() == ["started", "scheduled", "scheduled"]
+    launches[0][2].reached = True
+    stream.refresh()
+    assert states() == ["completed", "started", "started"]
+    stream.failed("NCCL error")  # charged to the oldest unfinished call
+    footprint = stream.recorder.footprint()
+    assert footprint["failed_op_id"] == 2 and footprint["failure"] == "NCCL error"
+    _entries_ok(stream.recorder.entries())

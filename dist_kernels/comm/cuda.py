@@ -36,11 +36,14 @@ import zlib
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.autograd import profiler as _torch_profiler
 
 from .. import _C
+from ..debug import profiler, stream_recorder
 from ..dtypes import ReduceOp, ReduceOpLike, dtype_code, reduce_op
 from ..errors import CommError
 from . import nccl
+from . import timeout as _timeout
 from .work import Work
 
 #: Staging for NcclTransport receives: 8 slots of 4 MiB (32 MiB per communicator). A slot is the
@@ -58,8 +61,8 @@ REDUCE_SCATTER_ALGORITHMS = {"auto": "nccl", "ring": "ring", "nccl": "nccl"}
 ALL_GATHER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
 
 DeviceLike = Union[torch.device, int, str, None]
-#: Per-collective timeout for host waits (barrier, close, the unique id), as on CPU.
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+#: Host waits' timeout when none is given and DK_TIMEOUT is unset (comm/timeout.py).
+DEFAULT_TIMEOUT = _timeout.DEFAULT_TIMEOUT
 #: Host polling while waiting: starts at 0.1 ms (short collectives end fast) and doubles up to
 #: 10 ms, so a long wait costs the host little and an error is seen within 10 ms.
 _POLL_FIRST_S, _POLL_MAX_S = 1e-4, 1e-2
@@ -119,10 +122,13 @@ class NcclWatch:
     error's message.
     """
 
-    def __init__(self, comm: Any, rank: int) -> None:
+    def __init__(
+        self, comm: Any, rank: int, on_failure: Optional[Callable[[str], None]] = None
+    ) -> None:
         self._comm = comm
         self.rank = rank
         self.failure: Optional[str] = None
+        self._on_failure = on_failure  # told the first failure (the flight recorder)
 
     def check(self, what: str) -> None:
         """Raises ``CommError`` if the communicator failed earlier or NCCL reports an error now
@@ -155,6 +161,8 @@ class NcclWatch:
         last = self._comm.last_error()
         message = f"{why}" + (f"; NCCL's last error: {last}" if last and last not in why else "")
         self.failure = f"{what}: {message}"
+        if self._on_failure is not None:
+            self._on_failure(self.failure)
         try:
             self._comm.abort()
         except Exception as error:  # noqa: BLE001 - the first failure is the one to report
@@ -240,7 +248,8 @@ class CudaCommunicator:
             ncclUniqueId from rank 0 to the others).
         device: this rank's CUDA device (``"cuda"`` = the current device).
         timeout: how long a host wait may take (rank 0's ncclUniqueId, ``barrier()``,
-            ``close()``; a ``datetime.timedelta``, default 30 minutes) before ``CommError``.
+            ``close()``; a ``datetime.timedelta``, default ``DK_TIMEOUT`` else 5 minutes:
+            ``comm/timeout.py``) before ``CommError``.
             ``Work.wait(timeout)`` takes its own.
         store, rank, world_size: use this Store and these numbers instead of torch.distributed
             (tests and custom launchers); all three or none.
@@ -249,6 +258,9 @@ class CudaCommunicator:
 
     REDUCE_SCATTER_ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
     ALL_GATHER_ALGORITHMS = ALL_GATHER_ALGORITHMS
+    # The flight recorder (dist_kernels.debug), attached once NCCL is up.
+    _debug_source: Any = None
+    _recording: Optional[stream_recorder.StreamRecorder] = None
 
     def __init__(
         self,
@@ -269,13 +281,14 @@ class CudaCommunicator:
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"Communicator(device='cuda') is unavailable: {reason}")
+        global_ranks = None if store is not None else _global_ranks(group)
         if store is None:
             store, rank, world_size = _group_store(group)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: {rank} is not in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
         self.device = _cuda_device(device)
-        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        self.timeout = _timeout.resolve_timeout(timeout)
         nccl.load()
         if rank == 0:
             store.set("nccl_unique_id", _C.nccl_unique_id())
@@ -284,7 +297,15 @@ class CudaCommunicator:
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
             self._comm = _C.NcclComm(unique_id, rank, world_size, self.device.index)
-            self._watch = NcclWatch(self._comm, rank)
+            self._debug_source, self._recording = stream_recorder.attach(
+                self,
+                f"dk:cuda:{next(_cuda_names)}",
+                global_ranks or range(world_size),
+                rank,
+                store,
+                self.timeout.total_seconds(),
+            )
+            self._watch = NcclWatch(self._comm, rank, self._record_failure)
             self._staging = torch.empty(
                 slot_bytes * num_slots, dtype=torch.uint8, device=self.device
             )
@@ -329,20 +350,33 @@ class CudaCommunicator:
         launch: Callable[[int], None],
         async_op: bool,
         foreign: Tuple[Any, ...] = (),
+        trace: Sequence[stream_recorder.TraceCall] = (),
     ) -> Any:
         """Runs ``launch(stream_handle)`` on the comm stream, ordered by events around it.
 
         ``caller`` is the current stream of the communicator's device (not of the current
         device, which may be another). ``foreign``: inputs held until the collective is done.
+        ``trace``: the calls of this launch, for the flight recorder and profiler events.
         """
         self._watch.check(what)
         caller = torch.cuda.current_stream(self.device)
         capturing = _capturing(self.device)
+        recording = self._recording if trace and not capturing else None
+        op_ids = recording.schedule(trace) if recording is not None else []
         self.stream.wait_stream(caller)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            launch(self.stream.cuda_stream)
+            start = torch.cuda.Event() if op_ids else None
+            if start is not None:
+                start.record(self.stream)
+            if _torch_profiler._is_profiler_enabled and self._debug_source is not None:
+                with profiler.events_around(self._debug_source, trace, async_op):
+                    launch(self.stream.cuda_stream)
+            else:
+                launch(self.stream.cuda_stream)
             done = torch.cuda.Event()
             done.record(self.stream)
+        if recording is not None:
+            recording.launched(op_ids, start, done)
         if not capturing:  # a captured graph's memory is the graph's (and its caller's) to keep
             for tensor in tensors:  # the allocator must not reuse them before the comm stream ends
                 tensor.record_stream(self.stream)
@@ -351,6 +385,10 @@ class CudaCommunicator:
             caller.wait_event(done)
             return None
         return _public_work(CudaWork(done, self._watch, what, self.device), tuple(tensors))
+
+    def _record_failure(self, cause: str) -> None:
+        if self._recording is not None:
+            self._recording.failed(cause)
 
     def _hold(self, done: Any, foreign: Tuple[Any, ...]) -> None:
         """Keeps ``foreign`` alive until ``done`` completes; drops what finished before."""
@@ -434,7 +472,8 @@ class CudaCommunicator:
         else:
             which = _ALGORITHM_CODES[algorithm]
             launch = lambda _s: self._algorithms.all_reduce(ptr, ptr, n, code, red, which)  # noqa: E731
-        return self._run("all_reduce", [t], launch, async_op, _foreign(tensor))
+        trace = [("all_reduce", code, int(red), -1, n, n)]
+        return self._run("all_reduce", [t], launch, async_op, _foreign(tensor), trace)
 
     def reduce_scatter(
         self,
@@ -456,7 +495,9 @@ class CudaCommunicator:
             launch = lambda s: self._comm.reduce_scatter(*args, s)  # noqa: E731
         else:
             launch = lambda _s: self._algorithms.reduce_scatter(*args)  # noqa: E731
-        return self._run("reduce_scatter", [out, inp], launch, async_op, _foreign(output, input))
+        trace = [("reduce_scatter", code, int(red), -1, inp.numel(), out.numel())]
+        foreign = _foreign(output, input)
+        return self._run("reduce_scatter", [out, inp], launch, async_op, foreign, trace)
 
     def all_gather(
         self, output: Any, input: Any, async_op: bool = False, *, algorithm: str = "auto"
@@ -471,7 +512,9 @@ class CudaCommunicator:
             launch = lambda s: self._comm.all_gather(*args, s)  # noqa: E731
         else:
             launch = lambda _s: self._algorithms.all_gather(*args)  # noqa: E731
-        return self._run("all_gather", [out, inp], launch, async_op, _foreign(output, input))
+        trace = [("all_gather", args[3], -1, -1, inp.numel(), out.numel())]
+        foreign = _foreign(output, input)
+        return self._run("all_gather", [out, inp], launch, async_op, foreign, trace)
 
     def broadcast(
         self, tensor: Any, src: int, async_op: bool = False, *, algorithm: str = "auto"
@@ -488,7 +531,8 @@ class CudaCommunicator:
             launch = lambda s: self._comm.broadcast(ptr, ptr, n, code, src, s)  # noqa: E731
         else:  # chain or heap tree, by size
             launch = lambda _s: self._algorithms.broadcast(ptr, n, code, src)  # noqa: E731
-        return self._run("broadcast", [t], launch, async_op, _foreign(tensor))
+        trace = [("broadcast", code, -1, src, n, n)]
+        return self._run("broadcast", [t], launch, async_op, _foreign(tensor), trace)
 
     def send(self, tensor: Any, dst: int) -> None:
         """Sends ``tensor`` to rank ``dst`` (which calls :meth:`recv` with the same size)."""
@@ -522,6 +566,7 @@ class CudaCommunicator:
         """``send`` / ``recv``: None or (array, peer, whether the peer may be this rank)."""
         tensors: List[torch.Tensor] = []
         sides: List[int] = []
+        trace: List[stream_recorder.TraceCall] = []
         for side, arg, peer_arg in ((send, "send", "dst"), (recv, "recv", "src")):
             if side is None:
                 sides += [0, 0, -1]
@@ -532,9 +577,10 @@ class CudaCommunicator:
             tensors.append(t)
             peer = self._peer(peer, peer_arg, what, allow_self=allow_self)
             sides += [t.data_ptr(), t.numel() * t.element_size(), peer]
+            trace.append((arg, _trace_dtype(t), -1, peer, t.numel(), t.numel()))
         originals = _foreign(*(side[0] for side in (send, recv) if side is not None))
         launch = lambda _s: self._transport.send_recv(*sides)  # noqa: E731
-        return self._run(what, tensors, launch, async_op, originals)
+        return self._run(what, tensors, launch, async_op, originals, trace)
 
     def barrier(self, async_op: bool = False) -> Any:
         """Every rank reaches it before any leaves (a one-element NCCL all-reduce); without
@@ -602,6 +648,26 @@ class CudaCommunicator:
             f"Communicator(rank={self.rank}, world_size={self.world_size}, "
             f"device={self.device}, {state})"
         )
+
+
+_cuda_names = itertools.count()  # flight-recorder names of CUDA communicators, in creation order
+
+
+def _global_ranks(group: Any) -> Optional[List[int]]:
+    """Global ranks of ``group``'s members (default WORLD), None without torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _trace_dtype(t: torch.Tensor) -> int:
+    """The dtype code a send / receive is recorded with (bytes for dtypes we do not reduce)."""
+    try:
+        return dtype_code(t.dtype)
+    except TypeError:
+        return dtype_code(torch.uint8)
 
 
 def _public_work(work: CudaWork, tensors: Tuple[torch.Tensor, ...]) -> Work:

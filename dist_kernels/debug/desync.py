@@ -43,13 +43,14 @@ def describe(entry: Mapping[str, Any]) -> str:
     return f"{entry['op']}({', '.join(parts)})"
 
 
-def footprint(recorder: Any, final: bool) -> Dict[str, Any]:
-    """This rank's footprint from its recorder; ``final``: published after the failure."""
-    f = recorder.footprint()
+def footprint(source: Any, final: bool) -> Dict[str, Any]:
+    """This rank's footprint from a recorder's ``Source``; ``final``: published after the
+    failure."""
+    f = source.footprint()
     first, last = f["last_completed"], min(f["last_scheduled"], f["last_completed"] + MAX_DESCRIBED)
     ops = {
         str(e["collective_seq_id"]): describe(e)
-        for e in recorder.entries()
+        for e in source.entries()
         if not e["is_p2p"] and first <= e["collective_seq_id"] <= last
     }
     return {

@@ -76,6 +76,8 @@ class Source:
             or None.
         timeout_s: the communicator's timeout.
         backend: what ``profiling_name`` starts with ("gloo" on CPU, "nccl" on CUDA).
+        refresh: called before the recorder is read (a CUDA communicator marks the calls whose
+            events completed: :class:`~dist_kernels.debug.stream_recorder.StreamRecorder`).
     """
 
     def __init__(
@@ -88,11 +90,25 @@ class Source:
         store: Any,
         timeout_s: float,
         backend: str = "gloo",
+        refresh: Optional[Callable[[], None]] = None,
     ) -> None:
         self.recorder = recorder
         self.name, self.desc, self._ranks = name, desc, ranks
         self.rank, self.store, self.timeout_s, self.backend = rank, store, timeout_s, backend
         self.closed = False  # set by the owner's close(): the monitor then leaves it alone
+        self._refresh = refresh
+
+    def entries(self) -> List[Dict[str, Any]]:
+        """The recorder's entries, oldest first (``_C.FlightRecorder.entries``)."""
+        if self._refresh is not None:
+            self._refresh()
+        return self.recorder.entries()
+
+    def footprint(self) -> Dict[str, Any]:
+        """The recorder's footprint (``_C.FlightRecorder.footprint``)."""
+        if self._refresh is not None:
+            self._refresh()
+        return self.recorder.footprint()
 
     @property
     def ranks(self) -> List[int]:
@@ -215,13 +231,13 @@ def dump_dict(found: Optional[Sequence[Source]] = None) -> Dict[str, Any]:
             "desc": source.desc,
             "ranks": str(source.ranks),
         }
-        footprint = source.recorder.footprint()
+        footprint = source.footprint()
         pg_status[str(pg_id)] = {
             "last_enqueued_collective": footprint["last_scheduled"],
             "last_started_collective": footprint["last_started"],
             "last_completed_collective": footprint["last_completed"],
         }
-        entries += [torch_entry(source, pg_id, e) for e in source.recorder.entries()]
+        entries += [torch_entry(source, pg_id, e) for e in source.entries()]
     entries.sort(key=lambda e: e["record_id"])
     return {
         "version": FORMAT_VERSION,

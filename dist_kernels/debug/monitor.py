@@ -121,7 +121,7 @@ class Monitor:
 
     def _failure(self, source: Source, poll_store: bool) -> Optional[tuple]:
         """(cause, local) if ``source`` failed here or a member announced a failure."""
-        footprint = source.recorder.footprint()
+        footprint = source.footprint()
         if footprint["failed_op_id"]:
             return footprint["failure"], footprint["failed_ns"], True
         if poll_store and source.store is not None and source.store.check([FAILURE_KEY]):
@@ -132,7 +132,7 @@ class Monitor:
         if source.store is None:
             return
         now = time.monotonic()
-        footprint = desync.footprint(source.recorder, final)
+        footprint = desync.footprint(source, final)
         same = watch.published is not None and _progress(watch.published) == _progress(footprint)
         if not final and (same or now - watch.published_at < PUBLISH_S):
             return
@@ -150,7 +150,7 @@ class Monitor:
                 store.add(FINAL_KEY, 1)
                 prints = _gather(store, source.world_size)
             else:
-                prints = {source.rank: desync.footprint(source.recorder, final=True)}
+                prints = {source.rank: desync.footprint(source, final=True)}
             text = desync.report(source.name, source.rank, source.ranks, prints, cause)
         except Exception as error:  # noqa: BLE001 - a report is best effort, never a new failure
             text = f"[rank {global_rank()}] desync report for {source.name!r} failed: {error!r}"

@@ -18,10 +18,11 @@ as torch's own events do); the time the call then ran is in the flight recorder
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -83,6 +84,49 @@ def _stride(ranks: list) -> tuple:
     return -1, 0
 
 
+def param_comms(
+    source: Any, op: str, in_count: int, out_count: int, code: int, peer: int, async_op: bool
+) -> Any:
+    """An open ``record_param_comms`` event for one call (``.end()`` closes it), or None when
+    the helper could not be built. ``source``: the communicator's flight-recorder Source
+    (group names and ranks); ``code``: the C++ dtype code; ``peer``: the group rank a send or
+    receive talks to."""
+    shim = _load_shim()
+    if shim is None:
+        return None
+    p2p = op in ("send", "recv")
+    ranks = source.ranks
+    start, stride = _stride(ranks)
+    return shim.ParamCommsEvent(
+        source.name,
+        source.desc,
+        peer if p2p else source.rank,
+        TORCH_NAMES[op],
+        in_count,
+        out_count,
+        _DTYPES.get(code, torch.uint8),
+        start,
+        stride,
+        len(ranks),
+        source.recorder.next_seq(p2p) if source.recorder is not None else -1,
+        p2p,
+        bool(async_op),
+    )
+
+
+@contextlib.contextmanager
+def events_around(source: Any, calls: Sequence[tuple], async_op: bool) -> Iterator[None]:
+    """One ``record_param_comms`` event per call of a launch (``calls``: stream_recorder's
+    TraceCall tuples), open while the block runs."""
+    events = [param_comms(source, op, i, o, d, p, async_op) for op, d, _r, p, i, o in calls]
+    try:
+        yield
+    finally:
+        for event in reversed(events):
+            if event is not None:
+                event.end()
+
+
 class ProfiledCalls:
     """The calls of a ``_C.CpuCommunicator``, each inside a ``record_param_comms`` event.
 
@@ -94,27 +138,7 @@ class ProfiledCalls:
         self._impl, self._source = impl, source
 
     def _event(self, op: str, in_count: int, out_count: int, code: int, peer: int, async_op):
-        shim = _load_shim()
-        if shim is None:
-            return None
-        source, p2p = self._source, op in ("send", "recv")
-        ranks = source.ranks
-        start, stride = _stride(ranks)
-        return shim.ParamCommsEvent(
-            source.name,
-            source.desc,
-            peer if p2p else source.rank,
-            TORCH_NAMES[op],
-            in_count,
-            out_count,
-            _DTYPES.get(code, torch.uint8),
-            start,
-            stride,
-            len(ranks),
-            source.recorder.next_seq(p2p) if source.recorder is not None else -1,
-            p2p,
-            bool(async_op),
-        )
+        return param_comms(self._source, op, in_count, out_count, code, peer, async_op)
 
     def _run(self, event: Any, call, *args):
         try:

@@ -75,7 +75,7 @@ def span_events(
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
              "args": {"name": f"dk {source.name}"}}
         )  # fmt: skip
-        for entry in source.recorder.entries():
+        for entry in source.entries():
             if not start_ns <= entry["created_ns"] <= end_ns:
                 continue
             begin = entry["started_ns"] or entry["created_ns"]
