@@ -1,6 +1,7 @@
 """What the flight recorder costs per call: on (the default) against off, in the same run.
 
     python benchmarks/bench_recorder.py                  # 2 ranks, 8 B and 4 KiB
+    python benchmarks/bench_recorder.py --ranks 1        # no peer to wait for: least noise
     python benchmarks/bench_recorder.py --ranks 4 --sizes 8,4096,65536 --blocks 15
 
 Three lines per size:
@@ -9,7 +10,7 @@ Three lines per size:
   communicator with the recorder (``DK_TRACE_BUFFER_SIZE`` 2000) and on one without
   (``DK_TRACE_BUFFER_SIZE=0``), the two alternating in blocks of back-to-back calls (a block's
   time is the slowest rank's mean per call; the median over blocks is reported), so load that
-  drifts hits both alike;
+  drifts hits both alike; the difference printed is the median of the paired blocks' differences;
 - the recorder alone: schedule + started + completed of one call in a C++ loop
   (``_C._flight_recorder_cost_ns``), the part of the difference that is the recorder's own;
 - the profiler check every call makes (``torch.autograd.profiler._is_profiler_enabled``).
@@ -40,13 +41,17 @@ def _time_block(call: Callable[[], None], iters: int, gather) -> float:
 
 
 def _alternate(calls: Dict[str, Callable[[], None]], iters: int, blocks: int, gather):
+    """Median seconds per call of "on" and "off", and the median of the paired differences
+    (block i of "on" minus block i of "off", timed back to back: drifts cancel)."""
     for call in calls.values():  # warm-up
         _time_block(call, iters, gather)
     times: Dict[str, List[float]] = {name: [] for name in calls}
     for _ in range(blocks):
         for name, call in calls.items():
             times[name].append(_time_block(call, iters, gather))
-    return {name: statistics.median(t) for name, t in times.items()}
+    out = {name: statistics.median(t) for name, t in times.items()}
+    out["diff"] = statistics.median(a - b for a, b in zip(times["on"], times["off"]))
+    return out
 
 
 def _communicators():
@@ -109,11 +114,14 @@ def _rank_main(rank: int, world_size: int, port: int, args) -> None:
             on_us, off_us = t["on"] * 1e6, t["off"] * 1e6
             out(
                 f"{nbytes:>8} B  {what:<24} recorder on {on_us:7.2f} us, off {off_us:7.2f} us: "
-                f"{on_us - off_us:+.3f} us per call",
+                f"{t['diff'] * 1e6:+.3f} us per call (median of paired blocks)",
                 flush=True,
             )
     alone = statistics.median(_C._flight_recorder_cost_ns(2000, 200_000) for _ in range(5))
-    out(f"# the recorder alone (C++ loop, schedule + started + completed): {alone:.0f} ns per call")
+    out(
+        f"# the recorder alone (C++ loop, schedule + started + completed, thread CPU time): "
+        f"{alone:.0f} ns per call"
+    )
     check = timeit.timeit(
         "p._is_profiler_enabled", "from torch.autograd import profiler as p", number=1_000_000
     )
