@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 #: can have queued many asynchronous ones; the first unfinished is the one that matters).
 MAX_DESCRIBED = 8
 
+_SNAPSHOT_INDENT = "\t     "
 _RED_OPS = ("sum", "prod", "max", "min", "avg")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
 
@@ -113,15 +114,15 @@ def _snapshot(prints: Mapping[int, Mapping[str, Any]], ranks: Sequence[int]) -> 
         seq = p["last_scheduled"]
         what = p["ops"].get(str(seq), "")
         line = (
-            f"  rank {ranks[member]} ({p['host']}, pid {p['pid']}): scheduled #{seq} {what}, "
-            f"started #{p['last_started']}, completed #{p['last_completed']}"
+            f"{_SNAPSHOT_INDENT}rank {ranks[member]} ({p['host']}, pid {p['pid']}): scheduled "
+            f"#{seq} {what}, started #{p['last_started']}, completed #{p['last_completed']}"
         )
         if p["p2p_pending"]:
             line += f", {p['p2p_pending']} send/recv unfinished"
+        if p["failure"]:
+            line += ", failed"
         if not p["final"]:
             line += " (its footprint from before the failure: no answer since)"
-        if p["failure"]:
-            line += f"; failed: {p['failure']}"
         lines.append(line)
     return lines
 
@@ -156,4 +157,5 @@ def report(
     head = (
         f"[rank {ranks[me]}] desync report for group {group!r} ({len(ranks)} ranks) after: {cause}"
     )
-    return "\n".join([head] + [f"\t - {line}" for line in lines])
+    body = [line if line.startswith(_SNAPSHOT_INDENT) else f"\t - {line}" for line in lines]
+    return "\n".join([head] + body)
