@@ -289,3 +289,34 @@ def test_stream_recorder_discovers_progress_from_events():
     footprint = stream.recorder.footprint()
     assert footprint["failed_op_id"] == 2 and footprint["failure"] == "NCCL error"
     _entries_ok(stream.recorder.entries())
+
+
+def _dk_group_dump(directory):
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    group = dist.new_group([1, 2], backend="dk")  # collective over the world
+    rank = dist.get_rank()
+    if rank == 0:
+        return None
+    t = torch.ones(5)
+    dist.all_reduce(t, group=group)
+    dist.broadcast(t, group_src=0, group=group)
+    path = dk.debug.dump(os.path.join(directory, f"dk_trace_rank_{rank}"))
+    name = group.group_name
+    dist.destroy_process_group(group)
+    with open(path, "rb") as f:
+        return name, pickle.load(f), t.tolist()
+
+
+def test_dk_backend_groups_are_recorded_under_torchs_names(tmp_path):
+    _, (name1, dump1, value1), (name2, dump2, _) = run_ranks(3, _dk_group_dump, str(tmp_path))
+    assert name1 == name2 and value1 == [2.0] * 5
+    for dump in (dump1, dump2):
+        config = dump["pg_config"][name1]
+        assert config["ranks"] == "[1, 2]"
+        mine = [e for e in dump["entries"] if e["process_group"][0] == name1]
+        assert [e["profiling_name"] for e in mine] == ["gloo:all_reduce", "gloo:broadcast"]
+        assert [e["collective_seq_id"] for e in mine] == [1, 2]
+        assert all(e["state"] == "completed" and e["input_sizes"] == [[5]] for e in mine)
