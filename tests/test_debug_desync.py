@@ -58,19 +58,31 @@ def _planted_hang():
     except dk.CommError as e:
         error = str(e)
     report = _wait_for_report(begin)
+    name = comm._debug_source.name  # "dk:0", or "dk:0:<n>" in a worker that made others before
+    path = f"{os.environ['DK_TRACE_FILE']}{rank}"
+    with open(path, "rb") as f:
+        automatic = pickle.load(f)
+    # this communicator alone, for the analyzer: the pool's workers keep other tests' groups
+    # (and torch's analyzer, which aligns every group of a dump by record id, would mix them in)
+    dk.debug.dump(path, [comm])
     comm.close()
-    return error, report
+    return error, report, name, automatic
 
 
 def test_planted_hang_is_named_by_torchs_analyzer_and_our_report(tmp_path):
     prefix = str(tmp_path / "dk_trace_rank_")
     results = run_ranks(3, _planted_hang, env={"DK_TRACE_FILE": prefix}, timeout=180)
-    (error0, report0), (error1, report1), (error2, report2) = results
+    (error0, report0, name, dump0), (error1, report1, _, _), (error2, report2, _, _) = results
     assert error0 is not None and error2 is not None and error1 is None
+    ours = [e for e in dump0["entries"] if e["process_group"][0] == name]  # the automatic dump
+    assert [(e["profiling_name"], e["state"]) for e in ours] == [
+        ("gloo:all_reduce", "completed"),
+        ("gloo:all_reduce", "started"),
+    ]
     for rank, report in enumerate((report0, report1, report2)):
         assert report is not None, f"rank {rank} printed no report"
         text = report["text"]
-        assert text.startswith(f"[rank {rank}] desync report for group 'dk:0'"), text
+        assert text.startswith(f"[rank {rank}] desync report for group {name!r} (3 ranks)"), text
         assert "rank 1 finished collective #1, but didn't join collective #2" in text, text
         assert (
             "collective #2 differs: rank 0 called all_reduce(count=4, float32, sum); "

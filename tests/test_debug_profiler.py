@@ -56,13 +56,15 @@ def _ddp_step(directory):
     with profile(activities=[ProfilerActivity.CPU], on_trace_ready=handler):
         ddp(x).sum().backward()
     buckets = [b.numel() for b in ddp.buckets]
+    group = ddp.comm._debug_source.name  # "dk:0" for the process's first over WORLD
     ddp.close()
-    return os.path.join(directory, f"rank{dist.get_rank()}.pt.trace.json"), buckets
+    return os.path.join(directory, f"rank{dist.get_rank()}.pt.trace.json"), buckets, group
 
 
 def test_ddp_step_has_one_event_per_bucket_all_reduce(tmp_path):
     results = run_ranks(2, _ddp_step, str(tmp_path), timeout=600)
-    for path, buckets in results:
+    for path, buckets, group in results:
+        assert group.startswith("dk:0")  # a Communicator over WORLD, torch's group "0"
         assert len(buckets) >= 3, buckets
         comms = _events(path, name="record_param_comms")
         assert sorted(e["args"]["In msg nelems"] for e in comms) == sorted(buckets)
@@ -71,7 +73,7 @@ def test_ddp_step_has_one_event_per_bucket_all_reduce(tmp_path):
             assert args["Collective name"] == "allreduce"
             assert args["Out msg nelems"] == args["In msg nelems"]
             assert args["Group size"] == 2 and args["dtype"] == "Float"
-            assert args["Process Group Name"] == "dk:0"
+            assert args["Process Group Name"] == group
         seqs = sorted(e["args"]["Seq"] for e in comms)
         assert seqs == list(range(seqs[0], seqs[0] + len(buckets)))  # one collective each
         spans = _events(path, cat="dk_comm")  # the time each bucket's all-reduce ran
@@ -158,3 +160,37 @@ def test_per_rank_traces_and_their_merge(tmp_path):
         by_seq.setdefault(e["args"]["Seq"], []).append((e["ts"], e["ts"] + e["dur"]))
     for seq, ((a0, a1), (b0, b1)) in by_seq.items():
         assert a0 <= b1 and b0 <= a1, (seq, (a0, a1), (b0, b1))
+
+
+def _dk_group_profiled(directory):
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import dist_kernels as dk
+
+    assert dk.debug.prepare_profiler_events()
+    group = dist.new_group(backend="dk")
+    t = torch.ones(7)
+    dist.all_reduce(t, group=group)  # warm-up: the group's communicator exists now
+    with profile(
+        activities=[ProfilerActivity.CPU], on_trace_ready=dk.debug.trace_handler(directory)
+    ):
+        dist.all_reduce(t, group=group)
+        dist.broadcast(t, group_src=1, group=group)
+    name = group.group_name
+    dist.destroy_process_group(group)
+    return os.path.join(directory, f"rank{dist.get_rank()}.pt.trace.json"), name
+
+
+def test_dk_backend_calls_are_record_param_comms_events(tmp_path):
+    for rank, (path, name) in enumerate(run_ranks(2, _dk_group_profiled, str(tmp_path))):
+        ours = [
+            e["args"]
+            for e in _events(path, name="record_param_comms")
+            if e["args"]["Process Group Name"] == name
+        ]
+        assert [(a["Collective name"], a["In msg nelems"], a["Seq"]) for a in ours] == [
+            ("allreduce", 7, 2),
+            ("broadcast", 7, 3),
+        ]
+        assert all(a["Group size"] == 2 and a["Rank"] == rank for a in ours)

@@ -28,8 +28,8 @@ def _entries_ok(entries):
     """The invariants every snapshot must satisfy, whatever runs meanwhile."""
     ids = [e["op_id"] for e in entries]
     assert ids == list(range(ids[0], ids[0] + len(ids))), ids  # consecutive, oldest first
-    records = [e["record_id"] for e in entries]
-    assert records == sorted(records) and len(set(records)) == len(records)
+    created = [e["created_ns"] for e in entries]
+    assert created == sorted(created)
     for e in entries:
         assert e["created_ns"] > 0
         if e["state"] == "scheduled":
@@ -116,7 +116,7 @@ def _in_flight(path):
         second = comm.all_reduce(b, async_op=True)
         time.sleep(0.3)
         during = comm._debug_source.recorder.entries()
-        dumped = dk.debug.dump(path)
+        dumped = dk.debug.dump(path, [comm])
         first.wait()
         second.wait()
         after = comm._debug_source.recorder.entries()
@@ -157,7 +157,7 @@ def _dumps_while_running(directory, calls):
 
         def dump_loop():
             while not stop.is_set():
-                path = dk.debug.dump(os.path.join(directory, f"dk_trace_rank_{rank}"))
+                path = dk.debug.dump(os.path.join(directory, f"dk_trace_rank_{rank}"), [comm])
                 with open(path, "rb") as f:
                     snapshots.append(pickle.load(f)["entries"])
 
@@ -173,7 +173,8 @@ def _dumps_while_running(directory, calls):
             i += 1
         stop.set()
         thread.join()
-        dk.debug.dump(os.path.join(directory, f"dk_trace_rank_{rank}"))  # for the analyzer
+        # for the analyzer: this communicator alone (the pool's workers keep other tests')
+        dk.debug.dump(os.path.join(directory, f"dk_trace_rank_{rank}"), [comm])
         return snapshots, t[0].item()
 
 
@@ -227,8 +228,9 @@ def _sigusr1_during_a_collective(path):
         deadline = time.monotonic() + 10
         while not os.path.exists(dumped) and time.monotonic() < deadline:
             time.sleep(0.05)
-        with open(dumped, "rb") as f:
-            entries = pickle.load(f)["entries"]
+        with open(dumped, "rb") as f:  # every open communicator of the rank: this one's entries
+            name = comm._debug_source.name
+            entries = [e for e in pickle.load(f)["entries"] if e["process_group"][0] == name]
         return t[0].item(), entries
 
 
@@ -320,3 +322,34 @@ def test_dk_backend_groups_are_recorded_under_torchs_names(tmp_path):
         assert [e["profiling_name"] for e in mine] == ["gloo:all_reduce", "gloo:broadcast"]
         assert [e["collective_seq_id"] for e in mine] == [1, 2]
         assert all(e["state"] == "completed" and e["input_sizes"] == [[5]] for e in mine)
+
+
+def _stack_recorded(directory):
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    with dk.Communicator() as comm:
+        t = torch.ones(2)
+        comm.all_reduce(t)  # the call site the stack must name
+        entries = comm._debug_source.entries()
+        path = dk.debug.dump(os.path.join(directory, f"dk_trace_rank_{dist.get_rank()}"), [comm])
+    with open(path, "rb") as f:
+        return entries, pickle.load(f)["entries"]
+
+
+def test_python_stack_of_each_call_when_asked(tmp_path):
+    import inspect
+
+    line = next(
+        i for i, text in enumerate(inspect.getsource(_stack_recorded).splitlines())
+        if "the call site" in text
+    ) + _stack_recorded.__code__.co_firstlineno  # fmt: skip
+    for entries, dumped in run_ranks(
+        2, _stack_recorded, str(tmp_path), env={"DK_TRACE_PYTHON_STACK": "1"}
+    ):
+        (entry,) = entries
+        innermost = [f for f in entry["frames"] if f["filename"] == __file__][0]
+        assert (innermost["name"], innermost["line"]) == ("_stack_recorded", line)
+        assert dumped[0]["frames"][0] == entry["frames"][0]  # the dump carries them, torch's keys
+        assert set(dumped[0]["frames"][0]) == {"name", "filename", "line"}

@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "bindings/errors.h"
@@ -44,7 +45,6 @@ py::list framesList(const TraceFrames& frames) {
 
 py::dict entryDict(const TraceEntry& e) {
   py::dict d;
-  d["record_id"] = e.recordId;
   d["op_id"] = e.opId;
   d["collective_seq_id"] = e.collectiveSeq;
   d["p2p_seq_id"] = e.p2pSeq;
@@ -119,12 +119,16 @@ void bindRecorder(py::module_& m) {
       .def(py::init<size_t, bool>(), py::arg("capacity"), py::arg("capture_stacks") = false)
       .def_property("capacity", &FlightRecorder::capacity, &FlightRecorder::setCapacity)
       .def_property_readonly("captures_stacks", &FlightRecorder::capturesStacks)
-      .def("entries",
-           [](const FlightRecorder& r) {
-             py::list out;
-             for (const TraceEntry& e : r.snapshot()) out.append(entryDict(e));
-             return out;
-           })
+      .def(
+          "entries",
+          [](const FlightRecorder& r, std::optional<size_t> last) {
+            py::list out;
+            for (const TraceEntry& e : r.snapshot(last.value_or(SIZE_MAX))) {
+              out.append(entryDict(e));
+            }
+            return out;
+          },
+          py::arg("last") = py::none())
       .def("footprint", &footprintDict)
       .def("next_seq", &FlightRecorder::nextSeq, py::arg("p2p"))
       // For communicators driven from Python (CUDA): the CPU one records in C++.

@@ -8,11 +8,6 @@
 
 namespace dk {
 
-namespace {
-// Process-wide, as torch's record ids: one dump merges every communicator of the rank.
-std::atomic<uint64_t> g_nextRecordId{0};
-}  // namespace
-
 const char* traceOpName(TraceOp op) {
   switch (op) {
     case TraceOp::kAllReduce:
@@ -65,7 +60,6 @@ uint64_t FlightRecorder::schedule(TraceCall call) {
   const uint64_t opId = ++f.calls;
   TraceEntry& e = ring_[(opId - 1) % ring_.size()];
   e.call = std::move(call);
-  e.recordId = g_nextRecordId.fetch_add(1, std::memory_order_relaxed);
   e.collectiveSeq = p2p ? f.lastScheduled : ++f.lastScheduled;
   e.p2pSeq = p2p ? ++f.lastP2pScheduled : f.lastP2pScheduled;
   e.opId = opId;
@@ -118,12 +112,13 @@ void FlightRecorder::failed(uint64_t opId, const std::string& cause) {
   debug_wakeup::notify(debug_wakeup::kFailure);
 }
 
-std::vector<TraceEntry> FlightRecorder::snapshot() const {
+std::vector<TraceEntry> FlightRecorder::snapshot(size_t newest) const {
   std::lock_guard<std::mutex> lock(mutex_);
+  const size_t count = std::min(size_, newest);
   std::vector<TraceEntry> out;
-  out.reserve(size_);
+  out.reserve(count);
   const uint64_t last = footprint_.calls;
-  for (uint64_t opId = last - size_ + 1; opId <= last; ++opId) {
+  for (uint64_t opId = last - count + 1; opId <= last; ++opId) {
     out.push_back(ring_[(opId - 1) % ring_.size()]);
   }
   return out;

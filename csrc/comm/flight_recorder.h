@@ -7,11 +7,12 @@
 // (dist_kernels/debug/flight_recorder.py) turns a snapshot into torch's dump format, which
 // torch's analyzer (torchfrtrace) reads unchanged.
 //
-// Numbering, as torch's: record ids order entries across every recorder of the process (one
-// dump file per rank merges them); collective and point-to-point calls have their own 1-based
-// sequence numbers per communicator (an entry of one kind carries the other kind's current
-// count, as torch's entries do). The footprint (last scheduled / started / completed sequence
-// numbers) is what the desync report compares between ranks.
+// Numbering, as torch's: op ids count this communicator's calls; collective and point-to-point
+// calls have their own 1-based sequence numbers (an entry of one kind carries the other kind's
+// current count, as torch's entries do). All of them are per communicator, so the members of a
+// group number the same calls alike whatever else each rank did (the dump's record_id is the
+// op id: dist_kernels/debug/flight_recorder.py says why). The footprint (last scheduled /
+// started / completed sequence numbers) is what the desync report compares between ranks.
 //
 // Cost: three clock reads and three uncontended mutex sections per call (the benchmark
 // benchmarks/bench_recorder.py prints it; the budget is 0.2 us). A snapshot copies the ring
@@ -19,6 +20,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -67,7 +69,6 @@ struct TraceCall {
 
 struct TraceEntry {
   TraceCall call;
-  uint64_t recordId = 0;
   uint64_t collectiveSeq = 0;
   uint64_t p2pSeq = 0;
   uint64_t opId = 0;  // calls scheduled on this communicator, this one included
@@ -102,8 +103,8 @@ class FlightRecorder {
   // kept and wakes the debug monitor (common/debug_wakeup.h), which dumps and reports.
   void failed(uint64_t opId, const std::string& cause);
 
-  // The kept entries, oldest first.
-  std::vector<TraceEntry> snapshot() const;
+  // The newest `newest` kept entries (all by default), oldest first.
+  std::vector<TraceEntry> snapshot(size_t newest = SIZE_MAX) const;
   TraceFootprint footprint() const;
   std::string failureCause() const;
   size_t capacity() const;

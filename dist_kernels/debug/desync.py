@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 #: Descriptions kept per footprint of the collectives after the last completed one (a rank
 #: can have queued many asynchronous ones; the first unfinished is the one that matters).
 MAX_DESCRIBED = 8
+#: How many of the newest entries a footprint looks through for those descriptions.
+LOOK_BACK = 64
 
 _SNAPSHOT_INDENT = "\t     "
 _RED_OPS = ("sum", "prod", "max", "min", "avg")
@@ -51,7 +53,7 @@ def footprint(source: Any, final: bool) -> Dict[str, Any]:
     first, last = f["last_completed"], min(f["last_scheduled"], f["last_completed"] + MAX_DESCRIBED)
     ops = {
         str(e["collective_seq_id"]): describe(e)
-        for e in source.entries()
+        for e in source.entries(LOOK_BACK)
         if not e["is_p2p"] and first <= e["collective_seq_id"] <= last
     }
     return {

@@ -11,7 +11,13 @@ writes (``FlightRecorder::dump``, format version 2.10), so that
 reads the ranks' dumps unchanged. Two deliberate departures, both forced by the analyzer:
 ``profiling_name`` must start with a torch backend's name (2.13 accepts nccl, gloo, xccl, ...
 and rejects others), so CPU calls read ``gloo:all_reduce`` and CUDA calls ``nccl:all_reduce``;
-``comm_lib_version`` and the group's ``desc`` say that dist_kernels ran them.
+``comm_lib_version`` says that dist_kernels ran them.
+
+Record ids: torch numbers entries process-wide, and its analyzer aligns the ranks' dumps by
+record id (it drops every entry older than the newest first entry of any rank). Ranks that made
+different numbers of calls on other communicators before would then lose the entries that
+matter, so ``record_id`` here counts the calls of the entry's own communicator (from 0): the
+members of a group number the same calls alike. Entries are in the order they were created.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import pickle
 import tempfile
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 DEFAULT_BUFFER_SIZE = 2000
 DEFAULT_TRACE_FILE = "/tmp/dk_trace_rank_"
@@ -98,11 +104,11 @@ class Source:
         self.closed = False  # set by the owner's close(): the monitor then leaves it alone
         self._refresh = refresh
 
-    def entries(self) -> List[Dict[str, Any]]:
-        """The recorder's entries, oldest first (``_C.FlightRecorder.entries``)."""
+    def entries(self, last: Optional[int] = None) -> List[Dict[str, Any]]:
+        """The recorder's entries (the newest ``last`` of them), oldest first."""
         if self._refresh is not None:
             self._refresh()
-        return self.recorder.entries()
+        return self.recorder.entries(last)
 
     def footprint(self) -> Dict[str, Any]:
         """The recorder's footprint (``_C.FlightRecorder.footprint``)."""
@@ -137,16 +143,15 @@ class Source:
         return f"Source({self.name!r}, rank {self.rank} of {self.world_size})"
 
 
-_sources: List[weakref.ref] = []  # to the owners; each owner holds its Source
+_sources: List[Tuple[weakref.ref, Source]] = []  # (its owner, the source)
 _lock = threading.Lock()
 _trace_window = 0  # dk.debug.trace raises every recorder's capacity to this while it runs
 
 
 def register(owner: Any, source: Source) -> Source:
     """Makes ``source`` part of this rank's dumps while ``owner`` (its communicator) lives."""
-    owner._debug_source = source
     with _lock:
-        _sources.append(weakref.ref(owner))
+        _sources.append((weakref.ref(owner), source))
     from . import monitor
 
     monitor.ensure_started()
@@ -156,9 +161,8 @@ def register(owner: Any, source: Source) -> Source:
 def sources() -> List[Source]:
     """The registered sources of live communicators, in registration order."""
     with _lock:
-        owners = [ref() for ref in _sources]
-        _sources[:] = [ref for ref, owner in zip(_sources, owners) if owner is not None]
-    return [owner._debug_source for owner in owners if owner is not None]
+        _sources[:] = [(owner, source) for owner, source in _sources if owner() is not None]
+        return [source for _, source in _sources]
 
 
 def global_rank() -> int:
@@ -191,7 +195,7 @@ def torch_entry(source: Source, pg_id: int, entry: Dict[str, Any]) -> Dict[str, 
     dtype = _DTYPE_NAMES[entry["dtype"]] if 0 <= entry["dtype"] < len(_DTYPE_NAMES) else "Byte"
     started, completed = entry["started_ns"] or None, entry["completed_ns"] or None
     out = {
-        "record_id": entry["record_id"],
+        "record_id": entry["op_id"] - 1,  # per communicator: see the module docstring
         "pg_id": pg_id,
         "process_group": (source.name, source.desc),
         "thread_name": "",
@@ -223,7 +227,7 @@ def dump_dict(found: Optional[Sequence[Source]] = None) -> Dict[str, Any]:
     """This rank's dump as torch's ``FlightRecorder::dump`` builds it (before pickling)."""
     from .._version import __version__
 
-    found = sources() if found is None else found
+    found = [s for s in sources() if not s.closed] if found is None else found
     entries, pg_config, pg_status = [], {}, {}
     for pg_id, source in enumerate(found):
         pg_config[source.name] = {
@@ -238,7 +242,7 @@ def dump_dict(found: Optional[Sequence[Source]] = None) -> Dict[str, Any]:
             "last_completed_collective": footprint["last_completed"],
         }
         entries += [torch_entry(source, pg_id, e) for e in source.entries()]
-    entries.sort(key=lambda e: e["record_id"])
+    entries.sort(key=lambda e: e["time_created_ns"])
     return {
         "version": FORMAT_VERSION,
         "pg_config": pg_config,
@@ -248,14 +252,19 @@ def dump_dict(found: Optional[Sequence[Source]] = None) -> Dict[str, Any]:
     }
 
 
-def dump(path: Optional[str] = None) -> str:
+def dump(path: Optional[str] = None, communicators: Optional[Sequence[Any]] = None) -> str:
     """Writes this rank's flight recorders now; returns the file written.
 
-    ``path`` defaults to ``DK_TRACE_FILE`` + this process's global rank. The file appears
-    whole or not at all (written beside it, then renamed), so an analyzer never reads half.
+    ``path`` defaults to ``DK_TRACE_FILE`` + this process's global rank. ``communicators``:
+    only these (``dk.Communicator`` objects; default every open one of the rank). The file
+    appears whole or not at all (written beside it, then renamed), so an analyzer never reads
+    half of one.
     """
     path = path if path is not None else f"{trace_file_prefix()}{global_rank()}"
-    data = pickle.dumps(dump_dict())
+    found = None
+    if communicators is not None:
+        found = [c._debug_source for c in communicators if c._debug_source.recorder is not None]
+    data = pickle.dumps(dump_dict(found))
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".dk_dump_", dir=directory)

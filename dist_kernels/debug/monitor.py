@@ -51,7 +51,7 @@ class _Watch:
 
     def __init__(self) -> None:
         self.handled = False  # its failure (local or a peer's) was handled
-        self.published: Optional[Dict[str, Any]] = None
+        self.published: Optional[tuple] = None  # the progress last published
         self.published_at = 0.0
 
 
@@ -150,12 +150,14 @@ class Monitor:
         if source.store is None:
             return
         now = time.monotonic()
-        footprint = desync.footprint(source, final)
-        same = watch.published is not None and _progress(watch.published) == _progress(footprint)
-        if not final and (same or now - watch.published_at < PUBLISH_S):
+        if not final and now - watch.published_at < PUBLISH_S:
             return
+        progress = _progress(source.footprint())  # cheap: the entries only when it moved
+        if not final and progress == watch.published:
+            return
+        footprint = desync.footprint(source, final)
         source.store.set(_footprint_key(source.rank), json.dumps(footprint))
-        watch.published, watch.published_at = footprint, now
+        watch.published, watch.published_at = progress, now
 
     def _report(self, source: Source, failure: tuple) -> None:
         cause, detected_ns, local = failure
@@ -217,8 +219,12 @@ def _wait_for(store: Any, key: str, count: int, deadline: float) -> None:
 
 
 def _progress(footprint: Dict[str, Any]) -> tuple:
-    keys = ("last_scheduled", "last_started", "last_completed", "p2p_pending", "failure")
-    return tuple(footprint[k] for k in keys)
+    """What a published footprint would say, from the recorder's own (no entries read)."""
+    keys = ("last_scheduled", "last_started", "last_completed", "last_p2p_scheduled")
+    return tuple(footprint[k] for k in keys) + (
+        footprint["last_p2p_completed"],
+        footprint["failure"],
+    )
 
 
 def _gather(store: Any, world_size: int) -> Dict[int, Optional[Dict[str, Any]]]:
