@@ -21,7 +21,7 @@ import pytest
 import torch
 from mp_pool import run_ranks
 
-from dist_kernels import _C
+from dist_kernels import _C, CommError
 
 
 def _entries_ok(entries):
@@ -353,3 +353,41 @@ def test_python_stack_of_each_call_when_asked(tmp_path):
         assert (innermost["name"], innermost["line"]) == ("_stack_recorded", line)
         assert dumped[0]["frames"][0] == entry["frames"][0]  # the dump carries them, torch's keys
         assert set(dumped[0]["frames"][0]) == {"name", "filename", "line"}
+
+
+def test_cuda_communicator_records_its_launches_with_fakes(monkeypatch):
+    """The CUDA communicator's plumbing on CPU (the fakes of test_cuda_comm_cpu): a launch is
+    scheduled, gets a start and a done event around it, and is marked started / completed as
+    the stream reaches them; an NCCL failure is recorded against the call that hung."""
+    from test_cuda_comm_cpu import _fake_communicator, _FakeCuda, _FakeTensor, _TorchWithFakeCuda
+
+    from dist_kernels.comm import cuda as cuda_comm
+    from dist_kernels.debug.flight_recorder import Source
+    from dist_kernels.debug.stream_recorder import StreamRecorder
+
+    cuda = _FakeCuda()
+    monkeypatch.setattr(cuda_comm, "torch", _TorchWithFakeCuda(cuda))
+    comm = _fake_communicator()
+    comm._recording = StreamRecorder(_C.FlightRecorder(8))
+    comm._debug_source = Source(comm._recording.recorder, "dk:cuda:0", "undefined", [0, 1], 0,
+                                None, 300.0, "nccl", comm._recording.refresh)  # fmt: skip
+    comm._watch = cuda_comm.NcclWatch(comm._comm, 0, comm._record_failure)
+    trace = [("all_reduce", 0, 0, -1, 16, 16)]
+    comm._run("all_reduce", [_FakeTensor()], lambda s: None, True, trace=trace)
+    start, done = cuda.events
+    assert start.recorded_on is comm.stream and done.recorded_on is comm.stream
+    states = lambda: [e["state"] for e in comm._debug_source.entries()]  # noqa: E731
+    assert states() == ["scheduled"]
+    start.done = True
+    assert states() == ["started"]
+    done.done = True
+    assert states() == ["completed"]
+    comm._run(
+        "broadcast", [_FakeTensor()], lambda s: None, True, trace=[("broadcast", 0, -1, 1, 4, 4)]
+    )
+    comm._comm.error = "NCCL error 6"
+    with pytest.raises(CommError):
+        comm._run("all_reduce", [_FakeTensor()], lambda s: None, True, trace=trace)
+    footprint = comm._debug_source.footprint()
+    assert footprint["failed_op_id"] == 2 and "NCCL error 6" in footprint["failure"]
+    assert [e["op"] for e in comm._debug_source.entries()] == ["all_reduce", "broadcast"]
