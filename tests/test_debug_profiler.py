@@ -160,6 +160,12 @@ def test_per_rank_traces_and_their_merge(tmp_path):
         by_seq.setdefault(e["args"]["Seq"], []).append((e["ts"], e["ts"] + e["dur"]))
     for seq, ((a0, a1), (b0, b1)) in by_seq.items():
         assert a0 <= b1 and b0 <= a1, (seq, (a0, a1), (b0, b1))
+    # the command line does the same
+    from dist_kernels.debug.__main__ import main
+
+    assert main(["merge", *paths, "-o", str(tmp_path / "cli.json")]) == 0
+    with open(tmp_path / "cli.json") as f:
+        assert json.load(f) == trace
 
 
 def _dk_group_profiled(directory):
