@@ -79,6 +79,7 @@ _SUBMODULES: Dict[str, str] = {
     "bench": "bench",
     "info": "info",
     "comm": "comm",
+    "debug": "debug",
     "amp": "amp",
     "ddp": "ddp",
     "zero": "zero",

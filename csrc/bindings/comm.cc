@@ -14,6 +14,7 @@
 #include "algorithm/topology.h"
 #include "bindings/errors.h"
 #include "bindings/registry.h"
+#include "bindings/trace_frames.h"
 #include "comm/cpu_communicator.h"
 #include "transport/shm_layout.h"
 #include "transport/shm_segment.h"
@@ -32,6 +33,7 @@ using SegmentPtr = std::shared_ptr<shm::Segment>;
 struct PyCommunicator {
   std::shared_ptr<CpuCommunicator> comm;
   int label;
+  bool captureStacks = false;  // its flight recorder wants each call's Python stack
   std::string context(const std::string& what) const {
     return "[rank " + std::to_string(label) + "] " + what;
   }
@@ -61,10 +63,13 @@ void formatSegment(shm::Segment& seg, int worldSize) {
 
 std::unique_ptr<PyCommunicator> makeCommunicator(SegmentPtr seg, int rank, double timeoutSec,
                                                  bool oversubscribed, bool debug, int label,
-                                                 bool checkDescriptors) {
-  CpuCommunicator::Options options{timeoutSec, oversubscribed, debug, checkDescriptors};
+                                                 bool checkDescriptors,
+                                                 std::shared_ptr<FlightRecorder> recorder) {
   auto out = std::make_unique<PyCommunicator>();
   out->label = label;
+  out->captureStacks = recorder != nullptr && recorder->capturesStacks();
+  CpuCommunicator::Options options{timeoutSec, oversubscribed, debug, checkDescriptors,
+                                   std::move(recorder)};
   std::unique_ptr<CpuCommunicator> comm;
   Status s;
   {
@@ -95,6 +100,7 @@ void checkInterrupted(const Status& s, const std::string& context) {
 py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
   const std::shared_ptr<CpuCommunicator> comm = c.live(requestName(r));
   r.interruptible = !asyncOp && onMainThread();
+  if (c.captureStacks) r.frames = capturePythonStack();
   Status s;
   std::shared_ptr<Work> work;
   {
@@ -180,7 +186,7 @@ void bindCommunicator(py::module_& m) {
   py::class_<PyCommunicator>(m, "CpuCommunicator")
       .def(py::init(&makeCommunicator), py::arg("segment"), py::arg("rank"), py::arg("timeout_s"),
            py::arg("oversubscribed"), py::arg("debug"), py::arg("label"),
-           py::arg("check_descriptors") = true)
+           py::arg("check_descriptors") = true, py::arg("recorder") = nullptr)
       .def_property_readonly("rank", [](PyCommunicator& c) { return c.live("rank")->rank(); })
       .def_property_readonly("world_size",
                              [](PyCommunicator& c) { return c.live("world_size")->worldSize(); })

@@ -51,6 +51,7 @@ shm::Lane CpuCommunicator::laneOf(const Request& r) {
 
 Status CpuCommunicator::run(Request request) {
   if (closed_) return Status(Code::kPeerFailure, "the communicator is closed");
+  record(request);
   queue_.drain(laneOf(request));
   return executeLocked(request, /*queued=*/false);
 }
@@ -73,6 +74,7 @@ Status CpuCommunicator::executeLocked(const Request& request, bool queued) {
 Status CpuCommunicator::submit(Request request, std::shared_ptr<Work>* work) {
   if (closed_) return Status(Code::kPeerFailure, "the communicator is closed");
   *work = std::make_shared<Work>();
+  record(request);
   if (request.kind == CollectiveKind::kSendRecv && request.isSend && sendAtOnce(request, **work)) {
     return Status::Ok();
   }
@@ -214,6 +216,8 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
   }
   Request r = request;
   r.algorithm = resolve(request);
+  FlightRecorder* recorder = options_.recorder.get();
+  if (recorder != nullptr) recorder->started(r.traceId, static_cast<int>(r.algorithm));
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(timeoutSec_.load()));
@@ -232,10 +236,63 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
   }
   if (status.ok()) status = dispatch(r);
   if (status.ok() && needsAgreement(r)) status = transport_->agree();
-  // A send or receive whose peer died fails alone: the other peers may go on (a parameter
-  // server outlives a worker); everything else fails the communicator on every rank.
-  if (!status.ok() && status.code() != Code::kPeerLost) abort(status);
+  if (status.ok()) {
+    if (recorder != nullptr) recorder->completed(r.traceId);
+  } else {
+    if (recorder != nullptr) recorder->failed(r.traceId, status.message());
+    // A send or receive whose peer died fails alone: the other peers may go on (a parameter
+    // server outlives a worker); everything else fails the communicator on every rank.
+    if (status.code() != Code::kPeerLost) abort(status);
+  }
   return status;
+}
+
+void CpuCommunicator::record(Request& request) const {
+  if (options_.recorder != nullptr)
+    request.traceId = options_.recorder->schedule(traceCallOf(request));
+}
+
+TraceCall CpuCommunicator::traceCallOf(const Request& r) const {
+  TraceCall call;
+  call.dtype = static_cast<int>(r.args.dtype);
+  call.algorithm = static_cast<int>(r.algorithm);
+  call.inCount = call.outCount = r.args.count;
+  call.frames = r.frames;
+  const uint64_t n = static_cast<uint64_t>(worldSize());
+  switch (r.kind) {
+    case CollectiveKind::kAllReduce:
+      call.op = TraceOp::kAllReduce;
+      call.redOp = static_cast<int>(r.args.op);
+      break;
+    case CollectiveKind::kReduceScatter:
+      call.op = TraceOp::kReduceScatter;
+      call.redOp = static_cast<int>(r.args.op);
+      call.inCount = n * r.args.count;
+      break;
+    case CollectiveKind::kAllGather:
+      call.op = TraceOp::kAllGather;
+      call.outCount = n * r.args.count;
+      break;
+    case CollectiveKind::kBroadcast:
+      call.op = TraceOp::kBroadcast;
+      call.peer = r.args.root;
+      break;
+    case CollectiveKind::kSendRecv:
+      call.op = r.isSend ? TraceOp::kSend : TraceOp::kRecv;
+      call.peer = r.args.root;
+      break;
+    case CollectiveKind::kAllToAll:
+      call.op = TraceOp::kAllToAll;
+      call.inCount = call.outCount = 0;
+      for (size_t c : r.sendCounts) call.inCount += c;
+      for (size_t c : r.recvCounts) call.outCount += c;
+      break;
+    case CollectiveKind::kBarrier:
+    case CollectiveKind::kFingerprint:
+      call.op = TraceOp::kBarrier;
+      break;
+  }
+  return call;
 }
 
 // See ShmTransport::agree(): a broadcast root receives nothing, and a zero-byte collective

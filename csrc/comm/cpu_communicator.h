@@ -21,6 +21,9 @@
 //
 // Failure: the first failed call poisons the communicator (every later call fails at once
 // with the same cause) and the shared segment (every peer's waits stop).
+//
+// Flight recorder (optional): every call is scheduled in it when issued, started once it holds
+// its lanes and its algorithm is resolved, completed when it returns without error.
 #pragma once
 
 #include <atomic>
@@ -31,6 +34,7 @@
 
 #include "algorithm/collective.h"
 #include "algorithm/cpu_compute.h"
+#include "comm/flight_recorder.h"
 #include "comm/op_queue.h"
 #include "comm/request.h"
 #include "comm/work.h"
@@ -45,6 +49,7 @@ class CpuCommunicator {
     bool oversubscribed = false;
     bool debug = false;            // DK_DEBUG: fingerprint every collective before it runs
     bool checkDescriptors = true;  // see ShmTransport::setDescriptorChecks
+    std::shared_ptr<FlightRecorder> recorder;  // null: calls are not recorded
   };
   static Status create(std::shared_ptr<shm::Segment> segment, int rank, Options options,
                        std::unique_ptr<CpuCommunicator>* out);
@@ -84,6 +89,9 @@ class CpuCommunicator {
   bool sendAtOnce(const Request& request, Work& work);
   Status failure() const;
   Status dispatch(const Request& request);
+  // Schedules `request` in the flight recorder (if there is one) and sets its traceId.
+  void record(Request& request) const;
+  TraceCall traceCallOf(const Request& request) const;
   algo::Algorithm resolveAllReduce(const Request& request) const;
   algo::Algorithm resolveGatherScatter(const Request& request) const;
   // Within the deadline of the collective it checks.

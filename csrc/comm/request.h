@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "algorithm/collective.h"
+#include "comm/flight_recorder.h"
 #include "transport/shm_layout.h"
 
 namespace dk {
@@ -22,6 +23,10 @@ struct Request {
   std::vector<size_t> sendCounts, recvCounts;
   // A synchronous call on the thread Python delivers signals to: Ctrl-C ends its waits.
   bool interruptible = false;
+  // The flight recorder's handle of this call (0: not recorded) and, when the recorder
+  // captures stacks, the Python stack of the call site.
+  uint64_t traceId = 0;
+  TraceFrames frames;
 };
 
 // "all_reduce", "send", "recv", ...: the name users call it by, for errors.

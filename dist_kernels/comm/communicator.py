@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code
 from . import algorithms
 from .base import BaseCommunicator
+from .timeout import resolve_timeout
 from .work import Work
 
 __all__ = [
@@ -49,11 +50,11 @@ __all__ = [
 
 #: all_reduce's names -> codes (dist_kernels/comm/algorithms.py): a dict lookup on the hot path.
 _ALL_REDUCE_CODES = algorithms.codes("cpu", "all_reduce")
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Communicators of one group are told apart by creation order: every member creates them in
 # the same order, so the n-th one of a group gets the same store prefix on every rank.
 _creation_counters: Dict[Tuple[int, ...], itertools.count[int]] = {}
+_store_counter = itertools.count()  # communicators made from a store (flight-recorder names)
 _creation_lock = threading.Lock()
 
 
@@ -68,7 +69,8 @@ class Communicator(BaseCommunicator):
         group: a torch.distributed ProcessGroup; default the WORLD group
             (``torch.distributed.init_process_group`` must have run).
         device: ``"cpu"`` (shared memory, hierarchical across hosts) or ``"cuda"`` (NCCL).
-        timeout: per-collective timeout as a ``datetime.timedelta``; default the group's.
+        timeout: per-collective timeout as a ``datetime.timedelta``; default ``DK_TIMEOUT``,
+            else the group's when it was set, else 5 minutes (``comm/timeout.py``).
         store, rank, world_size: rendezvous on this Store as ``rank`` of ``world_size``
             instead of a torch group (all three or none; ``group`` must then be None). The
             store must be private to this communicator (a ``PrefixStore`` of its own): this is
@@ -120,7 +122,7 @@ class Communicator(BaseCommunicator):
         from .shm import group_timeout
 
         group_default = group_timeout(self.group) if self.group is not None else None
-        self.timeout = timeout or group_default or _DEFAULT_TIMEOUT
+        self.timeout = resolve_timeout(timeout, group_default)
         self._pending: List[Work] = []
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -167,6 +169,9 @@ class Communicator(BaseCommunicator):
         hosts = [store.get(f"host/{r}").decode() for r in range(self.world_size)]
         local = [r for r in range(self.world_size) if hosts[r] == hosts[self.rank]]
         host_store = dist.PrefixStore(f"host-{hosts[self.rank]}/", store)
+        name, desc, ranks = self._debug_name
+        if len(local) < self.world_size:  # the recorder sees this host's part of the group
+            name = f"{name}:{hosts[self.rank]}"
         shm = ShmBackend(
             host_store,
             local.index(self.rank),
@@ -174,7 +179,9 @@ class Communicator(BaseCommunicator):
             self.timeout,
             rendezvous_timeout,
             self.rank,
+            debug_group=(name, desc, [ranks[r] for r in local]),
         )
+        self._debug_source = shm.debug_source
         if len(local) == self.world_size:
             return shm
         from .hierarchical import HierarchicalBackend, gloo_links
@@ -182,13 +189,24 @@ class Communicator(BaseCommunicator):
         return HierarchicalBackend(self, shm, hosts, gloo_links(self, hosts, store))
 
     def _rendezvous_store(self):
-        """A store private to this communicator instance, and the store it is a prefix of."""
+        """A store private to this communicator instance, and the store it is a prefix of.
+
+        Also names the group for the flight recorder (``_debug_name``: name, description,
+        global ranks); the "dk" torch backend renames its groups after torch's.
+        """
         if self._store is not None:
+            with _creation_lock:
+                instance = next(_store_counter)
+            ranks = list(range(self.world_size))
+            self._debug_name = (f"dk:store:{instance}", "undefined", ranks)
             return dist.PrefixStore("dk/comm/", self._store), self._store
         global_ranks = tuple(dist.get_process_group_ranks(self.group))
         with _creation_lock:
             counter = _creation_counters.setdefault(global_ranks, itertools.count())
             instance = next(counter)
+        name = f"dk:{self.group.group_name}" + (f":{instance}" if instance else "")
+        desc = getattr(self.group, "group_desc", "") or "undefined"
+        self._debug_name = (name, desc, list(global_ranks))
         tag = f"{zlib.crc32(repr(global_ranks).encode()):08x}"
         base = dist.distributed_c10d._get_default_store()
         return dist.PrefixStore(f"dk/comm/{tag}/{instance}/", base), base

@@ -43,11 +43,14 @@ import zlib
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.autograd import profiler as _torch_profiler
 
 from .. import _C
+from ..debug import profiler, stream_recorder
 from ..dtypes import ReduceOp, ReduceOpLike, dtype_code
 from ..errors import CommError
 from . import algorithms, nccl
+from . import timeout as _timeout
 from .base import BaseCommunicator
 from .work import Work
 
@@ -64,8 +67,8 @@ DEFAULT_LANES = 2
 _NAMES = {code: name for name, code in algorithms.CODES.items()}
 
 DeviceLike = Union[torch.device, int, str, None]
-#: Per-collective timeout for host waits (barrier, close, the unique ids), as on CPU.
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+#: Host waits' timeout when none is given and DK_TIMEOUT is unset (comm/timeout.py).
+DEFAULT_TIMEOUT = _timeout.DEFAULT_TIMEOUT
 #: Host polling while waiting: starts at 0.1 ms (short collectives end fast) and doubles up to
 #: 10 ms, so a long wait costs the host little and an error is seen within 10 ms.
 _POLL_FIRST_S, _POLL_MAX_S = 1e-4, 1e-2
@@ -148,10 +151,13 @@ class NcclWatch:
     error's message.
     """
 
-    def __init__(self, comm: Any, rank: int) -> None:
+    def __init__(
+        self, comm: Any, rank: int, on_failure: Optional[Callable[[str], None]] = None
+    ) -> None:
         self._comm = comm
         self.rank = rank
         self.failure: Optional[str] = None
+        self._on_failure = on_failure  # told the first failure (the flight recorder)
 
     def check(self, what: str) -> None:
         """Raises ``CommError`` if the communicator failed earlier or NCCL reports an error now
@@ -184,6 +190,8 @@ class NcclWatch:
         last = self._comm.last_error()
         message = f"{why}" + (f"; NCCL's last error: {last}" if last and last not in why else "")
         self.failure = f"{what}: {message}"
+        if self._on_failure is not None:
+            self._on_failure(self.failure)
         try:
             self._comm.abort()
         except Exception as error:  # noqa: BLE001 - the first failure is the one to report
@@ -276,6 +284,26 @@ def _foreign(*objs: Any) -> Tuple[Any, ...]:
     return tuple(o for o in objs if o is not None and not isinstance(o, torch.Tensor))
 
 
+_cuda_names = itertools.count()  # flight-recorder names of CUDA communicators, in creation order
+
+
+def _global_ranks(group: Any) -> Optional[List[int]]:
+    """Global ranks of ``group``'s members (default WORLD), None without torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _trace_dtype(t: torch.Tensor) -> int:
+    """The dtype code a send / receive is recorded with (bytes for dtypes we do not reduce)."""
+    try:
+        return dtype_code(t.dtype)
+    except TypeError:
+        return dtype_code(torch.uint8)
+
+
 # Communicators of one group are told apart by creation order (every member creates them in
 # the same order), as on CPU; the CUDA ones count separately under their own Store prefix.
 _creation_counters: Dict[Tuple[int, ...], itertools.count[int]] = {}
@@ -334,7 +362,8 @@ class CudaCommunicator(BaseCommunicator):
             ncclUniqueIds from rank 0 to the others).
         device: this rank's CUDA device (``"cuda"`` = the current device).
         timeout: how long a host wait may take (rank 0's ncclUniqueIds, ``barrier()``,
-            ``close()``; a ``datetime.timedelta``, default 30 minutes) before ``CommError``.
+            ``close()``; a ``datetime.timedelta``, default ``DK_TIMEOUT`` else 5 minutes:
+            ``comm/timeout.py``) before ``CommError``.
             ``Work.wait(timeout)`` takes its own.
         store, rank, world_size: use this Store and these numbers instead of torch.distributed
             (tests and custom launchers); all three or none.
@@ -344,6 +373,9 @@ class CudaCommunicator(BaseCommunicator):
     """
 
     device_type = "cuda"
+    # The flight recorder (dist_kernels.debug), attached once NCCL is up.
+    _debug_source: Any = None
+    _recording: Optional[stream_recorder.StreamRecorder] = None
 
     def __init__(
         self,
@@ -367,13 +399,14 @@ class CudaCommunicator(BaseCommunicator):
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"Communicator(device='cuda') is unavailable: {reason}")
+        global_ranks = None if store is not None else _global_ranks(group)
         if store is None:
             store, rank, world_size = _group_store(group)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: {rank} is not in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
         self.device = _cuda_device(device)
-        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        self.timeout = _timeout.resolve_timeout(timeout)
         nccl.load()
         ids = _unique_ids(store, rank, default_lanes() if lanes is None else lanes, self.timeout)
         with torch.cuda.device(self.device):
@@ -382,7 +415,15 @@ class CudaCommunicator(BaseCommunicator):
                 ids, rank, world_size, self.device.index, self.stream.cuda_stream, slot_bytes,
                 num_slots,
             )  # fmt: skip
-        self._watch = NcclWatch(self._comm, rank)
+            self._debug_source, self._recording = stream_recorder.attach(
+                self,
+                f"dk:cuda:{next(_cuda_names)}",
+                global_ranks or range(world_size),
+                rank,
+                store,
+                self.timeout.total_seconds(),
+            )
+        self._watch = NcclWatch(self._comm, rank, self._record_failure)
         self._track_open()
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -412,12 +453,14 @@ class CudaCommunicator(BaseCommunicator):
         launch: Callable[[], None],
         async_op: bool,
         foreign: Tuple[Any, ...] = (),
+        trace: Sequence[stream_recorder.TraceCall] = (),
     ) -> Any:
         """Runs ``launch()`` (which enqueues on the comm stream), ordered by events around it.
 
         ``caller`` is the current stream of the communicator's device (not of the current
         device, which may be another). ``foreign``: inputs held until the collective is done,
-        whose owners' streams order it too. One thread at a time.
+        whose owners' streams order it too. ``trace``: the calls of this launch, for the flight
+        recorder and profiler events. One thread at a time.
         """
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
@@ -425,24 +468,35 @@ class CudaCommunicator(BaseCommunicator):
                 "CUDA communicator takes calls from one thread at a time (as NCCL requires)"
             )
         try:
-            return self._run_alone(what, tensors, launch, async_op, foreign)
+            return self._run_alone(what, tensors, launch, async_op, foreign, trace)
         finally:
             self._busy.release()
 
-    def _run_alone(self, what, tensors, launch, async_op, foreign) -> Any:
+    def _run_alone(self, what, tensors, launch, async_op, foreign, trace) -> Any:
         self._watch.check(what)
         caller = torch.cuda.current_stream(self.device)
         capture = _capture_id(self.device)
         self._check_captured(what, capture)
         # Foreign arrays' owners in a capture would join it from outside: they order eagerly only.
         owners = [] if capture else [h for h in map(owner_stream, foreign) if h is not None]
+        recording = self._recording if trace and not capture else None
+        op_ids = recording.schedule(trace) if recording is not None else []
         self.stream.wait_stream(caller)
         with torch.cuda.device(self.device):
             for handle in owners:  # the collective starts after their owners' work too
                 self.stream.wait_stream(torch.cuda.ExternalStream(handle, device=self.device))
-            launch()
+            start = torch.cuda.Event() if op_ids else None
+            if start is not None:
+                start.record(self.stream)
+            if _torch_profiler._is_profiler_enabled and self._debug_source is not None:
+                with profiler.events_around(self._debug_source, trace, async_op):
+                    launch()
+            else:
+                launch()
             done = torch.cuda.Event()
             done.record(self.stream)
+        if recording is not None:
+            recording.launched(op_ids, start, done)
         if not capture:  # a captured graph's memory is the graph's (and its caller's) to keep
             for tensor in tensors:  # the allocator must not reuse them before the comm stream ends
                 tensor.record_stream(self.stream)
@@ -468,6 +522,10 @@ class CudaCommunicator(BaseCommunicator):
                 "captured collective's Work before its capture ends (its graph could not be "
                 "completed without it)"
             )
+
+    def _record_failure(self, cause: str) -> None:
+        if self._recording is not None:
+            self._recording.failed(cause)
 
     def _hold(self, done: Any, foreign: Tuple[Any, ...]) -> None:
         """Keeps ``foreign`` alive until ``done`` completes; drops what finished before."""
@@ -514,7 +572,8 @@ class CudaCommunicator(BaseCommunicator):
         which = self._algorithm("all_reduce", algorithm)
         ptr, n = t.data_ptr(), t.numel()
         launch = lambda: self._comm.all_reduce(ptr, ptr, n, code, red, which)  # noqa: E731
-        return self._run("all_reduce", [t], launch, async_op, _foreign(tensor))
+        trace = [("all_reduce", code, red, -1, n, n)]
+        return self._run("all_reduce", [t], launch, async_op, _foreign(tensor), trace)
 
     def reduce_scatter(
         self,
@@ -534,7 +593,9 @@ class CudaCommunicator(BaseCommunicator):
         which = self._algorithm("reduce_scatter", algorithm)
         args = (inp.data_ptr(), out.data_ptr(), out.numel(), code, red, which)
         launch = lambda: self._comm.reduce_scatter(*args)  # noqa: E731
-        return self._run("reduce_scatter", [out, inp], launch, async_op, _foreign(output, input))
+        trace = [("reduce_scatter", code, red, -1, inp.numel(), out.numel())]
+        foreign = _foreign(output, input)
+        return self._run("reduce_scatter", [out, inp], launch, async_op, foreign, trace)
 
     def all_gather(
         self, output: Any, input: Any, async_op: bool = False, *, algorithm: str = "auto"
@@ -547,7 +608,9 @@ class CudaCommunicator(BaseCommunicator):
         which = self._algorithm("all_gather", algorithm)
         args = (inp.data_ptr(), out.data_ptr(), inp.numel(), dtype_code(out.dtype), which)
         launch = lambda: self._comm.all_gather(*args)  # noqa: E731
-        return self._run("all_gather", [out, inp], launch, async_op, _foreign(output, input))
+        trace = [("all_gather", args[3], -1, -1, inp.numel(), out.numel())]
+        foreign = _foreign(output, input)
+        return self._run("all_gather", [out, inp], launch, async_op, foreign, trace)
 
     def broadcast(
         self, tensor: Any, src: int, async_op: bool = False, *, algorithm: str = "auto"
@@ -562,7 +625,8 @@ class CudaCommunicator(BaseCommunicator):
         which = self._algorithm("broadcast", algorithm)
         args = (t.data_ptr(), t.numel(), dtype_code(t.dtype), src, which)
         launch = lambda: self._comm.broadcast(*args)  # noqa: E731
-        return self._run("broadcast", [t], launch, async_op, _foreign(tensor))
+        trace = [("broadcast", args[2], -1, src, t.numel(), t.numel())]
+        return self._run("broadcast", [t], launch, async_op, _foreign(tensor), trace)
 
     def send(self, tensor: Any, dst: int) -> None:
         """Sends ``tensor`` to rank ``dst`` (which calls :meth:`recv` with the same size)."""
@@ -596,6 +660,7 @@ class CudaCommunicator(BaseCommunicator):
         """``send`` / ``recv``: None or (array, peer, whether the peer may be this rank)."""
         tensors: List[torch.Tensor] = []
         sides: List[int] = []
+        trace: List[stream_recorder.TraceCall] = []
         for side, arg, peer_arg in ((send, "send", "dst"), (recv, "recv", "src")):
             if side is None:
                 sides += [0, 0, -1]
@@ -606,9 +671,10 @@ class CudaCommunicator(BaseCommunicator):
             tensors.append(t)
             peer = self._check_peer(peer, peer_arg, what, allow_self=allow_self)
             sides += [t.data_ptr(), t.numel() * t.element_size(), peer]
+            trace.append((arg, _trace_dtype(t), -1, peer, t.numel(), t.numel()))
         originals = _foreign(*(side[0] for side in (send, recv) if side is not None))
         launch = lambda: self._comm.send_recv(*sides)  # noqa: E731
-        return self._run(what, tensors, launch, async_op, originals)
+        return self._run(what, tensors, launch, async_op, originals, trace)
 
     def barrier(self, async_op: bool = False) -> Any:
         """Every rank reaches it before any leaves (a one-element NCCL all-reduce); without

@@ -13,8 +13,11 @@ import os
 from typing import List, Optional, Sequence
 
 import torch
+from torch.autograd import profiler as _torch_profiler
 
 from .. import _C
+from ..debug import flight_recorder
+from ..debug.profiler import ProfiledCalls
 
 
 def wait_keys(store, keys: Sequence[str], timeout: datetime.timedelta) -> None:
@@ -40,6 +43,12 @@ class ShmBackend:
         timeout: per-collective timeout.
         rendezvous_timeout: how long setup and :meth:`empty` wait for peers in the store.
         label: the rank number used in error messages (the group rank).
+        debug_group: (name, description, global ranks of the host's members) of the group in
+            flight-recorder dumps and profiler events.
+
+    Calls are recorded by the C++ flight recorder (``DK_TRACE_BUFFER_SIZE``); while a torch
+    profiler runs they go through :class:`~dist_kernels.debug.profiler.ProfiledCalls`, which
+    wraps each in a ``record_param_comms`` event.
     """
 
     def __init__(
@@ -50,6 +59,7 @@ class ShmBackend:
         timeout: datetime.timedelta,
         rendezvous_timeout: datetime.timedelta,
         label: int,
+        debug_group: Optional[tuple] = None,
     ) -> None:
         self.store = store
         self.local_rank = local_rank
@@ -73,6 +83,7 @@ class ShmBackend:
                 name, over, chk = store.get("segment").decode().split()
                 oversubscribed, checks = over == "1", chk == "1"
                 segment = _C.ShmSegment.open(name, segment_bytes)
+            recorder = flight_recorder.new_recorder()
             self.impl = _C.CpuCommunicator(
                 segment,
                 local_rank,
@@ -81,9 +92,17 @@ class ShmBackend:
                 os.environ.get("DK_DEBUG", "0") not in ("", "0"),
                 label,
                 check_descriptors=checks,
+                recorder=recorder,
             )
         finally:
             self._mapped_then_unlink(segment, "segment", creator=local_rank == 0)
+        name, desc, ranks = debug_group or (f"dk:{label}", "undefined", list(range(local_size)))
+        self.debug_source = flight_recorder.Source(
+            recorder, name, desc, ranks, local_rank, store, timeout.total_seconds()
+        )
+        if recorder is not None:
+            flight_recorder.register(self, self.debug_source)
+        self._profiled = ProfiledCalls(self.impl, self.debug_source)
 
     def _mapped_then_unlink(self, segment, what: str, creator: bool) -> None:
         """Store barrier: every rank says it mapped ``what``; its creator then unlinks it."""
@@ -135,35 +154,41 @@ class ShmBackend:
     # Collectives: tensors were checked by the Communicator; the C++ core takes pointers.
 
     def all_reduce(self, t: torch.Tensor, code: int, op: int, algo: int, async_op: bool):
-        return self.impl.all_reduce(t.data_ptr(), t.numel(), code, op, algo, async_op)
+        impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
+        return impl.all_reduce(t.data_ptr(), t.numel(), code, op, algo, async_op)
 
     def reduce_scatter(self, out, inp, code: int, op: int, algo: int, async_op: bool):
-        return self.impl.reduce_scatter(
+        impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
+        return impl.reduce_scatter(
             out.data_ptr(), inp.data_ptr(), out.numel(), code, op, algo, async_op
         )
 
     def all_gather(self, out, inp, code: int, algo: int, async_op: bool):
-        return self.impl.all_gather(
-            out.data_ptr(), inp.data_ptr(), inp.numel(), code, algo, async_op
-        )
+        impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
+        return impl.all_gather(out.data_ptr(), inp.data_ptr(), inp.numel(), code, algo, async_op)
 
     def all_to_all(self, out, inp, sends, recvs, code: int, async_op: bool):
-        return self.impl.all_to_all(out.data_ptr(), inp.data_ptr(), sends, recvs, code, async_op)
+        impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
+        return impl.all_to_all(out.data_ptr(), inp.data_ptr(), sends, recvs, code, async_op)
 
     def broadcast(self, t, code: int, src: int, async_op: bool):
-        return self.impl.broadcast(t.data_ptr(), t.numel(), code, src, async_op)
+        impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
+        return impl.broadcast(t.data_ptr(), t.numel(), code, src, async_op)
 
     def send(self, t, code: int, dst: int, async_op: bool):
-        return self.impl.send(t.data_ptr(), t.numel(), code, dst, async_op)
+        impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
+        return impl.send(t.data_ptr(), t.numel(), code, dst, async_op)
 
     def recv(self, t, code: int, src: int, async_op: bool):
-        return self.impl.recv(t.data_ptr(), t.numel(), code, src, async_op)
+        impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
+        return impl.recv(t.data_ptr(), t.numel(), code, src, async_op)
 
     def recv_any(self, t, code: int, async_op: bool):
         return self.impl.recv_any(t.data_ptr(), t.numel(), code, async_op)
 
     def barrier(self, async_op: bool):
-        return self.impl.barrier(async_op)
+        impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
+        return impl.barrier(async_op)
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.timeout = timeout
@@ -179,6 +204,7 @@ class ShmBackend:
         self.impl.abort(reason)
 
     def close(self) -> None:
+        self.debug_source.closed = True
         self.impl.close()
 
 

@@ -166,6 +166,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         self._completions = Completions(timeout)
         self._routes = Routes(store, rank, world_size, timeout, label)
         self._cpu: Optional[Any] = None  # our CPU communicator, once the routes say it serves
+        self._name_recorder()
 
     # -- identity (torch's DeviceMesh, FSDP2 and functional collectives look groups up by name)
 
@@ -177,12 +178,26 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
+        self._name_recorder()
 
     def getGroupDesc(self) -> str:
         return self._group_desc
 
     def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
+        self._name_recorder()
+
+    def _name_recorder(self) -> None:
+        """Flight-recorder dumps and profiler events name the group as torch does."""
+        source = getattr(self._routes.ours_on_cpu(), "_debug_source", None)
+        if source is not None:
+            source.rename(self._group_name, self._group_desc or "undefined", self._global_ranks)
+
+    def _global_ranks(self) -> List[int]:
+        try:
+            return dist.get_process_group_ranks(self)
+        except (KeyError, RuntimeError, ValueError):  # not registered with torch (yet)
+            return list(range(self._world_size))
 
     def __repr__(self) -> str:
         return (

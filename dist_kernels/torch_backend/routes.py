@@ -75,7 +75,7 @@ class Routes:
                 store=dist.PrefixStore("cpu/", store),
                 rank=rank,
                 world_size=world_size,
-                timeout=timeout,
+                timeout=self.comm_timeout(),
             )
         }
 
@@ -122,6 +122,14 @@ class Routes:
                 self._ours[kind] = self._cuda_comm(device)
             return self._ours[kind]
 
+    def comm_timeout(self) -> datetime.timedelta:
+        """Our communicators' timeout: torch's group timeout when it was set, else DK_TIMEOUT or
+        5 minutes (comm/timeout.py); the torch backends this group hands devices to keep
+        torch's."""
+        from ..comm.timeout import resolve_timeout
+
+        return resolve_timeout(None, self.timeout)
+
     def ours_on_cpu(self) -> Optional[Any]:
         """Our CPU communicator, or None when CPU tensors go elsewhere."""
         return self._ours.get("cpu")
@@ -136,7 +144,7 @@ class Routes:
         index = device.index if device is not None and device.index is not None else None
         return Communicator(
             device=torch.device("cuda", index) if index is not None else "cuda",
-            timeout=self.timeout,
+            timeout=self.comm_timeout(),
             store=dist.PrefixStore("cuda/", self.store),
             rank=self.rank,
             world_size=self.world_size,

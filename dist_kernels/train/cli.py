@@ -95,7 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     )  # a fault for the elastic-recovery test
     add("--no-progress", action="store_true", help="no progress bar")
     add("--timeout", type=float, default=d.timeout, help="seconds a collective may wait")
+    add("--profile-steps", type=_span, default=None, metavar="A:B", help="torch.profiler steps")
+    add("--profile-dir", default=d.profile_dir, help="traces of --profile-steps go here")
+    add("--tensorboard", default=None, metavar="DIR", help="write TensorBoard scalars here")
     return p
+
+
+def _span(text: str) -> Tuple[int, int]:
+    try:
+        first, last = text.split(":")
+        return int(first), int(last)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (steps), got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -120,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         straggler_threshold=args.straggler_threshold,
         reference_tokens_per_s=args.reference_tokens_per_s,
         kill_after_checkpoint=args.kill_after_checkpoint, progress=not args.no_progress,
-        timeout=args.timeout,
+        timeout=args.timeout, profile_steps=args.profile_steps, profile_dir=args.profile_dir,
+        tensorboard=args.tensorboard,
     )  # fmt: skip
 
 
@@ -144,6 +156,11 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("--plot needs matplotlib (pip install dist_kernels[plot])") from None
+    if cfg.tensorboard is not None:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("--tensorboard needs tensorboard (pip install tensorboard)") from None
     return cfg
 
 

@@ -121,6 +121,12 @@ class TrainConfig:
     """Show a tqdm progress bar on rank 0."""
     timeout: float = 300.0
     """Seconds any collective may wait before the run fails."""
+    profile_steps: Optional[Tuple[int, int]] = None
+    """(A, B): torch.profiler over steps A to B (counted from 1), our collectives included."""
+    profile_dir: str = "dk_profile"
+    """Where ``profile_steps`` writes ``rank<r>.pt.trace.json`` and the merged trace."""
+    tensorboard: Optional[str] = None
+    """Write TensorBoard scalars (loss, lr, tokens/s, MFU, phase times, memory) here (rank 0)."""
 
     def with_layout(self, world_size: int) -> TrainConfig:
         """A copy with ``dp``, ``grad_accum`` and ``global_batch`` resolved for ``world_size``;
@@ -178,6 +184,12 @@ class TrainConfig:
                 "no weight; the data order is the only random stream), got tie_embeddings="
                 f"{self.model.tie_embeddings}, dropout={self.model.dropout}"
             )
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last <= self.steps:
+                raise ConfigError(
+                    f"profile_steps {first}:{last} must satisfy 1 <= A <= B <= steps({self.steps})"
+                )
 
     def _check_layout(self) -> None:
         if self.zero and self.dp * self.cp == 1:

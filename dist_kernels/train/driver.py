@@ -26,7 +26,9 @@ from .data import CharCorpus, Sampler
 from .engines import build_engine
 from .metrics import PHASES, JsonLines, Progress, StepTimes, matmul_peak_flops, peak_memory_mb
 from .model import build_model, describe, flops_per_token
-from .stragglers import StragglerDetector, StragglerReport
+from .profiling import StepProfiler
+from .stragglers import StragglerDetector, StragglerReport, minmax_line
+from .tensorboard import TensorBoardLog
 
 _ROW = ("loss", "step_ms", "busy_ms", *PHASES, "peak_mem_mb", "peak_flops")
 
@@ -151,6 +153,13 @@ class _Run:
         self.json = JsonLines(
             cfg.json if self.is_rank0 else None, append=append_log or resume is not None
         )
+        self.tensorboard = TensorBoardLog(cfg.tensorboard if self.is_rank0 else None)
+        profile_dir = cfg.profile_dir  # --engine both: one folder per engine
+        if cfg.engine == "both":
+            profile_dir = os.path.join(profile_dir, engine)
+        self.profiler = StepProfiler(
+            cfg.profile_steps, profile_dir, world.rank, world.world_size, world
+        )
         if self.is_rank0 and resume is not None:
             self.progress.write(f"resumed from {resume['path']} at step {self.start_step}")
 
@@ -160,6 +169,7 @@ class _Run:
         finally:
             self.progress.close()
             self.json.close()
+            self.tensorboard.close()
             self.engine.close()
         self.result.params = {
             k: v.detach().clone() for k, v in self.engine.module.state_dict().items()
@@ -174,9 +184,11 @@ class _Run:
         wall = time.perf_counter()
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         for step in range(self.start_step, end):
+            self.profiler.step_begins(step + 1)
             loss, times = self.engine.step(step, self.sampler)
             interval.append(times)
             done = step + 1
+            self.profiler.step_ended(done)
             if done % cfg.log_every == 0 or done == end:
                 self._log(done, loss, interval, time.perf_counter() - wall)
                 interval = []
@@ -209,6 +221,9 @@ class _Run:
         record = self._record(done, rows, len(interval), seconds)
         self.result.records.append(record)
         self.json.write(record)
+        self.tensorboard.write(record)
+        if self.world.world_size > 1:
+            self.progress.write(_minmax(done, rows))
         self._check_stragglers(done, rows)
         self.progress.update(
             len(interval),
@@ -255,6 +270,16 @@ class _Run:
         for report in self.detector.observe(done, busy, phases, self.world.hosts):
             self.result.stragglers.append(report)
             self.progress.write(str(report))
+
+
+def _minmax(done: int, rows: torch.Tensor) -> str:
+    """Megatron's min/max-by-rank line of the interval: step time, busy time, exposed comm."""
+    col = {name: i for i, name in enumerate(_ROW)}
+    columns = {"Rtt": rows[:, col["step_ms"]].tolist(), "Busy": rows[:, col["busy_ms"]].tolist()}
+    comm = rows[:, col["comm"]]
+    if not torch.isnan(comm).any():
+        columns["Comm"] = comm.tolist()
+    return minmax_line(done, columns)
 
 
 def _row(loss: float, interval: List[StepTimes], peak_flops: float) -> torch.Tensor:

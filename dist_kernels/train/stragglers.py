@@ -84,3 +84,18 @@ def _worst_phase(rank: int, phases: Sequence[Dict[str, Optional[float]]]) -> str
         if over > excess:
             best, excess = phase, over
     return best
+
+
+def minmax_line(step: int, columns: Dict[str, Sequence[float]]) -> str:
+    """Megatron's straggler line: per quantity, the smallest and largest rank's value and who.
+
+    ``columns``: short name -> per-rank milliseconds, e.g. ``{"Rtt": step_ms, "Busy": busy}``
+    gives ``step 10 | MnRtt/Rnk: 41.20ms/1 | MxRtt/Rnk: 43.05ms/0 | MnBusy/Rnk: ...``.
+    """
+    parts = [f"step {step}"]
+    for name, values in columns.items():
+        lo = min(range(len(values)), key=lambda r: values[r])
+        hi = max(range(len(values)), key=lambda r: values[r])
+        parts.append(f"Mn{name}/Rnk: {values[lo]:.2f}ms/{lo}")
+        parts.append(f"Mx{name}/Rnk: {values[hi]:.2f}ms/{hi}")
+    return " | ".join(parts)
