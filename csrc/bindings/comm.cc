@@ -61,8 +61,10 @@ void formatSegment(shm::Segment& seg, int worldSize) {
 
 std::unique_ptr<PyCommunicator> makeCommunicator(SegmentPtr seg, int rank, double timeoutSec,
                                                  bool oversubscribed, bool debug, int label,
-                                                 bool checkDescriptors) {
-  CpuCommunicator::Options options{timeoutSec, oversubscribed, debug, checkDescriptors};
+                                                 bool checkDescriptors, double alphaUs,
+                                                 double betaUsPerB) {
+  CpuCommunicator::Options options{timeoutSec, oversubscribed, debug, checkDescriptors,
+                                   algo::CostModel{alphaUs, betaUsPerB}};
   auto out = std::make_unique<PyCommunicator>();
   out->label = label;
   std::unique_ptr<CpuCommunicator> comm;
@@ -174,7 +176,8 @@ void bindCommunicator(py::module_& m) {
   py::class_<PyCommunicator>(m, "CpuCommunicator")
       .def(py::init(&makeCommunicator), py::arg("segment"), py::arg("rank"), py::arg("timeout_s"),
            py::arg("oversubscribed"), py::arg("debug"), py::arg("label"),
-           py::arg("check_descriptors") = true)
+           py::arg("check_descriptors") = true, py::arg("alpha_us") = 0.0,
+           py::arg("beta_us_per_byte") = 0.0)
       .def_property_readonly("rank", [](PyCommunicator& c) { return c.live("rank")->rank(); })
       .def_property_readonly("world_size",
                              [](PyCommunicator& c) { return c.live("world_size")->worldSize(); })
@@ -313,6 +316,13 @@ void bindTopology(py::module_& m) {
         return py::make_tuple(r.offset, r.count);
       },
       py::arg("count"), py::arg("parts"), py::arg("index"), py::arg("granule"));
+  m.def(
+      "_shm_builtin_cost",
+      [](bool oversubscribed) {
+        const auto model = algo::shmCostModel(oversubscribed);
+        return py::make_tuple(model.alphaUs, model.betaUsPerB);
+      },
+      py::arg("oversubscribed") = false);
   m.def(
       "_shm_all_reduce_cost_us",
       [](int n, size_t bytes, bool oversubscribed) {

@@ -31,6 +31,7 @@
 
 #include "algorithm/collective.h"
 #include "algorithm/cpu_compute.h"
+#include "algorithm/select.h"
 #include "comm/op_queue.h"
 #include "comm/request.h"
 #include "comm/work.h"
@@ -45,6 +46,9 @@ class CpuCommunicator {
     bool oversubscribed = false;
     bool debug = false;            // DK_DEBUG: fingerprint every collective before it runs
     bool checkDescriptors = true;  // see ShmTransport::setDescriptorChecks
+    // A fitted model for algorithm="auto" (python -m dist_kernels.bench --calibrate); alpha 0:
+    // the built-in one, algo::shmCostModel(oversubscribed).
+    algo::CostModel fitted{0.0, 0.0};
   };
   static Status create(std::shared_ptr<shm::Segment> segment, int rank, Options options,
                        std::unique_ptr<CpuCommunicator>* out);
@@ -80,6 +84,7 @@ class CpuCommunicator {
   Status dispatch(const Request& request);
   algo::Algorithm resolveAllReduce(const Request& request) const;
   algo::Algorithm resolveGatherScatter(const Request& request) const;
+  algo::CostModel costModel() const;
   // Within the deadline of the collective it checks.
   Status fingerprint(const shm::MessageHeader& header,
                      std::chrono::steady_clock::time_point deadline);

@@ -206,9 +206,9 @@ class Communicator:
         )
         if len(local) == self.world_size:
             return shm
-        from .hierarchical import HierarchicalBackend, gloo_links
+        from .hierarchical import connect
 
-        return HierarchicalBackend(self, shm, hosts, gloo_links(self, hosts, store))
+        return connect(self, shm, hosts, store)
 
     def _rendezvous_store(self):
         """A store private to this communicator instance, and the store it is a prefix of."""

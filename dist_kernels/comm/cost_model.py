@@ -1,0 +1,349 @@
+"""The alpha-beta cost model: one alpha (per dependent step) and beta (per byte) per link,
+fitted by measurement, pricing every algorithm; ``auto`` picks by it.
+
+Links: shared memory (per host size: a host with more ranks than cores pays more per step)
+and each inter-host engine (Gloo, MPI). An algorithm's time is ``steps * alpha + bytes *
+beta`` with its steps and bytes from :func:`terms` (the table of design.md; shared memory's
+built-in constants live in ``csrc/algorithm/select.cc``, and ``--calibrate`` replaces them
+for this machine). A hierarchical collective (:mod:`~dist_kernels.comm.hierarchical`) is
+priced stage by stage: per chunk of ``s = S / K`` bytes, its shared-memory stages (one after
+another on the host's queue) and its network stage; with K chunks pipelined::
+
+    T(K) = shm(s) + net(s) + (K - 1) * max(shm(s), net(s))
+
+where the R cross groups run at once, so ``net`` counts the bytes of all R on the wire. Flat
+(one Gloo collective over all n ranks) is priced as a ring of n on the inter-host link.
+
+The fitted parameters live in a JSON file (``DK_COST_MODEL``, default
+``~/.cache/dist_kernels/cost_model.json``), written by ``python -m dist_kernels.bench
+--calibrate``; rank 0 of each hierarchical communicator reads it and shares it, so every rank
+decides alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+#: Inter-host defaults until --calibrate measures them: Gloo / MPICH between two emulated hosts
+#: (tools/emulated_hosts.py, uncapped veth), fp32 all-reduce across 2 hosts, one rank each,
+#: 8 B to 64 MiB, fitted (docs/multihost.md).
+DEFAULT_INTER = {
+    "gloo": {"alpha_us": 60.0, "beta_us_per_byte": 1.0 / 600.0},
+    "mpi": {"alpha_us": 40.0, "beta_us_per_byte": 1.0 / 600.0},
+}
+HIERARCHY_KINDS = ("auto", "flat", "replicated", "multi_leader")
+ENGINE_CHOICES = ("auto", "gloo", "mpi")
+MAX_CHUNKS = 64
+MIN_CHUNK_BYTES = 16 << 10  # smaller chunks add a step per chunk and gain nothing (measured)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of step: ``alpha_us`` per dependent step, ``beta_us_per_byte`` per byte."""
+
+    alpha_us: float
+    beta_us_per_byte: float
+
+    def us(self, steps: float, nbytes: float) -> float:
+        return steps * self.alpha_us + nbytes * self.beta_us_per_byte
+
+
+def terms(collective: str, algorithm: str, n: int, nbytes: float) -> Tuple[float, float]:
+    """``(steps, bytes)`` of ``algorithm`` on ``n`` ranks: the coefficients of alpha and beta.
+
+    ``nbytes``: the buffer of all_reduce / broadcast, the whole array of all_gather (output)
+    and reduce_scatter (input). One rank: nothing to do.
+    """
+    if n <= 1:
+        return 0.0, 0.0
+    depth = math.ceil(math.log2(n))
+    table = {
+        ("all_reduce", "ring"): (2 * (n - 1), 2 * (n - 1) / n * nbytes),
+        ("all_reduce", "tree"): (2 * depth, 2 * nbytes),
+        ("all_reduce", "one_shot"): (1, (n - 1) * nbytes),
+        ("all_gather", "ring"): (n - 1, (n - 1) / n * nbytes),
+        ("all_gather", "one_shot"): (1, (n - 1) / n * nbytes),
+        ("reduce_scatter", "ring"): (n - 1, (n - 1) / n * nbytes),
+        ("reduce_scatter", "one_shot"): (1, (n - 1) / n * nbytes),
+        ("broadcast", "tree"): (depth, nbytes),
+    }
+    try:
+        return table[(collective, algorithm)]
+    except KeyError:
+        raise ValueError(f"cost model: no {algorithm!r} {collective}") from None
+
+
+SHM_ALGORITHMS = {
+    "all_reduce": ("ring", "tree", "one_shot"),
+    "all_gather": ("ring", "one_shot"),
+    "reduce_scatter": ("ring", "one_shot"),
+    "broadcast": ("tree",),
+}
+
+
+def builtin_shm_link(oversubscribed: bool) -> Link:
+    """Shared memory's built-in constants (csrc/algorithm/select.cc), through the extension."""
+    from .. import _C
+
+    alpha, beta = _C._shm_builtin_cost(oversubscribed)
+    return Link(alpha, beta)
+
+
+@dataclass
+class CostModel:
+    """Fitted links; what is not fitted falls back to the built-in constants."""
+
+    shm: Dict[int, Link] = field(default_factory=dict)  # by the host's rank count
+    inter: Dict[str, Link] = field(default_factory=dict)  # by engine
+    meta: Dict = field(default_factory=dict)
+
+    def shm_link(self, n: int, oversubscribed: bool = False) -> Link:
+        if n in self.shm:
+            return self.shm[n]
+        return builtin_shm_link(oversubscribed)
+
+    def inter_link(self, engine: str) -> Link:
+        return self.inter.get(engine) or Link(**DEFAULT_INTER[engine])
+
+    def shm_us(self, collective: str, n: int, nbytes: float, algorithm: str = "best") -> float:
+        """Time on the host; ``best``: the cheapest of the algorithms auto chooses from."""
+        link = self.shm_link(n)
+        names = SHM_ALGORITHMS[collective] if algorithm == "best" else (algorithm,)
+        return min(link.us(*terms(collective, a, n, nbytes)) for a in names)
+
+    def net_us(
+        self, collective: str, engine: str, hosts: int, per_group: float, groups: int = 1
+    ) -> float:
+        """One inter-host stage: ``groups`` cross groups at once, ``per_group`` bytes each."""
+        algorithm = "tree" if collective == "broadcast" else "ring"
+        steps, nbytes = terms(collective, algorithm, hosts, per_group)
+        return self.inter_link(engine).us(steps, nbytes * groups)
+
+    def to_json(self) -> Dict:
+        return {
+            "shm": {str(n): asdict(link) for n, link in sorted(self.shm.items())},
+            "inter": {e: asdict(link) for e, link in sorted(self.inter.items())},
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, data: Dict) -> CostModel:
+        return cls(
+            shm={int(n): Link(**v) for n, v in data.get("shm", {}).items()},
+            inter={e: Link(**v) for e, v in data.get("inter", {}).items()},
+            meta=data.get("meta", {}),
+        )
+
+
+def model_path() -> str:
+    return os.environ.get("DK_COST_MODEL") or os.path.join(
+        os.path.expanduser("~"), ".cache", "dist_kernels", "cost_model.json"
+    )
+
+
+def load_model(path: Optional[str] = None) -> CostModel:
+    """The fitted model at ``path`` (default :func:`model_path`); none there: built-ins."""
+    path = path or model_path()
+    if not os.path.exists(path):
+        return CostModel()
+    try:
+        with open(path) as f:
+            return CostModel.from_json(json.load(f))
+    except (OSError, ValueError, TypeError) as e:
+        warnings.warn(f"dist_kernels: ignoring the cost model {path}: {e}", stacklevel=2)
+        return CostModel()
+
+
+def save_model(model: CostModel, path: Optional[str] = None) -> str:
+    """Writes ``model`` atomically (a temporary file renamed over the old one)."""
+    path = path or model_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(model.to_json(), f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+# -- fitting ------------------------------------------------------------------------------------
+
+
+def fit_link(samples: Sequence[Tuple[float, float, float]]) -> Link:
+    """Least squares of ``steps * alpha + bytes * beta = us`` on relative error (every size
+    counts alike, 8 B as much as 64 MiB); alpha and beta are kept non-negative."""
+    if not samples:
+        raise ValueError("fit_link: no samples")
+    w = [1.0 / max(t, 1e-9) ** 2 for _, _, t in samples]
+    sxx = sum(wi * x * x for wi, (x, _, _) in zip(w, samples))
+    syy = sum(wi * y * y for wi, (_, y, _) in zip(w, samples))
+    sxy = sum(wi * x * y for wi, (x, y, _) in zip(w, samples))
+    sxt = sum(wi * x * t for wi, (x, _, t) in zip(w, samples))
+    syt = sum(wi * y * t for wi, (_, y, t) in zip(w, samples))
+    det = sxx * syy - sxy * sxy
+    alpha = beta = -1.0
+    if det > 1e-12 * max(sxx * syy, 1e-300):
+        alpha, beta = (sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det
+    if alpha < 0 or beta < 0:  # one parameter alone, whichever fits better
+        only_alpha = Link(max(sxt / sxx, 0.0) if sxx else 0.0, 0.0)
+        only_beta = Link(0.0, max(syt / syy, 0.0) if syy else 0.0)
+        return min((only_alpha, only_beta), key=lambda link: _sq_error(link, samples))
+    return Link(alpha, beta)
+
+
+def _sq_error(link: Link, samples) -> float:
+    return sum((link.us(x, y) / t - 1.0) ** 2 for x, y, t in samples)
+
+
+def relative_errors(link: Link, samples) -> List[float]:
+    """``predicted / measured - 1`` of every sample."""
+    return [link.us(x, y) / t - 1.0 for x, y, t in samples]
+
+
+# -- hierarchical choices -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How a hierarchical collective runs: its kind, chunk count and inter-host engine."""
+
+    kind: str
+    chunks: int
+    engine: str
+    predicted_us: float = 0.0
+
+
+def stage_us(
+    model: CostModel, collective: str, kind: str, hosts: int, local: int, s: float, engine: str
+) -> Tuple[float, float]:
+    """``(host stages, network stage)`` of one chunk of ``s`` bytes."""
+    shm = model.shm_us
+    if kind == "replicated":
+        host = shm("broadcast" if collective == "broadcast" else "all_reduce", local, s)
+        return host, model.net_us(collective, engine, hosts, s, local)
+    host = {
+        "all_reduce": lambda: shm("reduce_scatter", local, s) + shm("all_gather", local, s),
+        # the local-major reorder is one more pass over the bytes
+        "reduce_scatter": lambda: shm("reduce_scatter", local, s) + _copy_us(model, local, s),
+        "all_gather": lambda: shm("all_gather", local, s) + _copy_us(model, local, s),
+        "broadcast": lambda: shm("broadcast", local, s) + shm("all_gather", local, s),
+    }[collective]()
+    return host, model.net_us(collective, engine, hosts, s / local, local)
+
+
+def _copy_us(model: CostModel, local: int, s: float) -> float:
+    return s * model.shm_link(local).beta_us_per_byte
+
+
+def hierarchical_us(
+    model: CostModel,
+    collective: str,
+    kind: str,
+    hosts: int,
+    local: int,
+    nbytes: float,
+    chunks: int,
+    engine: str,
+) -> float:
+    """Predicted time of ``kind`` in ``chunks`` pipelined chunks (module docstring)."""
+    if kind == "flat":
+        n = hosts * local
+        algorithm = "tree" if collective == "broadcast" else "ring"
+        return model.inter_link("gloo").us(*terms(collective, algorithm, n, nbytes))
+    host, net = stage_us(model, collective, kind, hosts, local, nbytes / chunks, engine)
+    return host + net + (chunks - 1) * max(host, net)
+
+
+def candidates(collective: str, nbytes: int, engines: Sequence[str]) -> List[Tuple[str, int, str]]:
+    """Every ``(kind, chunks, engine)`` auto weighs for ``collective`` of ``nbytes``."""
+    kinds = (
+        ["multi_leader"]
+        if collective in ("reduce_scatter", "all_gather")
+        else ["replicated", "multi_leader"]
+    )
+    out = [("flat", 1, "gloo")]
+    chunks = [k for k in (2**i for i in range(7)) if k == 1 or nbytes / k >= MIN_CHUNK_BYTES]
+    for kind in kinds:
+        for engine in engines:
+            out += [(kind, k, engine) for k in chunks if k <= MAX_CHUNKS]
+    return out
+
+
+@dataclass
+class HierarchySettings:
+    """What a hierarchical communicator decides by: the model and the forced choices
+    (``DK_INTER_HOST``: auto | gloo | mpi, ``DK_INTER_HOST_ALGO``: auto | flat | replicated |
+    multi_leader, ``DK_INTER_HOST_CHUNKS``: a chunk count, 0 = by the model)."""
+
+    model: CostModel = field(default_factory=CostModel)
+    engine: str = "auto"
+    kind: str = "auto"
+    chunks: int = 0
+
+    def choose(
+        self, collective: str, hosts: int, local: int, nbytes: int, engines: Sequence[str]
+    ) -> Choice:
+        """The cheapest candidate allowed by the forced settings (engines: those this rank
+        has; every rank of a communicator has the same)."""
+        usable = [e for e in engines if self.engine in ("auto", e)] or ["gloo"]
+        best = None
+        for kind, chunks, engine in candidates(collective, max(nbytes, 1), usable):
+            if self.kind != "auto" and kind != self.kind:
+                continue
+            if self.chunks and kind != "flat":
+                chunks = self.chunks
+            us = hierarchical_us(
+                self.model, collective, kind, hosts, local, max(nbytes, 1), chunks, engine
+            )
+            if best is None or us < best.predicted_us:
+                best = Choice(kind, chunks, engine, us)
+        if best is None:  # the forced kind does not exist for this collective
+            return Choice("multi_leader", self.chunks or 1, usable[0])
+        return best
+
+    def to_json(self) -> Dict:
+        return {
+            "model": self.model.to_json(),
+            "engine": self.engine,
+            "kind": self.kind,
+            "chunks": self.chunks,
+        }
+
+    @classmethod
+    def from_json(cls, data: Dict) -> HierarchySettings:
+        return cls(CostModel.from_json(data["model"]), data["engine"], data["kind"], data["chunks"])
+
+    @classmethod
+    def from_env(cls, model: CostModel) -> HierarchySettings:
+        engine = os.environ.get("DK_INTER_HOST", "auto")
+        kind = os.environ.get("DK_INTER_HOST_ALGO", "auto")
+        chunks = os.environ.get("DK_INTER_HOST_CHUNKS", "0")
+        if engine not in ENGINE_CHOICES:
+            raise ValueError(f"DK_INTER_HOST={engine!r}: one of {', '.join(ENGINE_CHOICES)}")
+        if kind not in HIERARCHY_KINDS:
+            raise ValueError(f"DK_INTER_HOST_ALGO={kind!r}: one of {', '.join(HIERARCHY_KINDS)}")
+        if not chunks.isdigit() or int(chunks) > MAX_CHUNKS:
+            raise ValueError(f"DK_INTER_HOST_CHUNKS={chunks!r}: an integer in [0, {MAX_CHUNKS}]")
+        return cls(model, engine, kind, int(chunks))
+
+
+def shared_settings(store, rank: int, timeout) -> HierarchySettings:
+    """Rank 0's settings (its environment and cost model file), the same on every rank."""
+    if rank == 0:
+        try:
+            settings = HierarchySettings.from_env(load_model())
+        except ValueError as e:  # the others must not wait for settings that never come
+            store.set("hierarchy/settings", json.dumps({"error": str(e)}))
+            raise
+        store.set("hierarchy/settings", json.dumps(settings.to_json()))
+        return settings
+    store.wait(["hierarchy/settings"], timeout)
+    data = json.loads(store.get("hierarchy/settings"))
+    if "error" in data:
+        raise ValueError(f"rank 0's settings: {data['error']}")
+    return HierarchySettings.from_json(data)
