@@ -21,6 +21,7 @@ With ``tp=1`` (the default) this is the data x pipeline mesh, ``rank = dp_rank *
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 _AXES = ("dp", "tp", "pp")
@@ -86,6 +87,31 @@ def mesh_groups(dp: int, pp: int, tp: int = 1) -> Dict[str, List[List[int]]]:
     return groups
 
 
+def groups_across_hosts(groups: List[List[int]], hosts: List[str]) -> List[List[int]]:
+    """The groups whose ranks sit on more than one host (``hosts[r]``: rank r's host)."""
+    return [g for g in groups if len({hosts[r] for r in g}) > 1]
+
+
+def _warn_if_across_hosts(groups: List[List[int]], what: str) -> None:
+    """Warns, naming them, when groups of ``what`` span hosts (their every layer's collective
+    would cross the network). Collective: every rank tells its host."""
+    import torch.distributed as dist
+
+    from .comm.host_layout import host_id
+
+    hosts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host_id())
+    spanning = groups_across_hosts(groups, hosts)
+    if spanning:
+        where = "; ".join(f"{g} on {sorted({hosts[r] for r in g})}" for g in spanning)
+        warnings.warn(
+            f"ProcessMesh: {what} groups span hosts ({where}): their collectives cross the "
+            "network on every layer. Keep them on one host: a tp size that divides the ranks "
+            "per host (torchrun --nproc-per-node) puts each group on one.",
+            stacklevel=3,
+        )
+
+
 class ProcessMesh:
     """Data x tensor x pipeline layout of the default process group (drawn above).
 
@@ -128,6 +154,8 @@ class ProcessMesh:
 
             communicator_factory = lambda group: Communicator(group=group)  # noqa: E731
         groups = mesh_groups(self.dp, self.pp, self.tp)
+        if self.tp > 1:
+            _warn_if_across_hosts(groups["tp"], "tensor-parallel")
         for axis in ("tp", "pp", "dp"):  # the same order on every rank: creation is collective
             mine = next(g for g in groups[axis] if self.rank in g)
             setattr(self, f"{axis}_ranks", mine)

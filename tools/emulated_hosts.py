@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 SUBNET = "10.200.0"
@@ -139,13 +138,32 @@ def parse_rate(text: str) -> float:
     return float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
 
 
-@dataclass
 class HostProcess:
-    """A process started on one emulated host; ``output`` fills in once it has ended."""
+    """A process started on one emulated host. Its output (stdout and stderr together) is read
+    as it comes, so a chatty process never blocks on a full pipe; ``output`` holds all of it
+    once :meth:`EmulatedHosts.wait` has returned. ``echo``: also print each line, prefixed
+    with the host."""
 
-    host: int
-    proc: subprocess.Popen
-    output: str = ""
+    def __init__(self, host: int, proc: subprocess.Popen, echo: bool = False) -> None:
+        self.host, self.proc, self.echo = host, proc, echo
+        self._lines: List[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line)
+            if self.echo:
+                print(f"[host{self.host}] {line}", end="", flush=True)
+
+    @property
+    def output(self) -> str:
+        return "".join(self._lines)
+
+    def join(self, timeout: Optional[float]) -> bool:
+        """Waits for the output to end (the process closed it); True if it did."""
+        self._reader.join(timeout)
+        return not self._reader.is_alive()
 
 
 class EmulatedHosts:
@@ -324,9 +342,15 @@ class EmulatedHosts:
         ]
 
     def popen(
-        self, host: int, argv: Sequence[str], env: Optional[Dict[str, str]] = None, **kwargs
+        self,
+        host: int,
+        argv: Sequence[str],
+        env: Optional[Dict[str, str]] = None,
+        echo: bool = False,
+        **kwargs,
     ) -> HostProcess:
-        """Starts ``argv`` on host ``host`` (stdout and stderr merged into a pipe by default)."""
+        """Starts ``argv`` on host ``host`` (stdout and stderr merged into a pipe by default;
+        ``echo`` prints its lines as they come)."""
         if self._closed:
             raise RuntimeError("EmulatedHosts: closed")
         kwargs.setdefault("stdout", subprocess.PIPE)
@@ -334,7 +358,7 @@ class EmulatedHosts:
         proc = subprocess.Popen(
             self.command(host, argv), env=env, text=True, start_new_session=True, **kwargs
         )
-        hp = HostProcess(host, proc)
+        hp = HostProcess(host, proc, echo)
         self._procs.append(hp)
         return hp
 
@@ -397,28 +421,31 @@ class EmulatedHosts:
         env: Optional[Dict[str, str]] = None,
         max_restarts: int = 0,
         hosts: Optional[Sequence[int]] = None,
+        echo: bool = False,
     ) -> List[HostProcess]:
         """Starts torchrun on every host (or on ``hosts``); ``argv``: the script and its args."""
         env = dict(os.environ if env is None else env)
         env.setdefault("OMP_NUM_THREADS", "1")
+        if max_restarts:
+            # torch's c10d rendezvous shares the agent's store with the workers and publishes
+            # its address only in the first round: an agent started anew (a host that came
+            # back) then waits for it in the next round forever. Unshared, every round
+            # publishes it.
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         return [
-            self.popen(h, self.torchrun_argv(h, argv, nproc_per_host, max_restarts), env=env)
+            self.popen(h, self.torchrun_argv(h, argv, nproc_per_host, max_restarts), env, echo)
             for h in (range(self.hosts) if hosts is None else hosts)
         ]
 
     def wait(self, procs: Sequence[HostProcess], timeout: float) -> List[HostProcess]:
-        """Waits for ``procs`` (reading their output); on timeout kills them and raises."""
-        readers = [threading.Thread(target=_drain, args=(hp,), daemon=True) for hp in procs]
-        for t in readers:
-            t.start()
+        """Waits for ``procs`` to end; on timeout kills them and raises with their output."""
         deadline = time.monotonic() + timeout
-        for hp, t in zip(procs, readers):
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
+        for hp in procs:
+            if not hp.join(max(0.0, deadline - time.monotonic())):
                 for other in procs:
                     _kill_group(other.proc)
-                for r in readers:
-                    r.join(5.0)
+                for other in procs:
+                    other.join(5.0)
                 tails = "\n".join(f"--- host{p.host}:\n{p.output[-3000:]}" for p in procs)
                 raise TimeoutError(f"emulated hosts: still running after {timeout:.0f} s\n{tails}")
             hp.proc.wait()
@@ -431,13 +458,6 @@ class EmulatedHosts:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def _drain(hp: HostProcess) -> None:
-    chunks = []
-    for line in hp.proc.stdout:
-        chunks.append(line)
-    hp.output = "".join(chunks)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -477,13 +497,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     with EmulatedHosts(args.hosts, rate=args.rate) as hosts:
         if args.exec:
-            procs = [hosts.popen(h, command) for h in range(args.hosts)]
+            procs = [hosts.popen(h, command, echo=True) for h in range(args.hosts)]
         else:
-            procs = hosts.torchrun(command, args.nproc_per_host, max_restarts=args.max_restarts)
+            procs = hosts.torchrun(
+                command, args.nproc_per_host, max_restarts=args.max_restarts, echo=True
+            )
         hosts.wait(procs, args.timeout)
-        for hp in procs:
-            for line in hp.output.splitlines():
-                print(f"[host{hp.host}] {line}")
         return max(hp.proc.returncode for hp in procs)
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import itertools
-import os
-import socket
 import threading
 import weakref
 import zlib
@@ -28,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code, reduce_op
+from .host_layout import host_id as _host_id
 from .work import Work
 
 __all__ = [
@@ -73,10 +72,6 @@ def _abort_open_communicators() -> None:
         if backend is not None and not comm._closed and hasattr(backend, "abort"):
             backend.abort("exited with the communicator open")
             comm.close()
-
-
-def _host_id() -> str:
-    return os.environ.get("DK_HOST_ID") or socket.gethostname()
 
 
 def _algorithm_code(algorithm: str, rank: int, what: str) -> int:

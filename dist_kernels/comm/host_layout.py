@@ -22,8 +22,15 @@ The all-gather runs the same steps backwards.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
+
+
+def host_id() -> str:
+    """This process's host: ``DK_HOST_ID`` (tests fake hosts with it), else the hostname."""
+    return os.environ.get("DK_HOST_ID") or socket.gethostname()
 
 
 @dataclass(frozen=True)
