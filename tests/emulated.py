@@ -28,6 +28,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
+import emulated_hosts as harness  # noqa: E402, F401  (the module, for the harness tests)
 from emulated_hosts import EmulatedHosts, missing_requirements  # noqa: E402
 
 CHECKS_SCRIPT = os.path.join(TESTS_DIR, "multihost_checks.py")

@@ -76,13 +76,13 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return state not in ("Z", "X")
 
 
 def _namespaces() -> List[str]:
