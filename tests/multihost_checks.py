@@ -29,8 +29,16 @@ import dist_kernels as dk  # noqa: E402
 
 SEED = 2027
 TIMEOUT = datetime.timedelta(seconds=90)
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
-          torch.int64, torch.int8, torch.uint8)  # fmt: skip
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+)
 OPS = ("SUM", "AVG", "PROD", "MAX", "MIN")
 KINDS = {"auto": "0", "replicated": "0", "multi_leader": "3", "flat": "0"}  # kind: chunks
 
@@ -49,8 +57,13 @@ def _reference(op: str, stack: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     n = stack.shape[0]
     if op == "AVG" and not dtype.is_floating_point:
         return torch.div(stack.sum(0).long(), n, rounding_mode="trunc").double()
-    return {"SUM": stack.sum(0), "AVG": stack.sum(0) / n, "PROD": stack.prod(0),
-            "MAX": stack.max(0).values, "MIN": stack.min(0).values}[op]  # fmt: skip
+    return {
+        "SUM": stack.sum(0),
+        "AVG": stack.sum(0) / n,
+        "PROD": stack.prod(0),
+        "MAX": stack.max(0).values,
+        "MIN": stack.min(0).values,
+    }[op]
 
 
 def _all_reduce_matrix(comm, digests):
@@ -69,8 +82,10 @@ def _all_reduce_matrix(comm, digests):
     for dtype in (torch.float32, torch.bfloat16):
         gen = torch.Generator().manual_seed(SEED + r)
         x = torch.randn(4099, generator=gen).to(dtype)
-        xs = [torch.randn(4099, generator=torch.Generator().manual_seed(SEED + q)).to(dtype)
-              for q in range(n)]  # fmt: skip
+        xs = [
+            torch.randn(4099, generator=torch.Generator().manual_seed(SEED + q)).to(dtype)
+            for q in range(n)
+        ]
         t = x.clone()
         comm.all_reduce(t)
         exact = torch.stack([v.double() for v in xs]).sum(0)
@@ -278,8 +293,10 @@ def host_loss():
         return {"error": str(e), "raised_at": time.time(), "type": type(e).__name__}
 
 
-CHECKS = {f.__name__: f for f in (collectives, dk_backend, ddp, zero, pipeline, tensor_parallel,
-                                   host_loss)}  # fmt: skip
+CHECKS = {
+    f.__name__: f
+    for f in (collectives, dk_backend, ddp, zero, pipeline, tensor_parallel, host_loss)
+}
 
 
 def main(out_dir: str, names) -> int:

@@ -44,9 +44,17 @@ def test_hosts_are_separate_and_reach_each_other():
         outs = [hosts.run(h, [sys.executable, "-c", script]).output.split() for h in (0, 1)]
         assert outs[0][:2] == ["host0", "10.200.0.2"] and outs[1][0] == "host1"
         assert not os.path.exists("/dev/shm/mine")  # each host's /dev/shm is its own tmpfs
-        server = hosts.popen(1, [sys.executable, "-c", (
-            "import socket; s = socket.create_server(('0.0.0.0', 7000)); c, _ = s.accept(); "
-            "c.sendall(b'over the bridge')")])  # fmt: skip
+        server = hosts.popen(
+            1,
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import socket; s = socket.create_server(('0.0.0.0', 7000)); "
+                    "c, _ = s.accept(); c.sendall(b'over the bridge')"
+                ),
+            ],
+        )
         client = (
             "import socket, time\nfor _ in range(100):\n try:\n"
             "  print(socket.create_connection(('host1', 7000)).recv(64).decode()); break\n"
@@ -54,8 +62,11 @@ def test_hosts_are_separate_and_reach_each_other():
         )
         assert hosts.run(0, [sys.executable, "-c", client]).output.strip() == "over the bridge"
         hosts.wait([server], 30)
-        qdisc = subprocess.run(["ip", "netns", "exec", hosts.netns(0), "tc", "qdisc", "show",
-                                "dev", "eth0"], capture_output=True, text=True).stdout  # fmt: skip
+        qdisc = subprocess.run(
+            ["ip", "netns", "exec", hosts.netns(0), "tc", "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+        ).stdout
         assert "tbf" in qdisc and "1Gbit" in qdisc, qdisc
     assert _namespaces_of(os.getpid()) == []
 
@@ -69,8 +80,11 @@ def test_torn_down_after_an_exception():
 
 
 def _start_cli():
-    proc = subprocess.Popen([sys.executable, CLI, "--hosts", "2", "--exec", "--", "sleep", "120"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, CLI, "--hosts", "2", "--exec", "--", "sleep", "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 30
     while len(_namespaces_of(proc.pid)) < 3 or not all(
         eh._namespace_pids(n) for n in _namespaces_of(proc.pid) if n.endswith(("-h0", "-h1"))

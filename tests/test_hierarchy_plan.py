@@ -123,8 +123,12 @@ def test_run_stages_waits_for_the_previous_stage_of_the_chunk():
 def test_call_queue_runs_in_issue_order_and_hands_errors_to_wait():
     queue = CallQueue("test")
     seen = []
-    pending = [queue.call(lambda i=i: (time.sleep(0.002), seen.append(i)) and None,
-                          f"call {i}", async_op=True) for i in range(5)]  # fmt: skip
+    pending = [
+        queue.call(
+            lambda i=i: (time.sleep(0.002), seen.append(i)) and None, f"call {i}", async_op=True
+        )
+        for i in range(5)
+    ]
     queue.call(lambda: seen.append("sync"), "sync", async_op=False)  # waits for the queue
     assert seen == [0, 1, 2, 3, 4, "sync"]
     assert all(p.is_completed() for p in pending)
@@ -207,8 +211,9 @@ def test_choices_replicated_small_pipelined_multi_leader_large():
     assert small.kind == "replicated" and small.chunks == 1
     assert large.kind == "multi_leader" and large.chunks > 1
     # the pipeline formula: K chunks cost the first chunk's stages plus K-1 bottlenecks
-    host, net = cm.stage_us(settings.model, "all_reduce", "multi_leader", 2, 2, (64 << 20) / 4,
-                            "gloo")  # fmt: skip
+    host, net = cm.stage_us(
+        settings.model, "all_reduce", "multi_leader", 2, 2, (64 << 20) / 4, "gloo"
+    )
     t4 = cm.hierarchical_us(settings.model, "all_reduce", "multi_leader", 2, 2, 64 << 20, 4, "gloo")
     assert t4 == pytest.approx(host + net + 3 * max(host, net))
     forced = cm.HierarchySettings(kind="flat").choose("all_gather", 2, 2, 1 << 20, ["gloo"])

@@ -126,8 +126,7 @@ def test_host_killed_mid_collective_every_survivor_raises_naming_it():
         time.sleep(1.0)  # well inside the loop of all-reduces
         killed_at["t"] = time.time()
         cluster.kill_host(1)
-        while not all(os.path.exists(os.path.join(out_dir, f"host_loss.{r}.pkl"))
-                      for r in (0, 1)):  # fmt: skip
+        while not all(os.path.exists(os.path.join(out_dir, f"host_loss.{r}.pkl")) for r in (0, 1)):
             assert time.monotonic() < deadline + 120, "survivors never raised"
             time.sleep(0.2)
 
@@ -144,10 +143,38 @@ def test_host_killed_mid_collective_every_survivor_raises_naming_it():
 
 
 def _driver_args(steps, out, extra=()):
-    return ["-m", "dist_kernels.train", "--dp", "2", "--tp", "2", "--steps", str(steps),
-            "--micro-batch", "2", "--global-batch", "8", "--lr", "3e-3", "--warmup", "1",
-            "--seed", "1234", "--no-progress", "--n-layer", "1", "--n-head", "2",
-            "--d-model", "32", "--seq-len", "16", "--json", str(out), *extra]  # fmt: skip
+    return [
+        "-m",
+        "dist_kernels.train",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--steps",
+        str(steps),
+        "--micro-batch",
+        "2",
+        "--global-batch",
+        "8",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "1",
+        "--seed",
+        "1234",
+        "--no-progress",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--d-model",
+        "32",
+        "--seq-len",
+        "16",
+        "--json",
+        str(out),
+        *extra,
+    ]
 
 
 def _records(path):
@@ -198,8 +225,9 @@ def test_driver_resumes_after_a_host_is_lost_and_restarted(straight_run, tmp_pat
             time.sleep(0.2)
         cluster.kill_host(1)
         procs[1].proc.wait()
-        procs.append(cluster.torchrun(argv, nproc_per_host=2, env=env, max_restarts=1,
-                                      hosts=[1])[0])  # fmt: skip
+        procs.append(
+            cluster.torchrun(argv, nproc_per_host=2, env=env, max_restarts=1, hosts=[1])[0]
+        )
         cluster.wait([procs[0], procs[2]], 900)
     logs = "\n".join(p.output for p in procs)
     assert procs[0].proc.returncode == 0 and procs[2].proc.returncode == 0, logs[-6000:]

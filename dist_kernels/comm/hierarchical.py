@@ -134,6 +134,7 @@ class HierarchicalBackend:
         self._queue = CallQueue(f"dk-hierarchical-{self.rank}")
         self._failure: Optional[str] = None
         self._what = ""  # the call running now: what a lost host's error names
+        self._choices: Dict[Tuple[str, int], cost_model.Choice] = {}
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -201,27 +202,38 @@ class HierarchicalBackend:
             return None
         members = self.layout.cross_groups[self.cross_index]
         handle = getattr(leg, call)(*args)
-        return _LegHandle(
-            handle, engine, self._suspects(members), self.timeout_s, self._lost(self._what)
-        )
+        # Gloo ends its own calls at the group's timeout (and waits with one poll: measured
+        # 2x slower at 8 B); MPI has no timeout of its own.
+        timeout = None if engine == "gloo" else self.timeout_s
+        return _LegHandle(handle, engine, self._suspects(members), timeout, self._lost(self._what))
 
     def _flat(self, call: str, *args) -> _LegHandle:
         handle = getattr(self.peers, call)(*args)
         suspects = self._suspects(range(self.world_size))
         return _LegHandle(handle, "gloo", suspects, None, self._lost(self._what))
 
-    def _local_call(self, call: str, *tensors, args=()) -> Optional[Any]:
-        """Starts a shared-memory collective on the host (None when the host has one rank)."""
-        if self.local_n == 1:
-            return None
-        code = DTYPE_CODES[tensors[0].dtype]
-        return getattr(self.local, call)(*tensors, code, *args, True)
+    def _local_call(self, call: str, *tensors, args=()) -> None:
+        """Runs a shared-memory collective on the host, on this thread (nothing to do when the
+        host has one rank). Synchronous on purpose: the inter-host calls started before it
+        keep running on the engine's own threads, so a chunk's host stage overlaps its
+        neighbours' network stage without handing every host stage to another thread
+        (measured on the loaded 2-core VM: handing them to the shared-memory queue's thread
+        cost more than the overlap gained)."""
+        if self.local_n > 1:
+            getattr(self.local, call)(*tensors, DTYPE_CODES[tensors[0].dtype], *args, False)
 
     def _choice(self, op: str, nbytes: int) -> cost_model.Choice:
-        return self.settings.choose(op, self.hosts_n, self.local_n, nbytes, sorted(self.legs))
+        """The cost model's choice, once per (collective, size): it is the same every call."""
+        key = (op, nbytes)
+        choice = self._choices.get(key)
+        if choice is None:
+            engines = sorted(self.legs)
+            choice = self.settings.choose(op, self.hosts_n, self.local_n, nbytes, engines)
+            self._choices[key] = choice
+        return choice
 
     def _stages_run(self, plan: List[List[Stage]]) -> None:
-        run_stages(plan, self.timeout_s)
+        run_stages(plan)  # every handle ends at its engine's timeout (see _cross)
 
     # -- all_reduce ----------------------------------------------------------------------------
 
@@ -333,7 +345,7 @@ class HierarchicalBackend:
     def _flat_reduction(self, target, op: ReduceOp, call: str, *tensors) -> None:
         """One Gloo collective over every rank (``call`` on ``tensors``; ``target`` reduced)."""
         wide = [self._widened(t) for t in tensors]
-        self._flat(call, *wide, self._sum_if_avg(op)).wait(self.timeout_s)
+        self._flat(call, *wide, self._sum_if_avg(op)).wait()
         self._finish(target, wide[0], op)
 
     # -- reduce_scatter / all_gather -----------------------------------------------------------
@@ -348,9 +360,7 @@ class HierarchicalBackend:
         choice = self._choice("reduce_scatter", inp.numel() * inp.element_size())
         if choice.kind == "flat":
             wide_out, wide_in = self._widened(out.view(-1)), self._widened(inp.view(-1))
-            self._flat("reduce_scatter", wide_out, wide_in, self._sum_if_avg(op)).wait(
-                self.timeout_s
-            )
+            self._flat("reduce_scatter", wide_out, wide_in, self._sum_if_avg(op)).wait()
             return self._finish(out.view(-1), wide_out, op)
         if not self.layout.uniform:  # unequal hosts: an all-reduce of a copy, then the chunk
             full = inp.view(-1).clone()
@@ -381,8 +391,7 @@ class HierarchicalBackend:
 
         def reduce():
             part = rows[:, a : a + n]
-            # box holds src: the shared-memory call reads it after this returns
-            box["src"] = src = (part[order] if order is not None else part.contiguous()).view(-1)
+            src = (part[order] if order is not None else part.contiguous()).view(-1)
             box["mid"] = src if self.local_n == 1 else src.new_empty(self.hosts_n * n)
             return self._local_call(
                 "reduce_scatter", box["mid"], src, args=(int(sum_op), self._gs(algo))
@@ -401,7 +410,7 @@ class HierarchicalBackend:
         src, dst = _bytes(inp), _bytes(out)
         choice = self._choice("all_gather", dst.numel())
         if choice.kind == "flat":
-            return self._flat("all_gather", dst, src).wait(self.timeout_s)
+            return self._flat("all_gather", dst, src).wait()
         if not self.layout.uniform:
             return self._all_gather_via_leaders(dst, src, algo)
         c = src.numel()
@@ -437,7 +446,7 @@ class HierarchicalBackend:
         each leader's host gets the whole output by a host broadcast."""
         layout, c = self.layout, src.numel()
         block = src.new_empty(self.local_n * c)
-        self._wait_local(self._local_call("all_gather", block, src, args=(self._gs(algo),)))
+        self._local_call("all_gather", block, src, args=(self._gs(algo),))
         if self.local_n == 1:
             block.copy_(src)
         widest = max(len(layout.ranks_on(h)) for h in range(self.hosts_n))
@@ -450,11 +459,7 @@ class HierarchicalBackend:
             for h in range(self.hosts_n):
                 for i, r in enumerate(layout.ranks_on(h)):
                     rows[r].copy_(pieces[h * widest + i])
-        self._wait_local(self._local_call("broadcast", dst, args=(0,)))
-
-    def _wait_local(self, handle) -> None:
-        if handle is not None:
-            handle.wait(self.timeout_s)
+        self._local_call("broadcast", dst, args=(0,))
 
     # -- broadcast -----------------------------------------------------------------------------
 
@@ -466,7 +471,7 @@ class HierarchicalBackend:
         src_host, src_local = layout.host_index(src), layout.local_rank_of(src)
         choice = self._choice("broadcast", data.numel())
         if choice.kind == "flat":
-            return self._flat("broadcast", data, src).wait(self.timeout_s)
+            return self._flat("broadcast", data, src).wait()
         if not layout.uniform:
             return self._broadcast_via_leaders(data, src_host, src_local)
         on_src_host = layout.my_host == src_host
@@ -512,11 +517,11 @@ class HierarchicalBackend:
 
     def _broadcast_via_leaders(self, data, src_host, src_local) -> None:
         if self.layout.my_host == src_host:
-            self._wait_local(self._local_call("broadcast", data, args=(src_local,)))
+            self._local_call("broadcast", data, args=(src_local,))
         if self.cross_index == 0:
             self._cross("gloo", "broadcast", data, src_host).wait()
         if self.layout.my_host != src_host:
-            self._wait_local(self._local_call("broadcast", data, args=(0,)))
+            self._local_call("broadcast", data, args=(0,))
 
     # -- all_to_all ----------------------------------------------------------------------------
 
@@ -536,7 +541,7 @@ class HierarchicalBackend:
         if self.local_n == 1:
             return mine.view(1, -1)
         counts = mine.new_empty(self.local_n * mine.numel())
-        self._wait_local(self._local_call("all_gather", counts, mine, args=(0,)))
+        self._local_call("all_gather", counts, mine, args=(0,))
         return counts.view(self.local_n, -1)
 
     def _all_to_all(self, out, inp, sends, recvs) -> None:
@@ -557,9 +562,7 @@ class HierarchicalBackend:
         if r == 1:
             collected.copy_(outgoing)
         else:
-            self._wait_local(
-                self.local.all_to_all(collected, outgoing, to_local, from_local, _UINT8, True)
-            )
+            self.local.all_to_all(collected, outgoing, to_local, from_local, _UINT8, False)
         # 2. across hosts: to host h the blocks for (h, me) from every local rank, l order
         at_collected = _offsets([n for row in sizes for n in row])
         regroup = [
@@ -590,7 +593,7 @@ class HierarchicalBackend:
             if p != me and sends[p]:
                 handles.append(self._post("send", inp[send_at[p] : send_at[p] + sends[p]], p))
         for h in handles:
-            h.wait(self.timeout_s)
+            h.wait()
 
     # -- point-to-point, barrier, memory -------------------------------------------------------
 
