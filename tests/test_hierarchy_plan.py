@@ -181,10 +181,16 @@ def test_fit_recovers_alpha_and_beta():
     # 5% noise on every sample: the fit stays within the noise at every size
     noisy = [(x, y, t * (1 + rng.uniform(-0.05, 0.05))) for x, y, t in samples]
     assert max(abs(e) for e in cm.relative_errors(cm.fit_link(noisy), noisy)) < 0.11
+    # a knee: 4x dearer bytes beyond 8 MiB on the critical path (caches left behind)
+    kneed = cm.Link(3.0, 1.0 / 40000.0, float(8 << 20), 1.0 / 10000.0)
+    data = [(s, b, kneed.us(s, b)) for s, b, _ in samples]
+    refit = cm.fit_link(data)
+    assert max(abs(e) for e in cm.relative_errors(refit, data)) < 0.02
+    assert refit.knee_bytes > 0 and refit.beta_far_us_per_byte > 2 * refit.beta_us_per_byte
     # pure latency data: beta would come out negative; alpha alone fits exactly
     flat = [(2.0, float(b), 10.0) for b in (8, 64, 512)]
     fitted = cm.fit_link(flat)
-    assert fitted.alpha_us == pytest.approx(5.0) and fitted.beta_us_per_byte == 0.0
+    assert fitted.alpha_us == pytest.approx(5.0) and fitted.beta_us_per_byte < 1e-12
 
 
 def test_terms_match_the_extensions_built_in_model():
@@ -238,7 +244,9 @@ def test_settings_from_env_are_checked_and_shared(monkeypatch, tmp_path):
         cm.HierarchySettings.from_env(cm.CostModel())
     monkeypatch.setenv("DK_INTER_HOST_ALGO", "multi_leader")
     monkeypatch.setenv("DK_INTER_HOST_CHUNKS", "4")
-    model = cm.CostModel(shm={2: cm.Link(2.0, 1e-4)}, inter={"gloo": cm.Link(50.0, 1e-3)})
+    model = cm.CostModel(
+        shm={2: {"all_reduce/ring": cm.Link(2.0, 1e-4)}}, inter={"gloo": cm.Link(50.0, 1e-3)}
+    )
     path = cm.save_model(model, str(tmp_path / "model.json"))
     monkeypatch.setenv("DK_COST_MODEL", path)
     store, timeout = dist.HashStore(), datetime.timedelta(seconds=5)
@@ -247,5 +255,11 @@ def test_settings_from_env_are_checked_and_shared(monkeypatch, tmp_path):
     theirs = cm.shared_settings(store, 1, timeout)
     assert theirs.to_json() == mine.to_json()
     assert (theirs.kind, theirs.chunks) == ("multi_leader", 4)
-    assert theirs.model.shm_link(2) == cm.Link(2.0, 1e-4)
+    assert theirs.model.shm_link(2, "all_reduce", "ring") == cm.Link(2.0, 1e-4)
+    builtin = cm.builtin_shm_link(False)  # not fitted: the extension's constants
+    assert theirs.model.shm_link(2, "all_reduce", "tree") == builtin
+    costs = theirs.model.fitted_costs(2)
+    assert len(costs) == 4 * len(cm.FITTED_ORDER)
+    assert costs[:8] == [2.0, 1e-4, 0.0, 0.0, builtin.alpha_us, builtin.beta_us_per_byte, 0.0, 0.0]
+    assert theirs.model.fitted_costs(4) == []
     assert theirs.model.inter_link("gloo") == cm.Link(50.0, 1e-3)

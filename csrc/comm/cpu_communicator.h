@@ -27,6 +27,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "algorithm/collective.h"
@@ -46,9 +47,9 @@ class CpuCommunicator {
     bool oversubscribed = false;
     bool debug = false;            // DK_DEBUG: fingerprint every collective before it runs
     bool checkDescriptors = true;  // see ShmTransport::setDescriptorChecks
-    // A fitted model for algorithm="auto" (python -m dist_kernels.bench --calibrate); alpha 0:
-    // the built-in one, algo::shmCostModel(oversubscribed).
-    algo::CostModel fitted{0.0, 0.0};
+    // Fitted models for algorithm="auto" (python -m dist_kernels.bench --calibrate); none:
+    // the built-in one, algo::shmCostModel(oversubscribed), for every algorithm.
+    std::optional<algo::AlgorithmCosts> fitted;
   };
   static Status create(std::shared_ptr<shm::Segment> segment, int rank, Options options,
                        std::unique_ptr<CpuCommunicator>* out);
@@ -84,7 +85,7 @@ class CpuCommunicator {
   Status dispatch(const Request& request);
   algo::Algorithm resolveAllReduce(const Request& request) const;
   algo::Algorithm resolveGatherScatter(const Request& request) const;
-  algo::CostModel costModel() const;
+  algo::AlgorithmCosts costModels() const;
   // Within the deadline of the collective it checks.
   Status fingerprint(const shm::MessageHeader& header,
                      std::chrono::steady_clock::time_point deadline);

@@ -45,13 +45,30 @@ MIN_CHUNK_BYTES = 16 << 10  # smaller chunks add a step per chunk and gain nothi
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of step: ``alpha_us`` per dependent step, ``beta_us_per_byte`` per byte."""
+    """One kind of step: ``alpha_us`` per dependent step, ``beta_us_per_byte`` per byte.
+
+    A fitted link may have a knee: bytes beyond ``knee_bytes`` cost ``beta_far_us_per_byte``
+    each (on one host, once the working set leaves the caches: the 2-core VM moved 40 GB/s up
+    to 8 MiB and 12-18 GB/s beyond, docs/architecture.md). ``knee_bytes`` 0: no knee. The
+    extension prices the same way (``bytesUs``, csrc/algorithm/select.cc).
+    """
 
     alpha_us: float
     beta_us_per_byte: float
+    knee_bytes: float = 0.0
+    beta_far_us_per_byte: float = 0.0
+
+    def bytes_us(self, nbytes: float) -> float:
+        if self.knee_bytes <= 0 or nbytes <= self.knee_bytes:
+            return nbytes * self.beta_us_per_byte
+        near = self.knee_bytes * self.beta_us_per_byte
+        return near + (nbytes - self.knee_bytes) * self.beta_far_us_per_byte
 
     def us(self, steps: float, nbytes: float) -> float:
-        return steps * self.alpha_us + nbytes * self.beta_us_per_byte
+        return steps * self.alpha_us + self.bytes_us(nbytes)
+
+    def as_list(self) -> List[float]:
+        return [self.alpha_us, self.beta_us_per_byte, self.knee_bytes, self.beta_far_us_per_byte]
 
 
 def terms(collective: str, algorithm: str, n: int, nbytes: float) -> Tuple[float, float]:
@@ -95,31 +112,56 @@ def builtin_shm_link(oversubscribed: bool) -> Link:
     return Link(alpha, beta)
 
 
+#: The shared-memory algorithms a calibration fits, in the order the extension takes them
+#: (``fitted_costs`` of ``_C.CpuCommunicator``, csrc/bindings/comm.cc).
+FITTED_ORDER = (
+    ("all_reduce", "ring"),
+    ("all_reduce", "tree"),
+    ("all_reduce", "one_shot"),
+    ("all_gather", "ring"),
+    ("all_gather", "one_shot"),
+    ("reduce_scatter", "ring"),
+    ("reduce_scatter", "one_shot"),
+)
+
+
 @dataclass
 class CostModel:
-    """Fitted links; what is not fitted falls back to the built-in constants."""
+    """Fitted links; what is not fitted falls back to the built-in constants.
 
-    shm: Dict[int, Link] = field(default_factory=dict)  # by the host's rank count
-    inter: Dict[str, Link] = field(default_factory=dict)  # by engine
+    ``shm[n]["all_reduce/ring"]``: the ring all-reduce on a host of n ranks (one link per
+    algorithm: each is fitted on its own measurements); ``inter[engine]``: an inter-host leg.
+    """
+
+    shm: Dict[int, Dict[str, Link]] = field(default_factory=dict)
+    inter: Dict[str, Link] = field(default_factory=dict)
     meta: Dict = field(default_factory=dict)
 
-    def shm_link(self, n: int, oversubscribed: bool = False) -> Link:
-        if n in self.shm:
-            return self.shm[n]
-        return builtin_shm_link(oversubscribed)
+    def shm_link(self, n: int, collective: str, algorithm: str,
+                 oversubscribed: bool = False) -> Link:  # fmt: skip
+        fitted = self.shm.get(n, {}).get(f"{collective}/{algorithm}")
+        return fitted or builtin_shm_link(oversubscribed)
+
+    def fitted_costs(self, n: int) -> List[float]:
+        """What the extension's ``auto`` takes: alpha, beta, knee, far beta of every algorithm
+        of FITTED_ORDER for a host of n ranks (built-in where one is missing); [] if none is
+        fitted for n."""
+        if n not in self.shm:
+            return []
+        return [x for c, a in FITTED_ORDER for x in self.shm_link(n, c, a).as_list()]
 
     def inter_link(self, engine: str) -> Link:
         return self.inter.get(engine) or Link(**DEFAULT_INTER[engine])
 
     def shm_us(self, collective: str, n: int, nbytes: float, algorithm: str = "best") -> float:
         """Time on the host; ``best``: the cheapest of the algorithms auto chooses from."""
-        link = self.shm_link(n)
         names = SHM_ALGORITHMS[collective] if algorithm == "best" else (algorithm,)
-        return min(link.us(*terms(collective, a, n, nbytes)) for a in names)
+        return min(
+            self.shm_link(n, collective, a).us(*terms(collective, a, n, nbytes)) for a in names
+        )
 
-    def net_us(
-        self, collective: str, engine: str, hosts: int, per_group: float, groups: int = 1
-    ) -> float:
+    def net_us(self, collective: str, engine: str, hosts: int, per_group: float,
+               groups: int = 1) -> float:  # fmt: skip
         """One inter-host stage: ``groups`` cross groups at once, ``per_group`` bytes each."""
         algorithm = "tree" if collective == "broadcast" else "ring"
         steps, nbytes = terms(collective, algorithm, hosts, per_group)
@@ -127,7 +169,10 @@ class CostModel:
 
     def to_json(self) -> Dict:
         return {
-            "shm": {str(n): asdict(link) for n, link in sorted(self.shm.items())},
+            "shm": {
+                str(n): {k: asdict(link) for k, link in sorted(links.items())}
+                for n, links in sorted(self.shm.items())
+            },
             "inter": {e: asdict(link) for e, link in sorted(self.inter.items())},
             "meta": self.meta,
         }
@@ -135,7 +180,10 @@ class CostModel:
     @classmethod
     def from_json(cls, data: Dict) -> CostModel:
         return cls(
-            shm={int(n): Link(**v) for n, v in data.get("shm", {}).items()},
+            shm={
+                int(n): {k: Link(**v) for k, v in links.items()}
+                for n, links in data.get("shm", {}).items()
+            },
             inter={e: Link(**v) for e, v in data.get("inter", {}).items()},
             meta=data.get("meta", {}),
         )
@@ -176,24 +224,63 @@ def save_model(model: CostModel, path: Optional[str] = None) -> str:
 
 def fit_link(samples: Sequence[Tuple[float, float, float]]) -> Link:
     """Least squares of ``steps * alpha + bytes * beta = us`` on relative error (every size
-    counts alike, 8 B as much as 64 MiB); alpha and beta are kept non-negative."""
+    counts alike, 8 B as much as 64 MiB), with non-negative parameters; then the same with a
+    knee (a second beta beyond it) at every eighth of an octave between the measured byte
+    counts, kept where it fits better by more than a tenth of the error (a knee must earn its
+    two parameters)."""
     if not samples:
         raise ValueError("fit_link: no samples")
-    w = [1.0 / max(t, 1e-9) ** 2 for _, _, t in samples]
-    sxx = sum(wi * x * x for wi, (x, _, _) in zip(w, samples))
-    syy = sum(wi * y * y for wi, (_, y, _) in zip(w, samples))
-    sxy = sum(wi * x * y for wi, (x, y, _) in zip(w, samples))
-    sxt = sum(wi * x * t for wi, (x, _, t) in zip(w, samples))
-    syt = sum(wi * y * t for wi, (_, y, t) in zip(w, samples))
-    det = sxx * syy - sxy * sxy
-    alpha = beta = -1.0
-    if det > 1e-12 * max(sxx * syy, 1e-300):
-        alpha, beta = (sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det
-    if alpha < 0 or beta < 0:  # one parameter alone, whichever fits better
-        only_alpha = Link(max(sxt / sxx, 0.0) if sxx else 0.0, 0.0)
-        only_beta = Link(0.0, max(syt / syy, 0.0) if syy else 0.0)
-        return min((only_alpha, only_beta), key=lambda link: _sq_error(link, samples))
-    return Link(alpha, beta)
+    best = _fit_straight(samples)
+    best_error = _sq_error(best, samples)
+    if best_error < 1e-12:  # the straight line fits to rounding already
+        return best
+    for knee in _knee_candidates([y for _, y, _ in samples]):
+        kneed = _fit_knee(samples, knee)
+        if kneed is not None and _sq_error(kneed, samples) < 0.9 * best_error:
+            best, best_error = kneed, _sq_error(kneed, samples)
+    return best
+
+
+def _knee_candidates(byte_counts: Sequence[float]) -> List[float]:
+    """Powers of 2^(1/8) strictly inside the measured byte counts (a knee needs samples on
+    both sides)."""
+    positive = [y for y in byte_counts if y > 0]
+    if len(set(positive)) < 3:
+        return []
+    lo, hi = min(positive), max(positive)
+    first, last = math.ceil(8 * math.log2(lo)), math.floor(8 * math.log2(hi))
+    return [2 ** (j / 8) for j in range(first + 1, last)]
+
+
+def _weighted_lstsq(rows: List[List[float]], targets: List[float]) -> Optional[List[float]]:
+    """Least squares on relative error: each row divided by its target."""
+    import torch
+
+    a = torch.tensor([[v / t for v in row] for row, t in zip(rows, targets)], dtype=torch.float64)
+    b = torch.ones(len(targets), 1, dtype=torch.float64)
+    if torch.linalg.matrix_rank(a) < a.shape[1]:
+        return None
+    return torch.linalg.lstsq(a, b).solution.view(-1).tolist()
+
+
+def _fit_straight(samples) -> Link:
+    targets = [max(t, 1e-9) for _, _, t in samples]
+    both = _weighted_lstsq([[x, y] for x, y, _ in samples], targets)
+    if both is not None and min(both) >= 0:
+        return Link(both[0], both[1])
+    alpha = _weighted_lstsq([[x] for x, _, _ in samples], targets)
+    beta = _weighted_lstsq([[y] for _, y, _ in samples], targets)
+    one = [Link(max(alpha[0], 0.0), 0.0)] if alpha else []
+    one += [Link(0.0, max(beta[0], 0.0))] if beta else []
+    return min(one, key=lambda link: _sq_error(link, samples))
+
+
+def _fit_knee(samples, knee: float) -> Optional[Link]:
+    rows = [[x, min(y, knee), max(y - knee, 0.0)] for x, y, _ in samples]
+    params = _weighted_lstsq(rows, [max(t, 1e-9) for _, _, t in samples])
+    if params is None or min(params) < 0:
+        return None
+    return Link(params[0], params[1], knee, params[2])
 
 
 def _sq_error(link: Link, samples) -> float:
@@ -237,7 +324,7 @@ def stage_us(
 
 
 def _copy_us(model: CostModel, local: int, s: float) -> float:
-    return s * model.shm_link(local).beta_us_per_byte
+    return model.shm_link(local, "all_gather", "ring").bytes_us(s)
 
 
 def hierarchical_us(

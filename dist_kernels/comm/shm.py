@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .. import _C
-from .cost_model import Link, load_model
+from .cost_model import load_model
 
 
 def wait_keys(store, keys: Sequence[str], timeout: datetime.timedelta) -> None:
@@ -29,11 +29,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def _fitted_link(local_size: int) -> Link:
-    """The calibrated shared-memory link for this host size (alpha 0: the built-in model)."""
-    return load_model().shm.get(local_size, Link(0.0, 0.0))
 
 
 class ShmBackend:
@@ -74,17 +69,14 @@ class ShmBackend:
                 _C.shm_format(segment, local_size)
                 oversubscribed = local_size > usable_cores()
                 checks = os.environ.get("DK_CHECK_DESCRIPTORS", "1") != "0"
-                fitted = _fitted_link(local_size)
-                store.set(
-                    "segment",
-                    f"{segment.name} {int(oversubscribed)} {int(checks)} "
-                    f"{fitted.alpha_us!r} {fitted.beta_us_per_byte!r}",
-                )
+                fitted = load_model().fitted_costs(local_size)
+                costs = ",".join(repr(x) for x in fitted) or "-"
+                store.set("segment", f"{segment.name} {int(oversubscribed)} {int(checks)} {costs}")
             else:
                 wait_keys(store, ["segment"], rendezvous_timeout)
-                name, over, chk, alpha, beta = store.get("segment").decode().split()
+                name, over, chk, costs = store.get("segment").decode().split()
                 oversubscribed, checks = over == "1", chk == "1"
-                fitted = Link(float(alpha), float(beta))
+                fitted = [] if costs == "-" else [float(x) for x in costs.split(",")]
                 segment = _C.ShmSegment.open(name, segment_bytes)
             self.impl = _C.CpuCommunicator(
                 segment,
@@ -94,8 +86,7 @@ class ShmBackend:
                 os.environ.get("DK_DEBUG", "0") not in ("", "0"),
                 label,
                 check_descriptors=checks,
-                alpha_us=fitted.alpha_us,
-                beta_us_per_byte=fitted.beta_us_per_byte,
+                fitted_costs=fitted,
             )
         finally:
             self._mapped_then_unlink(segment, "segment", creator=local_rank == 0)
