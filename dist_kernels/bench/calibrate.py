@@ -130,8 +130,8 @@ def inter_samples(backend, args) -> Dict[str, List[Tuple[int, Sample]]]:
     return out
 
 
-def _fit(samples: Dict[str, List[Tuple[int, Sample]]]) -> Dict[str, cm.Link]:
-    return {key: cm.fit_link([s for _, s in rows]) for key, rows in samples.items()}
+def _fit(samples: Dict[str, List[Tuple[int, Sample]]], knee: bool) -> Dict[str, cm.Link]:
+    return {key: cm.fit_link([s for _, s in rows], knee) for key, rows in samples.items()}
 
 
 def _fit_lines(kind: str, fitted: Dict[str, cm.Link], samples) -> List[str]:
@@ -258,12 +258,12 @@ def run_rank(args, command: str) -> None:
     model = cm.load_model(args.calibrate_out)
     if n_local > 1:
         samples = shm_samples(local, n_local, args)
-        fitted = _fit(samples)
+        fitted = _fit(samples, knee=True)
         model.shm[n_local] = fitted
         lines += _fit_lines(f"shm n={n_local}", fitted, samples)
     if hierarchical:
         samples = inter_samples(backend, args)
-        fitted = _fit(samples)
+        fitted = _fit(samples, knee=False)
         model.inter.update(fitted)
         lines += _fit_lines(f"inter {backend.hosts_n} hosts x {n_local}", fitted, samples)
     model.meta = {"date": report.utc_now(), "command": command, "load": os.getloadavg()[0]}

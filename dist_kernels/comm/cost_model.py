@@ -222,17 +222,21 @@ def save_model(model: CostModel, path: Optional[str] = None) -> str:
 # -- fitting ------------------------------------------------------------------------------------
 
 
-def fit_link(samples: Sequence[Tuple[float, float, float]]) -> Link:
+MIN_KNEE_BYTES = 64 << 10  # below any cache a knee could stand for (L2 is larger)
+
+
+def fit_link(samples: Sequence[Tuple[float, float, float]], knee: bool = True) -> Link:
     """Least squares of ``steps * alpha + bytes * beta = us`` on relative error (every size
     counts alike, 8 B as much as 64 MiB), with non-negative parameters; then the same with a
     knee (a second beta beyond it) at every eighth of an octave between the measured byte
-    counts, kept where it fits better by more than a tenth of the error (a knee must earn its
-    two parameters)."""
+    counts from MIN_KNEE_BYTES on, kept where it fits better by more than a tenth of the error
+    (a knee must earn its two parameters). ``knee`` False: the straight line only (an
+    inter-host link: no cache to leave)."""
     if not samples:
         raise ValueError("fit_link: no samples")
     best = _fit_straight(samples)
     best_error = _sq_error(best, samples)
-    if best_error < 1e-12:  # the straight line fits to rounding already
+    if best_error < 1e-12 or not knee:  # a straight line (it may fit to rounding already)
         return best
     for knee in _knee_candidates([y for _, y, _ in samples]):
         kneed = _fit_knee(samples, knee)
@@ -247,7 +251,7 @@ def _knee_candidates(byte_counts: Sequence[float]) -> List[float]:
     positive = [y for y in byte_counts if y > 0]
     if len(set(positive)) < 3:
         return []
-    lo, hi = min(positive), max(positive)
+    lo, hi = max(min(positive), MIN_KNEE_BYTES), max(positive)
     first, last = math.ceil(8 * math.log2(lo)), math.floor(8 * math.log2(hi))
     return [2 ** (j / 8) for j in range(first + 1, last)]
 
