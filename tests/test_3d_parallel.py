@@ -10,7 +10,6 @@ from mp_pool import run_ranks
 from test_gpt_tp import CONFIG, SEED, max_param_diff
 
 import dist_kernels as dk
-from dist_kernels.mesh import _resolve_sizes, mesh_coords, mesh_groups, mesh_rank
 from dist_kernels.models import GPT, GPTConfig
 
 STEPS = 3
@@ -127,47 +126,3 @@ def test_2x2x2_on_8_ranks_equals_single_process():
     print("seed", SEED)
     results = run_ranks(8, _rank_3d, 2, 2, 2, CASES, timeout=600)
     _check(results, 2)
-
-
-# ------------------------------------------------------------------ the layout, on paper
-
-
-def test_mesh_layout_tp_adjacent_then_pp_then_dp():
-    groups = mesh_groups(dp=2, pp=2, tp=2)
-    print(groups)
-    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    # tp=1 is the data x pipeline mesh: each pipeline on consecutive ranks
-    assert mesh_groups(dp=2, pp=3)["pp"] == [[0, 1, 2], [3, 4, 5]]
-    for dp, tp, pp in [(1, 1, 1), (2, 3, 1), (3, 2, 4), (1, 4, 2), (5, 1, 3)]:
-        world = dp * tp * pp
-        for rank in range(world):
-            c = mesh_coords(rank, tp, pp)
-            assert mesh_rank(c["dp"], c["tp"], c["pp"], tp, pp) == rank
-        for axis, size in (("dp", dp), ("tp", tp), ("pp", pp)):
-            members = sorted(r for g in mesh_groups(dp, pp, tp)[axis] for r in g)
-            assert members == list(range(world))  # a partition of the world
-            assert all(len(g) == size for g in mesh_groups(dp, pp, tp)[axis])
-
-
-@pytest.mark.parametrize(
-    "dp, pp, world, tp, message",
-    [
-        (2, 3, 8, 2, r"dp\(2\) x tp\(2\) x pp\(3\) != world_size\(8\)"),
-        (None, 3, 8, 2, r"world_size\(8\) is not a multiple of pp\(3\) x tp\(2\)"),
-        (2, 3, 4, 1, r"dp\(2\) x pp\(3\) != world_size\(4\)"),
-        (3, None, 8, 1, r"world_size\(8\) is not a multiple of dp\(3\)"),
-        (None, None, 6, 4, r"world_size\(6\) is not a multiple of tp\(4\)$"),
-    ],
-)
-def test_mesh_errors_show_the_arithmetic(dp, pp, world, tp, message):
-    with pytest.raises(ValueError, match=message):
-        _resolve_sizes(dp, pp, world, tp)
-
-
-def test_mesh_sizes_resolve():
-    assert _resolve_sizes(None, None, 8, 2) == (4, 1)
-    assert _resolve_sizes(2, None, 8, 2) == (2, 2)
-    assert _resolve_sizes(None, 2, 8, 2) == (2, 2)
-    assert _resolve_sizes(None, 4, 4) == (1, 4)
