@@ -106,8 +106,8 @@ def test_tensor_parallel_kept_on_a_host_and_warned_across(results):
         assert out["warned_inside"] == [], out["warned_inside"]
         assert max(out["diffs"].values()) < 1e-12, out["diffs"]
         (message,) = out["warned_across"]
-        assert "tensor-parallel groups span hosts" in message and "[0, 1, 2, 3]" in message
-        assert "host0" in message and "host1" in message, message
+        assert "tp groups [[0, 1, 2, 3]] span hosts" in message, message
+        assert "host0: ranks [0, 1]" in message and "host1: ranks [2, 3]" in message, message
 
 
 # ------------------------------------------------------------------ faults

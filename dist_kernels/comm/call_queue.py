@@ -114,11 +114,13 @@ class CallQueue:
             while self._queue or self._running:
                 self._cv.wait()
 
-    def close(self) -> None:
-        """Lets queued calls finish, then stops the worker."""
+    def close(self, wait: bool = True) -> None:
+        """Lets queued calls finish, then stops the worker. ``wait`` False: returns at once
+        (a failed communicator: its queued calls fail as they come up, and one blocked in an
+        engine ends at the engine's timeout, which an exiting process must not wait for)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
             worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
+        if wait and worker is not None and worker is not threading.current_thread():
             worker.join()

@@ -629,7 +629,7 @@ class HierarchicalBackend:
         self._fail(reason)
 
     def close(self) -> None:
-        self._queue.close()
+        self._queue.close(wait=self._failure is None)
         self.local.close()
         for leg in self._all_legs():
             leg.close()
