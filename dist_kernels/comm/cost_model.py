@@ -328,7 +328,8 @@ def stage_us(
 
 
 def _copy_us(model: CostModel, local: int, s: float) -> float:
-    return model.shm_link(local, "all_gather", "ring").bytes_us(s)
+    """The local-major reorder: none with one rank per host (the order is the rank order)."""
+    return model.shm_link(local, "all_gather", "ring").bytes_us(s) if local > 1 else 0.0
 
 
 def hierarchical_us(
@@ -350,14 +351,18 @@ def hierarchical_us(
     return host + net + (chunks - 1) * max(host, net)
 
 
-def candidates(collective: str, nbytes: int, engines: Sequence[str]) -> List[Tuple[str, int, str]]:
-    """Every ``(kind, chunks, engine)`` auto weighs for ``collective`` of ``nbytes``."""
+def candidates(
+    collective: str, nbytes: int, engines: Sequence[str], local: int = 2
+) -> List[Tuple[str, int, str]]:
+    """Every ``(kind, chunks, engine)`` auto weighs for ``collective`` of ``nbytes`` with
+    ``local`` ranks per host."""
     kinds = (
         ["multi_leader"]
         if collective in ("reduce_scatter", "all_gather")
         else ["replicated", "multi_leader"]
     )
-    out = [("flat", 1, "gloo")]
+    # with one rank per host, flat moves what multi_leader moves (on Gloo only)
+    out = [("flat", 1, "gloo")] if local > 1 else []
     chunks = [k for k in (2**i for i in range(7)) if k == 1 or nbytes / k >= MIN_CHUNK_BYTES]
     for kind in kinds:
         for engine in engines:
@@ -383,7 +388,7 @@ class HierarchySettings:
         has; every rank of a communicator has the same)."""
         usable = [e for e in engines if self.engine in ("auto", e)] or ["gloo"]
         best = None
-        for kind, chunks, engine in candidates(collective, max(nbytes, 1), usable):
+        for kind, chunks, engine in candidates(collective, max(nbytes, 1), usable, local):
             if self.kind != "auto" and kind != self.kind:
                 continue
             if self.chunks and kind != "flat":

@@ -59,22 +59,22 @@ _HALF = (torch.float16, torch.bfloat16)
 
 class _LegHandle:
     """A started inter-host call: a failed wait fails the communicator and raises CommError
-    naming the host (``lost(engine, hosts, cause)`` builds it)."""
+    naming the host (``lost(engine, hosts, cause)`` builds it). ``wait(None)`` ends at the
+    engine's own timeout: Gloo's group has the communicator's (a wait with a timeout polls:
+    measured 2x slower at 8 B); MPI has none, and its job ends when a rank dies."""
 
     def __init__(
         self,
         handle,
         engine: str,
         suspects: Callable[[str], List[str]],
-        timeout: Optional[float],
         lost: Callable[..., CommError],
     ) -> None:
-        self.handle, self.engine, self.suspects = handle, engine, suspects
-        self.timeout, self.lost = timeout, lost
+        self.handle, self.engine, self.suspects, self.lost = handle, engine, suspects, lost
 
     def wait(self, timeout: Optional[float] = None) -> None:
         try:
-            self.handle.wait(self.timeout if timeout is None else timeout)
+            self.handle.wait(timeout)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError, MPI its own
             raise self.lost(self.engine, self.suspects(str(e)), e) from e
 
@@ -128,7 +128,6 @@ class HierarchicalBackend:
         self.peers = peers  # every rank: point-to-point between hosts, and flat collectives
         self.settings = settings
         self.addresses = list(addresses)
-        self.timeout_s = comm.timeout.total_seconds()
         self.hosts_n, self.local_n = layout.num_hosts, layout.local_size
         self.cross_index = layout.my_cross
         self._queue = CallQueue(f"dk-hierarchical-{self.rank}")
@@ -202,15 +201,12 @@ class HierarchicalBackend:
             return None
         members = self.layout.cross_groups[self.cross_index]
         handle = getattr(leg, call)(*args)
-        # Gloo ends its own calls at the group's timeout (and waits with one poll: measured
-        # 2x slower at 8 B); MPI has no timeout of its own.
-        timeout = None if engine == "gloo" else self.timeout_s
-        return _LegHandle(handle, engine, self._suspects(members), timeout, self._lost(self._what))
+        return _LegHandle(handle, engine, self._suspects(members), self._lost(self._what))
 
     def _flat(self, call: str, *args) -> _LegHandle:
         handle = getattr(self.peers, call)(*args)
         suspects = self._suspects(range(self.world_size))
-        return _LegHandle(handle, "gloo", suspects, None, self._lost(self._what))
+        return _LegHandle(handle, "gloo", suspects, self._lost(self._what))
 
     def _local_call(self, call: str, *tensors, args=()) -> None:
         """Runs a shared-memory collective on the host, on this thread (nothing to do when the
@@ -233,7 +229,7 @@ class HierarchicalBackend:
         return choice
 
     def _stages_run(self, plan: List[List[Stage]]) -> None:
-        run_stages(plan)  # every handle ends at its engine's timeout (see _cross)
+        run_stages(plan)  # every handle ends at its engine's timeout (see _LegHandle)
 
     # -- all_reduce ----------------------------------------------------------------------------
 

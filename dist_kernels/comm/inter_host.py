@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -117,9 +116,10 @@ def mpi_world() -> Optional[Any]:
 
 
 class _MpiHandle:
-    """An MPI request; ``wait`` polls so that a timeout can end it (MPI_Wait has none)."""
-
-    _SPIN_S = 200e-6  # poll without sleeping this long first: small messages finish in it
+    """An MPI request. ``wait`` blocks in MPI_Wait: MPICH moves a message's bytes only while
+    some MPI call runs (measured: polling MPI_Test between sleeps ran a 64 MiB all-reduce
+    between two emulated hosts at a third of MPI_Allreduce's speed). MPI has no timeout of its
+    own: a rank that dies ends the job (the launcher kills the others, or the wait raises)."""
 
     def __init__(self, request, buffers: Sequence[Any] = ()) -> None:
         self.request = request
@@ -127,15 +127,9 @@ class _MpiHandle:
         self.done = False
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        start = time.monotonic()
-        pause = 0.0
-        while not self.is_completed():
-            elapsed = time.monotonic() - start
-            if timeout is not None and elapsed > timeout:
-                raise TimeoutError(f"MPI request still pending after {timeout:.1f} s")
-            if elapsed > self._SPIN_S:
-                pause = min(1e-3, max(20e-6, pause * 2))
-                time.sleep(pause)
+        if not self.done:
+            self.request.Wait()
+            self.done = True
 
     def is_completed(self) -> bool:
         if not self.done:
