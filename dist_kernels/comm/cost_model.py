@@ -30,12 +30,13 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-#: Inter-host defaults until --calibrate measures them: Gloo / MPICH between two emulated hosts
-#: (tools/emulated_hosts.py, uncapped veth), fp32 all-reduce across 2 hosts, one rank each,
-#: 8 B to 64 MiB, fitted (docs/multihost.md).
+#: Inter-host defaults until --calibrate measures them, from a loaded run of
+#: benchmarks/bench_multihost.py (2 emulated hosts x 1 rank, uncapped, load average ~15,
+#: benchmarks/results/2026-12-01-multihost-loaded.md): an 8 B all-reduce (2 steps) took
+#: ~200 us on Gloo and ~40 us on MPICH, 64 MiB ~124 ms on both (S bytes on the wire each way).
 DEFAULT_INTER = {
-    "gloo": {"alpha_us": 60.0, "beta_us_per_byte": 1.0 / 600.0},
-    "mpi": {"alpha_us": 40.0, "beta_us_per_byte": 1.0 / 600.0},
+    "gloo": {"alpha_us": 100.0, "beta_us_per_byte": 1.0 / 540.0},
+    "mpi": {"alpha_us": 20.0, "beta_us_per_byte": 1.0 / 540.0},
 }
 HIERARCHY_KINDS = ("auto", "flat", "replicated", "multi_leader")
 ENGINE_CHOICES = ("auto", "gloo", "mpi")
