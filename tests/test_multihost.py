@@ -1,5 +1,6 @@
-"""Across real host boundaries: 2 emulated hosts (network + mount + UTS namespaces, each with
-its own /dev/shm and hostname, joined by a veth bridge) under ``torchrun --nnodes 2``.
+"""Across real host boundaries: 2 emulated hosts (network, mount, UTS, IPC and PID namespaces:
+each with its own /dev/shm, hostname and processes, joined by a veth bridge) under
+``torchrun --nnodes 2``.
 
 One launch of 2 hosts x 2 ranks runs every collective check (also on one rank per host) and
 the engine checks (tests/multihost_checks.py); each engine is held to its single-host test's
