@@ -154,6 +154,7 @@ def _runners(impls, mpi) -> Dict[str, Any]:
             out[impl] = lambda op, o, i, c=comm: (
                 c.all_reduce(i) if op == "all_reduce" else getattr(c, op)(o, i)
             )
+            out[impl].communicator = comm
     if "gloo" in impls:
         calls = {
             "all_reduce": lambda o, i: dist.all_reduce(i),
@@ -265,7 +266,7 @@ def rank_main(args) -> int:
                 {"op": op, "size": size, "impls": _measure(runners, op, size, args, rank, n)}
             )
             if "dk" in runners:
-                dk_choices[f"{op} {size}"] = _dk_choice(op, size, n)
+                dk_choices[f"{op} {size}"] = _dk_choice(runners["dk"].communicator, op, size, n)
     if rank == 0:
         with open(result_path + ".tmp", "w") as f:
             json.dump(
@@ -277,14 +278,11 @@ def rank_main(args) -> int:
     return 0
 
 
-def _dk_choice(op: str, size: int, n: int) -> str:
-    """What the cost model chose for dk at this size (rank 0's defaults or calibration)."""
-    from dist_kernels.comm import cost_model
-
-    hosts = 2
-    settings = cost_model.HierarchySettings.from_env(cost_model.load_model())
-    engines = ["gloo", "mpi"] if "PMI_RANK" in os.environ else ["gloo"]
-    c = settings.choose(op, hosts, n // hosts, size, engines)
+def _dk_choice(comm, op: str, size: int, n: int) -> str:
+    """What dk's auto ran at this size: its communicator's choice (rank 0's settings)."""
+    _, inp, _ = _case(op, size, 0, n)
+    nbytes = inp.numel() * 4 * (n if op == "all_gather" else 1)
+    c = comm._backend._choice(op, nbytes)
     return f"{c.kind} x{c.chunks} {c.engine}"
 
 

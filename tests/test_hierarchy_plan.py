@@ -232,6 +232,11 @@ def test_choices_replicated_small_pipelined_multi_leader_large():
         "all_reduce", 2, 2, 1 << 20, ["gloo", "mpi"]
     )
     assert only_mpi.engine == "mpi"
+    crowded = cm.HierarchySettings(oversubscribed=True)  # MPI spins: auto leaves it out
+    engines = {crowded.choose("all_reduce", 2, 2, n, ["gloo", "mpi"]).engine for n in (8, 1 << 24)}
+    assert engines == {"gloo"}
+    forced = cm.HierarchySettings(engine="mpi", oversubscribed=True)
+    assert forced.choose("all_reduce", 2, 2, 8, ["gloo", "mpi"]).engine == "mpi"
 
 
 def test_settings_from_env_are_checked_and_shared(monkeypatch, tmp_path):

@@ -375,12 +375,19 @@ def candidates(
 class HierarchySettings:
     """What a hierarchical communicator decides by: the model and the forced choices
     (``DK_INTER_HOST``: auto | gloo | mpi, ``DK_INTER_HOST_ALGO``: auto | flat | replicated |
-    multi_leader, ``DK_INTER_HOST_CHUNKS``: a chunk count, 0 = by the model)."""
+    multi_leader, ``DK_INTER_HOST_CHUNKS``: a chunk count, 0 = by the model).
+
+    ``oversubscribed``: rank 0's host has more ranks than usable cores. ``auto`` then leaves
+    MPI out: MPICH spins in MPI_Wait, which takes the cores the other ranks of the host need
+    (measured on 2 cores, 2 emulated hosts x 2 ranks: MPICH's own all-reduce at 0.1-0.26 GB/s
+    busbw against 0.5-1.1 GB/s at 2 x 1, and our MPI leg slower than our Gloo leg from 2 MiB).
+    """
 
     model: CostModel = field(default_factory=CostModel)
     engine: str = "auto"
     kind: str = "auto"
     chunks: int = 0
+    oversubscribed: bool = False
 
     def choose(
         self, collective: str, hosts: int, local: int, nbytes: int, engines: Sequence[str]
@@ -388,6 +395,8 @@ class HierarchySettings:
         """The cheapest candidate allowed by the forced settings (engines: those this rank
         has; every rank of a communicator has the same)."""
         usable = [e for e in engines if self.engine in ("auto", e)] or ["gloo"]
+        if self.engine == "auto" and self.oversubscribed:
+            usable = [e for e in usable if e != "mpi"] or usable
         best = None
         for kind, chunks, engine in candidates(collective, max(nbytes, 1), usable, local):
             if self.kind != "auto" and kind != self.kind:
@@ -409,14 +418,21 @@ class HierarchySettings:
             "engine": self.engine,
             "kind": self.kind,
             "chunks": self.chunks,
+            "oversubscribed": self.oversubscribed,
         }
 
     @classmethod
     def from_json(cls, data: Dict) -> HierarchySettings:
-        return cls(CostModel.from_json(data["model"]), data["engine"], data["kind"], data["chunks"])
+        return cls(
+            CostModel.from_json(data["model"]),
+            data["engine"],
+            data["kind"],
+            data["chunks"],
+            data.get("oversubscribed", False),
+        )
 
     @classmethod
-    def from_env(cls, model: CostModel) -> HierarchySettings:
+    def from_env(cls, model: CostModel, oversubscribed: bool = False) -> HierarchySettings:
         engine = os.environ.get("DK_INTER_HOST", "auto")
         kind = os.environ.get("DK_INTER_HOST_ALGO", "auto")
         chunks = os.environ.get("DK_INTER_HOST_CHUNKS", "0")
@@ -426,14 +442,15 @@ class HierarchySettings:
             raise ValueError(f"DK_INTER_HOST_ALGO={kind!r}: one of {', '.join(HIERARCHY_KINDS)}")
         if not chunks.isdigit() or int(chunks) > MAX_CHUNKS:
             raise ValueError(f"DK_INTER_HOST_CHUNKS={chunks!r}: an integer in [0, {MAX_CHUNKS}]")
-        return cls(model, engine, kind, int(chunks))
+        return cls(model, engine, kind, int(chunks), oversubscribed)
 
 
-def shared_settings(store, rank: int, timeout) -> HierarchySettings:
-    """Rank 0's settings (its environment and cost model file), the same on every rank."""
+def shared_settings(store, rank: int, timeout, oversubscribed: bool = False) -> HierarchySettings:
+    """Rank 0's settings (its environment, cost model file and ``oversubscribed``), the same
+    on every rank."""
     if rank == 0:
         try:
-            settings = HierarchySettings.from_env(load_model())
+            settings = HierarchySettings.from_env(load_model(), oversubscribed)
         except ValueError as e:  # the others must not wait for settings that never come
             store.set("hierarchy/settings", json.dumps({"error": str(e)}))
             raise

@@ -649,11 +649,12 @@ def connect(comm, local, hosts: Sequence[str], store) -> HierarchicalBackend:
     (point-to-point and flat collectives) and its own cross group (and the MPI one where the
     job runs under MPI); rank 0 shares the cost model and the DK_INTER_HOST* settings.
     """
-    from .shm import wait_keys
+    from .shm import usable_cores, wait_keys
 
     layout = HostLayout.of(hosts, comm.rank)
     rendezvous = max(comm.timeout, store.timeout)
-    settings = cost_model.shared_settings(store, comm.rank, rendezvous)
+    oversubscribed = layout.local_size > usable_cores()
+    settings = cost_model.shared_settings(store, comm.rank, rendezvous, oversubscribed)
     store.set(f"addr/{comm.rank}", _address())
     world = mpi_world() if settings.engine in ("auto", "mpi") else None
     store.set(f"mpi/{comm.rank}", str(world.Get_rank() if world is not None else -1))
