@@ -40,12 +40,16 @@ def test_hosts_are_separate_and_reach_each_other():
         script = (
             "import os, socket; open('/dev/shm/mine', 'w').close(); "
             "print(socket.gethostname(), socket.gethostbyname('host1'), "
-            "len([p for p in os.listdir('/proc') if p.isdigit()]))"
+            "len([p for p in os.listdir('/proc') if p.isdigit()]), "
+            "','.join(map(str, sorted(os.sched_getaffinity(0)))))"
         )
         outs = [hosts.run(h, [sys.executable, "-c", script]).output.split() for h in (0, 1)]
         assert outs[0][:2] == ["host0", "10.200.0.2"] and outs[1][0] == "host1"
         # a PID namespace of its own: the host sees its own few processes, not the machine's
         assert all(int(out[2]) < 10 for out in outs), outs
+        # CPUs of its own where there are enough (eh.host_cpus), else the machine's
+        for out, cpus in zip(outs, eh.host_cpus(2)):
+            assert out[3] == (cpus or ",".join(map(str, sorted(os.sched_getaffinity(0))))), out
         assert not os.path.exists("/dev/shm/mine")  # each host's /dev/shm is its own tmpfs
         server = hosts.popen(
             1,

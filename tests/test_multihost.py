@@ -133,6 +133,7 @@ def test_host_killed_mid_collective_every_survivor_raises_naming_it():
 
     results = launch_checks(["host_loss"], hosts=2, nproc_per_host=2, during=kill_when_ready)
     for rank in (0, 1):
+        assert rank in results["host_loss"], results["host_loss"].errors.get(rank)
         r = results["host_loss"][rank]
         print(rank, r)
         assert r["type"] == "CommError"

@@ -171,6 +171,16 @@ class HostProcess:
         return not self._reader.is_alive()
 
 
+def host_cpus(hosts: int) -> List[Optional[str]]:
+    """Each host's share of this process's CPUs (``taskset -c`` lists), disjoint and equal;
+    None for every host where there are fewer CPUs than hosts, or no taskset: they share."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per_host = len(cpus) // hosts
+    if per_host == 0 or shutil.which("taskset") is None:
+        return [None] * hosts
+    return [",".join(map(str, cpus[h * per_host : (h + 1) * per_host])) for h in range(hosts)]
+
+
 class EmulatedHosts:
     """``hosts`` emulated hosts joined by a switch; ``rate`` caps each host's uplink.
 
@@ -178,9 +188,14 @@ class EmulatedHosts:
         hosts: number of hosts (each gets ``host<i>`` at ``10.200.0.<i+1>``).
         rate: tc rate such as ``"1gbit"``; None leaves the link uncapped.
         mtu: the interfaces' MTU.
+        split_cpus: give each host its own CPUs (:func:`host_cpus`), as real hosts have: a
+            host then sees how many cores its ranks really have (a host of 2 ranks on 1 core
+            is oversubscribed, which the communicator adapts to).
     """
 
-    def __init__(self, hosts: int = 2, rate: Optional[str] = None, mtu: int = 1500) -> None:
+    def __init__(
+        self, hosts: int = 2, rate: Optional[str] = None, mtu: int = 1500, split_cpus: bool = True
+    ) -> None:
         if hosts < 1:
             raise ValueError(f"EmulatedHosts: hosts must be >= 1, got {hosts}")
         reason = missing_requirements()
@@ -188,6 +203,7 @@ class EmulatedHosts:
             raise RuntimeError(reason)
         self.hosts = hosts
         self.mtu = mtu
+        self.cpus = host_cpus(hosts) if split_cpus else [None] * hosts
         self.rate: Optional[str] = None
         self.tag = f"dk-{os.getpid()}-{secrets.token_hex(3)}"
         self._created: List[str] = []
@@ -341,6 +357,7 @@ class EmulatedHosts:
             "--propagation",
             "private",
             "--",
+            *(["taskset", "-c", self.cpus[host]] if self.cpus[host] else []),
             "sh",
             "-c",
             _ENTER,

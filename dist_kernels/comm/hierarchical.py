@@ -75,7 +75,7 @@ class _LegHandle:
     def wait(self, timeout: Optional[float] = None) -> None:
         try:
             self.handle.wait(timeout)
-        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError, MPI its own
+        except RuntimeError as e:  # gloo's errors and mpi4py's MPI.Exception both are
             raise self.lost(self.engine, self.suspects(str(e)), e) from e
 
     def is_completed(self) -> bool:
@@ -200,13 +200,20 @@ class HierarchicalBackend:
         if leg is None:
             return None
         members = self.layout.cross_groups[self.cross_index]
-        handle = getattr(leg, call)(*args)
-        return _LegHandle(handle, engine, self._suspects(members), self._lost(self._what))
+        return self._start(leg, engine, call, args, self._suspects(members))
 
     def _flat(self, call: str, *args) -> _LegHandle:
-        handle = getattr(self.peers, call)(*args)
-        suspects = self._suspects(range(self.world_size))
-        return _LegHandle(handle, "gloo", suspects, self._lost(self._what))
+        return self._start(self.peers, "gloo", call, args, self._suspects(range(self.world_size)))
+
+    def _start(self, leg, engine: str, call: str, args, suspects) -> _LegHandle:
+        """``leg.call(*args)`` as a _LegHandle; a group that already failed (a peer lost
+        during an earlier call) may raise when the call is posted: that is the same loss."""
+        lost = self._lost(self._what)
+        try:
+            handle = getattr(leg, call)(*args)
+        except RuntimeError as e:  # gloo's errors and mpi4py's MPI.Exception both are
+            raise lost(engine, suspects(str(e)), e) from e
+        return _LegHandle(handle, engine, suspects, lost)
 
     def _local_call(self, call: str, *tensors, args=()) -> None:
         """Runs a shared-memory collective on the host, on this thread (nothing to do when the
