@@ -16,36 +16,43 @@ CostModel shmCostModel(bool oversubscribed) {
   return CostModel{oversubscribed ? 4.0 : 1.5, 1.0 / 6000.0};
 }
 
+double bytesUs(const CostModel& m, double bytes) {
+  if (m.kneeBytes <= 0.0 || bytes <= m.kneeBytes) return bytes * m.betaUsPerB;
+  return m.kneeBytes * m.betaUsPerB + (bytes - m.kneeBytes) * m.betaFarUsPerB;
+}
+
 double ringAllReduceUs(const CostModel& m, int n, size_t bytes) {
-  return 2.0 * (n - 1) * m.alphaUs + 2.0 * (n - 1) / n * static_cast<double>(bytes) * m.betaUsPerB;
+  return 2.0 * (n - 1) * m.alphaUs + bytesUs(m, 2.0 * (n - 1) / n * static_cast<double>(bytes));
 }
 
 double treeAllReduceUs(const CostModel& m, int n, size_t bytes) {
   const double depth = std::ceil(std::log2(static_cast<double>(n)));
-  return 2.0 * depth * m.alphaUs + 2.0 * static_cast<double>(bytes) * m.betaUsPerB;
+  return 2.0 * depth * m.alphaUs + bytesUs(m, 2.0 * static_cast<double>(bytes));
 }
 
 double oneShotAllReduceUs(const CostModel& m, int n, size_t bytes) {
-  return m.alphaUs + (n - 1) * static_cast<double>(bytes) * m.betaUsPerB;
+  return m.alphaUs + bytesUs(m, (n - 1) * static_cast<double>(bytes));
 }
 
-Algorithm chooseAllReduce(const CostModel& m, int n, size_t bytes, bool oneShotFits) {
+Algorithm chooseAllReduce(const AlgorithmCosts& m, int n, size_t bytes, bool oneShotFits) {
   Algorithm best = Algorithm::kRing;
-  double bestUs = ringAllReduceUs(m, n, bytes);
-  if (const double us = treeAllReduceUs(m, n, bytes); us < bestUs) {
+  double bestUs = ringAllReduceUs(m.ringAllReduce, n, bytes);
+  if (const double us = treeAllReduceUs(m.treeAllReduce, n, bytes); us < bestUs) {
     best = Algorithm::kTree;
     bestUs = us;
   }
-  if (oneShotFits && oneShotAllReduceUs(m, n, bytes) < bestUs) best = Algorithm::kOneShot;
+  if (oneShotFits && oneShotAllReduceUs(m.oneShotAllReduce, n, bytes) < bestUs) {
+    best = Algorithm::kOneShot;
+  }
   return best;
 }
 
 double ringAllGatherUs(const CostModel& m, int n, size_t bytes) {
-  return (n - 1) * m.alphaUs + static_cast<double>(n - 1) / n * bytes * m.betaUsPerB;
+  return (n - 1) * m.alphaUs + bytesUs(m, static_cast<double>(n - 1) / n * bytes);
 }
 
 double oneShotAllGatherUs(const CostModel& m, int n, size_t bytes) {
-  return m.alphaUs + static_cast<double>(n - 1) / n * bytes * m.betaUsPerB;
+  return m.alphaUs + bytesUs(m, static_cast<double>(n - 1) / n * bytes);
 }
 
 double ringReduceScatterUs(const CostModel& m, int n, size_t bytes) {
@@ -56,15 +63,15 @@ double oneShotReduceScatterUs(const CostModel& m, int n, size_t bytes) {
   return oneShotAllGatherUs(m, n, bytes);
 }
 
-Algorithm chooseAllGather(const CostModel& m, int n, size_t bytes, bool oneShotFits) {
-  const bool oneShot =
-      oneShotFits && oneShotAllGatherUs(m, n, bytes) < ringAllGatherUs(m, n, bytes);
+Algorithm chooseAllGather(const AlgorithmCosts& m, int n, size_t bytes, bool oneShotFits) {
+  const bool oneShot = oneShotFits && oneShotAllGatherUs(m.oneShotAllGather, n, bytes) <
+                                          ringAllGatherUs(m.ringAllGather, n, bytes);
   return oneShot ? Algorithm::kOneShot : Algorithm::kRing;
 }
 
-Algorithm chooseReduceScatter(const CostModel& m, int n, size_t bytes, bool oneShotFits) {
-  const bool oneShot =
-      oneShotFits && oneShotReduceScatterUs(m, n, bytes) < ringReduceScatterUs(m, n, bytes);
+Algorithm chooseReduceScatter(const AlgorithmCosts& m, int n, size_t bytes, bool oneShotFits) {
+  const bool oneShot = oneShotFits && oneShotReduceScatterUs(m.oneShotReduceScatter, n, bytes) <
+                                          ringReduceScatterUs(m.ringReduceScatter, n, bytes);
   return oneShot ? Algorithm::kOneShot : Algorithm::kRing;
 }
 

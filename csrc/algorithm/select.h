@@ -10,6 +10,21 @@ namespace dk::algo {
 struct CostModel {
   double alphaUs;     // per dependent message step (handoff between ranks)
   double betaUsPerB;  // per byte moved through memory on the critical path
+  // A fitted model may have a knee: bytes beyond kneeBytes cost betaFarUsPerB each (the
+  // working set has left the caches). 0: no knee.
+  double kneeBytes = 0.0;
+  double betaFarUsPerB = 0.0;
+};
+
+// beta's term for `bytes` on the critical path, with the knee.
+double bytesUs(const CostModel& m, double bytes);
+
+// One model per algorithm: a calibration (python -m dist_kernels.bench --calibrate) fits each
+// on its own; the built-in model is one for all (uniform).
+struct AlgorithmCosts {
+  CostModel ringAllReduce, treeAllReduce, oneShotAllReduce;
+  CostModel ringAllGather, oneShotAllGather, ringReduceScatter, oneShotReduceScatter;
+  static AlgorithmCosts uniform(const CostModel& m) { return {m, m, m, m, m, m, m}; }
 };
 
 // Shared memory (see docs/architecture.md). `oversubscribed`: more ranks on the host than usable
@@ -22,7 +37,7 @@ double ringAllReduceUs(const CostModel& m, int worldSize, size_t bytes);
 double treeAllReduceUs(const CostModel& m, int worldSize, size_t bytes);
 double oneShotAllReduceUs(const CostModel& m, int worldSize, size_t bytes);
 // The cheapest by the model; one-shot only if `oneShotFits` (the caller's size limit for it).
-Algorithm chooseAllReduce(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
+Algorithm chooseAllReduce(const AlgorithmCosts& m, int worldSize, size_t bytes, bool oneShotFits);
 
 // All-gather and reduce-scatter, `bytes` = the whole buffer S (all-gather's output,
 // reduce-scatter's input), as nccl-tests counts it. ring: (n-1) alpha + (n-1)/n S beta;
@@ -34,8 +49,9 @@ double oneShotAllGatherUs(const CostModel& m, int worldSize, size_t bytes);
 double ringReduceScatterUs(const CostModel& m, int worldSize, size_t bytes);
 double oneShotReduceScatterUs(const CostModel& m, int worldSize, size_t bytes);
 // The cheaper of ring and one-shot (one-shot only if `oneShotFits`; a tie keeps the ring).
-Algorithm chooseAllGather(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
-Algorithm chooseReduceScatter(const CostModel& m, int worldSize, size_t bytes, bool oneShotFits);
+Algorithm chooseAllGather(const AlgorithmCosts& m, int worldSize, size_t bytes, bool oneShotFits);
+Algorithm chooseReduceScatter(const AlgorithmCosts& m, int worldSize, size_t bytes,
+                              bool oneShotFits);
 
 // NCCL transport: what "auto" runs. NCCL's own collective, for every size and collective,
 // until our ring and tree over NCCL send/recv have been measured on a GPU (docs/gpu.md): there

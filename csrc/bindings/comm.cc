@@ -61,15 +61,35 @@ void formatSegment(shm::Segment& seg, int worldSize) {
   check(shm::ShmTransport::formatSegment(seg, shm::defaultGeometry(worldSize)), "shared memory");
 }
 
+// (alpha, beta, knee, beta beyond the knee) of ring, tree, one-shot all-reduce, then ring,
+// one-shot all-gather and reduce-scatter (dist_kernels.comm.cost_model.FITTED_ORDER); empty:
+// none fitted.
+std::optional<algo::AlgorithmCosts> fittedModels(const std::vector<double>& costs) {
+  constexpr size_t kPerModel = 4, kModels = 7;
+  if (costs.empty()) return std::nullopt;
+  if (costs.size() != kPerModel * kModels) {
+    throw py::value_error(
+        "fitted_costs: 28 numbers (alpha, beta, knee, beta far of 7 "
+        "algorithms), got " +
+        std::to_string(costs.size()));
+  }
+  auto at = [&](size_t i) {
+    const double* c = &costs[kPerModel * i];
+    return algo::CostModel{c[0], c[1], c[2], c[3]};
+  };
+  return algo::AlgorithmCosts{at(0), at(1), at(2), at(3), at(4), at(5), at(6)};
+}
+
 std::unique_ptr<PyCommunicator> makeCommunicator(SegmentPtr seg, int rank, double timeoutSec,
                                                  bool oversubscribed, bool debug, int label,
                                                  bool checkDescriptors,
-                                                 std::shared_ptr<FlightRecorder> recorder) {
+                                                 std::shared_ptr<FlightRecorder> recorder,
+                                                 const std::vector<double>& fittedCosts) {
   auto out = std::make_unique<PyCommunicator>();
   out->label = label;
   out->captureStacks = recorder != nullptr && recorder->capturesStacks();
   CpuCommunicator::Options options{timeoutSec, oversubscribed, debug, checkDescriptors,
-                                   std::move(recorder)};
+                                   std::move(recorder), fittedModels(fittedCosts)};
   std::unique_ptr<CpuCommunicator> comm;
   Status s;
   {
@@ -186,7 +206,8 @@ void bindCommunicator(py::module_& m) {
   py::class_<PyCommunicator>(m, "CpuCommunicator")
       .def(py::init(&makeCommunicator), py::arg("segment"), py::arg("rank"), py::arg("timeout_s"),
            py::arg("oversubscribed"), py::arg("debug"), py::arg("label"),
-           py::arg("check_descriptors") = true, py::arg("recorder") = nullptr)
+           py::arg("check_descriptors") = true, py::arg("recorder") = nullptr,
+           py::arg("fitted_costs") = std::vector<double>{})
       .def_property_readonly("rank", [](PyCommunicator& c) { return c.live("rank")->rank(); })
       .def_property_readonly("world_size",
                              [](PyCommunicator& c) { return c.live("world_size")->worldSize(); })
@@ -334,6 +355,13 @@ void bindTopology(py::module_& m) {
         return py::make_tuple(r.offset, r.count);
       },
       py::arg("count"), py::arg("parts"), py::arg("index"), py::arg("granule"));
+  m.def(
+      "_shm_builtin_cost",
+      [](bool oversubscribed) {
+        const auto model = algo::shmCostModel(oversubscribed);
+        return py::make_tuple(model.alphaUs, model.betaUsPerB);
+      },
+      py::arg("oversubscribed") = false);
   m.def(
       "_shm_all_reduce_cost_us",
       [](int n, size_t bytes, bool oversubscribed) {

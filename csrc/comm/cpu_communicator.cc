@@ -155,7 +155,7 @@ algo::Algorithm CpuCommunicator::resolveAllReduce(const Request& r) const {
     return r.algorithm;
   }
   const bool autoFits = bytes <= transport_->maxMessageBytes() / kAllReduceAutoOneShotDivisor;
-  return algo::chooseAllReduce(algo::shmCostModel(options_.oversubscribed), worldSize(), bytes,
+  return algo::chooseAllReduce(costModels(), worldSize(), bytes,
                                autoFits && r.algorithm == Algorithm::kAuto);
 }
 
@@ -168,11 +168,17 @@ algo::Algorithm CpuCommunicator::resolveGatherScatter(const Request& r) const {
   }
   if (r.algorithm != Algorithm::kAuto) return Algorithm::kRing;
   const bool autoFits = bytes <= transport_->maxMessageBytes() / kGatherScatterAutoOneShotDivisor;
-  const algo::CostModel model = algo::shmCostModel(options_.oversubscribed);
+  const algo::AlgorithmCosts model = costModels();
   const size_t whole = static_cast<size_t>(worldSize()) * bytes;
   return r.kind == CollectiveKind::kAllGather
              ? algo::chooseAllGather(model, worldSize(), whole, autoFits)
              : algo::chooseReduceScatter(model, worldSize(), whole, autoFits);
+}
+
+algo::AlgorithmCosts CpuCommunicator::costModels() const {
+  return options_.fitted
+             ? *options_.fitted
+             : algo::AlgorithmCosts::uniform(algo::shmCostModel(options_.oversubscribed));
 }
 
 shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {

@@ -30,10 +30,12 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "algorithm/collective.h"
 #include "algorithm/cpu_compute.h"
+#include "algorithm/select.h"
 #include "comm/flight_recorder.h"
 #include "comm/op_queue.h"
 #include "comm/request.h"
@@ -50,6 +52,9 @@ class CpuCommunicator {
     bool debug = false;            // DK_DEBUG: fingerprint every collective before it runs
     bool checkDescriptors = true;  // see ShmTransport::setDescriptorChecks
     std::shared_ptr<FlightRecorder> recorder;  // null: calls are not recorded
+    // Fitted models for algorithm="auto" (python -m dist_kernels.bench --calibrate); none:
+    // the built-in one, algo::shmCostModel(oversubscribed), for every algorithm.
+    std::optional<algo::AlgorithmCosts> fitted;
   };
   static Status create(std::shared_ptr<shm::Segment> segment, int rank, Options options,
                        std::unique_ptr<CpuCommunicator>* out);
@@ -94,6 +99,7 @@ class CpuCommunicator {
   TraceCall traceCallOf(const Request& request) const;
   algo::Algorithm resolveAllReduce(const Request& request) const;
   algo::Algorithm resolveGatherScatter(const Request& request) const;
+  algo::AlgorithmCosts costModels() const;
   // Within the deadline of the collective it checks.
   Status fingerprint(const shm::MessageHeader& header,
                      std::chrono::steady_clock::time_point deadline);

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import launch
+from . import calibrate as calibration
 from . import ops, report
 
 ALGORITHMS = ("ring", "tree", "auto")
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     add("--json", metavar="FILE", help="write meta data and every row as JSON")
     add("--plot", metavar="FILE.png", help="busbw against size, log-log (needs matplotlib)")
+    calibration.add_arguments(parser)
     return parser
 
 
@@ -490,6 +492,9 @@ def _time_call(
 def run_rank(args: argparse.Namespace, launcher: str, command: str) -> List[report.Row]:
     """Runs the whole benchmark on this rank (process group initialised); rank 0 prints."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if args.calibrate:
+        calibration.run_rank(args, command)
+        return []
     # all_gather_into_tensor's deprecation notice, once per rank, would split the table.
     warnings.filterwarnings("ignore", category=FutureWarning)
     bench = _Rank(args, launcher, command)
@@ -569,6 +574,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m dist_kernels.bench`` and ``dk-bench``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.project:
+        return calibration.project()
     if _under_torchrun():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         try:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import os
-import socket
 import threading
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -28,6 +26,7 @@ import torch.distributed as dist
 from ..dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code
 from . import algorithms
 from .base import BaseCommunicator
+from .host_layout import host_id as _host_id
 from .timeout import resolve_timeout
 from .work import Work
 
@@ -56,10 +55,6 @@ _ALL_REDUCE_CODES = algorithms.codes("cpu", "all_reduce")
 _creation_counters: Dict[Tuple[int, ...], itertools.count[int]] = {}
 _store_counter = itertools.count()  # communicators made from a store (flight-recorder names)
 _creation_lock = threading.Lock()
-
-
-def _host_id() -> str:
-    return os.environ.get("DK_HOST_ID") or socket.gethostname()
 
 
 class Communicator(BaseCommunicator):
@@ -184,9 +179,9 @@ class Communicator(BaseCommunicator):
         self._debug_source = shm.debug_source
         if len(local) == self.world_size:
             return shm
-        from .hierarchical import HierarchicalBackend, gloo_links
+        from .hierarchical import connect
 
-        return HierarchicalBackend(self, shm, hosts, gloo_links(self, hosts, store))
+        return connect(self, shm, hosts, store)
 
     def _rendezvous_store(self):
         """A store private to this communicator instance, and the store it is a prefix of.

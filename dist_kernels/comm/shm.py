@@ -18,6 +18,7 @@ from torch.autograd import profiler as _torch_profiler
 from .. import _C
 from ..debug import flight_recorder
 from ..debug.profiler import ProfiledCalls
+from .cost_model import load_model
 
 
 def wait_keys(store, keys: Sequence[str], timeout: datetime.timedelta) -> None:
@@ -71,17 +72,21 @@ class ShmBackend:
         segment = None
         try:
             # Local rank 0 decides what every rank must agree on (auto's algorithm choice
-            # depends on `oversubscribed`): its affinity mask or environment may differ.
+            # depends on `oversubscribed` and the fitted cost model): its affinity mask,
+            # environment or files may differ.
             if local_rank == 0:
                 segment = _C.ShmSegment.create(segment_bytes)
                 _C.shm_format(segment, local_size)
                 oversubscribed = local_size > usable_cores()
                 checks = os.environ.get("DK_CHECK_DESCRIPTORS", "1") != "0"
-                store.set("segment", f"{segment.name} {int(oversubscribed)} {int(checks)}")
+                fitted = load_model().fitted_costs(local_size)
+                costs = ",".join(repr(x) for x in fitted) or "-"
+                store.set("segment", f"{segment.name} {int(oversubscribed)} {int(checks)} {costs}")
             else:
                 wait_keys(store, ["segment"], rendezvous_timeout)
-                name, over, chk = store.get("segment").decode().split()
+                name, over, chk, costs = store.get("segment").decode().split()
                 oversubscribed, checks = over == "1", chk == "1"
+                fitted = [] if costs == "-" else [float(x) for x in costs.split(",")]
                 segment = _C.ShmSegment.open(name, segment_bytes)
             recorder = flight_recorder.new_recorder()
             self.impl = _C.CpuCommunicator(
@@ -93,6 +98,7 @@ class ShmBackend:
                 label,
                 check_descriptors=checks,
                 recorder=recorder,
+                fitted_costs=fitted,
             )
         finally:
             self._mapped_then_unlink(segment, "segment", creator=local_rank == 0)

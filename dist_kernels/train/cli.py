@@ -215,13 +215,17 @@ def _spawn(cfg: TrainConfig, world_size: int) -> int:
 def _join_torchrun(timeout_s: float) -> None:
     """init_process_group under torchrun, its keys under a prefix of this attempt.
 
-    torchrun keeps its store across restarts; without the prefix a restarted group finds the
-    dead attempt's gloo addresses there and fails to connect ("Connection refused").
+    The workers' store may be the agent's, which outlives a restart; without the prefix a
+    restarted group finds the dead attempt's gloo addresses there and fails to connect
+    ("Connection refused"). The restart count names the attempt only then: with a store of
+    its own per round (``TORCHELASTIC_USE_AGENT_STORE`` False), nothing stale is left, and
+    a host whose agent was started anew counts its restarts from 0 while the others do not.
     """
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "round"
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     store = dist.PrefixStore(f"dist_kernels.train/attempt-{attempt}", store)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,0 +1,110 @@
+"""The fitted cost model end to end: --calibrate writes a model that auto then decides by, and
+the projection to 1,024 ranks against NCCL's published figures. No timing is asserted: the
+calibration's own prediction errors are printed, for the quiet-machine rerun."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mp_pool import run_ranks  # noqa: E402
+
+from dist_kernels.bench import projection as pj  # noqa: E402
+from dist_kernels.comm import cost_model as cm  # noqa: E402
+
+
+def _calibrate(path):
+    from dist_kernels.bench import calibrate, cli
+
+    args = cli.parse_args(
+        [
+            "--calibrate",
+            "--calibrate-out",
+            path,
+            "-b",
+            "8",
+            "-e",
+            "64K",
+            "-f",
+            "16",
+            "--calib-blocks",
+            "1",
+            "--iters",
+            "5",
+        ]
+    )
+    calibrate.run_rank(args, "test")
+    return True
+
+
+def test_calibrate_writes_every_algorithm_of_the_host(tmp_path, capsys):
+    path = str(tmp_path / "model.json")
+    assert run_ranks(2, _calibrate, path, timeout=300) == [True, True]
+    model = cm.load_model(path)
+    assert sorted(model.shm[2]) == sorted(f"{c}/{a}" for c, a in cm.FITTED_ORDER)
+    for link in model.shm[2].values():
+        assert link.alpha_us >= 0 and link.beta_us_per_byte >= 0
+        assert link.alpha_us + link.beta_us_per_byte > 0
+    assert len(model.fitted_costs(2)) == 28 and model.meta["command"] == "test"
+
+
+def _auto_choices(path, sizes):
+    import dist_kernels as dk
+
+    os.environ["DK_COST_MODEL"] = path
+    try:
+        with dk.Communicator() as comm:
+            return [comm._backend.impl.resolve_all_reduce(s // 4, 0, 0) for s in sizes]
+    finally:
+        os.environ.pop("DK_COST_MODEL")
+
+
+def test_auto_decides_by_the_fitted_model(tmp_path):
+    """A model whose tree is free and the others dear makes auto pick the tree at every size
+    (the built-in model picks one-shot and the ring at 2 ranks): the extension prices each
+    algorithm with its own fitted link."""
+    dear, free = cm.Link(1e6, 1.0), cm.Link(1e-3, 1e-9)
+    links = {f"{c}/{a}": (free if a == "tree" else dear) for c, a in cm.FITTED_ORDER}
+    path = cm.save_model(cm.CostModel(shm={2: links}), str(tmp_path / "tree.json"))
+    sizes = [8, 4096, 1 << 20]
+    fitted, builtin = (
+        run_ranks(2, _auto_choices, path, sizes)[0],
+        run_ranks(2, _auto_choices, str(tmp_path / "none.json"), sizes)[0],
+    )
+    assert fitted == [2, 2, 2], fitted  # 2 = tree
+    assert 2 not in builtin, builtin
+
+
+# ------------------------------------------------------------------ projection
+
+
+def test_projection_follows_nccls_latency_model():
+    """NCCL's tuning model (src/graph/tuning.cc): ring latency = base + (nsteps - nInterSteps)
+    intra + nInterSteps inter, nsteps = 2(n-1), nInterSteps = 2(nNodes-1); tree = base +
+    2((ppn - 1) intra + log2i(nNodes) inter). The projection's 8-byte times are those."""
+    links = pj.NCCL_H100
+    for n in pj.WORLD_SIZES:
+        nodes = n // 8
+        ring = 8.4 + (2 * (n - 1) - 2 * (nodes - 1)) * 3.4 + 2 * (nodes - 1) * 9.6
+        tree = 8.4 + 2 * (7 * 3.4 + int(math.log2(nodes)) * 9.6)
+        assert pj.ring_us(links, n, 8, 0) == pytest.approx(ring)
+        assert pj.tree_us(links, n, 8, 0) == pytest.approx(tree)
+
+
+def test_projection_reproduces_the_published_figures_and_growth():
+    rows = {(r["ranks"], r["bytes"]): r for r in pj.table(pj.NCCL_H100, sizes=(8, 8 << 30))}
+    # nccl-tests on 8 x H100: ~365 GB/s ring busbw at large sizes
+    assert rows[(8, 8 << 30)]["ring"]["busbw"] == pytest.approx(365, rel=0.01)
+    # small messages: the ring grows with n, the tree with log n
+    ring = [rows[(n, 8)]["ring"]["us"] for n in pj.WORLD_SIZES]
+    tree = [rows[(n, 8)]["tree"]["us"] for n in pj.WORLD_SIZES]
+    assert ring[-1] / ring[-2] == pytest.approx(2, rel=0.02)  # 512 -> 1024 ranks: doubled
+    assert all(b - a == pytest.approx(2 * 9.6) for a, b in zip(tree[1:], tree[2:]))
+    # large messages across hosts: every GPU's NIC carries 1/8 of the data in the hierarchical
+    # path, so it beats one ring paced by one NIC per step
+    far = rows[(1024, 8 << 30)]
+    assert far["hierarchical"]["busbw"] > 2 * far["ring"]["busbw"]
