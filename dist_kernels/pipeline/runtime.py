@@ -32,8 +32,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .actions import Action, Kind
+from .checker import check_schedule, runtime_order
 from .partition import build_stage, format_partition, plan_partition
-from .schedules import Action, Kind, build_schedule, simulate
+from .schedules import build_schedule
 from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -173,7 +175,7 @@ class Pipeline:
         self.comm, self.dp_comm = self._resolve_comm(comm)
         self.rank, self.n_ranks = self.comm.rank, self.comm.world_size
         self.schedule = build_schedule(schedule, self.n_ranks, n_microbatches, stages_per_rank)
-        simulate(self.schedule)  # plan first: never run a schedule that fails on paper
+        check_schedule(self.schedule)  # plan first: never run a schedule that fails on paper
         self.n_stages = self.schedule.n_stages
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
@@ -184,7 +186,7 @@ class Pipeline:
         if print_partition and _global_rank() == 0:
             print(self.partition_text, flush=True)
         self.actions = self.schedule.actions[self.rank]
-        self._compute_order = _eager_sends(self.actions)
+        self._compute_order = runtime_order(self.actions)
         self.channels = Channels(self.comm)
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
@@ -481,36 +483,6 @@ class Pipeline:
         if a.kind is Kind.BACKWARD:
             ddp.set_requires_gradient_sync(last)
         return contextlib.nullcontext() if last else ddp.no_sync()
-
-
-def _eager_sends(actions: Sequence[Action]) -> List[Action]:
-    """The rank's compute steps and sends, each send moved right behind the step producing it.
-
-    The schedule places a send where a blocking transfer would pair best with its receiver;
-    with asynchronous sends, the earliest moment is best. Moving sends keeps their order on
-    every channel (peer) unless two outputs for one peer were produced in the other order;
-    then the planned positions are kept.
-    """
-    planned = [a for a in actions if a.kind not in _RECVS]
-    sends = {(a.kind, a.stage, a.microbatch): a for a in planned if a.kind in _SENDS}
-    eager: List[Action] = []
-    for a in planned:
-        if a.kind in _SENDS:
-            continue
-        eager.append(a)
-        out_kind = Kind.SEND_ACT if a.kind is Kind.FORWARD else Kind.SEND_GRAD
-        send = sends.get((out_kind, a.stage, a.microbatch))
-        if send is not None:
-            eager.append(send)
-
-    def per_peer(order: Sequence[Action]) -> Dict[int, List[Action]]:
-        channels: Dict[int, List[Action]] = {}
-        for a in order:
-            if a.kind in _SENDS:
-                channels.setdefault(a.peer, []).append(a)
-        return channels
-
-    return eager if per_peer(eager) == per_peer(planned) else planned
 
 
 _SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
