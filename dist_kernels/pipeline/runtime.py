@@ -33,9 +33,10 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .actions import Action, Kind
-from .checker import check_schedule, runtime_order
+from .checker import check_schedule, receives_by_peer, runtime_order
 from .partition import build_stage, format_partition, plan_partition
 from .schedules import build_schedule
+from .split import WeightGradient, backward_input
 from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -193,7 +194,9 @@ class Pipeline:
         self.ddp = self._wrap_data_parallel(find_unused_parameters)
         # Per stage, the micro-batch whose backward the schedule runs last: it all-reduces.
         self._last_backward = {
-            a.stage: a.microbatch for a in self.actions if a.kind is Kind.BACKWARD
+            a.stage: a.microbatch
+            for a in self.actions
+            if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)
         }
 
     # ------------------------------------------------------------------ construction
@@ -310,8 +313,10 @@ class Pipeline:
         self.arrived: Dict[Tuple[Kind, int, int], Tuple] = {}  # (RECV_*, s, mb) -> (tensors, tup)
         self.outbox: Dict[Tuple[Kind, int, int], Tuple] = {}  # (SEND_*, stage, mb) -> ditto
         self._send_works: List[Any] = []  # isend works of this step, waited for at its end
-        self._receives = iter(a for a in self.actions if a.kind in _RECVS)  # in list order
+        self._receives = receives_by_peer(self.actions)  # per peer, in list order
         self.saved: Dict[Tuple[int, int], Tuple] = {}  # (stage, mb) -> forward state
+        # (stage, mb) -> (the W half of an I, the bytes its activations hold)
+        self.weight_halves: Dict[Tuple[int, int], Tuple[Optional[WeightGradient], int]] = {}
         self.losses: List[torch.Tensor] = []
         self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
         self._live_bytes = 0
@@ -320,6 +325,8 @@ class Pipeline:
         handler = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward_input,
+            Kind.BACKWARD_WEIGHT: self._backward_weight,
             Kind.SEND_ACT: self._send,
             Kind.SEND_GRAD: self._send,
             Kind.RECV_ACT: self._recv,
@@ -384,18 +391,44 @@ class Pipeline:
             self._hand_over(Kind.SEND_ACT, a.stage, a.microbatch, outs, out_is_tuple)
 
     def _backward(self, a: Action) -> None:
-        leaves, outs, saved_bytes = self.saved.pop((a.stage, a.microbatch))
-        if a.stage == self.n_stages - 1:
-            roots, grads = list(outs), None
-        else:
-            received, _ = self._take((Kind.RECV_GRAD, a.stage, a.microbatch))
-            floating = [t for t in outs if t.is_floating_point()]
-            pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
-            roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        """B: the full backward of one micro-batch, input and weight gradients at once."""
+        leaves, roots, grads, saved_bytes = self._backward_roots(a)
         if roots:
             with self._dp_context(a):
                 torch.autograd.backward(roots, grads)
         self._live_bytes -= saved_bytes
+        self._send_input_grads(a, leaves)
+
+    def _backward_input(self, a: Action) -> None:
+        """I: the input gradient only, sent upstream at once; W computes the rest later and
+        holds the activations until then (``pipeline/split.py``)."""
+        leaves, roots, grads, saved_bytes = self._backward_roots(a)
+        weight = None
+        if roots:
+            params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
+            weight = backward_input(roots, grads or [None] * len(roots), leaves, params)
+        self.weight_halves[(a.stage, a.microbatch)] = (weight, saved_bytes)
+        self._send_input_grads(a, leaves)
+
+    def _backward_weight(self, a: Action) -> None:
+        """W: the weight gradients of an earlier I, into ``.grad``; frees its activations."""
+        weight, saved_bytes = self.weight_halves.pop((a.stage, a.microbatch))
+        if weight is not None:
+            with self._dp_context(a):
+                weight.run()
+        self._live_bytes -= saved_bytes
+
+    def _backward_roots(self, a: Action):
+        """(stage inputs, tensors to differentiate, their gradients, saved bytes) of ``a``."""
+        leaves, outs, saved_bytes = self.saved.pop((a.stage, a.microbatch))
+        if a.stage == self.n_stages - 1:
+            return leaves, list(outs), None, saved_bytes
+        received, _ = self._take((Kind.RECV_GRAD, a.stage, a.microbatch))
+        floating = [t for t in outs if t.is_floating_point()]
+        pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
+        return leaves, [t for t, _ in pairs], [g for _, g in pairs], saved_bytes
+
+    def _send_input_grads(self, a: Action, leaves: Sequence[torch.Tensor]) -> None:
         if a.stage > 0:
             input_grads = [
                 t.grad if t.grad is not None else torch.zeros_like(t)
@@ -423,19 +456,20 @@ class Pipeline:
     # ------------------------------------------------------------------ transfers
 
     def _take(self, key: Tuple[Kind, int, int]) -> Tuple:
-        """The tensors of receive ``key``, receiving in list order until they are here.
+        """The tensors of receive ``key``, receiving from its peer in list order until here.
 
-        Receives run lazily, when a step needs their tensor, but never out of list order, so
-        every channel's messages are taken in the order its sender sent them. Deadlock-free:
-        this thread blocks only in a receive, receives follow the validated list, and sends
-        never wait for this rank's compute (isend); ``test_pipeline_schedule`` replays every
-        schedule this way.
+        Receives run lazily, when a step needs their tensor, and each peer's in list order,
+        which is the order that peer sent them (one FIFO per peer); a late message from one
+        peer never holds up another's. Deadlock-free: this thread blocks only in a receive
+        the validated list expects next from that peer, and sends never wait for this rank's
+        compute (isend); the checker (``pipeline/checker.py``) runs every list this way.
         """
+        source = key[1] - 1 if key[0] is Kind.RECV_ACT else key[1] + 1
+        queue = self._receives.get(self.schedule.rank_of(source))
         while key not in self.arrived:
-            action = next(self._receives, None)
-            if action is None:
+            if not queue:
                 raise RuntimeError(f"the schedule has no receive for {key}")
-            self._execute(action)
+            self._execute(queue.popleft())
         return self.arrived.pop(key)
 
     def _send(self, a: Action) -> None:
@@ -480,13 +514,9 @@ class Pipeline:
         if ddp is None:
             return contextlib.nullcontext()
         last = a.microbatch == self._last_backward[a.stage]
-        if a.kind is Kind.BACKWARD:
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
             ddp.set_requires_gradient_sync(last)
         return contextlib.nullcontext() if last else ddp.no_sync()
-
-
-_SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
-_RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
 
 
 def _same_family(exc: Exception, message: str) -> Exception:
