@@ -119,3 +119,53 @@ def test_zero_bubble_schedules_equal_1f1b_bitwise(world_size):
     print("seed", SEED)
     results = run_ranks(world_size, _rank_schedules, 1, timeout=600)
     _check_bitwise(results, dp=1, pp=world_size)
+
+
+class _Slow(nn.Module):
+    """A Linear whose forward also sleeps: a stage of known minimum cost."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.fc, self.seconds = nn.Linear(WIDTH, WIDTH), seconds
+
+    def forward(self, x):
+        import time
+
+        time.sleep(self.seconds)
+        return self.fc(x)
+
+
+SLEEP = 0.05
+
+
+def _rank_profile():
+    comm = dk.Communicator()
+    out = {}
+    for schedule in ("1f1b", "zb-h1"):
+        torch.manual_seed(SEED)
+        stages = [nn.Linear(WIDTH, WIDTH), _Slow(SLEEP)]
+        pipe = dk.Pipeline(stages, comm, n_microbatches=2, schedule=schedule,
+                           loss_fn=nn.functional.mse_loss, print_partition=False)  # fmt: skip
+        x, y = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+        out[schedule] = pipe.profile(x, y, steps=2)
+    comm.close()
+    return out
+
+
+def test_profile_times_each_action_without_its_waits():
+    """Stage 1 sleeps in every forward: its F is at least the sleep; stage 0's backward waits
+    that long for each gradient, but the wait is not its time. The same table on both ranks,
+    and the simulator takes it as it is."""
+    results = run_ranks(2, _rank_profile, timeout=120)
+    assert results[0] == results[1]
+    for schedule, profile in results[0].items():
+        times = profile["times"]
+        print(schedule, profile)
+        split = schedule == "zb-h1"
+        assert sorted(times) == sorted(["F", "send", "recv"] + (["B", "W"] if split else ["BW"]))
+        assert times["F"][1] >= SLEEP
+        backward = times["B"][0] + times["W"][0] if split else times["BW"][0]
+        assert 0 < backward < SLEEP  # a one-Linear backward, its waits for gradients excluded
+        assert profile["p2p"] > 0 and times["send"] > 0 and times["recv"] > 0
+        sim = dk.pipeline.simulate(schedule, 2, 2, **profile)
+        assert sim.step_time >= 2 * SLEEP

@@ -10,6 +10,7 @@
 ``partition``  pure: where an ``nn.Sequential`` is cut into stages
 ``wire``       the tensors one step sends: shapes and dtypes agreed once, then raw buffers
 ``split``      one stage's backward as an input-gradient half and a weight-gradient half
+``profiling``  what ``Pipeline.profile()`` measures for the simulator
 ``validation`` the optimizer step checked after it starts, rolled back if the check fails
 ``runtime``    :class:`Pipeline`, running one rank's action list on the Communicator
 
@@ -23,6 +24,7 @@ from .runtime import Pipeline, PipelineError
 from .schedules import SCHEDULES, build_schedule
 from .simulator import ScheduleReport, bubble_formula, simulate
 from .table import schedule_table
+from .validation import ValidatedOptimizer
 
 __all__ = [
     "SCHEDULES",
@@ -34,6 +36,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleReport",
     "StageSpan",
+    "ValidatedOptimizer",
     "bubble_formula",
     "build_schedule",
     "check_schedule",

@@ -21,9 +21,9 @@ naming the rank and the action, for:
 * anything left over: a step that never runs, an output never sent, a message never received.
 
 With costs it is also the simulator's engine (:mod:`.simulator`): every action gets a start
-and an end, from each rank's clock and each message's arrival. Sends cost ``send`` on the
-sender's thread and arrive ``p2p`` after they start (at least ``send``); a receive taken costs
-``recv`` on the receiver's. The times depend only on the lists, not on the order in which the
+and an end, from each rank's clock and each message's arrival. A send costs ``send`` on the
+sender's thread and its message arrives ``p2p`` after that; a receive taken costs ``recv`` on
+the receiver's. The times depend only on the lists, not on the order in which the
 fake runtime visits the ranks: sends never block, so each step's start is fixed by the steps
 it waits for.
 """
@@ -176,9 +176,8 @@ class FakeRuntime:
         if a.peer != peer or peer == r:
             self.fail(r, a, f"stage {delivers(a.key)[1]} is on rank {peer}")
         rank.outbox.discard(a.key)
-        arrives = rank.clock + max(self.p2p, self.send_cost)
-        self.channels.setdefault((r, peer), deque()).append(_Message(a.key, arrives))
         rank.clock += self.send_cost
+        self.channels.setdefault((r, peer), deque()).append(_Message(a.key, rank.clock + self.p2p))
 
     def _compute(self, r: int, a: Action) -> bool:
         """Runs compute step ``a`` if its inputs can be had; False while a message is missing."""

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from .actions import Action, Kind
 from .checker import check_schedule, receives_by_peer, runtime_order
 from .partition import build_stage, format_partition, plan_partition
+from .profiling import ActionTimer, gather_times, measure_p2p
 from .schedules import build_schedule
 from .split import WeightGradient, backward_input
 from .wire import ACTIVATION, GRADIENT, Channels
@@ -189,6 +190,17 @@ class Pipeline:
         self.actions = self.schedule.actions[self.rank]
         self._compute_order = runtime_order(self.actions)
         self.channels = Channels(self.comm)
+        self._handlers = {
+            Kind.FORWARD: self._forward,
+            Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward_input,
+            Kind.BACKWARD_WEIGHT: self._backward_weight,
+            Kind.SEND_ACT: self._send,
+            Kind.SEND_GRAD: self._send,
+            Kind.RECV_ACT: self._recv,
+            Kind.RECV_GRAD: self._recv,
+        }
+        self._timer: Optional[ActionTimer] = None  # set while profile() runs
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
         self.ddp = self._wrap_data_parallel(find_unused_parameters)
@@ -296,6 +308,31 @@ class Pipeline:
         # last backward (it waits for its all-reduces before that backward returns).
         return self._finish_loss()
 
+    def profile(self, inputs: Any = None, targets: Any = None, *, steps: int = 3) -> Dict:
+        """Measures the per-action times of this pipeline on its real model, for the simulator.
+
+        Runs ``steps`` training steps (the first only warms up when there are several) timing
+        every action, then agrees with the other ranks of the pipeline (collective): returns
+        ``{"times": {...}, "p2p": seconds}``, the same on every rank, so that
+        ``dk.pipeline.simulate(name, n_ranks, n_microbatches, **pipe.profile(x, y))`` predicts
+        a schedule from this model's own times (``pipeline/profiling.py`` says what each
+        number is). Gradients accumulate as in :meth:`step`: zero them afterwards.
+        """
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        timer = ActionTimer()
+        for i in range(steps):
+            self._timer = timer if i > 0 or steps == 1 else None
+            try:
+                self.step(inputs, targets)
+            finally:
+                self._timer = None
+        times = self._guard(None, "profile", lambda: gather_times(timer, self.n_stages, self.comm))
+        peer = self.schedule.rank_of(1) if self.n_stages > 1 else 0
+        nbytes = self.channels.sent_bytes(peer, ACTIVATION) if self.rank == 0 else 0
+        p2p = self._guard(None, "profile", lambda: measure_p2p(self.comm, nbytes))
+        return {"times": times, "p2p": p2p}
+
     def _wait_sends(self) -> None:
         works, self._send_works = self._send_works, []
         for work in works:
@@ -322,17 +359,13 @@ class Pipeline:
         self._live_bytes = 0
 
     def _execute(self, action: Action) -> None:
-        handler = {
-            Kind.FORWARD: self._forward,
-            Kind.BACKWARD: self._backward,
-            Kind.BACKWARD_INPUT: self._backward_input,
-            Kind.BACKWARD_WEIGHT: self._backward_weight,
-            Kind.SEND_ACT: self._send,
-            Kind.SEND_GRAD: self._send,
-            Kind.RECV_ACT: self._recv,
-            Kind.RECV_GRAD: self._recv,
-        }[action.kind]
-        self._guard(action, action.describe(), lambda: handler(action))
+        handler = self._handlers[action.kind]
+        if self._timer is None:
+            self._guard(action, action.describe(), lambda: handler(action))
+        else:  # the runtime's own cost of an action counts as the action's
+            self._timer.run(
+                action, lambda: self._guard(action, action.describe(), lambda: handler(action))
+            )
 
     def _guard(self, action: Optional[Action], what: str, fn: Callable[[], Any]) -> Any:
         """Runs ``fn``; on failure closes the communicators and raises naming ``what``."""

@@ -10,11 +10,11 @@ needed), with each compute action taking its measured time. ``times`` uses the z
 paper's letters: ``F`` forward, ``B`` the input-gradient half of a backward (torch's action
 ``I``), ``W`` the weight-gradient half; a full backward (action ``B`` of GPipe and 1F1B) takes
 ``times["BW"]`` if given, else ``B + W``. ``send`` / ``recv`` are what one transfer costs the
-sender's and the receiver's thread, ``p2p`` the time from the start of a send to its message
-being there to receive. Each compute time is one number, the time of one rank's share of the
-model (a schedule with ``v`` stages per rank gives each stage ``1 / v`` of it, so schedules
-compare at the same model), or one per stage, as ``Pipeline.profile()`` measures them on the
-real model.
+sender's and the receiver's thread, ``p2p`` the time from the end of a send on the sender's
+thread to its message being there to receive. Each compute time is one number, the time of
+one rank's share of the model (a schedule with ``v`` stages per rank gives each stage
+``1 / v`` of it, so schedules compare at the same model), or one per stage, as
+``Pipeline.profile()`` measures them on the real model.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def simulate(
         schedule: a name (then ``n_stages``, the pipeline ranks, and ``n_microbatches`` are
             required) or a built :class:`~.actions.Schedule`.
         times: per-action times (module docstring); default ``F = B = W = 1``, free transfers.
-        p2p: transfer latency, from the start of a send until it can be received.
+        p2p: transfer latency, from the end of a send call until it can be received.
         stages_per_rank: for a name: interleaved 1F1B's virtual stages per rank.
     """
     if isinstance(schedule, str):
