@@ -312,9 +312,10 @@ def _summary(results: list) -> None:
             if base is None or name not in rows:
                 continue
             r = rows[name]
+            speed = r["ours_samples_s"] / base["ours_samples_s"]
+            bubble = r["ours_bubble"] / base["ours_bubble"]
             print(
-                f"{world} ranks: {name} / 1f1b samples/s {r['ours_samples_s'] / base['ours_samples_s']:.3f}, "
-                f"bubble {r['ours_bubble'] / base['ours_bubble']:.2f} of 1f1b's"
+                f"{world} ranks: {name} / 1f1b samples/s {speed:.3f}, bubble {bubble:.2f} of 1f1b's"
             )
 
 

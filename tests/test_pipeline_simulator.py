@@ -30,6 +30,9 @@ def test_paper_bubble_formulas_exactly_at_equal_times():
             if m >= 2 * p - 1:
                 assert simulate("zb-h2", p, m, times=EQUAL).bubble_rate == 0.0, (p, m)
                 assert simulate("zb-v", p, m, times=EQUAL).bubble_rate == 0.0, (p, m)
+            if m >= 2 * p:  # DualPipeV: p - 1 - r idle chunk slots on rank r, of 6m
+                sim = simulate("dualpipe-v", p, m, times=EQUAL)
+                assert sim.bubble_rate == (p - 1) / (6 * m), (p, m)
 
 
 def test_gpipe_1f1b_and_interleaved_textbook_bubble_under_several_costs():
@@ -63,7 +66,8 @@ def test_step_time_of_one_rank_share_per_action():
 
 def test_peak_activations():
     """1F1B holds p - s on stage s; ZB-H1 keeps 1F1B's peak (p, on every stage); ZB-H2 at
-    most 2p - 1; ZB-V at most p per rank of half-size stages (1F1B's memory)."""
+    most 2p - 1; ZB-V at most p per rank of half-size stages (1F1B's memory), DualPipeV
+    p + 1/2; interleaved 1F1B at most v p chunks on a stage (v = 2)."""
     for p in RANKS:
         for m in range(2 * p, 17):
             one = simulate("1f1b", p, m)
@@ -72,6 +76,9 @@ def test_peak_activations():
             assert max(simulate("zb-h2", p, m).peak_activations) <= 2 * p - 1
             assert max(simulate("zb-v", p, m).peak_memory) <= p
             assert simulate("gpipe", p, m).peak_memory == (float(m),) * p
+            assert max(simulate("dualpipe-v", p, m).peak_memory) == p + 0.5
+            if m % p == 0:
+                assert max(simulate("interleaved-1f1b", p, m).peak_activations) <= 2 * p
 
 
 def _dataflow_step_time(schedule, cost, p2p) -> float:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_kernels.pipeline.split import backward_input
+from dist_kernels.pipeline.split import backward_input, parameter_nodes
 
 SEED = 20261202
 
@@ -62,7 +62,7 @@ def test_halves_equal_the_full_backward(name, input_grad):
         outs_ref, outs = _outputs(reference, x_ref), _outputs(split, x_split)
         grads = [torch.randn_like(o) for o in outs_ref]
         torch.autograd.backward(outs_ref, grads)
-        weight = backward_input(outs, grads, [x_split], list(split.parameters()))
+        weight = backward_input(outs, grads, [x_split], parameter_nodes(list(split.parameters())))
         if input_grad:
             assert torch.equal(x_split.grad, x_ref.grad)
         if step == 0:  # I alone touches no parameter
@@ -89,7 +89,7 @@ def test_integer_inputs_and_hooks_fire_in_w():
     out, out_ref = model(ids), reference(ids)
     grad = torch.randn_like(out_ref)
     out_ref.backward(grad)
-    weight = backward_input([out], [grad], [ids], list(model.parameters()))
+    weight = backward_input([out], [grad], [ids], parameter_nodes(list(model.parameters())))
     assert fired == []
     weight.run()
     assert sorted(fired) == sorted(p.shape for p in model.parameters())
@@ -113,7 +113,9 @@ def test_w_does_not_run_the_input_path_again():
     runs = []
     for relu in relus:
         relu.register_prehook(lambda g: runs.append(1))
-    weight = backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
+    weight = backward_input(
+        [out], [torch.ones_like(out)], [x], parameter_nodes(list(model.parameters()))
+    )
     assert len(runs) == len(relus) == 2  # I ran the input path once
     weight.run()
     assert len(runs) == 2  # W did not

@@ -37,7 +37,7 @@ from .checker import check_schedule, receives_by_peer, runtime_order
 from .partition import build_stage, format_partition, plan_partition
 from .profiling import ActionTimer, gather_times, measure_p2p
 from .schedules import build_schedule
-from .split import WeightGradient, backward_input
+from .split import WeightGradient, backward_input, parameter_nodes
 from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -204,6 +204,9 @@ class Pipeline:
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
         self.ddp = self._wrap_data_parallel(find_unused_parameters)
+        self._parameter_nodes = {
+            s: parameter_nodes(list(m.parameters())) for s, m in self.stages.items()
+        }
         # Per stage, the micro-batch whose backward the schedule runs last: it all-reduces.
         self._last_backward = {
             a.stage: a.microbatch
@@ -438,7 +441,7 @@ class Pipeline:
         leaves, roots, grads, saved_bytes = self._backward_roots(a)
         weight = None
         if roots:
-            params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
+            params = self._parameter_nodes[a.stage]
             weight = backward_input(roots, grads or [None] * len(roots), leaves, params)
         self.weight_halves[(a.stage, a.microbatch)] = (weight, saved_bytes)
         self._send_input_grads(a, leaves)

@@ -30,19 +30,20 @@ from collections import deque
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightGradient", "backward_input"]
+__all__ = ["WeightGradient", "backward_input", "parameter_nodes"]
 
 
 def _node_of(t: torch.Tensor) -> Optional[Node]:
-    """``t``'s grad_fn, or for a leaf its AccumulateGrad node (reached through a view)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    if not t.requires_grad:
-        return None
-    with torch.enable_grad():
-        return t.view_as(t).grad_fn.next_functions[0][0]
+    """``t``'s grad_fn, or for a leaf its AccumulateGrad node (None: no gradient)."""
+    return get_gradient_edge(t).node if t.requires_grad else None
+
+
+def parameter_nodes(params: Sequence[torch.Tensor]) -> List[Tuple[torch.Tensor, Node]]:
+    """Each parameter with its AccumulateGrad node, for :func:`backward_input`. Holding the
+    nodes keeps them alive, so every later graph uses the same ones: find them once."""
+    return [(p, _node_of(p)) for p in params if p.requires_grad]
 
 
 class _Graph:
@@ -131,12 +132,13 @@ def backward_input(
     roots: Sequence[torch.Tensor],
     grads: Sequence[Optional[torch.Tensor]],
     inputs: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
+    params: Sequence[Tuple[torch.Tensor, Node]],
 ) -> WeightGradient:
     """Runs the I half: ``inputs`` (leaves) get their ``.grad``; returns the W half.
 
     ``roots`` are the stage's outputs (or its scaled loss), ``grads`` their gradients (None
-    for a scalar loss), ``params`` the parameters whose gradients W computes.
+    for a scalar loss), ``params`` the parameters whose gradients W computes, with their
+    nodes (:func:`parameter_nodes`).
     """
     grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads)]
     root_nodes = [r.grad_fn for r in roots]
@@ -171,23 +173,35 @@ def _keeper(kept: Dict[Node, tuple], node: Node):
 def _group_params(
     graph: _Graph, input_path: Set[Node], root_nodes: Sequence[Node], params
 ) -> List[_Group]:
-    """Each parameter's boundary (module docstring), parameters sharing one merged."""
+    """Each parameter's boundary (module docstring); parameters sharing a boundary node or an
+    output end up in one group (a union-find over those keys)."""
     root_index = {n: i for i, n in enumerate(root_nodes) if n is not None}
-    owner: Dict[object, _Group] = {}  # boundary node or ("root", i) -> its group
-    groups: List[_Group] = []
-    for param in params:
-        node = _node_of(param)
-        if node is None or node not in graph.parents:
+    leader: Dict[object, object] = {}  # key (boundary node, or ("root", i)) -> towards its set
+
+    def find(key):
+        while leader[key] is not key:
+            leader[key] = leader[leader[key]]
+            key = leader[key]
+        return key
+
+    reached = []
+    for param, node in params:
+        if node not in graph.parents:
             continue  # not in this micro-batch's graph: no gradient, as in a full backward
         boundary, roots = _boundary_of(graph, input_path, root_index, node)
-        keys = list(boundary) + [("root", i) for i in roots]
-        group = _merge([owner[k] for k in keys if k in owner], groups)
+        keys = [*boundary, *(("root", i) for i in roots)]
+        for key in keys:
+            leader.setdefault(key, key)
+        for key in keys[1:]:
+            leader[find(key)] = find(keys[0])
+        reached.append((param, boundary, roots, keys[0]))
+    groups: Dict[object, _Group] = {}
+    for param, boundary, roots, key in reached:
+        group = groups.setdefault(find(key), _Group())
         group.params.append(param)
         group.boundary |= boundary
         group.roots |= roots
-        for key in list(group.boundary) + [("root", i) for i in group.roots]:
-            owner[key] = group
-    return groups
+    return list(groups.values())
 
 
 def _boundary_of(graph: _Graph, input_path, root_index, node: Node) -> Tuple[Set[Node], Set[int]]:
@@ -207,19 +221,3 @@ def _boundary_of(graph: _Graph, input_path, root_index, node: Node) -> Tuple[Set
                 seen.add(parent)
                 queue.append(parent)
     return boundary, roots
-
-
-def _merge(found: List[_Group], groups: List[_Group]) -> _Group:
-    """One group holding every group in ``found`` (a new one if none)."""
-    if not found:
-        groups.append(_Group())
-        return groups[-1]
-    keep = found[0]
-    for other in found[1:]:
-        if other is keep or other not in groups:
-            continue
-        keep.params += other.params
-        keep.boundary |= other.boundary
-        keep.roots |= other.roots
-        groups.remove(other)
-    return keep
