@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dist_kernels.bench.memory import pss_kb, reset_peak_rss, rss_kb  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -121,41 +122,6 @@ def _formula(stage: int, numel: int, world_size: int) -> int:
     return int(
         {0: 16 * numel, 1: 8 * numel + 8 * shard, 2: 4 * numel + 12 * shard, 3: 16 * shard}[stage]
     )
-
-
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _pss_kb() -> int:
-    """Proportional set size now (kB): a page shared by k processes counts 1/k in each. RSS
-    counts it whole in every process that touched it, so a rank that reads its peer's
-    registered gradient buffer in place (zero-copy) shows the peer's bytes in its own RSS."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _reset_peak_rss() -> int:
-    """Resets the peak-RSS counter (Linux clear_refs 5); returns the RSS now, in kB."""
-    import gc
-
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _rss_kb("VmRSS")
 
 
 def _comm() -> Tuple[Any, str]:
@@ -251,8 +217,8 @@ def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
     """Warm-up steps, the correctness check against ``reference`` (the baseline's parameters
     after its warm-up; None for the baseline itself), then the timed steps."""
     torch.manual_seed(0)
-    rss_before = _reset_peak_rss()
-    pss_before = _pss_kb()
+    rss_before = reset_peak_rss()
+    pss_before = pss_kb()
     model = Transformer(args.vocab, args.d_model, args.layers, args.heads, args.seq)
     wrapped, opt, state_bytes, grad_bytes, master_bytes = build(model)
     g = torch.Generator().manual_seed(1 + rank)
@@ -270,14 +236,14 @@ def _run_config(build, args, rank, name, reference) -> Dict[str, Any]:
         if step == args.warmup + args.steps - 1:  # bytes held after backward, untimed
             probe = time.perf_counter()
             memory = _memory_of(opt, model, build)
-            pss = _pss_kb() - pss_before
+            pss = pss_kb() - pss_before
             start += time.perf_counter() - probe
         opt.step()
         opt.zero_grad()
         elapsed = time.perf_counter() - start
         if step >= args.warmup:
             times.append(elapsed)
-    peak_rss = _rss_kb("VmHWM") - rss_before
+    peak_rss = rss_kb("VmHWM") - rss_before
     stage = opt.stage if hasattr(opt, "memory_report") else _TORCH_STAGES[build.__name__]
     result = {
         "ms": 1e3 * statistics.median(times),

@@ -85,6 +85,7 @@ _SUBMODULES: Dict[str, str] = {
     "lr": "lr",
     "train": "train",
     "tensor_parallel": "tensor_parallel",
+    "context_parallel": "context_parallel",
     "models": "models",
     "local_sgd": "local_sgd",
     "param_server": "param_server",

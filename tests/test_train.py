@@ -156,6 +156,22 @@ def test_tensor_parallel_matches_single_process(reference, layout):
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [dict(cp=2), dict(dp=2, cp=2), dict(cp=2, pp=2), dict(cp=2, zero=2)],
+    ids=["cp2", "dp2xcp2", "cp2xpp2", "cp2-zero2"],
+)
+def test_context_parallel_matches_single_process(reference, layout):
+    """The sequence split over cp ranks (ring attention), gradients averaged over dp x cp."""
+    ref_losses, ref_params = reference
+    world = layout.get("dp", 1) * layout["cp"] * layout.get("pp", 1)
+    ranks = run_ranks(world, _on_ranks, _cfg(global_batch=8, **layout), timeout=240)
+    torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
+    if "pp" not in layout:  # a stage holds part of the parameters
+        for r in ranks:
+            _assert_params_close(r["params"], ref_params, rtol=1e-5, atol=3e-5)
+
+
 def test_dp2_zero2_matches_single_process(reference):
     ref_losses, ref_params = reference
     ranks = run_ranks(2, _on_ranks, _cfg(dp=2, zero=2, global_batch=8), timeout=180)
@@ -264,6 +280,14 @@ def test_batch_arithmetic_errors():
         TrainConfig(dp=2, micro_batch=4, global_batch=10).with_layout(2)
     with pytest.raises(ConfigError, match=r"zero\(2\) shards over data-parallel ranks"):
         TrainConfig(zero=2).with_layout(1)
+    with pytest.raises(
+        ConfigError, match=r"dp\(2\) x tp\(1\) x cp\(2\) x pp\(1\) != world_size\(2\)"
+    ):
+        TrainConfig(dp=2, cp=2).with_layout(2)
+    with pytest.raises(ConfigError, match=r"seq_len\(16\) is not a multiple of 2 x cp\(3\) = 6"):
+        TrainConfig(cp=3, model=TINY).with_layout(3)
+    with pytest.raises(ConfigError, match=r"engine='torch' supports cp=1 only"):
+        TrainConfig(cp=2, engine="torch", model=TINY).with_layout(2)
     ok = TrainConfig(dp=2, micro_batch=4, global_batch=32).with_layout(2)
     assert ok.grad_accum == 4
 

@@ -2,7 +2,9 @@
 
     model = GPT(GPTConfig(vocab_size=256, dim=64, n_heads=4, n_layers=2))
     model.parallelize(mesh.tp_comm, sequence_parallel=True)   # or tp.shard_module(...)
+    model.context_parallel(mesh.cp_comm)                      # sequence sharded over cp
     loss = model(idx, targets)                                # idx, targets: [batch, seq]
+                                                              # (this rank's shard under cp)
 
 Inside, activations are ``[sequence, batch, hidden]`` (Megatron's layout): under sequence
 parallelism dimension 0 is what is split. The model is three kinds of children, so that
@@ -14,6 +16,11 @@ parallelism dimension 0 is what is split. The model is three kinds of children, 
 
 The fused ``qkv`` projection orders its output features head by head (``[head][q, k, v][d]``),
 so splitting its rows into ``tp`` contiguous shards gives each rank whole heads.
+
+Under context parallelism (:meth:`GPT.context_parallel`) every rank holds ``seq / cp`` tokens
+of each sample (``cp.shard_sequence``): attention is ring attention over the cp ranks, the
+position embedding takes the rows of the shard's global positions, and the loss is the mean
+over every token of the whole sequences.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import context_parallel as cp
 from .. import tensor_parallel as tp
 
 __all__ = ["GPTConfig", "GPT"]
@@ -83,15 +91,18 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, heads * 3 * d] (heads of this rank, whole sequence)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, -1, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
         p = self.dropout if self.training else 0.0
-        # Heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn).
-        with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.sequence is not None:
+            y = self.sequence.attention(q, k, v, causal=True)
+        else:  # heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn)
+            with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * d]
         return self.drop(self.proj(y))
 
@@ -132,13 +143,18 @@ class Embedding(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.wpe = nn.Embedding(cfg.block_size, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
+        self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        seq = ids.shape[1]
+        local = ids.shape[1]
+        seq = local if self.sequence is None else local * self.sequence.size
         if seq > self.block_size:
             raise ValueError(f"GPT: sequence length {seq} > block_size({self.block_size})")
         x = self.wte(ids.t())
-        pos = self.wpe.weight[:seq]
+        if self.sequence is None:
+            pos = self.wpe.weight[:seq]
+        else:  # the rows of this shard's global positions
+            pos = self.wpe.weight[self.sequence.positions(local).to(ids.device)]
         if getattr(self.wte, "sequence_parallel", False):
             pos = pos.chunk(self.wte.tp_size)[self.wte.tp_rank]  # this rank's positions
         return self.drop(x + pos.unsqueeze(1).to(x.dtype))
@@ -152,16 +168,26 @@ class Head(nn.Module):
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x)).transpose(0, 1)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy; vocabulary-parallel (no gather) when the head is sharded."""
+        """Mean cross-entropy; vocabulary-parallel (no gather) when the head is sharded; over
+        every token of the whole sequences under context parallelism."""
         head = self.lm_head
+        reduction = "mean" if self.sequence is None else "sum"
         if isinstance(head, tp.ColumnParallelLinear) and not head.gather_output:
-            return tp.vocab_parallel_cross_entropy(logits, targets, comm=head.comm)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            loss = tp.vocab_parallel_cross_entropy(
+                logits, targets, comm=head.comm, reduction=reduction
+            )
+        else:
+            flat = logits.reshape(-1, logits.shape[-1])
+            loss = F.cross_entropy(flat, targets.reshape(-1), reduction=reduction)
+        if self.sequence is None:
+            return loss
+        return self.sequence.mean(loss, (targets != -100).sum())
 
 
 class GPT(nn.Module):
@@ -236,3 +262,18 @@ class GPT(nn.Module):
         """Shards this model in place over the tensor-parallel group ``comm``; returns it."""
         size = 1 if comm is None else comm.world_size
         return tp.shard_module(self, self.tp_plan(size, sequence_parallel), comm)
+
+    def context_parallel(self, comm: Any, load_balance: bool = True) -> GPT:
+        """Runs this model on sequence shards over the context-parallel group ``comm``
+        (``mesh.cp_comm``); returns it. Inputs and targets are then this rank's shard
+        (``cp.shard_sequence(ids, comm, dim=1, load_balance=load_balance)``); parameters'
+        gradients are averaged over dp x cp (``mesh.dp_cp_comm``), as over dp."""
+        if self.config.dropout > 0:
+            raise ValueError(
+                f"GPT.context_parallel: dropout({self.config.dropout}) > 0, but ring "
+                "attention has no attention dropout (torch's CPU flash kernel has none)"
+            )
+        sequence = cp.SequenceSharding(comm, load_balance)
+        for module in (self.embedding, *(b.attn for b in self.blocks), self.head):
+            module.sequence = sequence
+        return self

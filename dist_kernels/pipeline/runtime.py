@@ -141,7 +141,8 @@ class Pipeline:
         module_or_stages: an ``nn.Sequential`` (split here, the same way on every rank) or the
             full list of stage modules (each rank keeps its own).
         comm: the pipeline's Communicator (one rank per stage), a :class:`~dist_kernels.ProcessMesh`
-            (pipeline over ``mesh.pp_comm``, gradients averaged over ``mesh.dp_comm``), or None
+            (pipeline over ``mesh.pp_comm``, gradients averaged over ``mesh.dp_cp_comm``: dp x
+            cp, the ranks holding the same stage's weights; ``mesh.dp_comm`` when cp = 1), or None
             for the default communicator (one process without a process group: one rank).
         n_microbatches: micro-batches per step; the batch size must be a multiple.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``.
@@ -221,7 +222,7 @@ class Pipeline:
         from ..mesh import ProcessMesh
 
         if isinstance(comm, ProcessMesh):
-            return comm.pp_comm, comm.dp_comm
+            return comm.pp_comm, comm.dp_cp_comm
         comm = _default_comm() if comm is None else comm
         for attr in ("rank", "world_size", "send", "recv", "broadcast"):
             if not hasattr(comm, attr):

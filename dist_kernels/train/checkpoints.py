@@ -99,7 +99,7 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
     extra = {"step": step, "samples": step * cfg.global_batch, "identity": ident}
     if cfg.zero:
         dk_checkpoint.save(stage, model=engine.module, optimizer=engine.optimizer, extra=extra)
-    elif engine.dp_rank == 0:
+    elif engine.replica_rank == 0:  # one of the dp x cp ranks that hold these weights
         extra["optimizer"] = engine.optimizer.state_dict()
         dk_checkpoint.save(stage, model=engine.module, extra=extra)
     barrier()

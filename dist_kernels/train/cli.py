@@ -1,7 +1,7 @@
 """``python -m dist_kernels.train``: parse, check everything, then spawn ranks or join torchrun.
 
 Without ``torchrun`` (no ``RANK`` / ``WORLD_SIZE`` in the environment) it starts
-``dp x tp x pp`` local CPU ranks itself, as ``python -m dist_kernels.bench`` does (spawn, a
+``dp x tp x cp x pp`` local CPU ranks itself, as ``python -m dist_kernels.bench`` does (spawn, a
 TCPStore on 127.0.0.1, a gloo group). Under ``torchrun`` it is one of the ranks; with
 ``--max-restarts`` and ``--resume auto`` a group restarted after a lost rank continues from the
 newest complete checkpoint.
@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     m = ModelConfig()
     add = p.add_argument
-    add("--dp", type=int, default=0, help="data-parallel replicas (0: world / (tp x pp))")
+    add("--dp", type=int, default=0, help="data-parallel replicas (0: world / (tp x cp x pp))")
     add("--tp", type=int, default=1, help="tensor-parallel ranks")
+    add("--cp", type=int, default=1, help="context-parallel ranks (sequence split, ring attention)")
     add("--pp", type=int, default=1, help="pipeline stages")
     add("--zero", type=int, default=0, choices=(0, 1, 2), help=_STRATEGY_HELP)
     add("--schedule", default=d.schedule, help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b")
@@ -102,7 +103,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len
     )
     return TrainConfig(
-        dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, schedule=args.schedule,
+        dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, zero=args.zero, schedule=args.schedule,
         micro_batch=args.micro_batch, grad_accum=args.grad_accum, global_batch=args.global_batch,
         bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
         dtype=args.dtype, steps=args.steps, stop_after=args.stop_after, lr=args.lr,
@@ -215,7 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     torchrun = under_torchrun()
-    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else (cfg.dp or 1) * cfg.tp * cfg.pp
+    local = (cfg.dp or 1) * cfg.tp * cfg.cp * cfg.pp
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else local
     try:
         cfg = preflight(cfg, world_size)
     except ValueError as e:  # ConfigError, DataError, CheckpointError

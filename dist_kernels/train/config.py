@@ -3,7 +3,7 @@
 The batch arithmetic, checked before any rank starts::
 
     global_batch = micro_batch x grad_accum x dp          (samples per optimizer step)
-    world_size   = dp x tp x pp
+    world_size   = dp x tp x cp x pp
 
 ``grad_accum`` left at 0 is derived from the other three, so a run resumed on another ``dp``
 keeps its global batch and recomputes the accumulation.
@@ -46,9 +46,12 @@ class TrainConfig:
     """One training run. Build it with :func:`from_args` or directly; call :meth:`check`."""
 
     dp: int = 0
-    """Data-parallel replicas; 0 = world_size / (tp x pp)."""
+    """Data-parallel replicas; 0 = world_size / (tp x cp x pp)."""
     tp: int = 1
     """Tensor-parallel ranks per layer (needs ``dist_kernels.tensor_parallel``)."""
+    cp: int = 1
+    """Context-parallel ranks: each holds ``seq_len / cp`` tokens of every sample (zig-zag
+    shards, ring attention); ``seq_len`` must be a multiple of ``2 x cp``."""
     pp: int = 1
     """Pipeline stages (``dk.Pipeline``); the blocks are split evenly."""
     zero: int = 0
@@ -131,15 +134,17 @@ class TrainConfig:
         raises :class:`ConfigError` with the arithmetic when they do not fit."""
         cfg = dataclasses.replace(self)
         cfg.check()
-        if world_size % (cfg.tp * cfg.pp):
+        cp_text = f" x cp({cfg.cp})" if cfg.cp > 1 else ""
+        if world_size % (cfg.tp * cfg.cp * cfg.pp):
             raise ConfigError(
-                f"world_size({world_size}) is not a multiple of tp({cfg.tp}) x pp({cfg.pp})"
+                f"world_size({world_size}) is not a multiple of tp({cfg.tp}){cp_text} x "
+                f"pp({cfg.pp})"
             )
         if cfg.dp == 0:
-            cfg.dp = world_size // (cfg.tp * cfg.pp)
-        if cfg.dp * cfg.tp * cfg.pp != world_size:
+            cfg.dp = world_size // (cfg.tp * cfg.cp * cfg.pp)
+        if cfg.dp * cfg.tp * cfg.cp * cfg.pp != world_size:
             raise ConfigError(
-                f"dp({cfg.dp}) x tp({cfg.tp}) x pp({cfg.pp}) != world_size({world_size})"
+                f"dp({cfg.dp}) x tp({cfg.tp}){cp_text} x pp({cfg.pp}) != world_size({world_size})"
             )
         per_step = cfg.micro_batch * cfg.dp
         if cfg.global_batch == 0:
@@ -161,7 +166,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Ranges and choices of single options."""
-        for name in ("tp", "pp", "micro_batch", "steps", "log_every", "lr_base_batch"):
+        for name in ("tp", "cp", "pp", "micro_batch", "steps", "log_every", "lr_base_batch"):
             _at_least(name, getattr(self, name), 1)
         for name in ("dp", "grad_accum", "global_batch", "warmup", "checkpoint_every"):
             _at_least(name, getattr(self, name), 0)
@@ -181,8 +186,10 @@ class TrainConfig:
             raise ConfigError(f"d_model({m.d_model}) is not a multiple of n_head({m.n_head})")
 
     def _check_layout(self) -> None:
-        if self.zero and self.dp == 1:
-            raise ConfigError(f"zero({self.zero}) shards over data-parallel ranks: needs dp > 1")
+        if self.zero and self.dp * self.cp == 1:
+            raise ConfigError(
+                f"zero({self.zero}) shards over data-parallel ranks (dp x cp): needs dp x cp > 1"
+            )
         if self.pp > 1 and self.zero:
             raise ConfigError(f"zero({self.zero}) with pp({self.pp}) > 1 is not supported yet")
         if self.pp > 1 and self.engine != "dk":
@@ -193,9 +200,16 @@ class TrainConfig:
             )
         if self.tp > 1 and self.model.n_head % self.tp:
             raise ConfigError(f"n_head({self.model.n_head}) is not a multiple of tp({self.tp})")
+        if self.cp > 1 and self.model.seq_len % (2 * self.cp):
+            raise ConfigError(
+                f"seq_len({self.model.seq_len}) is not a multiple of 2 x cp({self.cp}) = "
+                f"{2 * self.cp}: each cp rank holds two of 2 cp chunks (load balancing)"
+            )
+        if self.cp > 1 and self.engine != "dk":
+            raise ConfigError(f"engine={self.engine!r} supports cp=1 only (cp={self.cp})")
         if self.simulate_straggler is not None:
             rank = self.simulate_straggler[0]
-            world = self.dp * self.tp * self.pp
+            world = self.dp * self.tp * self.cp * self.pp
             if not 0 <= rank < world:
                 raise ConfigError(
                     f"simulate_straggler: rank {rank} not in [0, world_size({world}))"

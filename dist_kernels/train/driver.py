@@ -61,12 +61,11 @@ class World:
             dist.all_gather_object(self.hosts, socket.gethostname())
             self.comm = Communicator()
             if need_mesh:
-                # tp joins the mesh with the tensor-parallel issue; tp=1 keeps main's signature
-                tp = {"tp": cfg.tp} if cfg.tp > 1 else {}
-                self.mesh = ProcessMesh(dp=cfg.dp, pp=cfg.pp, **tp)
+                self.mesh = ProcessMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp)
         self.pp_rank = self.mesh.pp_rank if self.mesh is not None else 0
         self.tp_rank = getattr(self.mesh, "tp_rank", 0)
         self.tp_comm = getattr(self.mesh, "tp_comm", None) if cfg.tp > 1 else None
+        self.cp_comm = getattr(self.mesh, "cp_comm", None) if cfg.cp > 1 else None
 
     @property
     def shard_name(self) -> str:
@@ -130,8 +129,9 @@ class _Run:
         resume = checkpoints.resolve_resume(cfg, self.ident)
         full, _ = build_model(cfg.model, cfg.seed)
         self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
+        sharded = world.tp_comm is not None or world.cp_comm is not None
         model, loss = (
-            (full, _) if world.tp_comm is None else build_model(cfg.model, cfg.seed, world.tp_comm)
+            build_model(cfg.model, cfg.seed, world.tp_comm, world.cp_comm) if sharded else (full, _)
         )
         self.engine = build_engine(cfg, model, loss, engine, world.mesh, world.rank)
         self.start_step = 0

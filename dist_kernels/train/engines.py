@@ -8,6 +8,9 @@ batch, returning the replica's loss and the step's phase times (``metrics.PHASES
 ``Pipelined``     dk.Pipeline over a ProcessMesh (its micro-batches are the accumulation);
                   forward and backward interleave inside the schedule, so only the step time
                   and the optimizer time are split out
+
+With cp > 1 both take this rank's sequence shard of the replica's samples (zig-zag, as
+``GPT.context_parallel`` expects) and average gradients over dp x cp (``mesh.dp_cp_comm``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _ms(seconds: float) -> float:
     return seconds * 1e3
+
+
+def replica_batch(sampler: Sampler, step: int, mesh: Any, dp_rank: int, count: int):
+    """The ``count`` samples of replica ``dp_rank``; this rank's sequence shard of them when
+    the mesh has cp > 1."""
+    inputs, targets = sampler.replica_batch(step, dp_rank, count)
+    if mesh is None or mesh.cp == 1:
+        return inputs, targets
+    from ..context_parallel import shard_sequence
+
+    return tuple(shard_sequence(t, mesh.cp_comm, dim=1) for t in (inputs, targets))
 
 
 def peak_lr(cfg: TrainConfig) -> float:
@@ -86,11 +100,13 @@ class DataParallel:
         rank: int,
     ) -> None:
         self.cfg, self.engine, self.module, self.loss_fn = cfg, engine, model, loss_fn
-        # torch's engine (no mesh) runs pp = tp = 1: its data-parallel group is the world
+        # torch's engine (no mesh) runs pp = tp = cp = 1: its data-parallel group is the world
+        self.mesh = mesh
         self.dp_rank = mesh.dp_rank if mesh is not None else rank
-        dp_comm = mesh.dp_comm if mesh is not None else None
+        self.replica_rank = mesh.dp_cp_rank if mesh is not None else rank
+        dp_comm = mesh.dp_cp_comm if mesh is not None else None  # dp x cp hold the same weights
         self.delay = _Delay(cfg, rank)
-        world_size = cfg.dp
+        world_size = cfg.dp * cfg.cp
         self.forward, self.optimizer, self._no_sync = self._wrap(
             cfg, model, engine, dp_comm, world_size
         )
@@ -146,7 +162,7 @@ class DataParallel:
         cfg, times = self.cfg, StepTimes()
         begin = time.perf_counter()
         per_replica = cfg.micro_batch * cfg.grad_accum
-        inputs, targets = sampler.replica_batch(step, self.dp_rank, per_replica)
+        inputs, targets = replica_batch(sampler, step, self.mesh, self.dp_rank, per_replica)
         loss_sum = 0.0
         for k in range(cfg.grad_accum):
             part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
@@ -207,7 +223,7 @@ class Pipelined:
         from ..pipeline import Pipeline
 
         self.cfg, self.mesh = cfg, mesh
-        self.dp_rank = mesh.dp_rank
+        self.dp_rank, self.replica_rank = mesh.dp_rank, mesh.dp_cp_rank
         self.delay = _Delay(cfg, rank)
         self.pipe = Pipeline(
             model,
@@ -229,8 +245,8 @@ class Pipelined:
         times = StepTimes(phases={"forward": None, "backward": None, "comm": None})
         times.phases["optimizer"] = 0.0
         begin = time.perf_counter()
-        inputs, targets = sampler.replica_batch(
-            step, self.dp_rank, cfg.micro_batch * cfg.grad_accum
+        inputs, targets = replica_batch(
+            sampler, step, self.mesh, self.dp_rank, cfg.micro_batch * cfg.grad_accum
         )
         self.delay()
         with _autocast(cfg.dtype):

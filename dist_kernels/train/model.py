@@ -3,7 +3,8 @@ children (embedding, blocks, head), with its FLOPs per token.
 
 :func:`build_model` builds ``dist_kernels.models.GPT`` (untied head, so that the first and last
 pipeline stages share nothing; no dropout) as ``GPT.as_sequential()``, sharded over the tensor-
-parallel communicator when there is one. The driver uses only :func:`build_model`,
+parallel communicator when there is one and run on sequence shards over the context-parallel
+one (``GPT.context_parallel``). The driver uses only :func:`build_model`,
 :func:`flops_per_token`, :func:`describe` and :func:`loss_fn`.
 """
 
@@ -21,10 +22,11 @@ from .config import ModelConfig
 
 
 def build_model(
-    cfg: ModelConfig, seed: int, tp_comm: Any = None
+    cfg: ModelConfig, seed: int, tp_comm: Any = None, cp_comm: Any = None
 ) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
-    layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel)."""
+    layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel), on
+    sequence shards over ``cp_comm`` when given (then the loss is the whole sequences' mean)."""
     if cfg.vocab_size < 1:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
@@ -32,6 +34,8 @@ def build_model(
         gpt = _gpt(cfg)
     if tp_comm is not None and tp_comm.world_size > 1:
         gpt.parallelize(tp_comm)  # slices the unsharded initialisation: same model as tp=1
+    if cp_comm is not None and cp_comm.world_size > 1:
+        gpt.context_parallel(cp_comm)
     return gpt.as_sequential(), gpt.loss
 
 

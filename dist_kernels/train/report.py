@@ -40,7 +40,8 @@ def summary_table(cfg: TrainConfig, results: Sequence[Any]) -> str:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     line = lambda row: "  ".join(str(c).rjust(w) for c, w in zip(row, widths))  # noqa: E731
     layout = (
-        f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero} global_batch={cfg.global_batch} "
+        f"dp={cfg.dp} tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} zero={cfg.zero} "
+        f"global_batch={cfg.global_batch} "
         f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x dp {cfg.dp}) "
         f"seq_len={cfg.model.seq_len} dtype={cfg.dtype}"
     )

@@ -1,0 +1,293 @@
+"""Ring attention: exact attention over a sequence sharded across the ranks of a communicator.
+
+Every rank holds the queries, keys and values of its shard (``[batch, heads, seq / cp,
+head_dim]``, the layout of :func:`~dist_kernels.context_parallel.shard_sequence`). Key/value
+blocks travel around the ring of ranks by ``isend`` / ``irecv`` while each rank attends its
+queries to the block it holds; the block results merge by their log-sum-exp::
+
+    forward, cp steps (rank r, step s holds the keys/values of rank r - s):
+        post the block's isend to r + 1 and the next block's irecv from r - 1
+        attend the queries to the block held (layout.block: whole, half or nothing)
+        merge:  out <- out + sigmoid(lse_b - lse) (out_b - out);  lse <- logaddexp(lse, lse_b)
+        wait for the transfer
+    backward, the ring in reverse (step s holds the keys/values of rank r + s):
+        step 0      own block, first half of the query rows; post the key/value gradients
+                    accumulated so far to r - 1
+        steps 1..   the visiting block's gradients (recomputed from the saved lse: no
+                    probabilities are stored); add them to the key/value gradients that
+                    arrived with the block from r + 1; pass both on to r - 1
+        the end     own block, second half of the rows, while this block's gradients come home
+
+Each transfer is posted before the computation it hides behind; the last hop home hides
+behind the rows kept for the end (layout.own_block_split). Per rank the forward keeps q, k,
+v, out and lse of its shard: memory grows with seq / cp. Block results merge in FP32 (FP64
+for FP64 inputs), as do the travelling key/value gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.profiler import record_function
+
+from ..dtypes import DTYPE_CODES
+from . import block_attention, layout
+
+__all__ = ["ring_attention"]
+
+# record_function names; benchmarks/bench_cp.py sums the waits to measure exposed transfers
+WAIT_EVENT = "cp.ring_wait"
+
+
+class _Ring:
+    """The two neighbours of this rank in the ring of ``comm``'s ranks."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.rank = 0 if comm is None else comm.rank
+        self.size = 1 if comm is None else comm.world_size
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor, backward: bool = False) -> List:
+        """Posts ``send`` to the next rank and a receive into ``recv`` from the previous one
+        (the other way round when ``backward``)."""
+        dst, src = (self.prev, self.next) if backward else (self.next, self.prev)
+        return [self.comm.irecv(recv, src), self.comm.isend(send, dst)]
+
+    @staticmethod
+    def wait(works: List) -> None:
+        if works:
+            with record_function(WAIT_EVENT):
+                for work in works:
+                    work.wait()
+
+
+def _merge(out, lse, rows: slice, out_b, lse_b):
+    """Folds block results into the running ``out`` / ``lse`` rows (None: the first block)."""
+    if out is None:
+        return out_b.to(lse_b.dtype), lse_b
+    o, m = out[:, :, rows], lse[:, :, rows]  # views: updated in place
+    o.lerp_(out_b.to(o.dtype), torch.sigmoid(lse_b - m).unsqueeze(-1))
+    m.sub_(F.logsigmoid(m - lse_b))  # = logaddexp(m, lse_b), without overflow
+    return out, lse
+
+
+def _attend(q, k, v, blk: layout.Block, scale: float):
+    with record_function("cp.block_forward"):
+        return block_attention.forward(
+            q[:, :, blk.q], k[:, :, blk.kv], v[:, :, blk.kv], blk.causal, scale
+        )
+
+
+class _KeyValues:
+    """The key/value block a rank holds, passed on around the ring: its own ``k``, ``v`` first
+    (sent as they are, no copy when contiguous), then the blocks received, in at most two
+    buffers that alternate (one at cp = 2)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, ring: _Ring, backward: bool) -> None:
+        self.ring, self.backward = ring, backward
+        self.held = (k.contiguous(), v.contiguous())
+        self._buffers: List[torch.Tensor] = []
+        self._incoming: Optional[torch.Tensor] = None
+
+    def post(self) -> List:
+        """Starts sending the held block on and receiving the next one."""
+        held = self.held[0]
+        free = [b for b in self._buffers if b.data_ptr() != held.data_ptr()]
+        if not free:
+            free = [torch.empty((2,) + tuple(held.shape), dtype=held.dtype)]
+            self._buffers += free
+        self._incoming = free[0]
+        dst, src = (
+            (self.ring.prev, self.ring.next) if self.backward else (self.ring.next, self.ring.prev)
+        )
+        comm = self.ring.comm
+        recvs = [comm.irecv(part, src) for part in self._incoming]
+        return recvs + [comm.isend(part, dst) for part in self.held]
+
+    def take(self, pending: List) -> None:
+        """Waits for :meth:`post`'s transfers; the received block is held from now on."""
+        self.ring.wait(pending)
+        self.held = tuple(self._incoming)
+
+    def release(self) -> None:
+        self._buffers, self._incoming, self.held = [], None, ()
+
+
+def _forward(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: float):
+    local = q.shape[2]
+    blocks = _KeyValues(k, v, ring, backward=False)
+    out = lse = None
+    for step in range(ring.size):
+        pending = blocks.post() if step < ring.size - 1 else []
+        blk = layout.block(ring.rank, (ring.rank - step) % ring.size, local, causal, load_balance)
+        if blk is not None:
+            out, lse = _merge(out, lse, blk.q, *_attend(q, *blocks.held, blk, scale))
+        if pending:
+            blocks.take(pending)
+    return out.to(q.dtype), lse
+
+
+class _BlockGrads:
+    """The gradients of one ring step's blocks: ``dq`` rows and ``dk`` / ``dv`` rows."""
+
+    def __init__(self, saved, blocks: List[layout.Block], k, v, scale: float) -> None:
+        grad_out, q, out, lse = saved
+        self.parts = []
+        for blk in blocks:
+            with record_function("cp.block_backward"):
+                grads = block_attention.backward(
+                    grad_out[:, :, blk.q],
+                    q[:, :, blk.q],
+                    k[:, :, blk.kv],
+                    v[:, :, blk.kv],
+                    out[:, :, blk.q],
+                    lse[:, :, blk.q],
+                    blk.causal,
+                    scale,
+                )
+            self.parts.append((blk, grads))
+
+    def add_to(self, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+        for blk, (dq_b, dk_b, dv_b) in self.parts:
+            dq[:, :, blk.q] += dq_b
+            dkv[0][:, :, blk.kv] += dk_b
+            dkv[1][:, :, blk.kv] += dv_b
+
+
+def _backward(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, scale):
+    local = q.shape[2]
+    saved = (grad_out, q, out, lse)
+    if ring.size == 1:  # one block: the kernel's gradients are the answer
+        whole = layout.block(0, 0, local, causal, load_balance)
+        return _BlockGrads(saved, [whole], k, v, scale).parts[0][1]
+    dq = torch.zeros(q.shape, dtype=lse.dtype)
+    dkv = torch.zeros((2,) + tuple(k.shape), dtype=lse.dtype)  # travels with its block
+    early, late = layout.own_block_split(local, causal)
+    blocks = _KeyValues(k, v, ring, backward=True)
+    dkv_in = torch.empty_like(dkv)
+    pending_kv = blocks.post()
+    _BlockGrads(saved, early, k, v, scale).add_to(dq, dkv)
+    pending_grads = ring.shift(dkv, dkv_in, backward=True)
+    for step in range(1, ring.size):
+        blocks.take(pending_kv)  # the block of rank + step
+        pending_kv = blocks.post() if step < ring.size - 1 else []
+        blk = layout.block(ring.rank, (ring.rank + step) % ring.size, local, causal, load_balance)
+        grads = _BlockGrads(saved, [] if blk is None else [blk], *blocks.held, scale)
+        ring.wait(pending_grads)  # that block's gradients so far, from rank + 1
+        dkv, dkv_in = dkv_in, dkv
+        grads.add_to(dq, dkv)
+        pending_grads = ring.shift(dkv, dkv_in, backward=True)  # at the last step: home
+    blocks.release()
+    del grads
+    home = _BlockGrads(saved, late, k, v, scale)
+    ring.wait(pending_grads)
+    home.add_to(dq, dkv_in)
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: float):
+        out, lse = _forward(q, k, v, ring, causal, load_balance, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.causal, ctx.load_balance, ctx.scale = ring, causal, load_balance, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _backward(
+            grad_out, q, k, v, out, lse, ctx.ring, ctx.causal, ctx.load_balance, ctx.scale
+        )
+        return (*grads, None, None, None, None)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: Any = None,
+    *,
+    causal: bool = False,
+    load_balance: bool = True,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the keys and values of the whole sequence.
+
+    Equals ``F.scaled_dot_product_attention`` on the unsharded ``q``, ``k``, ``v``, sharded
+    the same way; gradients flow to this rank's ``q``, ``k`` and ``v``.
+
+    Args:
+        q, k, v: ``[batch, heads, seq / cp, head_dim]``, this rank's shard of the sequence
+            (same shape, dtype and device; CPU; float64, float32, bfloat16 or float16).
+        comm: the context-parallel Communicator (``mesh.cp_comm``); None = one rank.
+        causal: a causal mask over the global positions (``is_causal`` of the whole sequence).
+        load_balance: the shards are zig-zag (:func:`shard_sequence`'s ``load_balance=True``:
+            rank i holds chunks i and 2cp-1-i); False: contiguous. It only matters when causal.
+        scale: softmax scale; default ``1 / sqrt(head_dim)``.
+
+    Every rank of ``comm`` must call it with the same batch, heads, head_dim, shard length,
+    dtype and options: they are exchanged first (one small all-gather) and a mismatch raises
+    ``ValueError`` on every rank, showing each rank's values.
+    """
+    ring = _Ring(comm)
+    _check_local(q, k, v, ring.rank)
+    if ring.size > 1:
+        _check_agree(q, ring, causal, load_balance)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, ring, bool(causal), bool(load_balance), float(scale))
+
+
+def _check_local(q, k, v, rank: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(
+                f"[rank {rank}] ring_attention: {name} must be a 4-d tensor [batch, heads, "
+                f"seq / cp, head_dim], got {getattr(t, 'shape', type(t).__name__)}"
+            )
+    if not q.shape == k.shape == v.shape:
+        raise ValueError(
+            f"[rank {rank}] ring_attention: q, k, v shapes differ: {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)} (one shard of one sequence each)"
+        )
+    if not q.dtype == k.dtype == v.dtype or not q.dtype.is_floating_point:
+        raise TypeError(
+            f"[rank {rank}] ring_attention: q, k, v must share one floating dtype, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    block_attention.check_device(q, "ring_attention", rank)
+
+
+_AGREE = ("batch", "heads", "seq / cp", "head_dim", "dtype", "causal", "load_balance")
+
+
+def _check_agree(q, ring: _Ring, causal: bool, load_balance: bool) -> None:
+    """Every rank sees every rank's shape and options, so a mismatch raises everywhere."""
+    mine = torch.tensor(
+        [*q.shape, DTYPE_CODES.get(q.dtype, -1), int(causal), int(load_balance)],
+        dtype=torch.int64,
+    )
+    every = torch.empty(ring.size * mine.numel(), dtype=torch.int64)
+    ring.comm.all_gather(every, mine)
+    rows = every.view(ring.size, -1).tolist()
+    for i, name in enumerate(_AGREE):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            what = "shard lengths" if name == "seq / cp" else f"{name} values"
+            raise ValueError(
+                f"[rank {ring.rank}] ring_attention: {what} differ between ranks: {name} = "
+                f"{values} on cp ranks 0..{ring.size - 1}; every rank must hold an equal shard "
+                "of the same sequence (seq / cp tokens each) with the same options"
+            )
+    local = rows[0][2]
+    if causal and load_balance and local % 2:
+        raise ValueError(
+            f"[rank {ring.rank}] ring_attention: a load-balanced shard is 2 chunks of "
+            f"seq / (2 cp), but seq / cp = {local} is odd (seq = {local * ring.size} is not "
+            f"divisible by 2 x cp({ring.size}) = {2 * ring.size})"
+        )
