@@ -1,20 +1,21 @@
 """Pipeline parallelism: ``dk.Pipeline`` runs one rank's list of a schedule planned as data.
 
-Schedules (``pipeline/schedules.py``) are per-rank action lists, simulated and checked before
-anything runs; :func:`schedule_table` prints them::
+Schedules (``pipeline/schedules.py``) are per-rank action lists, checked on a fake runtime
+(``pipeline/checker.py``) before anything runs; :func:`schedule_table` draws them::
 
-    >>> print(dk.pipeline.schedule_table("1f1b", 2, 3))
-    1f1b: 2 ranks, 2 stages, 3 micro-batches; bubble 25.0%, peak live activations 2
-    rank 0 | F0 F1 .  B0 F2 B1 .  B2
-    rank 1 | .  F0 B0 F1 B1 F2 B2 .
+    >>> print(dk.pipeline.schedule_table("zb-h1", 2, 3))
+    zb-h1: 2 ranks, 2 stages, 3 micro-batches; step 10, bubble 10.0% (rate 0.11), ...
+    rank 0 | F0 F1 .  I0 W0 F2 I1 W1 I2 W2
+    rank 1 | .  F0 I0 F1 I1 W0 F2 I2 W1 W2
 
 The engine keeps only its rank's stages (``pipeline/partition.py`` splits an ``nn.Sequential``).
 A training step splits the batch into micro-batches and runs the rank's list in order on the
-caller's thread: forward and backward of its stages, and each send, started with the
-Communicator's ``isend`` as soon as its tensor exists (``pipeline/wire.py``). Receives run on
-the same thread, in list order, when a step needs their tensor: the message waits in the
-peer's shared-memory FIFO until then, and the waiting thread is the one that computes next
-(no hand-over between threads, no GIL contention).
+caller's thread: forward and backward of its stages (a full B, or its I and W halves,
+``pipeline/split.py``), and each send, started with the Communicator's ``isend`` as soon as
+its tensor exists (``pipeline/wire.py``). Receives run on the same thread, each peer's in list
+order, when a step needs their tensor: the message waits in the peer's shared-memory FIFO until
+then, and the waiting thread is the one that computes next (no hand-over between threads, no
+GIL contention).
 The last stage averages the micro-batch losses, so the accumulated gradients equal those of the
 whole batch; the loss is then broadcast to every rank of the pipeline.
 
@@ -145,7 +146,9 @@ class Pipeline:
             cp, the ranks holding the same stage's weights; ``mesh.dp_comm`` when cp = 1), or None
             for the default communicator (one process without a process group: one rank).
         n_microbatches: micro-batches per step; the batch size must be a multiple.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``.
+        schedule: one of ``dk.pipeline.SCHEDULES``: ``"gpipe"``, ``"1f1b"``,
+            ``"interleaved-1f1b"``, or the zero-bubble ``"zb-h1"``, ``"zb-h2"``, ``"zb-v"``,
+            ``"dualpipe-v"`` (docs/pipeline.md compares them).
         loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch, mean-reduced.
         split_points: where stages 1.. begin (child indices or names), for an ``nn.Sequential``.
         balance: children per stage, for an ``nn.Sequential``.
