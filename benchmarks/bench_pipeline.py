@@ -1,21 +1,31 @@
-"""Pipeline engine throughput and bubble beside torch.distributed.pipelining, same run.
+"""Pipeline schedules beside torch.distributed.pipelining, same run, with the simulator's guess.
 
     python benchmarks/bench_pipeline.py                    # 2 and 4 CPU ranks, every schedule
-    python benchmarks/bench_pipeline.py --nproc 2 --schedules 1f1b --iters 10
+    python benchmarks/bench_pipeline.py --nproc 2 --schedules 1f1b,zb-h1 --iters 20
 
-Spawns its own ranks (``dist_kernels.launch``: a gloo process group, one torch thread each).
-For each world size and schedule both engines train the same model (an MLP split evenly) on
-the same batches; steps alternate between the two engines so that noise from a shared machine
-hits both alike.
-Correctness first: after one step of each engine from the same model on the same batch, the
-loss, every gradient and every parameter of each rank's stages must agree with torch's (max
-relative difference at most ``--tolerance``, 1e-5 by default), or every rank stops before
-anything is timed. A timed step is only the engine's own step: torch's loss stays on its last
-rank (ours broadcasts its loss inside ``Pipeline.step``, so its time includes that).
+Spawns its own ranks (``dist_kernels.launch``: a gloo process group, one torch thread each). Every schedule of ours
+(``dk.Pipeline``) and its torch counterpart train the same model (an MLP split evenly) on the
+same batches: GPipe, 1F1B, interleaved 1F1B, ZB-H1 against torch's ZB1P
+(``ScheduleInterleavedZeroBubble`` with one stage per rank), ZB-V against
+``ScheduleZBVZeroBubble``, DualPipeV against ``ScheduleDualPipeV``; ZB-H2 has no torch
+counterpart. All engines step in turn inside each timed round, so noise from a shared machine
+hits every row alike and rows compare with each other.
 
-Columns: samples/s = batch / median step time; bubble = 1 - (time this rank's stages take to
-compute the step alone, no transfers, timed in the same rounds) / (step time), averaged over
-ranks: the share of a step spent waiting or transferring. "ratio" = our samples/s / torch's.
+Correctness first: after one step of ours and of torch's (ZB-H2: torch's 1F1B) from the same
+model on the same batch, the loss, every gradient and every parameter of each rank's stages
+must agree (max relative difference at most ``--tolerance``), or every rank stops before
+anything is timed.
+
+The simulator's prediction beside each row: ``Pipeline.profile()`` times every action of our
+pipeline on this model (medians per stage, the send and receive costs, a ping-pong for the
+latency), ``dk.pipeline.simulate`` turns them into a step time, and the row shows it beside the
+measured median of ``Pipeline.step`` (the pipeline alone: no optimizer step) and the error.
+
+Columns: samples/s = batch / median step time (optimizer step included, for both engines);
+bubble = 1 - (time this rank's stages take to compute the step alone, no pipeline, F and a full
+backward per micro-batch, timed in the same rounds) / (step time), averaged over ranks: the
+share of a step spent waiting, transferring or in the split's overhead; "ideal" = the
+simulator's bubble at F = B = W. "ratio" = our samples/s / torch's.
 """
 
 from __future__ import annotations
@@ -38,11 +48,17 @@ import dist_kernels as dk  # noqa: E402
 from dist_kernels import launch  # noqa: E402
 from dist_kernels.pipeline.partition import build_stage, plan_partition  # noqa: E402
 
+# ours -> torch's schedule class (None: no counterpart; checked against torch's 1F1B)
 TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zb-h2": None,
+    "zb-v": "ScheduleZBVZeroBubble",
+    "dualpipe-v": "ScheduleDualPipeV",
 }
+SINGLE_STAGE = ("ScheduleGPipe", "Schedule1F1B")  # torch classes that take one stage
 
 
 def _model(width: int, layers: int) -> nn.Sequential:
@@ -51,11 +67,6 @@ def _model(width: int, layers: int) -> nn.Sequential:
     for _ in range(layers):
         mods += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*mods)
-
-
-def _stage_ids(schedule: str, world: int, rank: int):
-    per_rank = 2 if schedule == "interleaved-1f1b" else 1
-    return list(range(rank, world * per_rank, world)), world * per_rank
 
 
 class _Ours:
@@ -70,10 +81,13 @@ class _Ours:
         )
         self.opt = torch.optim.SGD(self.pipe.parameters(), lr=1e-3)
         self.last_loss = None
+        self.pipe_seconds = 0.0  # the last Pipeline.step alone
 
     def step(self, x, y) -> None:
         self.opt.zero_grad()
+        start = time.perf_counter()
         self.last_loss = self.pipe.step(x, y)  # on every rank: the engine broadcasts it
+        self.pipe_seconds = time.perf_counter() - start
         self.opt.step()
 
     def loss(self) -> float:
@@ -84,18 +98,17 @@ class _Ours:
 
 
 class _Torch:
-    def __init__(self, model, schedule, args):
+    def __init__(self, model, layout, torch_class, args):
         from torch.distributed import pipelining
 
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.ids, n_stages = _stage_ids(schedule, world, rank)
+        self.ids, n_stages = layout
         spans = plan_partition(model, n_stages)
         self.stages = [
             pipelining.PipelineStage(build_stage(model, spans[s]), s, n_stages, torch.device("cpu"))
             for s in self.ids
         ]
-        cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
-        arg = self.stages if schedule == "interleaved-1f1b" else self.stages[0]
+        cls = getattr(pipelining, torch_class)
+        arg = self.stages[0] if torch_class in SINGLE_STAGE else self.stages
         self.sched = cls(arg, args.microbatches, loss_fn=nn.functional.mse_loss)
         self.first, self.last = 0 in self.ids, n_stages - 1 in self.ids
         params = [p for st in self.stages for p in st.submod.parameters()]
@@ -112,7 +125,9 @@ class _Torch:
     def loss(self) -> float:
         """The last step's loss on every rank: a Gloo broadcast, never inside a timed step."""
         value = torch.stack(self.losses).mean().reshape(1) if self.last else torch.zeros(1)
-        dist.broadcast(value, dist.get_world_size() - 1)
+        holder = torch.tensor([dist.get_rank() if self.last else -1])
+        dist.all_reduce(holder, op=dist.ReduceOp.MAX)  # rank 0 under V placement
+        dist.broadcast(value, int(holder.item()))
         return value.item()
 
     def stage_params(self):
@@ -159,9 +174,8 @@ def _check_one_step(schedule, ours, theirs, x, y, tolerance) -> dict:
 class _Alone:
     """This rank's stages doing the step's compute with no pipeline: the bubble's yardstick."""
 
-    def __init__(self, model, schedule, args):
-        world, rank = dist.get_world_size(), dist.get_rank()
-        ids, n_stages = _stage_ids(schedule, world, rank)
+    def __init__(self, model, layout, args):
+        ids, n_stages = layout
         spans = plan_partition(model, n_stages)
         self.stages = [(s, build_stage(model, spans[s])) for s in ids]
         self.n_microbatches = args.microbatches
@@ -174,6 +188,22 @@ class _Alone:
                 out.backward(torch.ones_like(out))
 
 
+def _layout(schedule: str, world: int, rank: int, m: int):
+    built = dk.pipeline.build_schedule(schedule, world, m)
+    return built.stages_of(rank), built.n_stages
+
+
+def _build(schedule, base, comm, x, y, args):
+    """Our engine and torch's for ``schedule``, checked against each other on one step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = _layout(schedule, world, rank, args.microbatches)
+    ours = _Ours(copy.deepcopy(base), comm, schedule, args)
+    torch_class = TORCH_SCHEDULES[schedule]
+    reference = _Torch(copy.deepcopy(base), layout, torch_class or "Schedule1F1B", args)
+    first = _check_one_step(schedule, ours, reference, x, y, args.tolerance)
+    return ours, (reference if torch_class else None), layout, first
+
+
 def _worker(args) -> list:
     """This world size's rows (rank 0; the others return [])."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -181,63 +211,108 @@ def _worker(args) -> list:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, args.width, generator=gen)
-    rows = []
+    base = _model(args.width, args.layers)
+    engines, alone, first, predicted = {}, {}, {}, {}
     for schedule in args.schedules:
-        base = _model(args.width, args.layers)
-        ours = _Ours(copy.deepcopy(base), comm, schedule, args)
-        theirs = _Torch(copy.deepcopy(base), schedule, args)
-        first = _check_one_step(schedule, ours, theirs, x, y, args.tolerance)
-        for _ in range(args.warmup):
-            ours.step(x, y), theirs.step(x, y)
-        alone = _Alone(copy.deepcopy(base), schedule, args)
-        times = {"ours": [], "torch": [], "alone": []}
-        for _ in range(args.iters):  # alternate, so that machine noise hits all three alike
-            for name, engine in (("ours", ours), ("torch", theirs), ("alone", alone)):
+        ours, theirs, layout, first[schedule] = _build(schedule, base, comm, x, y, args)
+        key = tuple(layout[0])
+        alone.setdefault(key, _Alone(copy.deepcopy(base), layout, args))
+        engines[schedule] = (ours, theirs, alone[key])
+    for _ in range(args.warmup):
+        for ours, theirs, _ in engines.values():
+            ours.step(x, y)
+            if theirs is not None:
+                theirs.step(x, y)
+    for schedule, (ours, _, _) in engines.items():
+        profile = ours.pipe.profile(x, y, steps=args.profile_steps)
+        ours.opt.zero_grad()
+        predicted[schedule] = (profile, _predict(schedule, world, args.microbatches, profile))
+    times = {s: {"ours": [], "pipe": [], "torch": [], "alone": []} for s in engines}
+    for _ in range(args.iters):  # every engine once per round: machine noise hits all alike
+        for schedule, (ours, theirs, yardstick) in engines.items():
+            for name, engine in (("ours", ours), ("torch", theirs), ("alone", yardstick)):
+                if engine is None:
+                    continue
                 dist.barrier()
                 start = time.perf_counter()
                 engine.step(x, y)
-                times[name].append(time.perf_counter() - start)
+                times[schedule][name].append(time.perf_counter() - start)
+            times[schedule]["pipe"].append(ours.pipe_seconds)
+    rows = []
+    for schedule in engines:
+        medians = {
+            k: statistics.median(v) if v else float("nan") for k, v in times[schedule].items()
+        }
         gathered = [None] * world
-        medians = tuple(statistics.median(times[k]) for k in ("ours", "torch", "alone"))
         dist.all_gather_object(gathered, medians)
         if rank == 0:
-            rows.append(_row(schedule, world, gathered, args, first))
+            rows.append(_row(schedule, world, gathered, args, first[schedule], predicted[schedule]))
     comm.close()
     return rows
 
 
-def _row(schedule, world, gathered, args, first) -> dict:
-    step_ours = max(g[0] for g in gathered)
-    step_torch = max(g[1] for g in gathered)
-    alone = [g[2] for g in gathered]
-    bubble = lambda step: 1 - statistics.mean(a / step for a in alone)  # noqa: E731
+def _predict(schedule: str, world: int, m: int, profile: dict) -> float:
+    return dk.pipeline.simulate(schedule, world, m, **profile).step_time
+
+
+def _row(schedule, world, gathered, args, first, predicted) -> dict:
+    step = {k: max(g[k] for g in gathered) for k in ("ours", "pipe", "torch")}
+    alone = [g["alone"] for g in gathered]
+    bubble = lambda s: 1 - statistics.mean(a / s for a in alone)  # noqa: E731
+    profile, sim_step = predicted
     return {
         "ranks": world,
         "schedule": schedule,
-        "ours_samples_s": args.batch / step_ours,
-        "torch_samples_s": args.batch / step_torch,
-        "ours_bubble": bubble(step_ours),
-        "torch_bubble": bubble(step_torch),
-        "ideal_bubble": dk.pipeline.simulate(
-            dk.pipeline.build_schedule(schedule, world, args.microbatches)
-        ).bubble_fraction,
+        "torch_schedule": TORCH_SCHEDULES[schedule],
+        "ours_samples_s": args.batch / step["ours"],
+        "torch_samples_s": args.batch / step["torch"] if step["torch"] == step["torch"] else None,
+        "ours_bubble": bubble(step["ours"]),
+        "torch_bubble": bubble(step["torch"]) if step["torch"] == step["torch"] else None,
+        "ideal_bubble": dk.pipeline.simulate(schedule, world, args.microbatches).bubble_fraction,
+        "pipe_step_s": step["pipe"],
+        "predicted_step_s": sim_step,
+        "prediction_error": sim_step / step["pipe"] - 1,
+        "profile": profile,
         "first_step_rel_diff": first,
     }
 
 
 def _print(results: list) -> None:
     head = (
-        f"{'ranks':>5} {'schedule':>17} {'ours smp/s':>11} {'torch smp/s':>12} {'ratio':>6} "
-        f"{'ours bubble':>12} {'torch bubble':>13} {'ideal':>6}"
+        f"{'ranks':>5} {'schedule':>16} {'ours smp/s':>10} {'torch smp/s':>11} {'ratio':>5} "
+        f"{'ours bub':>8} {'torch bub':>9} {'ideal':>5} {'step ms':>7} {'sim ms':>6} {'err':>5}"
     )
     print(head)
     for r in results:
+        theirs = r["torch_samples_s"]
         print(
-            f"{r['ranks']:>5} {r['schedule']:>17} {r['ours_samples_s']:>11.1f} "
-            f"{r['torch_samples_s']:>12.1f} {r['ours_samples_s'] / r['torch_samples_s']:>6.2f} "
-            f"{100 * r['ours_bubble']:>11.1f}% {100 * r['torch_bubble']:>12.1f}% "
-            f"{100 * r['ideal_bubble']:>5.1f}%"
+            f"{r['ranks']:>5} {r['schedule']:>16} {r['ours_samples_s']:>10.1f} "
+            + (
+                f"{theirs:>11.1f} {r['ours_samples_s'] / theirs:>5.2f} "
+                if theirs
+                else f"{'-':>11} {'-':>5} "
+            )
+            + f"{100 * r['ours_bubble']:>7.1f}% "
+            + (f"{100 * r['torch_bubble']:>8.1f}% " if theirs else f"{'-':>9} ")
+            + f"{100 * r['ideal_bubble']:>4.1f}% {1e3 * r['pipe_step_s']:>7.2f} "
+            f"{1e3 * r['predicted_step_s']:>6.2f} {100 * r['prediction_error']:>+4.0f}%"
         )
+
+
+def _summary(results: list) -> None:
+    """The zero-bubble claims, as ratios of rows measured in the same rounds."""
+    for world in sorted({r["ranks"] for r in results}):
+        rows = {r["schedule"]: r for r in results if r["ranks"] == world}
+        base = rows.get("1f1b")
+        for name in ("zb-h1", "zb-h2", "zb-v", "dualpipe-v"):
+            if base is None or name not in rows:
+                continue
+            r = rows[name]
+            speed = r["ours_samples_s"] / base["ours_samples_s"]
+            bubble = r["ours_bubble"] / base["ours_bubble"]
+            print(
+                f"{world} ranks: {name} / 1f1b samples/s {speed:.3f}, bubble {bubble:.2f} of 1f1b's"
+            )
 
 
 def main(argv=None) -> None:
@@ -250,18 +325,24 @@ def main(argv=None) -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--profile-steps", type=int, default=4, help="for the simulator")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="correctness gate")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.schedules = args.schedules.split(",")
+    unknown = sorted(set(args.schedules) - set(TORCH_SCHEDULES))
+    if unknown:
+        parser.error(f"unknown schedule(s) {unknown}; choose from {', '.join(TORCH_SCHEDULES)}")
     results = []
     for world in (int(n) for n in args.nproc.split(",")):
         results += launch.run(world, _worker, args, threads=1, group_timeout=1800.0)[0]
     print(
         f"MLP {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
-        f"{args.microbatches} micro-batches, {os.cpu_count()} CPUs; ours over dk.Communicator"
+        f"{args.microbatches} micro-batches, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
+        "ours over dk.Communicator"
     )
     _print(results)
+    _summary(results)
     worst = {
         k: max(r["first_step_rel_diff"][k] for r in results) for k in ("loss", "grad", "param")
     }

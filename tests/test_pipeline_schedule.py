@@ -1,231 +1,226 @@
-"""Pipeline schedules and partitioning: pure planning, no processes."""
+"""Pipeline schedules, the checker and partitioning: pure planning, no processes."""
 
 import random
 
 import pytest
 import torch.nn as nn
 
+from dist_kernels.pipeline.actions import Action, Kind, Schedule
+from dist_kernels.pipeline.checker import ScheduleError, check_schedule, runtime_order
 from dist_kernels.pipeline.partition import build_stage, format_partition, plan_partition
-from dist_kernels.pipeline.runtime import _eager_sends
-from dist_kernels.pipeline.schedules import (
-    Action,
-    Kind,
-    Schedule,
-    ScheduleError,
-    bubble_formula,
-    build_schedule,
-    schedule_table,
-    simulate,
-)
+from dist_kernels.pipeline.schedules import SCHEDULES, build_schedule
 
 RANKS = range(1, 9)
 MICROBATCHES = range(1, 17)
+F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
 
 
 def _count(schedule: Schedule, kind: Kind) -> int:
     return sum(a.kind is kind for acts in schedule.actions for a in acts)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_gpipe_and_1f1b_valid_with_textbook_bubble(name):
-    for p in RANKS:
-        for m in MICROBATCHES:
-            schedule = build_schedule(name, p, m)
-            report = simulate(schedule)
-            assert _count(schedule, Kind.FORWARD) == p * m == _count(schedule, Kind.BACKWARD)
-            assert report.bubble_fraction == pytest.approx(bubble_formula(p, m), abs=1e-12), (p, m)
-            # Bubble from a different cost model must match too (B twice as slow as F).
-            slow_b = simulate(schedule, forward_cost=1.0, backward_cost=2.0)
-            assert slow_b.bubble_fraction == pytest.approx(bubble_formula(p, m), abs=1e-12)
-            peak = report.peak_live_activations
-            if name == "gpipe":
-                assert all(v == m for v in peak.values()), (p, m, peak)
-            else:
-                assert all(v <= p for v in peak.values()), (p, m, peak)
-                assert all(v <= min(m, p - s) for s, v in peak.items()), (p, m, peak)
+def _allowed(name: str, p: int, m: int) -> bool:
+    if name == "interleaved-1f1b":
+        return m % p == 0
+    if name == "dualpipe-v":
+        return m >= 2 * p
+    return True
 
 
-def test_interleaved_valid_and_smaller_bubble():
-    for p in RANKS:
-        for m in MICROBATCHES:
-            if m % p:
-                with pytest.raises(ValueError, match=rf"n_microbatches \({m}\).*\({p}\)"):
-                    build_schedule("interleaved-1f1b", p, m)
-                continue
-            for v in (2, 3):
-                schedule = build_schedule("interleaved-1f1b", p, m, stages_per_rank=v)
-                assert schedule.n_stages == p * v
-                report = simulate(schedule)
-                assert _count(schedule, Kind.FORWARD) == p * v * m
-                # Megatron-LM's figure: the warm-up bubble shrinks by the stages per rank.
-                expected = (p - 1) / (v * m + p - 1)
-                assert report.bubble_fraction == pytest.approx(expected, abs=1e-12), (p, m, v)
-                assert max(report.peak_live_activations.values()) <= min(m, p) * v
+def _every_schedule():
+    for name in SCHEDULES:
+        for p in RANKS:
+            for m in MICROBATCHES:
+                if _allowed(name, p, m):
+                    yield name, p, m
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_passes_the_checker_with_each_step_once(name):
+    """1-8 ranks, 1-16 micro-batches: the fake runtime runs every list to the end, and every
+    stage runs each micro-batch's forward once and its backward once (a B, or an I and a W)."""
+    for _, p, m in (c for c in _every_schedule() if c[0] == name):
+        schedule = build_schedule(name, p, m)
+        check_schedule(schedule)
+        per_rank = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipe-v") else 1
+        assert schedule.n_stages == p * per_rank
+        steps = {}
+        for rank, acts in enumerate(schedule.actions):
+            for a in acts:
+                if a.kind.is_compute:
+                    assert schedule.rank_of(a.stage) == rank
+                    steps.setdefault((a.stage, a.microbatch), []).append(a.kind)
+        assert len(steps) == schedule.n_stages * m, (p, m)
+        for kinds in steps.values():
+            assert sorted(kinds) in (sorted([F, B]), sorted([F, I, W])), (p, m, kinds)
+        split = name.startswith("zb") or name == "dualpipe-v"
+        assert schedule.splits_backward == (split and _count(schedule, W) > 0)
+
+
+def test_v_placement_puts_two_stages_on_each_rank():
+    schedule = build_schedule("zb-v", 4, 8)
+    assert [schedule.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert build_schedule("interleaved-1f1b", 4, 8).stages_of(1) == [1, 5]
 
 
 def test_transfers_pair_up_on_each_channel():
-    schedule = build_schedule("1f1b", 4, 6)
-    for rank, acts in enumerate(schedule.actions):
-        for a in acts:
-            if a.kind in (Kind.SEND_ACT, Kind.RECV_GRAD):
-                assert a.peer == rank + 1
-            if a.kind in (Kind.SEND_GRAD, Kind.RECV_ACT):
-                assert a.peer == rank - 1
-    assert _count(schedule, Kind.SEND_ACT) == _count(schedule, Kind.RECV_ACT) == 3 * 6
+    for name in ("1f1b", "zb-h1"):
+        schedule = build_schedule(name, 4, 6)
+        for rank, acts in enumerate(schedule.actions):
+            for a in acts:
+                if a.kind in (Kind.SEND_ACT, Kind.RECV_GRAD):
+                    assert a.peer == rank + 1
+                if a.kind in (Kind.SEND_GRAD, Kind.RECV_ACT):
+                    assert a.peer == rank - 1
+        assert _count(schedule, Kind.SEND_ACT) == _count(schedule, Kind.RECV_ACT) == 3 * 6
+        assert _count(schedule, Kind.SEND_GRAD) == _count(schedule, Kind.RECV_GRAD) == 3 * 6
+    # V: stage p - 1 hands its activation to stage p on the same rank: no transfer
+    schedule = build_schedule("zb-v", 2, 3)
+    assert _count(schedule, Kind.SEND_ACT) == 2 * 3  # stages 0 -> 1 and 2 -> 3
+
+
+def _blocking_replay(schedule: Schedule) -> None:
+    """Replays the lists with blocking transfers on both ends (a send waits for its receive),
+    independently of the checker: the builder promises lists from one global execution."""
+    pos = [0] * schedule.n_ranks
+    acts = schedule.actions
+    while True:
+        moved = False
+        for r in range(schedule.n_ranks):
+            while pos[r] < len(acts[r]) and acts[r][pos[r]].kind.is_compute:
+                pos[r] += 1
+                moved = True
+            if pos[r] < len(acts[r]) and acts[r][pos[r]].kind.is_send:
+                a = acts[r][pos[r]]
+                theirs = acts[a.peer][pos[a.peer]] if pos[a.peer] < len(acts[a.peer]) else None
+                if theirs is not None and theirs.kind.is_recv and theirs.peer == r:
+                    assert (theirs.stage, theirs.microbatch) == (
+                        a.stage + (1 if a.kind is Kind.SEND_ACT else -1),
+                        a.microbatch,
+                    ), (r, a, theirs)
+                    pos[r] += 1
+                    pos[a.peer] += 1
+                    moved = True
+        if all(pos[r] == len(acts[r]) for r in range(schedule.n_ranks)):
+            return
+        assert moved, f"{schedule.name}: blocking replay stuck at {pos}"
+
+
+def test_lists_replay_with_blocking_transfers():
+    for name, p, m in _every_schedule():
+        if p <= 4 and m <= 8:
+            _blocking_replay(build_schedule(name, p, m))
+
+
+def test_each_send_right_behind_its_step():
+    """The runtime sends in list order (an isend), so the builder puts every send right behind
+    the compute step producing its tensor (receives may sit between them)."""
+    for name, p, m in _every_schedule():
+        if p > 4:
+            continue
+        for acts in build_schedule(name, p, m).actions:
+            order = runtime_order(acts)
+            assert order == [a for a in acts if not a.kind.is_recv]
+            for before, send in zip(order, order[1:]):
+                if send.kind.is_send:
+                    assert before.kind in (F, B, I) and before.stage == send.stage, (name, p, m)
+                    assert before.microbatch == send.microbatch
+
+
+# ----------------------------------------------------------------------------- the checker
 
 
 def _with_rank_actions(schedule: Schedule, rank: int, actions) -> Schedule:
     lists = list(schedule.actions)
     lists[rank] = tuple(actions)
     return Schedule(
-        schedule.name, schedule.n_ranks, schedule.n_stages, schedule.n_microbatches, tuple(lists)
+        schedule.name,
+        schedule.n_ranks,
+        schedule.n_stages,
+        schedule.n_microbatches,
+        tuple(lists),
+        schedule.placement,
     )
 
 
-_SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
-_RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
+def _swap(actions, i: int, j: int):
+    acts = list(actions)
+    acts[i], acts[j] = acts[j], acts[i]
+    return acts
 
 
-def _run_async(schedule: Schedule):
-    """Executes a schedule the way the runtime does, independently of simulate(): per rank,
-    one thread runs computes and sends in ``_eager_sends`` order; sends never block (isend);
-    a compute step whose input is not here takes receives in list order until it is (each
-    receive takes the head of its channel, which must be the item it expects). Returns the
-    actions left undone on each rank (all empty = no deadlock) and the first channel
-    mismatch, if any."""
-    p = len(schedule.actions)
-    order = [_eager_sends(acts) for acts in schedule.actions]
-    recvs = [[a for a in acts if a.kind in _RECVS] for acts in schedule.actions]
-    channels = {}  # (src, dst) -> list of (kind, stage, mb) in flight, oldest first
-    have = [set() for _ in range(p)]  # received or produced here: (kind, stage, mb)
-    pos, rpos = [0] * p, [0] * p
-
-    def receive_one(r):
-        """Takes rank r's next receive if its message is there: True, False, or an error."""
-        a = recvs[r][rpos[r]]
-        queue = channels.get((a.peer, r), [])
-        if not queue:
-            return False
-        got = queue.pop(0)
-        want = (Kind.SEND_ACT, a.stage - 1, a.microbatch)
-        if a.kind is Kind.RECV_GRAD:
-            want = (Kind.SEND_GRAD, a.stage + 1, a.microbatch)
-        if got != want:
-            return f"rank {r} expected {want}, got {got}"
-        have[r].add((a.kind, a.stage, a.microbatch))
-        rpos[r] += 1
-        return True
-
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(order[r]):
-                a = order[r][pos[r]]
-                if a.kind in _SENDS:
-                    channels.setdefault((r, a.peer), []).append((a.kind, a.stage, a.microbatch))
-                else:
-                    need = None
-                    if a.kind is Kind.FORWARD and a.stage > 0:
-                        need = (Kind.RECV_ACT, a.stage, a.microbatch)
-                    if a.kind is Kind.BACKWARD and a.stage < schedule.n_stages - 1:
-                        need = (Kind.RECV_GRAD, a.stage, a.microbatch)
-                    blocked = False
-                    while need is not None and need not in have[r]:
-                        if rpos[r] >= len(recvs[r]):
-                            return None, f"rank {r}: no receive left for {need}"
-                        took = receive_one(r)
-                        if isinstance(took, str):
-                            return None, took
-                        if not took:
-                            blocked = True
-                            break
-                        progress = True
-                    if blocked:
-                        break
-                    # An output for a stage on this same rank arrives without a transfer.
-                    out_stage = a.stage + 1 if a.kind is Kind.FORWARD else a.stage - 1
-                    if 0 <= out_stage < schedule.n_stages and schedule.rank_of(out_stage) == r:
-                        kind = Kind.RECV_ACT if a.kind is Kind.FORWARD else Kind.RECV_GRAD
-                        have[r].add((kind, out_stage, a.microbatch))
-                pos[r] += 1
-                progress = True
-    left = [order[r][pos[r] :] + recvs[r][rpos[r] :] for r in range(p)]
-    return left, None
+def _index(actions, kind: Kind, mb: int) -> int:
+    return next(i for i, a in enumerate(actions) if a.kind is kind and a.microbatch == mb)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
-def test_runtime_order_async_sends_never_deadlock(name):
-    """The runtime's order (computes and eager isends, receives taken in list order when a step
-    needs one) finishes every schedule; the eager order keeps every compute step in place."""
-    moved = 0
-    for p in RANKS:
-        for m in MICROBATCHES:
-            if name == "interleaved-1f1b" and m % p:
-                continue
-            schedule = build_schedule(name, p, m)
-            left, mismatch = _run_async(schedule)
-            assert mismatch is None, (p, m, mismatch)
-            assert all(not rest for rest in left), (p, m, left)
-            for acts in schedule.actions:
-                eager = _eager_sends(acts)
-                planned = [a for a in acts if a.kind not in _RECVS]
-                assert sorted(map(repr, eager)) == sorted(map(repr, planned))
-                assert [a for a in eager if a.kind.is_compute] == [
-                    a for a in planned if a.kind.is_compute
-                ]
-                moved += eager != planned
-    if name == "interleaved-1f1b":  # the others already plan every send right after its step
-        assert moved > 0
+def test_checker_rejects_a_deadlock():
+    # Rank 0 sends micro-batch 0's activation only after its backward, which waits for the
+    # gradient rank 1 can only make from that activation.
+    one = build_schedule("1f1b", 2, 1)
+    acts = [a for a in one.actions[0] if a.kind is not Kind.SEND_ACT]
+    with pytest.raises(ScheduleError, match="1f1b: deadlock; rank 0: backward of stage 0, "
+                       "micro-batch 0 waits .recv-grad.*rank 1: forward of stage 1"):  # fmt: skip
+        check_schedule(_with_rank_actions(one, 0, [*acts, Action(Kind.SEND_ACT, 0, 0, 1)]))
+    # A planted bad zero-bubble schedule: rank 0 holds micro-batch 1's activation back until
+    # the end, behind the I that needs rank 1's gradient of it.
+    zb = build_schedule("zb-h1", 2, 2)
+    acts = [a for a in zb.actions[0] if a.key != (Kind.SEND_ACT, 0, 1)]
+    with pytest.raises(ScheduleError, match="zb-h1: deadlock"):
+        check_schedule(_with_rank_actions(zb, 0, [*acts, Action(Kind.SEND_ACT, 0, 1, 1)]))
 
 
-def test_validator_rejects_backward_before_forward():
-    schedule = build_schedule("gpipe", 1, 2)
-    bad = _with_rank_actions(schedule, 0, [Action(Kind.BACKWARD, 0, 0), *schedule.actions[0]])
+def test_checker_rejects_use_before_produce():
+    zb = build_schedule("zb-h1", 2, 3)
+    acts = zb.actions[1]
+    i, w = _index(acts, I, 0), _index(acts, W, 0)
+    with pytest.raises(ScheduleError, match="rank 1, weight-gradient backward of stage 1, "
+                       "micro-batch 0: weight gradient before its I"):  # fmt: skip
+        check_schedule(_with_rank_actions(zb, 1, _swap(acts, i, w)))
     with pytest.raises(ScheduleError, match="backward before its forward"):
-        simulate(bad)
-
-
-def test_validator_rejects_deadlock_and_mismatch():
-    schedule = build_schedule("1f1b", 2, 2)
-    acts = list(schedule.actions[1])
-    # Rank 1 sends its gradient before receiving the activation it comes from.
+        gpipe = build_schedule("gpipe", 1, 2)
+        check_schedule(_with_rank_actions(gpipe, 0, [Action(B, 0, 0), *gpipe.actions[0]]))
+    one = build_schedule("1f1b", 2, 2)
+    acts = list(one.actions[1])
     first_send = next(i for i, a in enumerate(acts) if a.kind is Kind.SEND_GRAD)
     moved = [acts[first_send], *acts[:first_send], *acts[first_send + 1 :]]
     with pytest.raises(ScheduleError, match="sends before the step that produces it"):
-        simulate(_with_rank_actions(schedule, 1, moved))
+        check_schedule(_with_rank_actions(one, 1, moved))
     # Rank 1 expects micro-batch 1 first while rank 0 sends micro-batch 0.
-    swapped = list(acts)
     i, j = [k for k, a in enumerate(acts) if a.kind is Kind.RECV_ACT][:2]
-    swapped[i], swapped[j] = swapped[j], swapped[i]
     with pytest.raises(ScheduleError, match="on that channel"):
-        simulate(_with_rank_actions(schedule, 1, swapped))
-    # Both ranks receive first: nobody ever sends.
-    r0 = [Action(Kind.RECV_GRAD, 0, 0, 1), *schedule.actions[0]]
-    with pytest.raises(ScheduleError, match="deadlock"):
-        simulate(_with_rank_actions(schedule, 0, r0))
+        check_schedule(_with_rank_actions(one, 1, _swap(acts, i, j)))
+    # A V stage hands over in memory: stage 4 of rank 3 needs stage 3's forward first.
+    v = build_schedule("zb-v", 4, 8)
+    acts = v.actions[3]
+    f3, f4 = _index(acts, F, 0), next(k for k, a in enumerate(acts) if a.key == (F, 4, 0))
+    with pytest.raises(ScheduleError, match="from stage 3 .this rank. is not computed yet"):
+        check_schedule(_with_rank_actions(v, 3, _swap(acts, f3, f4)))
 
 
-def test_validator_rejects_missing_and_duplicate_steps():
-    schedule = build_schedule("gpipe", 1, 2)
-    with pytest.raises(ScheduleError, match="never runs"):
-        simulate(_with_rank_actions(schedule, 0, schedule.actions[0][:-1]))
+def test_checker_rejects_double_frees_and_leftovers():
+    zb = build_schedule("zb-h1", 2, 2)
+    acts = list(zb.actions[0])
+    w0 = _index(acts, W, 0)
     with pytest.raises(ScheduleError, match="runs twice"):
-        simulate(_with_rank_actions(schedule, 0, schedule.actions[0] + schedule.actions[0][-1:]))
-
-
-def test_schedule_table_prints_every_step():
-    for name, m in (("gpipe", 3), ("1f1b", 5), ("interleaved-1f1b", 4)):
-        table = schedule_table(name, 2, m)
-        print(table)
-        lines = table.splitlines()
-        assert lines[0].startswith(name) and len(lines) == 3
-        assert sum(line.count("F") for line in lines[1:]) == sum(
-            a.kind is Kind.FORWARD for acts in build_schedule(name, 2, m).actions for a in acts
-        )
-    assert "2F3" in schedule_table("interleaved-1f1b", 2, 4)
-    print(build_schedule("1f1b", 2, 3).format_rank(0))
-    assert build_schedule("1f1b", 2, 3).format_rank(0).startswith("F0 SA0")
+        check_schedule(_with_rank_actions(zb, 0, acts[: w0 + 1] + [acts[w0]] + acts[w0 + 1 :]))
+    # A full backward after the split halves frees the activations a second time.
+    twice = acts + [Action(W, 0, 1)]
+    twice[_index(twice, W, 1)] = Action(B, 0, 1)
+    with pytest.raises(ScheduleError, match="input gradient of this micro-batch was computed"):
+        check_schedule(_with_rank_actions(zb, 0, twice))
+    # W after a full B: the activations are gone.
+    one = build_schedule("1f1b", 1, 2)
+    with pytest.raises(ScheduleError, match="weight gradient its backward ran in full already"):
+        check_schedule(_with_rank_actions(one, 0, [*one.actions[0], Action(W, 0, 0)]))
+    with pytest.raises(ScheduleError, match="weight-gradient backward of stage 0, micro-batch 1 "
+                       "never runs"):  # fmt: skip
+        check_schedule(_with_rank_actions(zb, 0, [a for a in acts if a.key != (W, 0, 1)]))
+    gpipe = build_schedule("gpipe", 1, 2)
+    with pytest.raises(ScheduleError, match="never runs"):
+        check_schedule(_with_rank_actions(gpipe, 0, gpipe.actions[0][:-1]))
+    with pytest.raises(ScheduleError, match="stage 1 belongs to rank 1"):
+        two = build_schedule("1f1b", 2, 1)
+        check_schedule(_with_rank_actions(two, 0, [Action(F, 1, 0), *two.actions[0]]))
 
 
 def test_bad_arguments():
@@ -235,8 +230,14 @@ def test_bad_arguments():
         build_schedule("1f1b", 2, 0)
     with pytest.raises(TypeError, match="n_ranks must be an int"):
         build_schedule("1f1b", 2.0, 2)
-    with pytest.raises(ValueError, match="stages_per_rank"):
+    with pytest.raises(ValueError, match="1f1b has 1 stage.s. per rank"):
         build_schedule("1f1b", 2, 2, stages_per_rank=2)
+    with pytest.raises(ValueError, match="zb-v has 2 stage.s. per rank"):
+        build_schedule("zb-v", 2, 2, stages_per_rank=3)
+    with pytest.raises(ValueError, match=r"dualpipe-v needs n_microbatches \(7\) >= 2 x"):
+        build_schedule("dualpipe-v", 4, 7)
+    with pytest.raises(ValueError, match=r"n_microbatches \(6\).*\(4\)"):
+        build_schedule("interleaved-1f1b", 4, 6)
 
 
 # ----------------------------------------------------------------------------- partitioning

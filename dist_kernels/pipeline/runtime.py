@@ -1,20 +1,21 @@
 """Pipeline parallelism: ``dk.Pipeline`` runs one rank's list of a schedule planned as data.
 
-Schedules (``pipeline/schedules.py``) are per-rank action lists, simulated and checked before
-anything runs; :func:`schedule_table` prints them::
+Schedules (``pipeline/schedules.py``) are per-rank action lists, checked on a fake runtime
+(``pipeline/checker.py``) before anything runs; :func:`schedule_table` draws them::
 
-    >>> print(dk.pipeline.schedule_table("1f1b", 2, 3))
-    1f1b: 2 ranks, 2 stages, 3 micro-batches; bubble 25.0%, peak live activations 2
-    rank 0 | F0 F1 .  B0 F2 B1 .  B2
-    rank 1 | .  F0 B0 F1 B1 F2 B2 .
+    >>> print(dk.pipeline.schedule_table("zb-h1", 2, 3))
+    zb-h1: 2 ranks, 2 stages, 3 micro-batches; step 10, bubble 10.0% (rate 0.11), ...
+    rank 0 | F0 F1 .  I0 W0 F2 I1 W1 I2 W2
+    rank 1 | .  F0 I0 F1 I1 W0 F2 I2 W1 W2
 
 The engine keeps only its rank's stages (``pipeline/partition.py`` splits an ``nn.Sequential``).
 A training step splits the batch into micro-batches and runs the rank's list in order on the
-caller's thread: forward and backward of its stages, and each send, started with the
-Communicator's ``isend`` as soon as its tensor exists (``pipeline/wire.py``). Receives run on
-the same thread, in list order, when a step needs their tensor: the message waits in the
-peer's shared-memory FIFO until then, and the waiting thread is the one that computes next
-(no hand-over between threads, no GIL contention).
+caller's thread: forward and backward of its stages (a full B, or its I and W halves,
+``pipeline/split.py``), and each send, started with the Communicator's ``isend`` as soon as
+its tensor exists (``pipeline/wire.py``). Receives run on the same thread, each peer's in list
+order, when a step needs their tensor: the message waits in the peer's shared-memory FIFO until
+then, and the waiting thread is the one that computes next (no hand-over between threads, no
+GIL contention).
 The last stage averages the micro-batch losses, so the accumulated gradients equal those of the
 whole batch; the loss is then broadcast to every rank of the pipeline.
 
@@ -32,8 +33,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .actions import Action, Kind
+from .checker import check_schedule, receives_by_peer, runtime_order
 from .partition import build_stage, format_partition, plan_partition
-from .schedules import Action, Kind, build_schedule, simulate
+from .profiling import ActionTimer, gather_times, measure_p2p
+from .schedules import build_schedule
+from .split import WeightGradient, backward_input, parameter_nodes
 from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -141,7 +146,9 @@ class Pipeline:
             cp, the ranks holding the same stage's weights; ``mesh.dp_comm`` when cp = 1), or None
             for the default communicator (one process without a process group: one rank).
         n_microbatches: micro-batches per step; the batch size must be a multiple.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``.
+        schedule: one of ``dk.pipeline.SCHEDULES``: ``"gpipe"``, ``"1f1b"``,
+            ``"interleaved-1f1b"``, or the zero-bubble ``"zb-h1"``, ``"zb-h2"``, ``"zb-v"``,
+            ``"dualpipe-v"`` (docs/pipeline.md compares them).
         loss_fn: ``loss_fn(output, target) -> scalar`` per micro-batch, mean-reduced.
         split_points: where stages 1.. begin (child indices or names), for an ``nn.Sequential``.
         balance: children per stage, for an ``nn.Sequential``.
@@ -174,7 +181,7 @@ class Pipeline:
         self.comm, self.dp_comm = self._resolve_comm(comm)
         self.rank, self.n_ranks = self.comm.rank, self.comm.world_size
         self.schedule = build_schedule(schedule, self.n_ranks, n_microbatches, stages_per_rank)
-        simulate(self.schedule)  # plan first: never run a schedule that fails on paper
+        check_schedule(self.schedule)  # plan first: never run a schedule that fails on paper
         self.n_stages = self.schedule.n_stages
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
@@ -185,14 +192,30 @@ class Pipeline:
         if print_partition and _global_rank() == 0:
             print(self.partition_text, flush=True)
         self.actions = self.schedule.actions[self.rank]
-        self._compute_order = _eager_sends(self.actions)
+        self._compute_order = runtime_order(self.actions)
         self.channels = Channels(self.comm)
+        self._handlers = {
+            Kind.FORWARD: self._forward,
+            Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward_input,
+            Kind.BACKWARD_WEIGHT: self._backward_weight,
+            Kind.SEND_ACT: self._send,
+            Kind.SEND_GRAD: self._send,
+            Kind.RECV_ACT: self._recv,
+            Kind.RECV_GRAD: self._recv,
+        }
+        self._timer: Optional[ActionTimer] = None  # set while profile() runs
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
         self.ddp = self._wrap_data_parallel(find_unused_parameters)
+        self._parameter_nodes = {
+            s: parameter_nodes(list(m.parameters())) for s, m in self.stages.items()
+        }
         # Per stage, the micro-batch whose backward the schedule runs last: it all-reduces.
         self._last_backward = {
-            a.stage: a.microbatch for a in self.actions if a.kind is Kind.BACKWARD
+            a.stage: a.microbatch
+            for a in self.actions
+            if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)
         }
 
     # ------------------------------------------------------------------ construction
@@ -292,6 +315,31 @@ class Pipeline:
         # last backward (it waits for its all-reduces before that backward returns).
         return self._finish_loss()
 
+    def profile(self, inputs: Any = None, targets: Any = None, *, steps: int = 3) -> Dict:
+        """Measures the per-action times of this pipeline on its real model, for the simulator.
+
+        Runs ``steps`` training steps (the first only warms up when there are several) timing
+        every action, then agrees with the other ranks of the pipeline (collective): returns
+        ``{"times": {...}, "p2p": seconds}``, the same on every rank, so that
+        ``dk.pipeline.simulate(name, n_ranks, n_microbatches, **pipe.profile(x, y))`` predicts
+        a schedule from this model's own times (``pipeline/profiling.py`` says what each
+        number is). Gradients accumulate as in :meth:`step`: zero them afterwards.
+        """
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        timer = ActionTimer()
+        for i in range(steps):
+            self._timer = timer if i > 0 or steps == 1 else None
+            try:
+                self.step(inputs, targets)
+            finally:
+                self._timer = None
+        times = self._guard(None, "profile", lambda: gather_times(timer, self.n_stages, self.comm))
+        peer = self.schedule.rank_of(1) if self.n_stages > 1 else 0
+        nbytes = self.channels.sent_bytes(peer, ACTIVATION) if self.rank == 0 else 0
+        p2p = self._guard(None, "profile", lambda: measure_p2p(self.comm, nbytes))
+        return {"times": times, "p2p": p2p}
+
     def _wait_sends(self) -> None:
         works, self._send_works = self._send_works, []
         for work in works:
@@ -309,22 +357,22 @@ class Pipeline:
         self.arrived: Dict[Tuple[Kind, int, int], Tuple] = {}  # (RECV_*, s, mb) -> (tensors, tup)
         self.outbox: Dict[Tuple[Kind, int, int], Tuple] = {}  # (SEND_*, stage, mb) -> ditto
         self._send_works: List[Any] = []  # isend works of this step, waited for at its end
-        self._receives = iter(a for a in self.actions if a.kind in _RECVS)  # in list order
+        self._receives = receives_by_peer(self.actions)  # per peer, in list order
         self.saved: Dict[Tuple[int, int], Tuple] = {}  # (stage, mb) -> forward state
+        # (stage, mb) -> (the W half of an I, the bytes its activations hold)
+        self.weight_halves: Dict[Tuple[int, int], Tuple[Optional[WeightGradient], int]] = {}
         self.losses: List[torch.Tensor] = []
         self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
         self._live_bytes = 0
 
     def _execute(self, action: Action) -> None:
-        handler = {
-            Kind.FORWARD: self._forward,
-            Kind.BACKWARD: self._backward,
-            Kind.SEND_ACT: self._send,
-            Kind.SEND_GRAD: self._send,
-            Kind.RECV_ACT: self._recv,
-            Kind.RECV_GRAD: self._recv,
-        }[action.kind]
-        self._guard(action, action.describe(), lambda: handler(action))
+        handler = self._handlers[action.kind]
+        if self._timer is None:
+            self._guard(action, action.describe(), lambda: handler(action))
+        else:  # the runtime's own cost of an action counts as the action's
+            self._timer.run(
+                action, lambda: self._guard(action, action.describe(), lambda: handler(action))
+            )
 
     def _guard(self, action: Optional[Action], what: str, fn: Callable[[], Any]) -> Any:
         """Runs ``fn``; on failure closes the communicators and raises naming ``what``."""
@@ -383,18 +431,44 @@ class Pipeline:
             self._hand_over(Kind.SEND_ACT, a.stage, a.microbatch, outs, out_is_tuple)
 
     def _backward(self, a: Action) -> None:
-        leaves, outs, saved_bytes = self.saved.pop((a.stage, a.microbatch))
-        if a.stage == self.n_stages - 1:
-            roots, grads = list(outs), None
-        else:
-            received, _ = self._take((Kind.RECV_GRAD, a.stage, a.microbatch))
-            floating = [t for t in outs if t.is_floating_point()]
-            pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
-            roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        """B: the full backward of one micro-batch, input and weight gradients at once."""
+        leaves, roots, grads, saved_bytes = self._backward_roots(a)
         if roots:
             with self._dp_context(a):
                 torch.autograd.backward(roots, grads)
         self._live_bytes -= saved_bytes
+        self._send_input_grads(a, leaves)
+
+    def _backward_input(self, a: Action) -> None:
+        """I: the input gradient only, sent upstream at once; W computes the rest later and
+        holds the activations until then (``pipeline/split.py``)."""
+        leaves, roots, grads, saved_bytes = self._backward_roots(a)
+        weight = None
+        if roots:
+            params = self._parameter_nodes[a.stage]
+            weight = backward_input(roots, grads or [None] * len(roots), leaves, params)
+        self.weight_halves[(a.stage, a.microbatch)] = (weight, saved_bytes)
+        self._send_input_grads(a, leaves)
+
+    def _backward_weight(self, a: Action) -> None:
+        """W: the weight gradients of an earlier I, into ``.grad``; frees its activations."""
+        weight, saved_bytes = self.weight_halves.pop((a.stage, a.microbatch))
+        if weight is not None:
+            with self._dp_context(a):
+                weight.run()
+        self._live_bytes -= saved_bytes
+
+    def _backward_roots(self, a: Action):
+        """(stage inputs, tensors to differentiate, their gradients, saved bytes) of ``a``."""
+        leaves, outs, saved_bytes = self.saved.pop((a.stage, a.microbatch))
+        if a.stage == self.n_stages - 1:
+            return leaves, list(outs), None, saved_bytes
+        received, _ = self._take((Kind.RECV_GRAD, a.stage, a.microbatch))
+        floating = [t for t in outs if t.is_floating_point()]
+        pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
+        return leaves, [t for t, _ in pairs], [g for _, g in pairs], saved_bytes
+
+    def _send_input_grads(self, a: Action, leaves: Sequence[torch.Tensor]) -> None:
         if a.stage > 0:
             input_grads = [
                 t.grad if t.grad is not None else torch.zeros_like(t)
@@ -422,19 +496,20 @@ class Pipeline:
     # ------------------------------------------------------------------ transfers
 
     def _take(self, key: Tuple[Kind, int, int]) -> Tuple:
-        """The tensors of receive ``key``, receiving in list order until they are here.
+        """The tensors of receive ``key``, receiving from its peer in list order until here.
 
-        Receives run lazily, when a step needs their tensor, but never out of list order, so
-        every channel's messages are taken in the order its sender sent them. Deadlock-free:
-        this thread blocks only in a receive, receives follow the validated list, and sends
-        never wait for this rank's compute (isend); ``test_pipeline_schedule`` replays every
-        schedule this way.
+        Receives run lazily, when a step needs their tensor, and each peer's in list order,
+        which is the order that peer sent them (one FIFO per peer); a late message from one
+        peer never holds up another's. Deadlock-free: this thread blocks only in a receive
+        the validated list expects next from that peer, and sends never wait for this rank's
+        compute (isend); the checker (``pipeline/checker.py``) runs every list this way.
         """
+        source = key[1] - 1 if key[0] is Kind.RECV_ACT else key[1] + 1
+        queue = self._receives.get(self.schedule.rank_of(source))
         while key not in self.arrived:
-            action = next(self._receives, None)
-            if action is None:
+            if not queue:
                 raise RuntimeError(f"the schedule has no receive for {key}")
-            self._execute(action)
+            self._execute(queue.popleft())
         return self.arrived.pop(key)
 
     def _send(self, a: Action) -> None:
@@ -479,43 +554,9 @@ class Pipeline:
         if ddp is None:
             return contextlib.nullcontext()
         last = a.microbatch == self._last_backward[a.stage]
-        if a.kind is Kind.BACKWARD:
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
             ddp.set_requires_gradient_sync(last)
         return contextlib.nullcontext() if last else ddp.no_sync()
-
-
-def _eager_sends(actions: Sequence[Action]) -> List[Action]:
-    """The rank's compute steps and sends, each send moved right behind the step producing it.
-
-    The schedule places a send where a blocking transfer would pair best with its receiver;
-    with asynchronous sends, the earliest moment is best. Moving sends keeps their order on
-    every channel (peer) unless two outputs for one peer were produced in the other order;
-    then the planned positions are kept.
-    """
-    planned = [a for a in actions if a.kind not in _RECVS]
-    sends = {(a.kind, a.stage, a.microbatch): a for a in planned if a.kind in _SENDS}
-    eager: List[Action] = []
-    for a in planned:
-        if a.kind in _SENDS:
-            continue
-        eager.append(a)
-        out_kind = Kind.SEND_ACT if a.kind is Kind.FORWARD else Kind.SEND_GRAD
-        send = sends.get((out_kind, a.stage, a.microbatch))
-        if send is not None:
-            eager.append(send)
-
-    def per_peer(order: Sequence[Action]) -> Dict[int, List[Action]]:
-        channels: Dict[int, List[Action]] = {}
-        for a in order:
-            if a.kind in _SENDS:
-                channels.setdefault(a.peer, []).append(a)
-        return channels
-
-    return eager if per_peer(eager) == per_peer(planned) else planned
-
-
-_SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
-_RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
 
 
 def _same_family(exc: Exception, message: str) -> Exception:

@@ -118,6 +118,11 @@ class Channels:
         works.append(self._post(message, dst))
         return [w for w in works if w is not None]
 
+    def sent_bytes(self, dst: int, kind: int) -> int:
+        """The size of the messages last sent to ``dst`` on channel ``kind`` (0: none yet)."""
+        meta = self.sent.get((dst, kind))
+        return _layout(meta)[1] if meta is not None else 0
+
     def _post(self, message: torch.Tensor, dst: int):
         if self._isend is not None:
             return self._isend(message, dst)

@@ -1,0 +1,121 @@
+"""What ``Pipeline.profile()`` measures: per-action times for the simulator, per stage.
+
+Each rank times its own actions (:class:`ActionTimer`) while it runs real steps, then the
+pipeline agrees on one table (:func:`gather_times`, a sum all-reduce: every stage is timed by
+exactly one rank). The result is the simulator's input (``dk.pipeline.simulate(...,
+**profile)``), in seconds:
+
+* ``F``, ``B``, ``W``, ``BW``: the median time of a forward, an input-gradient half (action
+  ``I``), a weight-gradient half and a full backward of each stage, whichever its schedule runs
+  (so simulate a schedule with a profile of the same kind: split or not). A compute action's
+  time excludes the receives it waited in.
+* ``send``: the median time a send takes its thread (packing the message and the ``isend``
+  call); ``recv``: the fastest receive seen (one whose message was already there), both
+  averaged over the ranks that send or receive.
+* ``p2p``: half the median round trip of a message of the size of rank 0's first activation
+  between ranks 0 and 1 (0 on one rank): from the end of one side's send call to the other
+  side holding the bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+from .actions import Action, Kind
+
+__all__ = ["ActionTimer", "gather_times", "measure_p2p"]
+
+_COMPUTE_KEY = {
+    Kind.FORWARD: "F",
+    Kind.BACKWARD_INPUT: "B",
+    Kind.BACKWARD_WEIGHT: "W",
+    Kind.BACKWARD: "BW",
+}
+KEYS = ("F", "B", "W", "BW")
+
+
+class ActionTimer:
+    """Durations of one rank's actions; a receive run inside a compute step is not counted
+    in the step's time."""
+
+    def __init__(self) -> None:
+        self.compute: Dict[Tuple[str, int], List[float]] = defaultdict(list)
+        self.sends: List[float] = []
+        self.receives: List[float] = []
+        self._nested = [0.0]  # per open compute step: seconds spent in its receives
+
+    def run(self, action: Action, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        if action.kind.is_compute:
+            self._nested.append(0.0)
+        try:
+            return fn()
+        finally:
+            spent = time.perf_counter() - start
+            if action.kind.is_compute:
+                waited = self._nested.pop()
+                self.compute[(_COMPUTE_KEY[action.kind], action.stage)].append(spent - waited)
+            elif action.kind.is_send:
+                self.sends.append(spent)
+            else:
+                self.receives.append(spent)
+                self._nested[-1] += spent
+
+
+def gather_times(timer: ActionTimer, n_stages: int, comm: Any) -> Dict[str, Any]:
+    """The pipeline's table (module docstring): medians per stage, summed over the ranks."""
+    table = torch.zeros(len(KEYS) + 2, n_stages, dtype=torch.float64)
+    for (key, stage), seconds in timer.compute.items():
+        table[KEYS.index(key), stage] = statistics.median(seconds)
+    counts = torch.zeros(2, dtype=torch.float64)  # ranks that sent, and that received
+    if timer.sends:
+        table[len(KEYS), 0] = statistics.median(timer.sends)
+        counts[0] = 1
+    if timer.receives:
+        table[len(KEYS) + 1, 0] = min(timer.receives)
+        counts[1] = 1
+    if comm.world_size > 1:
+        comm.all_reduce(table)
+        comm.all_reduce(counts)
+    times: Dict[str, Any] = {}
+    for i, key in enumerate(KEYS):
+        if table[i].any():
+            times[key] = table[i].tolist()
+    times["send"] = table[len(KEYS), 0].item() / max(counts[0].item(), 1.0)
+    times["recv"] = table[len(KEYS) + 1, 0].item() / max(counts[1].item(), 1.0)
+    return times
+
+
+def measure_p2p(comm: Any, nbytes: int, rounds: int = 20) -> float:
+    """Half the median round trip between ranks 0 and 1 of rank 0's ``nbytes``, on every
+    rank (collective on ``comm``)."""
+    if comm.world_size == 1:
+        return 0.0
+    size = torch.tensor([nbytes], dtype=torch.int64)
+    comm.broadcast(size, 0)
+    result = torch.zeros(1, dtype=torch.float64)
+    if comm.rank in (0, 1):
+        result[0] = _ping_pong(comm, max(int(size.item()), 1), rounds)
+    comm.broadcast(result, 0)
+    return result.item()
+
+
+def _ping_pong(comm: Any, nbytes: int, rounds: int) -> float:
+    message = torch.zeros(nbytes, dtype=torch.uint8)
+    peer = 1 - comm.rank
+    trips = []
+    for _ in range(rounds + 2):  # the first two warm the path up
+        start = time.perf_counter()
+        if comm.rank == 0:
+            comm.send(message, peer)
+            comm.recv(message, peer)
+        else:
+            comm.recv(message, peer)
+            comm.send(message, peer)
+        trips.append(time.perf_counter() - start)
+    return statistics.median(trips[2:]) / 2
