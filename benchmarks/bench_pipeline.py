@@ -4,8 +4,8 @@
     python benchmarks/bench_pipeline.py --nproc 2 --schedules 1f1b,zb-h1 --iters 20
 
 Spawns its own ranks (``dist_kernels.launch``: a gloo process group, one torch thread each).
-Every schedule of ours (``dk.Pipeline``) and its torch counterpart train the same model (an MLP split evenly) on the
-same batches: GPipe, 1F1B, interleaved 1F1B, ZB-H1 against torch's ZB1P
+Every schedule of ours (``dk.Pipeline``) and its torch counterpart train the same model (an MLP
+split evenly) on the same batches: GPipe, 1F1B, interleaved 1F1B, ZB-H1 against torch's ZB1P
 (``ScheduleInterleavedZeroBubble`` with one stage per rank), ZB-V against
 ``ScheduleZBVZeroBubble``, DualPipeV against ``ScheduleDualPipeV``; ZB-H2 has no torch
 counterpart. All engines step in turn inside each timed round, so noise from a shared machine
