@@ -136,26 +136,40 @@ def _exposed_wait_ms(attention: _Attention) -> Dict[str, float]:
 
 
 def _transfers_alone_ms(attention: _Attention, iters: int) -> float:
-    """The ring's messages with nothing to hide behind: median of ``iters`` passes."""
+    """The ring's messages with nothing to hide behind, as ring attention sends them (per group
+    of heads: the forward's cp - 1 key/value blocks, k and v apart; the backward's cp - 1 of
+    them and cp key/value gradient blocks, k and v stacked): median of ``iters`` passes."""
+    from dist_kernels.context_parallel import layout
+
     comm = attention.comm
     size, rank = comm.world_size, comm.rank
-    kv = torch.stack((attention.k.detach(), attention.v.detach()))
-    buffers = [kv, torch.empty_like(kv)]
     nxt, prev = (rank + 1) % size, (rank - 1) % size
+    k, v = attention.k.detach(), attention.v.detach()
 
-    def shift(dst: int, src: int) -> None:
-        works = [comm.irecv(buffers[1], src), comm.isend(buffers[0], dst)]
+    def shift(messages, dst: int, src: int) -> None:
+        sends, recvs = messages
+        works = [comm.irecv(t, src) for t in recvs] + [comm.isend(t, dst) for t in sends]
         for w in works:
             w.wait()
 
+    def with_buffers(sends: List[torch.Tensor]):
+        return sends, [torch.empty_like(t) for t in sends]
+
+    groups = []
+    for sample, heads in layout.head_groups(k.shape[0], k.shape[1]):
+        kv = [t[sample : sample + 1, heads].contiguous() for t in (k, v)]
+        groups.append((with_buffers(kv), with_buffers([torch.stack(kv)])))
     times = []
     for _ in range(iters):
         comm.barrier()
         t0 = time.perf_counter()
-        for _ in range(size - 1):  # forward: key/value blocks to the next rank
-            shift(nxt, prev)
-        for _ in range(2 * size - 1):  # backward: blocks, then gradient blocks (FP32: same size)
-            shift(prev, nxt)
+        for kv, dkv in groups:
+            for _ in range(size - 1):  # forward: key/value blocks to the next rank
+                shift(kv, nxt, prev)
+            for _ in range(size - 1):  # backward: the blocks to the previous rank
+                shift(kv, prev, nxt)
+            for _ in range(size):  # and their gradients (FP32: the blocks' size), stacked
+                shift(dkv, prev, nxt)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
@@ -282,6 +296,7 @@ def _report(rows: List[Dict[str, Any]], args) -> str:
             f"{row['saved_mb']:.1f} | {row['saved_mb'] / b_saved:.2f} | {row['peak_mb']:.1f} "
             f"| {row['peak_mb'] / b_peak:.2f} | {row.get('max_error', 0):.1e} |"
         )
+    lines += ["", *_against_the_bars(rows, base, causal=not args.no_causal)]
     tried = [r["torch_cp"] for r in rows if "torch_cp" in r]
     errors = sorted({t["error"] for t in tried if "error" in t})
     ran = [t["ms"] for t in tried if "ms" in t]
@@ -291,6 +306,25 @@ def _report(rows: List[Dict[str, Any]], args) -> str:
     if ran:
         lines.append(f"torch context_parallel ran: {ran} ms (one iteration each)")
     return "\n".join(lines)
+
+
+def _against_the_bars(rows: List[Dict[str, Any]], base, causal: bool) -> List[str]:
+    """One line per multi-rank run: the ratios issue 30's "done" bars are set on (cp = 2,
+    seq 8192, causal, one thread per rank), with the bars."""
+    lines = ["Against the bars (set for cp = 2, seq 8192, causal; the other rows for scale):"]
+    for row in rows:
+        if row["engine"] != "ring" or row["cp"] == 1:
+            continue
+        b_ms, _, _, b_peak = base[row["seq"]]
+        wall = statistics.median(row["times_ms"]) / b_ms
+        hidden = max(0.0, 1 - row["wait_ms"] / row["transfers_ms"])
+        marks = [
+            f"wall {wall:.3f}x one process (bar <= 0.625)",
+            f"peak memory {row['peak_mb'] / b_peak:.2f}x (bar <= 0.6)",
+            f"transfers hidden {100 * hidden:.0f}% (bar >= 70%)",
+        ]
+        lines.append(f"- seq {row['seq']}, cp {row['cp']}, causal {causal}: " + ", ".join(marks))
+    return lines
 
 
 def main() -> None:

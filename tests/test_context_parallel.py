@@ -76,6 +76,22 @@ def test_blocks_cover_exactly_the_mask(causal, load_balance):
         layout.positions(20, 0, 3, True)
 
 
+def test_head_groups_partition_the_heads():
+    """Every (sample, head) in exactly one group, the groups within one head of each other and
+    as many as the cap allows (each pass of the ring holds one group's buffers)."""
+    assert layout.MAX_HEAD_GROUPS == 8
+    for batch, heads in itertools.product((1, 2, 3, 8, 9), (1, 3, 8, 12)):
+        groups = layout.head_groups(batch, heads)
+        pairs = [(b, h) for b, hs in groups for h in range(hs.start, hs.stop)]
+        assert sorted(pairs) == list(itertools.product(range(batch), range(heads)))
+        sizes = {hs.stop - hs.start for _, hs in groups}
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1, (batch, heads, groups)
+    # with the cap at 8: one head a pass for the benchmark's 1 x 8; 2 x 3 (these tests) one
+    # head a pass; 3 samples get 2 groups each; past 8 samples one group a sample
+    for (batch, heads), count in {(1, 8): 8, (2, 3): 6, (3, 8): 6, (9, 3): 9, (1, 12): 8}.items():
+        assert len(layout.head_groups(batch, heads)) == count, (batch, heads)
+
+
 # ------------------------------------------------------------------ ring attention
 
 

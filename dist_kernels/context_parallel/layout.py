@@ -24,12 +24,21 @@ with both shards cut into a first and a second half (one chunk each)::
 So every step but the first costs half a shard-by-shard block, on every rank: the work is even.
 Contiguous shards give j == r causal, j < r the whole block unmasked, j > r nothing: rank r
 works r + 1 steps out of cp. Without a causal mask every step is the whole block.
+
+Heads are independent, so the ring runs once per group of heads, one group after another
+(:func:`head_groups`): whatever the ring holds besides its inputs and results (the visiting
+block, the travelling key/value gradients, the kernels' outputs) is one group's, at most
+``1 / MAX_HEAD_GROUPS`` of a shard.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
+
+# 8 groups bound the ring's transient memory to 1/8 of a shard per buffer, while one group's
+# block (seq / cp rows of heads / 8 heads) is still ample compute to hide its transfer behind
+MAX_HEAD_GROUPS = 8
 
 
 @dataclass(frozen=True)
@@ -112,3 +121,15 @@ def own_block_split(local_len: int, causal: bool) -> Tuple[List[Block], List[Blo
 
 def _non_empty(blocks: List[Block]) -> List[Block]:
     return [b for b in blocks if b.q.stop > b.q.start and b.kv.stop > b.kv.start]
+
+
+def head_groups(batch: int, heads: int) -> List[Tuple[int, slice]]:
+    """``(sample, heads)`` pairs, one per pass of the ring: each sample's heads cut into
+    ``min(heads, max(1, MAX_HEAD_GROUPS // batch))`` contiguous ranges, sizes within one (a
+    group is a view of a ``[batch, heads, seq, dim]`` tensor, contiguous when the tensor is)."""
+    per_sample = max(1, min(heads, MAX_HEAD_GROUPS // max(batch, 1)))
+    size, extra = divmod(heads, per_sample)
+    bounds = [i * size + min(i, extra) for i in range(per_sample + 1)]
+    return [
+        (b, slice(bounds[i], bounds[i + 1])) for b in range(batch) for i in range(per_sample)
+    ]

@@ -117,7 +117,29 @@ class _KeyValues:
         self._buffers, self._incoming, self.held = [], None, ()
 
 
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _group(t: torch.Tensor, group) -> torch.Tensor:
+    """A view of one group of heads (``layout.head_groups``): ``[1, heads, seq, dim]``."""
+    sample, heads = group
+    return t[sample : sample + 1, heads]
+
+
 def _forward(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: float):
+    """``(out, lse)`` of the shard: the ring once per group of heads, into one output."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[:3], dtype=_accumulate_dtype(q.dtype))
+    for group in layout.head_groups(q.shape[0], q.shape[1]):
+        views = [_group(t, group) for t in (q, k, v)]
+        out_g, lse_g = _forward_group(*views, ring, causal, load_balance, scale)
+        _group(out, group).copy_(out_g)
+        _group(lse, group).copy_(lse_g)
+    return out, lse
+
+
+def _forward_group(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: float):
     local = q.shape[2]
     blocks = _KeyValues(k, v, ring, backward=False)
     out = lse = None
@@ -128,7 +150,7 @@ def _forward(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: floa
             out, lse = _merge(out, lse, blk.q, *_attend(q, *blocks.held, blk, scale))
         if pending:
             blocks.take(pending)
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 class _BlockGrads:
@@ -159,6 +181,16 @@ class _BlockGrads:
 
 
 def _backward(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, scale):
+    """``(dq, dk, dv)`` of the shard: the reverse ring once per group of heads."""
+    grads = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)]
+    for group in layout.head_groups(q.shape[0], q.shape[1]):
+        views = [_group(t, group) for t in (grad_out, q, k, v, out, lse)]
+        for full, part in zip(grads, _backward_group(*views, ring, causal, load_balance, scale)):
+            _group(full, group).copy_(part)
+    return grads
+
+
+def _backward_group(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, scale):
     local = q.shape[2]
     saved = (grad_out, q, out, lse)
     if ring.size == 1:  # one block: the kernel's gradients are the answer
@@ -186,7 +218,7 @@ def _backward(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, sc
     home = _BlockGrads(saved, late, k, v, scale)
     ring.wait(pending_grads)
     home.add_to(dq, dkv_in)
-    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+    return dq, dkv_in[0], dkv_in[1]
 
 
 class _RingAttention(torch.autograd.Function):
