@@ -130,6 +130,4 @@ def head_groups(batch: int, heads: int) -> List[Tuple[int, slice]]:
     per_sample = max(1, min(heads, MAX_HEAD_GROUPS // max(batch, 1)))
     size, extra = divmod(heads, per_sample)
     bounds = [i * size + min(i, extra) for i in range(per_sample + 1)]
-    return [
-        (b, slice(bounds[i], bounds[i + 1])) for b in range(batch) for i in range(per_sample)
-    ]
+    return [(b, slice(bounds[i], bounds[i + 1])) for b in range(batch) for i in range(per_sample)]

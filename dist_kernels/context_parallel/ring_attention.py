@@ -89,9 +89,10 @@ class _KeyValues:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, ring: _Ring, backward: bool) -> None:
         self.ring, self.backward = ring, backward
-        self.held = (k.contiguous(), v.contiguous())
+        self.held = (k, v)
         self._buffers: List[torch.Tensor] = []
         self._incoming: Optional[torch.Tensor] = None
+        self._sending: List[torch.Tensor] = []
 
     def post(self) -> List:
         """Starts sending the held block on and receiving the next one."""
@@ -105,13 +106,14 @@ class _KeyValues:
             (self.ring.prev, self.ring.next) if self.backward else (self.ring.next, self.ring.prev)
         )
         comm = self.ring.comm
+        self._sending = [part.contiguous() for part in self.held]  # kept until the sends end
         recvs = [comm.irecv(part, src) for part in self._incoming]
-        return recvs + [comm.isend(part, dst) for part in self.held]
+        return recvs + [comm.isend(part, dst) for part in self._sending]
 
     def take(self, pending: List) -> None:
         """Waits for :meth:`post`'s transfers; the received block is held from now on."""
         self.ring.wait(pending)
-        self.held = tuple(self._incoming)
+        self.held, self._sending = tuple(self._incoming), []
 
     def release(self) -> None:
         self._buffers, self._incoming, self.held = [], None, ()
@@ -127,30 +129,51 @@ def _group(t: torch.Tensor, group) -> torch.Tensor:
     return t[sample : sample + 1, heads]
 
 
+def _passes(k, v, ring: _Ring, backward: bool):
+    """The passes of the ring, one per group of heads: ``(group, its blocks)``."""
+    groups = layout.head_groups(k.shape[0], k.shape[1])
+    return [(g, _KeyValues(_group(k, g), _group(v, g), ring, backward)) for g in groups]
+
+
+def _first_hop(blocks: Optional[_KeyValues]) -> List:
+    """Posts a pass's first key/value hop (its own block: inputs, always there). It is posted
+    during the previous pass's last computation, so that it hides behind a whole step and the
+    ranks need not arrive together at every pass. Nothing after the last pass or on one rank."""
+    return [] if blocks is None or blocks.ring.size == 1 else blocks.post()
+
+
 def _forward(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: float):
     """``(out, lse)`` of the shard: the ring once per group of heads, into one output."""
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], dtype=_accumulate_dtype(q.dtype))
-    for group in layout.head_groups(q.shape[0], q.shape[1]):
-        views = [_group(t, group) for t in (q, k, v)]
-        out_g, lse_g = _forward_group(*views, ring, causal, load_balance, scale)
+    passes = _passes(k, v, ring, backward=False)
+    pending = _first_hop(passes[0][1])
+    for i, (group, blocks) in enumerate(passes):
+        following = passes[i + 1][1] if i + 1 < len(passes) else None
+        out_g, lse_g, pending = _forward_group(
+            _group(q, group), blocks, pending, following, causal, load_balance, scale
+        )
         _group(out, group).copy_(out_g)
         _group(lse, group).copy_(lse_g)
     return out, lse
 
 
-def _forward_group(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: float):
-    local = q.shape[2]
-    blocks = _KeyValues(k, v, ring, backward=False)
-    out = lse = None
+def _forward_group(q, blocks: _KeyValues, pending, following, causal, load_balance, scale):
+    """One pass: ``(out, lse, the next pass's first hop)``; ``pending``: this one's."""
+    ring, local = blocks.ring, q.shape[2]
+    out = lse = ahead = None
     for step in range(ring.size):
-        pending = blocks.post() if step < ring.size - 1 else []
+        if step == ring.size - 1:
+            ahead = _first_hop(following)
+        elif step > 0:
+            pending = blocks.post()
         blk = layout.block(ring.rank, (ring.rank - step) % ring.size, local, causal, load_balance)
         if blk is not None:
             out, lse = _merge(out, lse, blk.q, *_attend(q, *blocks.held, blk, scale))
-        if pending:
+        if step < ring.size - 1:
             blocks.take(pending)
-    return out, lse
+    blocks.release()
+    return out, lse, ahead
 
 
 class _BlockGrads:
@@ -183,25 +206,30 @@ class _BlockGrads:
 def _backward(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, scale):
     """``(dq, dk, dv)`` of the shard: the reverse ring once per group of heads."""
     grads = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)]
-    for group in layout.head_groups(q.shape[0], q.shape[1]):
-        views = [_group(t, group) for t in (grad_out, q, k, v, out, lse)]
-        for full, part in zip(grads, _backward_group(*views, ring, causal, load_balance, scale)):
+    passes = _passes(k, v, ring, backward=True)
+    pending = _first_hop(passes[0][1])
+    for i, (group, blocks) in enumerate(passes):
+        following = passes[i + 1][1] if i + 1 < len(passes) else None
+        saved = [_group(t, group) for t in (grad_out, q, out, lse)]
+        *parts, pending = _backward_group(
+            saved, blocks, pending, following, causal, load_balance, scale
+        )
+        for full, part in zip(grads, parts):
             _group(full, group).copy_(part)
     return grads
 
 
-def _backward_group(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, scale):
+def _backward_group(saved, blocks: _KeyValues, pending_kv, following, causal, load_balance, scale):
+    """One pass: ``(dq, dk, dv, the next pass's first hop)``; ``pending_kv``: this one's."""
+    ring, (k, v), q = blocks.ring, blocks.held, saved[1]
     local = q.shape[2]
-    saved = (grad_out, q, out, lse)
     if ring.size == 1:  # one block: the kernel's gradients are the answer
         whole = layout.block(0, 0, local, causal, load_balance)
-        return _BlockGrads(saved, [whole], k, v, scale).parts[0][1]
-    dq = torch.zeros(q.shape, dtype=lse.dtype)
-    dkv = torch.zeros((2,) + tuple(k.shape), dtype=lse.dtype)  # travels with its block
+        return (*_BlockGrads(saved, [whole], k, v, scale).parts[0][1], [])
+    dq = torch.zeros(q.shape, dtype=saved[3].dtype)
+    dkv = torch.zeros((2,) + tuple(k.shape), dtype=dq.dtype)  # travels with its block
     early, late = layout.own_block_split(local, causal)
-    blocks = _KeyValues(k, v, ring, backward=True)
     dkv_in = torch.empty_like(dkv)
-    pending_kv = blocks.post()
     _BlockGrads(saved, early, k, v, scale).add_to(dq, dkv)
     pending_grads = ring.shift(dkv, dkv_in, backward=True)
     for step in range(1, ring.size):
@@ -215,10 +243,11 @@ def _backward_group(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balan
         pending_grads = ring.shift(dkv, dkv_in, backward=True)  # at the last step: home
     blocks.release()
     del grads
+    ahead = _first_hop(following)
     home = _BlockGrads(saved, late, k, v, scale)
     ring.wait(pending_grads)
     home.add_to(dq, dkv_in)
-    return dq, dkv_in[0], dkv_in[1]
+    return dq, dkv_in[0], dkv_in[1], ahead
 
 
 class _RingAttention(torch.autograd.Function):
