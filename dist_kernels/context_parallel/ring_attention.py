@@ -18,10 +18,22 @@ queries to the block it holds; the block results merge by their log-sum-exp::
                     arrived with the block from r + 1; pass both on to r - 1
         the end     own block, second half of the rows, while this block's gradients come home
 
+Heads are independent, so the ring runs once per group of heads, one group after another
+(``layout.head_groups``: 8 groups for one sample of 8 or more heads, one per head or per sample
+for fewer heads or more samples), on views of the shard, writing into one output. Whatever a
+pass holds besides the inputs and the results (the visiting block and the next one, the
+travelling key/value gradients and the next ones, the kernels' outputs) is one group's, so per
+rank the peak of one attention's forward + backward is its results (out, lse; dq, dk, dv) plus
+a few groups' worth of buffers (1/8 of a shard each): about half the single process's at
+cp = 2.
+
 Each transfer is posted before the computation it hides behind; the last hop home hides
-behind the rows kept for the end (layout.own_block_split). Per rank the forward keeps q, k,
-v, out and lse of its shard: memory grows with seq / cp. Block results merge in FP32 (FP64
-for FP64 inputs), as do the travelling key/value gradients.
+behind the rows kept for the end (layout.own_block_split) and the next pass's first
+computation; a pass's first hop (its own block, always there) is posted LOOKAHEAD passes
+early. The passes are short (1/8 of the work), so this slack keeps ranks that drift apart
+(time-sliced on a busy host) from waiting at every pass. Per rank the forward keeps q, k, v,
+out and lse of its shard: memory grows with seq / cp. Block results merge in FP32 (FP64 for
+FP64 inputs), as do the travelling key/value gradients.
 """
 
 from __future__ import annotations
@@ -135,11 +147,21 @@ def _passes(k, v, ring: _Ring, backward: bool):
     return [(g, _KeyValues(_group(k, g), _group(v, g), ring, backward)) for g in groups]
 
 
+# a pass's first hop is posted this many passes early: slack for ranks that drift apart
+LOOKAHEAD = 2
+
+
 def _first_hop(blocks: Optional[_KeyValues]) -> List:
-    """Posts a pass's first key/value hop (its own block: inputs, always there). It is posted
-    during the previous pass's last computation, so that it hides behind a whole step and the
-    ranks need not arrive together at every pass. Nothing after the last pass or on one rank."""
+    """Posts a pass's first key/value hop (its own block: inputs, always there), LOOKAHEAD
+    passes early (during the last computation of the pass LOOKAHEAD before it), so that it
+    hides behind whole steps and the ranks need not arrive together at every pass. Nothing
+    after the last pass or on one rank."""
     return [] if blocks is None or blocks.ring.size == 1 else blocks.post()
+
+
+def _ahead(passes, i: int) -> Optional[_KeyValues]:
+    """The blocks whose first hop pass ``i`` posts."""
+    return passes[i + LOOKAHEAD][1] if i + LOOKAHEAD < len(passes) else None
 
 
 def _forward(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: float):
@@ -147,19 +169,19 @@ def _forward(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: floa
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], dtype=_accumulate_dtype(q.dtype))
     passes = _passes(k, v, ring, backward=False)
-    pending = _first_hop(passes[0][1])
+    hops = [_first_hop(blocks) for _, blocks in passes[:LOOKAHEAD]]
     for i, (group, blocks) in enumerate(passes):
-        following = passes[i + 1][1] if i + 1 < len(passes) else None
-        out_g, lse_g, pending = _forward_group(
-            _group(q, group), blocks, pending, following, causal, load_balance, scale
+        out_g, lse_g, posted = _forward_group(
+            _group(q, group), blocks, hops[i], _ahead(passes, i), causal, load_balance, scale
         )
+        hops.append(posted)
         _group(out, group).copy_(out_g)
         _group(lse, group).copy_(lse_g)
     return out, lse
 
 
 def _forward_group(q, blocks: _KeyValues, pending, following, causal, load_balance, scale):
-    """One pass: ``(out, lse, the next pass's first hop)``; ``pending``: this one's."""
+    """One pass: ``(out, lse, following's first hop)``; ``pending``: this pass's, posted."""
     ring, local = blocks.ring, q.shape[2]
     out = lse = ahead = None
     for step in range(ring.size):
@@ -204,34 +226,43 @@ class _BlockGrads:
 
 
 def _backward(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, scale):
-    """``(dq, dk, dv)`` of the shard: the reverse ring once per group of heads."""
+    """``(dq, dk, dv)`` of the shard: the reverse ring once per group of heads. A pass's key/
+    value gradients come home behind the next pass's first computation (``finish``)."""
     grads = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)]
     passes = _passes(k, v, ring, backward=True)
-    pending = _first_hop(passes[0][1])
+    hops = [_first_hop(blocks) for _, blocks in passes[:LOOKAHEAD]]
+    finish = None
     for i, (group, blocks) in enumerate(passes):
-        following = passes[i + 1][1] if i + 1 < len(passes) else None
         saved = [_group(t, group) for t in (grad_out, q, out, lse)]
-        *parts, pending = _backward_group(
-            saved, blocks, pending, following, causal, load_balance, scale
-        )
-        for full, part in zip(grads, parts):
-            _group(full, group).copy_(part)
+        results = [_group(t, group) for t in grads]
+        chain = (hops[i], _ahead(passes, i), finish)
+        finish, posted = _backward_group(saved, results, blocks, chain, causal, load_balance, scale)
+        hops.append(posted)
+    finish()
     return grads
 
 
-def _backward_group(saved, blocks: _KeyValues, pending_kv, following, causal, load_balance, scale):
-    """One pass: ``(dq, dk, dv, the next pass's first hop)``; ``pending_kv``: this one's."""
+def _backward_group(saved, results, blocks: _KeyValues, chain, causal, load_balance, scale):
+    """One pass, into ``results`` (dq, dk, dv views). ``chain``: this pass's first hop
+    (posted), the blocks whose first hop to post, the previous pass's ``finish`` (called
+    once this pass's first computation is done). Returns ``(finish, the hop posted)``: finish
+    waits for this pass's key/value gradients to come home and writes the results."""
+    pending_kv, following, previous = chain
     ring, (k, v), q = blocks.ring, blocks.held, saved[1]
     local = q.shape[2]
     if ring.size == 1:  # one block: the kernel's gradients are the answer
         whole = layout.block(0, 0, local, causal, load_balance)
-        return (*_BlockGrads(saved, [whole], k, v, scale).parts[0][1], [])
+        for result, part in zip(results, _BlockGrads(saved, [whole], k, v, scale).parts[0][1]):
+            result.copy_(part)
+        return (lambda: None), []
     dq = torch.zeros(q.shape, dtype=saved[3].dtype)
     dkv = torch.zeros((2,) + tuple(k.shape), dtype=dq.dtype)  # travels with its block
     early, late = layout.own_block_split(local, causal)
     dkv_in = torch.empty_like(dkv)
     _BlockGrads(saved, early, k, v, scale).add_to(dq, dkv)
     pending_grads = ring.shift(dkv, dkv_in, backward=True)
+    if previous is not None:
+        previous()
     for step in range(1, ring.size):
         blocks.take(pending_kv)  # the block of rank + step
         pending_kv = blocks.post() if step < ring.size - 1 else []
@@ -242,12 +273,17 @@ def _backward_group(saved, blocks: _KeyValues, pending_kv, following, causal, lo
         grads.add_to(dq, dkv)
         pending_grads = ring.shift(dkv, dkv_in, backward=True)  # at the last step: home
     blocks.release()
-    del grads
-    ahead = _first_hop(following)
+    del grads, dkv
+    posted = _first_hop(following)
     home = _BlockGrads(saved, late, k, v, scale)
-    ring.wait(pending_grads)
-    home.add_to(dq, dkv_in)
-    return dq, dkv_in[0], dkv_in[1], ahead
+
+    def finish() -> None:
+        ring.wait(pending_grads)
+        home.add_to(dq, dkv_in)
+        for result, part in zip(results, (dq, *dkv_in)):
+            result.copy_(part)
+
+    return finish, posted
 
 
 class _RingAttention(torch.autograd.Function):
@@ -290,6 +326,9 @@ def ring_attention(
         load_balance: the shards are zig-zag (:func:`shard_sequence`'s ``load_balance=True``:
             rank i holds chunks i and 2cp-1-i); False: contiguous. It only matters when causal.
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
+
+    Memory per rank: the forward saves q, k, v, out and lse of the shard; beyond them and the
+    gradients, the ring holds one group of heads' buffers at a time (module docstring).
 
     Every rank of ``comm`` must call it with the same batch, heads, head_dim, shard length,
     dtype and options: they are exchanged first (one small all-gather) and a mismatch raises
