@@ -256,31 +256,36 @@ def _backward_group(saved, results, blocks: _KeyValues, chain, causal, load_bala
             result.copy_(part)
         return (lambda: None), []
     dq = torch.zeros(q.shape, dtype=saved[3].dtype)
-    dkv = torch.zeros((2,) + tuple(k.shape), dtype=dq.dtype)  # travels with its block
+    own = torch.zeros((2,) + tuple(k.shape), dtype=dq.dtype)  # the own block's dk, dv: stay
     early, late = layout.own_block_split(local, causal)
-    dkv_in = torch.empty_like(dkv)
-    _BlockGrads(saved, early, k, v, scale).add_to(dq, dkv)
-    pending_grads = ring.shift(dkv, dkv_in, backward=True)
+    _BlockGrads(saved, early, k, v, scale).add_to(dq, own)
     if previous is not None:
         previous()
+    travelling = incoming = None
+    pending_grads: List = []
     for step in range(1, ring.size):
         blocks.take(pending_kv)  # the block of rank + step
         pending_kv = blocks.post() if step < ring.size - 1 else []
         blk = layout.block(ring.rank, (ring.rank + step) % ring.size, local, causal, load_balance)
         grads = _BlockGrads(saved, [] if blk is None else [blk], *blocks.held, scale)
-        ring.wait(pending_grads)  # that block's gradients so far, from rank + 1
-        dkv, dkv_in = dkv_in, dkv
-        grads.add_to(dq, dkv)
-        pending_grads = ring.shift(dkv, dkv_in, backward=True)  # at the last step: home
+        if step == 1:  # this rank starts the visiting block's dk, dv
+            travelling, incoming = torch.zeros_like(own), torch.empty_like(own)
+        else:  # that block's dk, dv so far, from rank + 1
+            ring.wait(pending_grads)
+            travelling, incoming = incoming, travelling
+        grads.add_to(dq, travelling)
+        # on to rank - 1 (the block's home after the last step), while the next arrive
+        pending_grads = ring.shift(travelling, incoming, backward=True)
     blocks.release()
-    del grads, dkv
+    del grads
     posted = _first_hop(following)
     home = _BlockGrads(saved, late, k, v, scale)
 
     def finish() -> None:
-        ring.wait(pending_grads)
-        home.add_to(dq, dkv_in)
-        for result, part in zip(results, (dq, *dkv_in)):
+        ring.wait(pending_grads)  # every other rank's dk, dv of the own block
+        own.add_(incoming)
+        home.add_to(dq, own)
+        for result, part in zip(results, (dq, *own)):
             result.copy_(part)
 
     return finish, posted
