@@ -17,10 +17,11 @@ same inputs. Per configuration, after one warm-up iteration:
   communicator's threads not counted): on a loaded machine, where ranks are time-sliced,
   it says what the wall time would be with a core per rank;
 - **hidden**: ``1 - exposed / transfers``. ``exposed`` is the time the ranks spent waiting
-  for ring transfers (``cp.ring_wait`` events of one profiled iteration, mean over ranks);
-  ``transfers`` is the time the same messages take alone (the forward's cp - 1 key/value
-  blocks, the backward's cp - 1 blocks and cp key/value gradient blocks, one after another,
-  no compute);
+  for ring transfers (``cp.ring_wait`` events, median of ``--iters`` profiled iterations,
+  mean over ranks);
+  ``transfers`` is the time the same messages take alone (per group of heads, as ring
+  attention sends them: the forward's cp - 1 key/value blocks, the backward's cp - 1 blocks
+  and cp - 1 key/value gradient blocks, one after another, no compute);
 - **memory per rank**: "saved" is what autograd keeps for the backward (the storages the
   forward saves, inputs included); "peak" is the rise of resident memory over the iteration
   (Linux VmHWM after ``clear_refs``, with ``MALLOC_MMAP_THRESHOLD_`` fixed so that freed
@@ -119,26 +120,28 @@ class _Attention:
         return {"saved_mb": sum(saved.values()) / 2**20, "peak_mb": peak / 1024}
 
 
-def _exposed_wait_ms(attention: _Attention) -> Dict[str, float]:
-    """Time waiting for ring transfers and computing blocks, in one profiled iteration."""
+def _exposed_wait_ms(attention: _Attention, iters: int) -> Dict[str, float]:
+    """Time waiting for ring transfers and computing blocks: medians of ``iters`` profiled
+    iterations (on a time-sliced host one iteration can catch a rank descheduled)."""
     from torch.profiler import ProfilerActivity, profile
 
     from dist_kernels.context_parallel.ring_attention import WAIT_EVENT
 
-    attention.comm.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        attention.step()
-    totals = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
-    return {
-        "wait_ms": totals.get(WAIT_EVENT, 0.0),
-        "block_ms": totals.get("cp.block_forward", 0.0) + totals.get("cp.block_backward", 0.0),
-    }
+    waits, blocks = [], []
+    for _ in range(iters):
+        attention.comm.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            attention.step()
+        totals = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
+        waits.append(totals.get(WAIT_EVENT, 0.0))
+        blocks.append(sum(totals.get(f"cp.block_{d}", 0.0) for d in ("forward", "backward")))
+    return {"wait_ms": statistics.median(waits), "block_ms": statistics.median(blocks)}
 
 
 def _transfers_alone_ms(attention: _Attention, iters: int) -> float:
     """The ring's messages with nothing to hide behind, as ring attention sends them (per group
     of heads: the forward's cp - 1 key/value blocks, k and v apart; the backward's cp - 1 of
-    them and cp key/value gradient blocks, k and v stacked): median of ``iters`` passes."""
+    them and cp - 1 key/value gradient blocks, k and v stacked): median of ``iters`` runs."""
     from dist_kernels.context_parallel import layout
 
     comm = attention.comm
@@ -168,7 +171,7 @@ def _transfers_alone_ms(attention: _Attention, iters: int) -> float:
                 shift(kv, nxt, prev)
             for _ in range(size - 1):  # backward: the blocks to the previous rank
                 shift(kv, prev, nxt)
-            for _ in range(size):  # and their gradients (FP32: the blocks' size), stacked
+            for _ in range(size - 1):  # and their gradients (FP32: the blocks' size), stacked
                 shift(dkv, prev, nxt)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
@@ -226,7 +229,7 @@ def _rank_main(rank: int, world: int, port: int, args, seq: int, mode: str, ref:
     row["times_ms"] = [1e3 * wall for wall, _ in times]
     row["cpu_ms"] = [1e3 * cpu for _, cpu in times]
     if mode == "ring":
-        row.update(_gathered(comm, _exposed_wait_ms(attention), "mean"))
+        row.update(_gathered(comm, _exposed_wait_ms(attention, args.iters), "mean"))
     if mode == "ring" and world > 1:
         row["transfers_ms"] = _transfers_alone_ms(attention, args.iters)
     row.update(_gathered(comm, attention.memory(), "max"))

@@ -11,12 +11,13 @@ queries to the block it holds; the block results merge by their log-sum-exp::
         merge:  out <- out + sigmoid(lse_b - lse) (out_b - out);  lse <- logaddexp(lse, lse_b)
         wait for the transfer
     backward, the ring in reverse (step s holds the keys/values of rank r + s):
-        step 0      own block, first half of the query rows; post the key/value gradients
-                    accumulated so far to r - 1
+        step 0      own block, first half of the query rows (its dk, dv stay on this rank)
         steps 1..   the visiting block's gradients (recomputed from the saved lse: no
-                    probabilities are stored); add them to the key/value gradients that
-                    arrived with the block from r + 1; pass both on to r - 1
-        the end     own block, second half of the rows, while this block's gradients come home
+                    probabilities are stored); add them to the block's dk, dv that arrived
+                    from r + 1 (none at step 1: this rank is the block's first visitor);
+                    pass them on to r - 1 (after the last step: the block's home)
+        the end     own block, second half of the rows, while the other ranks' dk, dv of
+                    the own block come home; add them
 
 Heads are independent, so the ring runs once per group of heads, one group after another
 (``layout.head_groups``: 8 groups for one sample of 8 or more heads, one per head or per sample
@@ -279,13 +280,14 @@ def _backward_group(saved, results, blocks: _KeyValues, chain, causal, load_bala
     blocks.release()
     del grads
     posted = _first_hop(following)
-    home = _BlockGrads(saved, late, k, v, scale)
+    _BlockGrads(saved, late, k, v, scale).add_to(dq, own)
+    results[0].copy_(dq)
+    del dq
 
     def finish() -> None:
         ring.wait(pending_grads)  # every other rank's dk, dv of the own block
         own.add_(incoming)
-        home.add_to(dq, own)
-        for result, part in zip(results, (dq, *own)):
+        for result, part in zip(results[1:], own):
             result.copy_(part)
 
     return finish, posted
