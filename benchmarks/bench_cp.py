@@ -228,11 +228,12 @@ def _rank_main(rank: int, world: int, port: int, args, seq: int, mode: str, ref:
     times = [attention.timed() for _ in range(args.iters)]
     row["times_ms"] = [1e3 * wall for wall, _ in times]
     row["cpu_ms"] = [1e3 * cpu for _, cpu in times]
+    # memory before the profiler runs, as for the baseline: its freed buffers would hide a rise
+    row.update(_gathered(comm, attention.memory(), "max"))
     if mode == "ring":
         row.update(_gathered(comm, _exposed_wait_ms(attention, args.iters), "mean"))
     if mode == "ring" and world > 1:
         row["transfers_ms"] = _transfers_alone_ms(attention, args.iters)
-    row.update(_gathered(comm, attention.memory(), "max"))
     if mode == "ring" and world > 1:
         row["torch_cp"] = _torch_context_parallel(args, seq, world)
     if rank == 0:
