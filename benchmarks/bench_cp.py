@@ -27,6 +27,10 @@ same inputs. Per configuration, after one warm-up iteration:
   (Linux VmHWM after ``clear_refs``, with ``MALLOC_MMAP_THRESHOLD_`` fixed so that freed
   tensors leave), inputs excluded, outputs and gradients included.
 
+After the table, one line per multi-rank run puts the wall-time ratio, the peak-memory ratio
+and the hidden fraction beside issue 30's bars (<= 0.625, <= 0.6, >= 70%; set for cp = 2, seq
+8192, causal): ``--seq 8192 --cp 1 2`` is the bars' run.
+
 torch's ``torch.distributed.tensor.experimental.context_parallel`` is tried on the same ranks
 and inputs (gloo device mesh); with torch 2.13 on CPU it raises (no DTensor sharding rule for
 ``aten._scaled_dot_product_flash_attention_for_cpu``), and the table says so.
