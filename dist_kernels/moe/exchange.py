@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["RowExchange", "exchange_rows"]
 
-_buffers: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+_buffers: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def send_buffer(comm: Any, elements: int, dtype: torch.dtype) -> torch.Tensor:

@@ -166,13 +166,13 @@ class MoE(nn.Module):
             "imbalance": float(per_expert.max()) / mean if mean else 0.0,
         }
 
-    def _to_experts(self, x: torch.Tensor, token: torch.Tensor, plan: "_ExchangePlan"):
+    def _to_experts(self, x: torch.Tensor, token: torch.Tensor, plan: _ExchangePlan):
         if self.comm is None:
             return x.index_select(0, token)
         arrived = exchange_rows(x, token, self.comm, plan.sends, plan.recvs, plan.buffer_rows)
         return arrived.index_select(0, plan.regroup)
 
-    def _from_experts(self, out: torch.Tensor, plan: "_ExchangePlan") -> torch.Tensor:
+    def _from_experts(self, out: torch.Tensor, plan: _ExchangePlan) -> torch.Tensor:
         if self.comm is None:
             return out
         return exchange_rows(out, plan.ungroup, self.comm, plan.recvs, plan.sends, plan.buffer_rows)

@@ -1,0 +1,131 @@
+"""The MoE GPT: dp x ep = 2 x 2 (4 ranks, ``ProcessMesh(dp=4, ep=2)``) and ep = 2 with tp = 2
+inside (``ProcessMesh(dp=2, tp=2, ep=2)``) train 5 steps equal to single-process training of
+the same global batch, float64. Dense gradients are averaged over dp; an expert's gradient,
+already summed over its ep group's tokens by the all-to-all's backward, is summed over its
+dp / ep replicas (``expert_dp``) and divided by dp."""
+
+import pytest
+import torch
+from mp_pool import run_ranks
+
+import dist_kernels as dk
+from dist_kernels.models import GPT, GPTConfig
+
+SEED = 20261204
+STEPS, PER_RANK, SEQ = 5, 2, 8
+# float64: one step's losses and gradients carry ~1e-15 relative rounding; five SGD steps at
+# lr 0.1 amplify by well under 1e2, so 1e-11 separates rounding from a wrong reduction (a
+# missing 1/ep or a lost expert gradient moves the losses by > 1e-4).
+TOL = 1e-11
+
+
+def _model():
+    torch.manual_seed(SEED)
+    cfg = GPTConfig(
+        vocab_size=32,
+        block_size=SEQ,
+        n_layers=2,
+        n_heads=2,
+        dim=16,
+        n_experts=4,
+        top_k=2,
+        moe_every=2,
+        moe_z_loss_coeff=1e-3,
+    )
+    return GPT(cfg).double()
+
+
+def _batches(dp):
+    gen = torch.Generator().manual_seed(SEED + 1)
+    return [torch.randint(0, 32, (dp * PER_RANK, SEQ + 1), generator=gen) for _ in range(STEPS)]
+
+
+def _reference(dp):
+    """Single process: each step the mean of the dp shards' losses (each shard routes its own
+    tokens, as its rank does), one SGD step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in _batches(dp):
+        shards = batch.chunk(dp)
+        loss = sum(model(s[:, :-1], s[:, 1:]) for s in shards) / dp
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _sync_gradients(model, mesh):
+    for p in model.parameters():
+        if getattr(p, "expert_parallel", False):
+            mesh.expert_dp_comm.all_reduce(p.grad)  # sum over the shard's replicas
+            p.grad /= mesh.dp
+        else:
+            mesh.dp_comm.all_reduce(p.grad, op=dk.ReduceOp.AVG)
+
+
+def _rank_train(tp_size):
+    import torch.distributed as dist
+
+    dp = dist.get_world_size() // tp_size
+    mesh = dk.ProcessMesh(dp=dp, pp=1, tp=tp_size, ep=2)
+    reference, ref_losses = _reference(dp)
+    model = _model()
+    if tp_size > 1:
+        model.parallelize(mesh.tp_comm)
+    model.expert_parallel(mesh.ep_comm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in _batches(dp):
+        mine = batch.chunk(dp)[mesh.dp_rank]
+        loss = model(mine[:, :-1], mine[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        _sync_gradients(model, mesh)
+        opt.step()
+        global_loss = loss.detach().clone()
+        mesh.dp_comm.all_reduce(global_loss, op=dk.ReduceOp.AVG)
+        losses.append(global_loss.item())
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    return loss_diff, _param_diff(model, reference, mesh), model.moe_layers()[0].last_stats
+
+
+def _param_diff(model, reference, mesh):
+    """Largest difference of this rank's parameters from the reference's (tp shards sliced,
+    experts by global id)."""
+    ref = dict(reference.named_parameters())
+    moe = model.moe_layers()[0]
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            prefix, rest = name.split(".experts.")
+            local, tail = rest.split(".", 1)
+            name = f"{prefix}.experts.{moe.local_expert_ids[int(local)]}.{tail}"
+        want = ref[name].detach()
+        if want.shape != p.shape:  # a tp shard: the rows (or columns) of this tp rank
+            dim = next(d for d in range(p.dim()) if p.shape[d] != want.shape[d])
+            want = want.chunk(mesh.tp, dim)[mesh.tp_rank]
+        worst = max(worst, float((p.detach() - want).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("tp_size", (1, 2), ids=["dp4-ep2", "dp2-ep2-tp2"])
+def test_moe_gpt_trains_like_single_process(tp_size):
+    print("seed", SEED)
+    for loss_diff, param_diff, stats in run_ranks(4, _rank_train, tp_size, timeout=300):
+        assert loss_diff <= TOL, loss_diff
+        assert param_diff <= TOL, param_diff
+        assert sum(stats["tokens_per_expert"]) == 2 * PER_RANK * SEQ * 2  # ep x tokens x top_k
+        assert stats["dropped"] == 0
+
+
+def test_moe_blocks_are_placed_by_moe_every():
+    cfg = GPTConfig(n_layers=4, n_experts=4, moe_every=2)
+    kinds = [type(b.mlp).__name__ for b in GPT(cfg).blocks]
+    assert kinds == ["MLP", "MoE", "MLP", "MoE"]
+    assert [type(b.mlp).__name__ for b in GPT(GPTConfig(n_layers=2)).blocks] == ["MLP", "MLP"]
+    plan = GPT(cfg).tp_plan(2)
+    assert "blocks.1.mlp.fc" not in plan and "blocks.0.mlp.fc" in plan
+    with pytest.raises(ValueError, match=r"moe_every must be a positive int, got 0"):
+        GPTConfig(n_experts=4, moe_every=0)
