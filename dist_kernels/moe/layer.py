@@ -183,8 +183,8 @@ class MoE(nn.Module):
         return torch.cat(outs) if outs else rows
 
     def extra_repr(self) -> str:
-        ep = _ep_size(self.comm)
-        return f"dim={self.dim}, ffn_dim={self.ffn_dim}, n_experts={self.n_experts}, top_k={self.top_k}, ep={ep}"
+        sizes = f"dim={self.dim}, ffn_dim={self.ffn_dim}, n_experts={self.n_experts}"
+        return f"{sizes}, top_k={self.top_k}, ep={_ep_size(self.comm)}"
 
 
 class _ExchangePlan:
