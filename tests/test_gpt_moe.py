@@ -1,8 +1,10 @@
 """The MoE GPT: dp x ep = 2 x 2 (4 ranks, ``ProcessMesh(dp=4, ep=2)``) and ep = 2 with tp = 2
 inside (``ProcessMesh(dp=2, tp=2, ep=2)``) train 5 steps equal to single-process training of
-the same global batch, float64. Dense gradients are averaged over dp; an expert's gradient,
-already summed over its ep group's tokens by the all-to-all's backward, is summed over its
-dp / ep replicas (``expert_dp``) and divided by dp."""
+the same global batch, float64, under ``dk.DDP(model, mesh.dp_comm,
+expert_comm=mesh.expert_dp_comm)``: dense gradients averaged over dp; an expert's gradient,
+already summed over its ep group's tokens by the all-to-all's backward, summed over its dp / ep
+replicas (``expert_dp``) and divided by dp. The same with the reduction written out by hand
+shows the DDP route is not what makes the two agree."""
 
 import pytest
 import torch
@@ -16,10 +18,14 @@ STEPS, PER_RANK, SEQ = 5, 2, 8
 # float64: one step's losses and gradients carry ~1e-15 relative rounding; five SGD steps at
 # lr 0.1 amplify by well under 1e2, so 1e-11 separates rounding from a wrong reduction (a
 # missing 1/ep or a lost expert gradient moves the losses by > 1e-4).
-TOL = 1e-11
+TOL = {torch.float64: 1e-11}
+# DDP's buckets take float32 (no float64 wire): rounding ~ 6e-8 relative per operation, a few
+# hundred operations deep over 5 steps, parameters O(0.1): ~1e-6. A lost 1/ep or a gradient
+# reduced over the wrong group moves expert weights by lr * |grad| / 2 per step, ~1e-4.
+TOL[torch.float32] = 2e-6
 
 
-def _model():
+def _model(dtype):
     torch.manual_seed(SEED)
     cfg = GPTConfig(
         vocab_size=32,
@@ -32,7 +38,7 @@ def _model():
         moe_every=2,
         moe_z_loss_coeff=1e-3,
     )
-    return GPT(cfg).double()
+    return GPT(cfg).to(dtype)
 
 
 def _batches(dp):
@@ -40,10 +46,10 @@ def _batches(dp):
     return [torch.randint(0, 32, (dp * PER_RANK, SEQ + 1), generator=gen) for _ in range(STEPS)]
 
 
-def _reference(dp):
+def _reference(dp, dtype):
     """Single process: each step the mean of the dp shards' losses (each shard routes its own
     tokens, as its rank does), one SGD step."""
-    model = _model()
+    model = _model(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for batch in _batches(dp):
@@ -65,30 +71,36 @@ def _sync_gradients(model, mesh):
             mesh.dp_comm.all_reduce(p.grad, op=dk.ReduceOp.AVG)
 
 
-def _rank_train(tp_size):
+def _rank_train(tp_size, engine):
     import torch.distributed as dist
 
     dp = dist.get_world_size() // tp_size
     mesh = dk.ProcessMesh(dp=dp, pp=1, tp=tp_size, ep=2)
-    reference, ref_losses = _reference(dp)
-    model = _model()
+    dtype = torch.float32 if engine == "ddp" else torch.float64
+    reference, ref_losses = _reference(dp, dtype)
+    model = _model(dtype)
     if tp_size > 1:
         model.parallelize(mesh.tp_comm)
     model.expert_parallel(mesh.ep_comm)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = model
+    if engine == "ddp":
+        run = dk.DDP(model, mesh.dp_comm, expert_comm=mesh.expert_dp_comm, bucket_cap_mb=0.01)
     losses = []
     for batch in _batches(dp):
         mine = batch.chunk(dp)[mesh.dp_rank]
-        loss = model(mine[:, :-1], mine[:, 1:])
+        loss = run(mine[:, :-1], mine[:, 1:])
         opt.zero_grad()
         loss.backward()
-        _sync_gradients(model, mesh)
+        if engine == "manual":
+            _sync_gradients(model, mesh)
         opt.step()
         global_loss = loss.detach().clone()
         mesh.dp_comm.all_reduce(global_loss, op=dk.ReduceOp.AVG)
         losses.append(global_loss.item())
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    return loss_diff, _param_diff(model, reference, mesh), model.moe_layers()[0].last_stats
+    stats = model.moe_layers()[0].last_stats
+    return loss_diff, _param_diff(model, reference, mesh), stats, TOL[dtype]
 
 
 def _param_diff(model, reference, mesh):
@@ -110,12 +122,16 @@ def _param_diff(model, reference, mesh):
     return worst
 
 
-@pytest.mark.parametrize("tp_size", (1, 2), ids=["dp4-ep2", "dp2-ep2-tp2"])
-def test_moe_gpt_trains_like_single_process(tp_size):
+@pytest.mark.parametrize(
+    "tp_size, engine",
+    [(1, "ddp"), (2, "ddp"), (1, "manual")],
+    ids=["dp4-ep2-ddp", "dp2-ep2-tp2-ddp", "dp4-ep2-by-hand"],
+)
+def test_moe_gpt_trains_like_single_process(tp_size, engine):
     print("seed", SEED)
-    for loss_diff, param_diff, stats in run_ranks(4, _rank_train, tp_size, timeout=300):
-        assert loss_diff <= TOL, loss_diff
-        assert param_diff <= TOL, param_diff
+    for loss_diff, param_diff, stats, tol in run_ranks(4, _rank_train, tp_size, engine):
+        assert loss_diff <= tol, loss_diff
+        assert param_diff <= tol, param_diff
         assert sum(stats["tokens_per_expert"]) == 2 * PER_RANK * SEQ * 2  # ep x tokens x top_k
         assert stats["dropped"] == 0
 
