@@ -254,7 +254,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return logits if targets is None else self.head.loss(logits, targets) + self.aux_loss()
+        return logits if targets is None else self.loss(logits, targets)
 
     def aux_loss(self) -> torch.Tensor:
         """The MoE blocks' auxiliary losses of the last forward (0 without MoE blocks)."""
@@ -275,8 +275,10 @@ class GPT(nn.Module):
         return self
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss of :meth:`forward`'s logits (a Pipeline's ``loss_fn``)."""
-        return self.head.loss(logits, targets)
+        """The loss of :meth:`forward`'s logits (a Pipeline's ``loss_fn``), plus the MoE
+        blocks' aux losses of that forward."""
+        loss = self.head.loss(logits, targets)
+        return loss + self.aux_loss() if self.moe_layers() else loss
 
     def as_sequential(self) -> nn.Sequential:
         """``embedding, *blocks, head`` (the same modules) as an ``nn.Sequential``."""
