@@ -4,7 +4,8 @@
         [--gpt-iters 5] [--json f]
 
 1. **Ceiling first**: one process copies S bytes (``Tensor.copy_``), median time: the memcpy
-   ceiling a rank's dispatch + combine is compared with (each moves every byte once each way).
+   ceiling a rank's dispatch + combine is compared with (each moves every byte once each way),
+   one thread as each rank has.
 2. **Dispatch + combine** per world size and S (MiB of tokens per rank, rows of ``--dim``
    float32, routed uniformly to every rank): permute the rows by destination and exchange them
    (dispatch), then exchange them back (combine); ours is ``dk.moe``'s row exchange (the
@@ -65,7 +66,10 @@ def _median_slowest(times: List[float]) -> float:
 
 
 def memcpy_ceiling(mib: List[int], iters: int) -> Dict[int, float]:
-    """GB/s of one process's copy of S bytes, per S."""
+    """GB/s of one thread's copy of S bytes, per S (a rank runs one torch thread too; more
+    threads would also pay a pool wake-up per copy, milliseconds on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     out = {}
     for m in mib:
         src, dst = torch.ones(m * MIB // 4), torch.empty(m * MIB // 4)
@@ -76,6 +80,7 @@ def memcpy_ceiling(mib: List[int], iters: int) -> Dict[int, float]:
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
         out[m] = m * MIB / statistics.median(times) / 1e9
+    torch.set_num_threads(threads)
     return out
 
 

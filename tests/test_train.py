@@ -527,3 +527,21 @@ def test_ep2_matches_dp2_with_every_expert_local():
     assert rec["moe_drop_rate"] == 0.0 and rec["moe_imbalance"] >= 1.0
     with pytest.raises(ConfigError, match=r"experts\(3\) must be a positive multiple of ep\(2\)"):
         _cfg(dp=2, ep=2, model=dataclasses.replace(TINY, n_experts=3)).with_layout(2)
+
+
+def test_ep2_resume_is_exact(tmp_path):
+    """dp 2 x ep 2: each ep rank checkpoints its own experts (``stage-0-ep-<r>``); 4 steps,
+    stop, resume to 6 equals 6 straight, bitwise, on both ranks (each holds other experts)."""
+    model = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
+    cfg = _cfg(dp=2, ep=2, steps=6, global_batch=4, warmup=1, log_every=3, model=model)
+    straight = run_ranks(2, _on_ranks, cfg, timeout=180)
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, stop_after=4, **ckpt), timeout=180)
+    assert sorted(os.listdir(tmp_path / "step-00000004")) == [
+        "COMPLETE.json", "stage-0-ep-0", "stage-0-ep-1"
+    ]  # fmt: skip
+    resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=180)
+    for rank in range(2):
+        assert resumed[rank]["start"] == 4
+        for k, v in straight[rank]["params"].items():
+            assert torch.equal(resumed[rank]["params"][k], v), (rank, k)
