@@ -145,3 +145,24 @@ def test_moe_blocks_are_placed_by_moe_every():
     assert "blocks.1.mlp.fc" not in plan and "blocks.0.mlp.fc" in plan
     with pytest.raises(ValueError, match=r"moe_every must be a positive int, got 0"):
         GPTConfig(n_experts=4, moe_every=0)
+
+
+def _rank_refusals():
+    mesh = dk.ProcessMesh(dp=2, pp=1, ep=2)
+    model = _model(torch.float32).expert_parallel(mesh.ep_comm)
+    messages = []
+    for build in (
+        lambda: dk.DDP(model, mesh.dp_comm),
+        lambda: dk.ShardedOptimizer(model.parameters(), torch.optim.SGD, mesh.dp_comm, lr=0.1),
+    ):
+        try:
+            build()
+        except (ValueError, NotImplementedError) as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_engines_refuse_sharded_experts_over_one_group():
+    for rank, (ddp, zero) in enumerate(run_ranks(2, _rank_refusals)):
+        assert f"[rank {rank}] DistributedDataParallel" in ddp and "expert_comm" in ddp
+        assert f"[rank {rank}] ShardedOptimizer" in zero and "expert-parallel" in zero

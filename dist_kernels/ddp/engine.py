@@ -155,6 +155,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         check_structure(self.comm, module, [p for _, p in named])
         self.expert_comm = expert_comm
+        _check_experts(module, expert_comm, self.comm.rank)
         experts = [p for p in module.parameters() if _is_expert(p, expert_comm)]
         if init_sync:
             dense = [p for p in module.parameters() if not _is_expert(p, expert_comm)]
@@ -494,6 +495,17 @@ def _make_reducer(
     return BucketReducer(
         route, initial, len(params), comm=comm, planner=planner, group_comms=groups
     )
+
+
+def _check_experts(module: nn.Module, expert_comm: Any, rank: int) -> None:
+    if expert_comm is None and any(
+        getattr(p, "expert_parallel", False) for p in module.parameters()
+    ):
+        raise ValueError(
+            f"[rank {rank}] DistributedDataParallel: the module has expert-parallel parameters "
+            "(dk.moe experts sharded over ep): pass expert_comm=mesh.expert_dp_comm, or they "
+            "would be averaged with other ranks' different experts"
+        )
 
 
 def _is_expert(p: torch.Tensor, expert_comm: Any) -> bool:

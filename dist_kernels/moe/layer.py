@@ -78,8 +78,9 @@ def _check_config(dim: int, ffn_dim: int, n_experts: int, top_k: int, comm: Any)
 
 
 class MoE(nn.Module):
-    """Router + experts; see the module docstring. Expert parameters carry
-    ``expert_parallel = True`` (engines reduce them over the expert's replicas only)."""
+    """Router + experts; see the module docstring. When sharded (an ep group of more than
+    one rank) the expert parameters carry ``expert_parallel = True``: engines must reduce them
+    over the expert's replicas only (``dk.DDP(..., expert_comm=mesh.expert_dp_comm)``)."""
 
     def __init__(
         self,
@@ -112,10 +113,15 @@ class MoE(nn.Module):
         self.num_local = n_experts // ep
         self.local_expert_ids = list(range(rank * self.num_local, (rank + 1) * self.num_local))
         self.experts = nn.ModuleList(Expert(dim, ffn_dim) for _ in self.local_expert_ids)
-        for p in self.experts.parameters():
-            p.expert_parallel = True
+        self._mark_experts()
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_stats: Dict[str, Any] = {}
+
+    def _mark_experts(self) -> None:
+        """Sharded experts differ across ep ranks: tag them for the engines."""
+        if self.comm is not None:
+            for p in self.experts.parameters():
+                p.expert_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -239,6 +245,5 @@ def shard_experts(dense: MoE, comm: Any) -> MoE:
     ).to(r.weight.device, r.weight.dtype)
     moe.router.load_state_dict(r.state_dict())
     moe.experts = nn.ModuleList(copy.deepcopy(dense.experts[e]) for e in moe.local_expert_ids)
-    for p in moe.experts.parameters():
-        p.expert_parallel = True
+    moe._mark_experts()
     return moe
