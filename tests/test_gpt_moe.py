@@ -143,6 +143,8 @@ def test_moe_blocks_are_placed_by_moe_every():
     assert [type(b.mlp).__name__ for b in GPT(GPTConfig(n_layers=2)).blocks] == ["MLP", "MLP"]
     plan = GPT(cfg).tp_plan(2)
     assert "blocks.1.mlp.fc" not in plan and "blocks.0.mlp.fc" in plan
+    with pytest.raises(ValueError, match=r"sequence_parallel with MoE blocks is not supported"):
+        GPT(cfg).tp_plan(2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"moe_every must be a positive int, got 0"):
         GPTConfig(n_experts=4, moe_every=0)
 

@@ -304,10 +304,14 @@ class GPT(nn.Module):
             "blocks.*.attn.proj": tp.RowParallel(sequence_parallel=sp),
             "head.lm_head": tp.ColumnParallel(sequence_parallel=sp),
         }
+        if sp and cfg.n_experts:
+            raise ValueError(
+                "GPT: sequence_parallel with MoE blocks is not supported yet: each tp rank would "
+                "route its sequence shard, and the aux loss needs its statistics reduced over "
+                "tp first (Megatron's sequence_partition_group)"
+            )
         for i in range(cfg.n_layers):  # MoE blocks stay whole over tp (experts shard over ep)
             if cfg.is_moe_block(i):
-                if sp:  # they see this rank's sequence shard: gradients summed over tp
-                    plan[f"blocks.{i}.mlp"] = tp.SequenceParallel()
                 continue
             plan[f"blocks.{i}.mlp.fc"] = tp.ColumnParallel(sequence_parallel=sp)
             plan[f"blocks.{i}.mlp.proj"] = tp.RowParallel(sequence_parallel=sp)
