@@ -102,7 +102,7 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
 
 def _one_process(cfg: TrainConfig) -> TrainConfig:
     """``cfg``'s model, data and global batch on one process without any engine."""
-    return dataclasses.replace(cfg, dp=1, tp=1, pp=1, zero=0, grad_accum=0).with_layout(1)
+    return dataclasses.replace(cfg, dp=1, tp=1, cp=1, pp=1, zero=0, grad_accum=0).with_layout(1)
 
 
 def _single(cfg: TrainConfig):
