@@ -5,7 +5,7 @@
 
 For each sequence length the script first runs the baseline, ``F.scaled_dot_product_attention``
 on the whole sequence in one process (torch's CPU flash attention, one thread), then for each
-cp spawns cp ranks (gloo group on localhost, our shared-memory Communicator, one torch thread
+cp spawns cp ranks (`dist_kernels.launch`: a gloo group on localhost, our shared-memory Communicator, one torch thread
 per rank) that run ``dist_kernels.context_parallel.ring_attention`` on zig-zag shards of the
 same inputs. Per configuration, after one warm-up iteration:
 
@@ -45,11 +45,10 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -212,11 +211,10 @@ def _check(attention: _Attention, out: torch.Tensor, reference: str) -> float:
     return max((ours[n] - ref[n].index_select(2, mine)).abs().max().item() for n in ours)
 
 
-def _rank_main(rank: int, world: int, port: int, args, seq: int, mode: str, ref: str, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+def _rank_main(args, seq: int, mode: str, ref: str) -> Optional[Dict[str, Any]]:
+    """One rank of :func:`dist_kernels.launch.run` (gloo group up, one torch thread); rank 0
+    returns the row."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     import dist_kernels as dk
 
     comm = dk.Communicator() if mode == "ring" else None
@@ -240,11 +238,9 @@ def _rank_main(rank: int, world: int, port: int, args, seq: int, mode: str, ref:
         row["transfers_ms"] = _transfers_alone_ms(attention, args.iters)
     if mode == "ring" and world > 1:
         row["torch_cp"] = _torch_context_parallel(args, seq, world)
-    if rank == 0:
-        queue.put(row)
     if comm is not None:
         comm.close()
-    dist.destroy_process_group()
+    return row if rank == 0 else None
 
 
 def _gathered(comm, values: Dict[str, float], how: str) -> Dict[str, float]:
@@ -260,21 +256,9 @@ def _gathered(comm, values: Dict[str, float], how: str) -> Dict[str, float]:
 
 
 def _run(world: int, args, seq: int, mode: str, ref: str) -> Dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = 29600 + (os.getpid() % 300) + world
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, args, seq, mode, ref, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    row = queue.get(timeout=3600)
-    for p in procs:
-        p.join(timeout=300)
-        if p.exitcode != 0:
-            raise RuntimeError(f"seq={seq} cp={world} {mode}: a rank exited with {p.exitcode}")
-    return row
+    from dist_kernels import launch
+
+    return launch.run(world, _rank_main, args, seq, mode, ref, threads=1, group_timeout=3600.0)[0]
 
 
 def _report(rows: List[Dict[str, Any]], args) -> str:
