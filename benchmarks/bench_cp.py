@@ -5,9 +5,10 @@
 
 For each sequence length the script first runs the baseline, ``F.scaled_dot_product_attention``
 on the whole sequence in one process (torch's CPU flash attention, one thread), then for each
-cp spawns cp ranks (`dist_kernels.launch`: a gloo group on localhost, our shared-memory Communicator, one torch thread
-per rank) that run ``dist_kernels.context_parallel.ring_attention`` on zig-zag shards of the
-same inputs. Per configuration, after one warm-up iteration:
+cp spawns cp ranks (``dist_kernels.launch``: a gloo group on localhost, our shared-memory
+Communicator, one torch thread per rank) that run
+``dist_kernels.context_parallel.ring_attention`` on zig-zag shards of the same inputs. Per
+configuration, after one warm-up iteration:
 
 - **correctness first**: the baseline saves its output and the gradients of q, k, v; each
   rank compares its shard of them with its own (max |error|, FP32);
