@@ -57,6 +57,22 @@ def test_every_schedule_passes_the_checker_with_each_step_once(name):
         assert schedule.splits_backward == (split and _count(schedule, W) > 0)
 
 
+def test_1f1b_is_the_textbook_order():
+    """Rank r warms up with min(p - r - 1, m) forwards, then alternates one forward and one
+    backward, then drains: at most p - r micro-batches' activations held (Narayanan et al.)."""
+    for p in RANKS:
+        for m in MICROBATCHES:
+            schedule = build_schedule("1f1b", p, m)
+            for rank, acts in enumerate(schedule.actions):
+                order = [(a.kind, a.microbatch) for a in acts if a.kind.is_compute]
+                warmup = min(p - rank - 1, m)
+                expected = [(F, i) for i in range(warmup)]
+                for i in range(m - warmup):
+                    expected += [(F, warmup + i), (B, i)]
+                expected += [(B, i) for i in range(m - warmup, m)]
+                assert order == expected, (p, m, rank, order)
+
+
 def test_v_placement_puts_two_stages_on_each_rank():
     schedule = build_schedule("zb-v", 4, 8)
     assert [schedule.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
