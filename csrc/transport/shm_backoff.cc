@@ -16,8 +16,9 @@ namespace {
 // ~6-10 us: longer than a small all-reduce's handoff (~1 us), so back-to-back collectives stay
 // in the spin phase while each rank has a core, and short, because a rank sharing its core
 // with the peer it waits for (other load on the machine) only wastes that time: it then sleeps
-// (oversubscribed: yields first, below). 2048 spins (the value before 2026-12-01) cost 60-120 us per small all-reduce on the
-// loaded EPYC VM; 512 + 1024 yields gave 1.2-1.6 us from 8 B to 8 KiB there (load 5.5).
+// (oversubscribed: yields first, below). 2048 spins (the value before 2026-12-01) cost 60-120 us
+// per small all-reduce on the loaded EPYC VM; 512 + 1024 yields gave 1.2-1.6 us from 8 B to 8 KiB
+// there (load 5.5).
 constexpr uint32_t kSpinSteps = 512;
 // Oversubscribed: spin only ~3 us before giving the core to the rank we wait for.
 constexpr uint32_t kSpinStepsOversubscribed = 64;
