@@ -15,14 +15,12 @@ Three lines per size:
   (``_C._flight_recorder_cost_ns``), the part of the difference that is the recorder's own;
 - the profiler check every call makes (``torch.autograd.profiler._is_profiler_enabled``).
 
-The target is < 0.2 us per call. Ranks are spawned here (a TCPStore on 127.0.0.1, gloo).
+The target is < 0.2 us per call. Ranks are spawned here (``dist_kernels.launch``, gloo).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -88,16 +86,14 @@ def _measure(on, off, nbytes: int, args, gather):
     ]
 
 
-def _rank_main(rank: int, world_size: int, port: int, args) -> None:
+def _rank_main(args) -> None:
+    """One rank of :func:`dist_kernels.launch.run` (a gloo default group is up)."""
     import torch
     import torch.distributed as dist
 
     from dist_kernels import _C
 
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     gather_comm = dist.new_group(backend="gloo")
 
     def gather(value: float) -> List[float]:
@@ -129,7 +125,6 @@ def _rank_main(rank: int, world_size: int, port: int, args) -> None:
     out(f"# load average at end {os.getloadavg()}")
     on.close()
     off.close()
-    dist.destroy_process_group()
 
 
 def _sizes(text: str) -> List[int]:
@@ -144,18 +139,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--blocks", type=int, default=11, help="timed blocks per variant")
     args = parser.parse_args(argv)
 
-    import torch.distributed as dist
+    from dist_kernels import launch
 
-    from dist_kernels.bench.cli import run_processes
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    store = dist.TCPStore("127.0.0.1", 0, args.ranks + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.ranks, store.port, args))
-        for r in range(args.ranks)
-    ]
-    return run_processes(procs, timeout=600)
+    launch.run(args.ranks, _rank_main, args, threads=1, group_timeout=300.0)
+    return 0
 
 
 if __name__ == "__main__":

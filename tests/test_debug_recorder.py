@@ -373,7 +373,7 @@ def test_cuda_communicator_records_its_launches_with_fakes(monkeypatch):
                                 None, 300.0, "nccl", comm._recording.refresh)  # fmt: skip
     comm._watch = cuda_comm.NcclWatch(comm._comm, 0, comm._record_failure)
     trace = [("all_reduce", 0, 0, -1, 16, 16)]
-    comm._run("all_reduce", [_FakeTensor()], lambda s: None, True, trace=trace)
+    comm._run("all_reduce", [_FakeTensor()], lambda: None, True, trace=trace)
     start, done = cuda.events
     assert start.recorded_on is comm.stream and done.recorded_on is comm.stream
     states = lambda: [e["state"] for e in comm._debug_source.entries()]  # noqa: E731
@@ -383,11 +383,11 @@ def test_cuda_communicator_records_its_launches_with_fakes(monkeypatch):
     done.done = True
     assert states() == ["completed"]
     comm._run(
-        "broadcast", [_FakeTensor()], lambda s: None, True, trace=[("broadcast", 0, -1, 1, 4, 4)]
+        "broadcast", [_FakeTensor()], lambda: None, True, trace=[("broadcast", 0, -1, 1, 4, 4)]
     )
     comm._comm.error = "NCCL error 6"
     with pytest.raises(CommError):
-        comm._run("all_reduce", [_FakeTensor()], lambda s: None, True, trace=trace)
+        comm._run("all_reduce", [_FakeTensor()], lambda: None, True, trace=trace)
     footprint = comm._debug_source.footprint()
     assert footprint["failed_op_id"] == 2 and "NCCL error 6" in footprint["failure"]
     assert [e["op"] for e in comm._debug_source.entries()] == ["all_reduce", "broadcast"]

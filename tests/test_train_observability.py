@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from mp_pool import run_ranks
 
-from dist_kernels.train import ConfigError, ModelConfig, TrainConfig, train
+from dist_kernels.models import GPTConfig
+from dist_kernels.train import ConfigError, TrainConfig, train
 from dist_kernels.train.stragglers import minmax_line
 from dist_kernels.train.tensorboard import scalars
 
-TINY = ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16)
+TINY = GPTConfig(n_layers=1, n_heads=2, dim=32, block_size=16, tie_embeddings=False)
 
 
 def _train(cfg: TrainConfig):
