@@ -29,9 +29,10 @@ constexpr uint32_t kSpinStepsOversubscribed = 64;
 // busy nice-0 process per core, spin + 1024 yields took 1.5-6.3 ms per small all-reduce on
 // average (p99 10-20 ms), spin + futex 38-84 us (p99 0.1-2 ms; 2026-12-02, 2-core VM at load
 // ~10, benchmarks/results/2026-12-02-wait-strategy-loaded.md). A futex sleep also lets the
-// scheduler place the waiter again when it wakes: two ranks that find themselves on one core (after
-// a Gloo call woke them there) part at the next wake-up, where yielding keeps both runnable on that
-// core. 1024 yields last ~0.5-1 ms when the core is free.
+// scheduler place the waiter again when it wakes, where a yielding waiter stays runnable on its
+// core: two ranks that a Gloo call left on one core part at the next wake-up (the suspected cause
+// of the slow rows beside Gloo's threads, issue 28; not yet confirmed on an idle machine). 1024
+// yields last ~0.5-1 ms when the core is free.
 constexpr uint32_t kYieldSteps = 1024;
 // A futex sleep ends on the writer's wake; the timeout only bounds how late the waiter
 // notices a dead peer, an abort or its deadline.
