@@ -88,6 +88,7 @@ _SUBMODULES: Dict[str, str] = {
     "train": "train",
     "tensor_parallel": "tensor_parallel",
     "context_parallel": "context_parallel",
+    "moe": "moe",
     "models": "models",
     "local_sgd": "local_sgd",
     "param_server": "param_server",

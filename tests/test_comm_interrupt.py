@@ -133,7 +133,9 @@ def test_sigint_to_blocked_ranks_of_three(signalled):
             assert kind == "CommError" and "was interrupted (SIGINT)" in msg, (rank, msg)
             limit = BOUND_S if rank == 2 else SIGNAL_AFTER_S + BOUND_S
             assert elapsed < limit, (rank, elapsed)
-    assert results[0][0][0] == "KeyboardInterrupt"
+    # The interrupt reached Python on a signalled rank (with both signalled at once, the one
+    # whose SIGINT landed second may see the first one's CommError instead).
+    assert any(results[r][0][0] == "KeyboardInterrupt" for r in signalled), results
     assert shm_leaks() == []
 
 

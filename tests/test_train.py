@@ -102,7 +102,7 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
 
 def _one_process(cfg: TrainConfig) -> TrainConfig:
     """``cfg``'s model, data and global batch on one process without any engine."""
-    return dataclasses.replace(cfg, dp=1, tp=1, pp=1, zero=0, grad_accum=0).with_layout(1)
+    return dataclasses.replace(cfg, dp=1, tp=1, cp=1, pp=1, zero=0, grad_accum=0).with_layout(1)
 
 
 def _single(cfg: TrainConfig):
@@ -510,3 +510,38 @@ def test_torchrun_restart_after_sigkill_matches_uninterrupted(tmp_path):
     cfg = _cfg(dp=2, steps=steps)
     straight = run_ranks(2, _on_ranks, cfg, timeout=180)
     assert records[-1]["loss"] == pytest.approx(straight[0]["losses"][-1], rel=1e-6, abs=0)
+
+
+def test_ep2_matches_dp2_with_every_expert_local():
+    """--dp 2 --ep 2 --experts 4: the experts sharded over the two ranks train as with every
+    expert on every rank (dp 2, ep 1: the same per-rank routing and aux loss); the metrics
+    carry tokens per expert (over the ep group) and the drop rate."""
+    model = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
+    local = run_ranks(2, _on_ranks, _cfg(dp=2, global_batch=8, model=model), timeout=180)
+    sharded = run_ranks(2, _on_ranks, _cfg(dp=2, ep=2, global_batch=8, model=model), timeout=180)
+    # float32: the two layouts sum each expert's rows in different orders (~1e-7 relative).
+    torch.testing.assert_close(sharded[0]["losses"], local[0]["losses"], rtol=1e-5, atol=0)
+    rec = sharded[0]["records"][-1]
+    tokens = 2 * 2 * TINY.block_size * 2  # ep ranks x micro_batch x seq x top_k
+    assert [sum(layer) for layer in rec["moe_tokens_per_expert"]] == [tokens] * TINY.n_layers
+    assert rec["moe_drop_rate"] == 0.0 and rec["moe_imbalance"] >= 1.0
+    with pytest.raises(ConfigError, match=r"experts\(3\) must be a positive multiple of ep\(2\)"):
+        _cfg(dp=2, ep=2, model=dataclasses.replace(TINY, n_experts=3)).with_layout(2)
+
+
+def test_ep2_resume_is_exact(tmp_path):
+    """dp 2 x ep 2: each ep rank checkpoints its own experts (``stage-0-ep-<r>``); 4 steps,
+    stop, resume to 6 equals 6 straight, bitwise, on both ranks (each holds other experts)."""
+    model = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
+    cfg = _cfg(dp=2, ep=2, steps=6, global_batch=4, warmup=1, log_every=3, model=model)
+    straight = run_ranks(2, _on_ranks, cfg, timeout=180)
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, stop_after=4, **ckpt), timeout=180)
+    assert sorted(os.listdir(tmp_path / "step-00000004")) == [
+        "COMPLETE.json", "stage-0-ep-0", "stage-0-ep-1"
+    ]  # fmt: skip
+    resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=180)
+    for rank in range(2):
+        assert resumed[rank]["start"] == 4
+        for k, v in straight[rank]["params"].items():
+            assert torch.equal(resumed[rank]["params"][k], v), (rank, k)

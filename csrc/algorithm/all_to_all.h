@@ -1,16 +1,21 @@
-// All-to-all by pairwise exchange (MPICH's MPIR_Alltoallv_intra_pairwise_sendrecv_replace
-// idea): rank r's block for peer p goes to p, blocks of any sizes (all_to_all_single with
-// split sizes).
+// All-to-all in one exchange per message round: every rank posts its block for every peer at
+// once, then takes every peer's block, instead of a pairwise schedule's n-1 dependent steps
+// (MPICH's pairwise sendrecv, which this replaced: at 4 ranks a message waited on three
+// handshakes in turn, here on one). The MoE token dispatch (dist_kernels/moe/) is its user.
 //
-//   n = 4, step k: every rank sends to rank + k and receives from rank - k (mod n)
-//     step 0: copy own block        0->0  1->1  2->2  3->3
-//     step 1:                       0->1  1->2  2->3  3->0
-//     step 2:                       0->2  1->3  2->0  3->1
-//     step 3:                       0->3  1->0  2->1  3->2
+//   n = 3, blocks cut into messages of at most maxMessageBytes(); round m:
+//     rank 0:  send msg m of block 1 -> 1, of block 2 -> 2;  recv msg m from 1 and from 2
+//     rank 1:  send msg m of block 2 -> 2, of block 0 -> 0;  recv msg m from 2 and from 0
+//     rank 2:  send msg m of block 0 -> 0, of block 1 -> 1;  recv msg m from 0 and from 1
+//   a pair whose block has no message m left sits the round out on both sides (both know
+//   the block's size), so rounds stay matched.
 //
-// In every step each rank has exactly one send and one receive, with partners that are in
-// the same step, so no rank waits on one that is busy elsewhere; a block larger than a
-// message is cut into messages and both partners cut at the same size.
+// Bytes: a block in registered memory (comm.empty) is published as a descriptor and the peer
+// copies it straight into its output, so every byte is copied once, by its receiver; a plain
+// tensor adds the transport's copy into a slot. The own block is one local copy.
+// Invariant: message m of a block has the same offset and size on both sides, and every rank
+// posts all its sends of a round before it waits on any receive, so no cycle of waits forms
+// (each FIFO has a free slot once its receiver released the previous round).
 #pragma once
 
 #include <cstddef>
@@ -22,7 +27,7 @@ namespace dk::algo {
 // args.src holds the blocks for ranks 0..n-1 back to back (sendCounts[p] elements for p);
 // args.dst receives the blocks from ranks 0..n-1 back to back (recvCounts[p] elements).
 // sendCounts[p] on this rank must equal recvCounts[this rank] on rank p.
-Status pairwiseAllToAll(Channel ch, const CollectiveArgs& args, const size_t* sendCounts,
-                        const size_t* recvCounts);
+Status oneShotAllToAll(Channel ch, const CollectiveArgs& args, const size_t* sendCounts,
+                       const size_t* recvCounts);
 
 }  // namespace dk::algo

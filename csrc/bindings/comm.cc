@@ -88,8 +88,9 @@ std::unique_ptr<PyCommunicator> makeCommunicator(SegmentPtr seg, int rank, doubl
   auto out = std::make_unique<PyCommunicator>();
   out->label = label;
   out->captureStacks = recorder != nullptr && recorder->capturesStacks();
-  CpuCommunicator::Options options{timeoutSec, oversubscribed, debug, checkDescriptors,
-                                   std::move(recorder), fittedModels(fittedCosts)};
+  CpuCommunicator::Options options{
+      timeoutSec,       oversubscribed,      debug,
+      checkDescriptors, std::move(recorder), fittedModels(fittedCosts)};
   std::unique_ptr<CpuCommunicator> comm;
   Status s;
   {

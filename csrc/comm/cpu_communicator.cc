@@ -332,7 +332,8 @@ Status CpuCommunicator::dispatch(const Request& r) {
     case CollectiveKind::kBarrier:
       return algo::barrier(ch);
     case CollectiveKind::kAllToAll:
-      return algo::pairwiseAllToAll(ch, args, r.sendCounts.data(), r.recvCounts.data());
+      // Every peer at once: one exchange per message round instead of n-1 pairwise steps.
+      return algo::oneShotAllToAll(ch, args, r.sendCounts.data(), r.recvCounts.data());
     case CollectiveKind::kFingerprint:
       break;
   }

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,6 +80,9 @@ class Bucket:
     """Equal slices the bucket splits into (a flat plan's ``shards``: the world size)."""
     status_offset: Optional[int] = None
     """Where :func:`with_status_slots` put the status elements (the last bucket only)."""
+    group: int = 0
+    """Which reduction group the bucket's parameters belong to (``plan_buckets``'
+    ``group_of``: 0 the engine's communicator, e.g. 1 the expert-parallel replicas)."""
 
     @property
     def nbytes(self) -> int:
@@ -217,8 +220,9 @@ def _check_plan_args(cap_bytes, first_bucket_bytes, align, dtype, order, num_par
 class _OpenBucket:
     """A bucket being filled: slots so far and its byte cap."""
 
-    def __init__(self, dtype: torch.dtype, cap_bytes: int):
+    def __init__(self, dtype: torch.dtype, cap_bytes: int, group: int = 0):
         self.dtype, self.cap_bytes, self.slots, self.end = dtype, cap_bytes, [], 0
+        self.group = group
 
     def fits(self, numel: int, align_elems: int) -> bool:
         end = _round_up(self.end, align_elems) + numel
@@ -237,6 +241,7 @@ def plan_buckets(
     first_bucket_bytes: Optional[int] = None,
     align: int = 16,
     order: Optional[Sequence[int]] = None,
+    group_of: Optional[Callable[[int], int]] = None,
 ) -> BucketPlan:
     """Assigns parameters to gradient buckets.
 
@@ -253,6 +258,9 @@ def plan_buckets(
         align: byte alignment of every slot's start (a power of two, a multiple of the itemsize).
         order: the order in which parameters are assigned (e.g. the order their gradients
             became ready); defaults to reverse registration order.
+        group_of: parameter index -> reduction group (default 0 for all): parameters of
+            different groups never share a bucket (MoE: experts are reduced over their
+            replicas only). The last bucket, which carries the status slots, is of group 0.
 
     Returns:
         A :class:`BucketPlan`; ``print(plan)`` shows every slot.
@@ -272,16 +280,24 @@ def plan_buckets(
         itemsize = _itemsize(wire)
         if align % itemsize:
             raise ValueError(f"align: {align} B is not a multiple of the {wire} itemsize")
-        current = open_buckets.get(wire)
+        group = 0 if group_of is None else int(group_of(i))
+        current = open_buckets.get((wire, group))
         if current is None or not current.fits(numel, align // itemsize):
             if current is not None:
                 closed.append(current)
             seen = any(b.dtype == wire for b in closed)
-            current = open_buckets[wire] = _OpenBucket(wire, cap_bytes if seen else first)
+            cap = cap_bytes if seen else first
+            current = open_buckets[(wire, group)] = _OpenBucket(wire, cap, group)
         current.add(i, name, numel, align // itemsize)
-    closed.extend(open_buckets.values())
+    closed.extend(sorted(open_buckets.values(), key=lambda b: b.group == 0))  # group 0 last
+    if closed and closed[-1].group != 0:
+        raise ValueError(
+            "plan_buckets: every parameter is outside group 0; the status slots need one"
+        )
     buckets = tuple(
-        Bucket(k, b.dtype, tuple(b.slots), _round_up(b.end, align // _itemsize(b.dtype)))
+        Bucket(
+            k, b.dtype, tuple(b.slots), _round_up(b.end, align // _itemsize(b.dtype)), group=b.group
+        )
         for k, b in enumerate(closed)
     )
     return BucketPlan(buckets, cap_bytes, first, align, len(described))

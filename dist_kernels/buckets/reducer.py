@@ -75,6 +75,9 @@ class BucketReducer:
         window: at most this many buckets take gradients at once (None: all).
         groups: per bucket, the Communicator to reduce it over (None: the collective's);
             for a fixed plan (without ``planner``, whose plans would not know them).
+        group_comms: ``{Bucket.group: Communicator}``: every plan's bucket of group g is
+            reduced over ``group_comms[g]`` (groups absent: the collective's); with a planner
+            too, as each rebuilt plan's buckets carry their group (MoE experts).
         planner: ``order -> BucketPlan`` for :meth:`rebuild` (None: the plan is fixed).
     """
 
@@ -88,9 +91,13 @@ class BucketReducer:
         window: Optional[int] = None,
         groups: Optional[Sequence[Any]] = None,
         planner: Optional[Callable[[Sequence[int]], BucketPlan]] = None,
+        group_comms: Optional[Dict[int, Any]] = None,
     ) -> None:
         if groups is not None and planner is not None:
             raise ValueError("BucketReducer: groups need a fixed plan (planner=None)")
+        if groups is not None and group_comms is not None:
+            raise ValueError("BucketReducer: groups or group_comms, not both")
+        self._group_comms = dict(group_comms or {})
         self.collective = collective
         self.num_params = num_params
         self._comm = comm
@@ -126,7 +133,9 @@ class BucketReducer:
         self.buckets: List[Bucket] = list(self.collective.allocate(list(given)))
         if groups is not None and len(groups) != len(self.buckets):
             raise ValueError(f"groups: {len(groups)} for {len(self.buckets)} buckets")
-        self._groups = list(groups) if groups is not None else [None] * len(self.buckets)
+        if groups is None:
+            groups = [self._group_comms.get(b.group) for b in self.buckets]
+        self._groups = list(groups)
         self._pieces: List[List[Tuple[int, int]]] = [[] for _ in range(self.num_params)]
         for b, bucket in enumerate(self.buckets):
             for k, slot in enumerate(bucket.slots):

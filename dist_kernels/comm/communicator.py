@@ -368,7 +368,9 @@ class Communicator(BaseCommunicator):
         Blocks lie back to back in rank order: ``send_counts[p]`` elements of ``input`` for
         rank p, ``recv_counts[p]`` elements of ``output`` from rank p (default: equal blocks
         of ``numel / world_size``). ``send_counts[p]`` on rank r must equal
-        ``recv_counts[r]`` on rank p. Pairwise exchange (csrc/algorithm/all_to_all.h).
+        ``recv_counts[r]`` on rank p. Every peer at once, one exchange per message round
+        (csrc/algorithm/all_to_all.h); a block in a registered buffer (:meth:`empty`) is
+        copied once, by its receiver.
         """
         self._check_open("all_to_all")
         code = self._check_tensor(output, "output", "all_to_all")
@@ -514,6 +516,11 @@ class Communicator(BaseCommunicator):
         except TypeError as e:
             raise TypeError(f"[rank {self.rank}] empty: {e}") from None
         return self._backend.empty(shape, dtype)
+
+    @property
+    def num_hosts(self) -> int:
+        """Hosts this communicator's ranks are on (more than one: the hierarchical backend)."""
+        return getattr(self._backend, "hosts_n", 1)
 
     @property
     def closed(self) -> bool:

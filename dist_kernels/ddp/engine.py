@@ -120,6 +120,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             parameter ready at its counted firing, and those that got no gradient in the first
             are unused every iteration, without ``find_unused_parameters`` (see
             :meth:`_set_static_graph`).
+        expert_comm: not torch's: the Communicator over which parameters marked
+            ``expert_parallel`` (``dk.moe`` experts) are reduced: their replicas, a subgroup
+            of ``comm`` (``mesh.expert_dp_comm``, with ``comm`` = ``mesh.dp_comm``). Their
+            buckets are summed there and divided by ``comm``'s world size (each expert's
+            gradient already sums its ep group's tokens); ``init_sync`` broadcasts them from
+            that group's rank 0. None: every parameter over ``comm``.
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         loss_scaler: Any = None, process_group: Any = None,
         device_ids: Optional[Sequence[Any]] = None, output_device: Any = None, dim: int = 0,
         gradient_as_bucket_view: bool = True, static_graph: bool = False, init_sync: bool = True,
+        expert_comm: Any = None,
     ) -> None:  # fmt: skip
         super().__init__()
         Joinable.__init__(self)
@@ -147,11 +154,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync, self._sync_switch = True, True  # switch: FSDP2's
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         check_structure(self.comm, module, [p for _, p in named])
+        self.expert_comm = expert_comm
+        _check_experts(module, expert_comm, self.comm.rank)
+        experts = [p for p in module.parameters() if _is_expert(p, expert_comm)]
         if init_sync:
-            broadcast_state(self.comm, list(module.parameters()) + list(module.buffers()))
+            dense = [p for p in module.parameters() if not _is_expert(p, expert_comm)]
+            broadcast_state(self.comm, dense + list(module.buffers()))
+            if experts:
+                broadcast_state(expert_comm, experts)
         self.reducer = _make_reducer(
             self.comm, named, bucket_cap_mb, first_bucket_mb, grad_dtype, algorithm,
-            gradient_predivide_factor, gradient_as_bucket_view,
+            gradient_predivide_factor, gradient_as_bucket_view, expert_comm,
         )  # fmt: skip
         self._backward = BackwardSync(
             self.reducer, named, self.comm, find_unused_parameters, static_graph, loss_scaler
@@ -441,6 +454,7 @@ def _make_reducer(
     algorithm: str,
     predivide: Optional[float],
     gradient_as_bucket_view: bool,
+    expert_comm: Any = None,
 ) -> BucketReducer:
     """The bucket reducer of one engine: on one rank nothing to reduce (``InPlace``), else
     registered buckets all-reduced in reverse registration order first, re-planned in the
@@ -467,10 +481,33 @@ def _make_reducer(
         memory, Reductions(comm, algorithm), predivide=predivide, debug=debug, rank=comm.rank
     )
 
+    def group_of(i: int) -> int:  # 1: an expert's bucket, reduced over expert_comm
+        return int(_is_expert(params[i], expert_comm))
+
     def planner(order: Sequence[int]) -> plan.BucketPlan:
         return plan_buckets(
-            list(named), cap_bytes, grad_dtype, first_bucket_bytes, order=list(order)
-        )
+            list(named), cap_bytes, grad_dtype, first_bucket_bytes, order=list(order),
+            group_of=group_of,
+        )  # fmt: skip
 
     initial = planner(list(reversed(range(len(params)))))
-    return BucketReducer(route, initial, len(params), comm=comm, planner=planner)
+    groups = {1: expert_comm} if expert_comm is not None else None
+    return BucketReducer(
+        route, initial, len(params), comm=comm, planner=planner, group_comms=groups
+    )
+
+
+def _check_experts(module: nn.Module, expert_comm: Any, rank: int) -> None:
+    if expert_comm is None and any(
+        getattr(p, "expert_parallel", False) for p in module.parameters()
+    ):
+        raise ValueError(
+            f"[rank {rank}] DistributedDataParallel: the module has expert-parallel parameters "
+            "(dk.moe experts sharded over ep): pass expert_comm=mesh.expert_dp_comm, or they "
+            "would be averaged with other ranks' different experts"
+        )
+
+
+def _is_expert(p: torch.Tensor, expert_comm: Any) -> bool:
+    """A parameter reduced over ``expert_comm`` (an MoE expert's, when one is given)."""
+    return expert_comm is not None and getattr(p, "expert_parallel", False)

@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import context_parallel as cp
+from .. import moe as moe_lib
 from .. import tensor_parallel as tp
 
 __all__ = ["GPTConfig", "GPT"]
@@ -65,6 +66,21 @@ class GPTConfig:
     """LayerNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
+    n_experts: int = 0
+    """Experts of each MoE block (:class:`~dist_kernels.moe.MoE`); 0: no MoE blocks."""
+    top_k: int = 2
+    """Experts each token is routed to, in MoE blocks."""
+    moe_every: int = 2
+    """Every ``moe_every``-th block (blocks ``moe_every - 1, 2 * moe_every - 1, ...``) has an
+    MoE in place of its MLP; 1: every block."""
+    moe_capacity_factor: Optional[float] = None
+    """None: no token dropped; a float: Megatron's capacity, drops before the exchange."""
+    moe_router: str = "softmax"
+    """``"softmax"`` or ``"sigmoid"`` (DeepSeek-V3)."""
+    moe_aux_loss_coeff: float = 1e-2
+    """Load-balancing loss coefficient; the loss joins the training loss."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss coefficient."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layers", "n_heads", "dim", "mlp_ratio"):
@@ -75,6 +91,12 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: dim({self.dim}) % n_heads({self.n_heads}) != 0")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout}")
+        if self.n_experts and (not isinstance(self.moe_every, int) or self.moe_every < 1):
+            raise ValueError(f"GPTConfig: moe_every must be a positive int, got {self.moe_every}")
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` has an MoE in place of its MLP."""
+        return self.n_experts > 0 and (i + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -118,15 +140,30 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block."""
+def _moe(cfg: GPTConfig) -> moe_lib.MoE:
+    """An unsharded MoE whose experts have the MLP's hidden size (``shard_experts`` later)."""
+    return moe_lib.MoE(
+        cfg.dim,
+        cfg.mlp_ratio * cfg.dim,
+        cfg.n_experts,
+        cfg.top_k,
+        None,
+        cfg.moe_capacity_factor,
+        cfg.moe_router,
+        cfg.moe_aux_loss_coeff,
+        cfg.moe_z_loss_coeff,
+    )
 
-    def __init__(self, cfg: GPTConfig) -> None:
+
+class Block(nn.Module):
+    """Pre-norm transformer block; ``mlp`` is an MoE in MoE blocks."""
+
+    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = _moe(cfg) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -197,7 +234,9 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = Embedding(config)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            Block(config, config.is_moe_block(i)) for i in range(config.n_layers)
+        )
         self.head = Head(config)
         self.apply(self._init_weights)
         if config.tie_embeddings:
@@ -215,11 +254,31 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return logits if targets is None else self.head.loss(logits, targets)
+        return logits if targets is None else self.loss(logits, targets)
+
+    def aux_loss(self) -> torch.Tensor:
+        """The MoE blocks' auxiliary losses of the last forward (0 without MoE blocks)."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def moe_layers(self) -> list:
+        """The MoE layers, block order."""
+        return [b.mlp for b in self.blocks if isinstance(b.mlp, moe_lib.MoE)]
+
+    def expert_parallel(self, comm: Any) -> GPT:
+        """Shards every MoE block's experts over the expert-parallel group ``comm``
+        (``mesh.ep_comm``), in place; returns the model. Expert parameters then carry
+        ``expert_parallel = True``: their gradients are reduced over ``mesh.expert_dp_comm``."""
+        for block in self.blocks:
+            if isinstance(block.mlp, moe_lib.MoE):
+                block.mlp = moe_lib.shard_experts(block.mlp, comm)
+        return self
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss of :meth:`forward`'s logits (a Pipeline's ``loss_fn``)."""
-        return self.head.loss(logits, targets)
+        """The loss of :meth:`forward`'s logits (a Pipeline's ``loss_fn``), plus the MoE
+        blocks' aux losses of that forward."""
+        loss = self.head.loss(logits, targets)
+        return loss + self.aux_loss() if self.moe_layers() else loss
 
     def as_sequential(self) -> nn.Sequential:
         """``embedding, *blocks, head`` (the same modules) as an ``nn.Sequential``."""
@@ -243,10 +302,19 @@ class GPT(nn.Module):
             "embedding.wte": tp.VocabParallel(sequence_parallel=sp),
             "blocks.*.attn.qkv": tp.ColumnParallel(sequence_parallel=sp),
             "blocks.*.attn.proj": tp.RowParallel(sequence_parallel=sp),
-            "blocks.*.mlp.fc": tp.ColumnParallel(sequence_parallel=sp),
-            "blocks.*.mlp.proj": tp.RowParallel(sequence_parallel=sp),
             "head.lm_head": tp.ColumnParallel(sequence_parallel=sp),
         }
+        if sp and cfg.n_experts:
+            raise ValueError(
+                "GPT: sequence_parallel with MoE blocks is not supported yet: each tp rank would "
+                "route its sequence shard, and the aux loss needs its statistics reduced over "
+                "tp first (Megatron's sequence_partition_group)"
+            )
+        for i in range(cfg.n_layers):  # MoE blocks stay whole over tp (experts shard over ep)
+            if cfg.is_moe_block(i):
+                continue
+            plan[f"blocks.{i}.mlp.fc"] = tp.ColumnParallel(sequence_parallel=sp)
+            plan[f"blocks.{i}.mlp.proj"] = tp.RowParallel(sequence_parallel=sp)
         if sp:  # everything between the pairs runs on sequence shards
             for pattern in (
                 "embedding.wpe",

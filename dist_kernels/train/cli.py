@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dp", type=int, default=0, help="data-parallel replicas (0: world / (tp x cp x pp))")
     add("--tp", type=int, default=1, help="tensor-parallel ranks")
     add("--cp", type=int, default=1, help="context-parallel ranks (sequence split, ring attention)")
+    add("--ep", type=int, default=1, help="expert-parallel ranks (carved from dp)")
+    add("--experts", type=int, default=0, help="experts per MoE block (0: no MoE blocks)")
+    add("--top-k", type=int, default=2, help="experts per token in MoE blocks")
+    add("--moe-every", type=int, default=2, help="every n-th block is an MoE block")
     add("--pp", type=int, default=1, help="pipeline stages")
     add("--zero", type=int, default=0, choices=(0, 1, 2), help=_STRATEGY_HELP)
     add("--schedule", default=d.schedule, help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b")
@@ -116,9 +120,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         n_heads=args.n_head,
         dim=args.d_model,
         block_size=args.seq_len,
+        n_experts=args.experts,
+        top_k=args.top_k,
+        moe_every=args.moe_every,
     )
     return TrainConfig(
-        dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, zero=args.zero, schedule=args.schedule,
+        dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
+        schedule=args.schedule,
         micro_batch=args.micro_batch, grad_accum=args.grad_accum, global_batch=args.global_batch,
         bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
         dtype=args.dtype, steps=args.steps, stop_after=args.stop_after, lr=args.lr,

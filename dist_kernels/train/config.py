@@ -46,6 +46,9 @@ class TrainConfig:
     shards, ring attention); ``seq_len`` must be a multiple of ``2 x cp``."""
     pp: int = 1
     """Pipeline stages (``dk.Pipeline``); the blocks are split evenly."""
+    ep: int = 1
+    """Expert-parallel ranks, carved out of dp: the MoE blocks' experts (``model.n_experts``,
+    set by ``--experts``) are sharded over ep and replicated over dp / ep."""
     zero: int = 0
     """ZeRO stage of ``dk.ShardedOptimizer`` over the data-parallel ranks: 0 = DDP, 1 or 2."""
     schedule: str = "1f1b"
@@ -165,7 +168,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Ranges and choices of single options."""
-        for name in ("tp", "cp", "pp", "micro_batch", "steps", "log_every", "lr_base_batch"):
+        for name in ("tp", "cp", "pp", "ep", "micro_batch", "steps", "log_every", "lr_base_batch"):
             _at_least(name, getattr(self, name), 1)
         for name in ("dp", "grad_accum", "global_batch", "warmup", "checkpoint_every"):
             _at_least(name, getattr(self, name), 0)
@@ -192,6 +195,7 @@ class TrainConfig:
                 )
 
     def _check_layout(self) -> None:
+        self._check_experts()
         if self.zero and self.dp * self.cp == 1:
             raise ConfigError(
                 f"zero({self.zero}) shards over data-parallel ranks (dp x cp): needs dp x cp > 1"
@@ -220,6 +224,23 @@ class TrainConfig:
                 raise ConfigError(
                     f"simulate_straggler: rank {rank} not in [0, world_size({world}))"
                 )
+
+    def _check_experts(self) -> None:
+        """MoE blocks: where they can run (the others need work not done yet, named)."""
+        experts = self.model.n_experts
+        if self.ep > 1 and self.dp % self.ep:
+            raise ConfigError(
+                f"dp({self.dp}) is not a multiple of ep({self.ep}): ep is carved from dp"
+            )
+        if self.ep > 1 and (not experts or experts % self.ep):
+            raise ConfigError(f"experts({experts}) must be a positive multiple of ep({self.ep})")
+        if experts and self.pp > 1:
+            raise ConfigError(f"MoE blocks with pp({self.pp}) > 1: the aux loss crosses stages")
+        if self.ep > 1 and (self.zero or self.engine != "dk" or self.cp > 1):
+            raise ConfigError(
+                f"ep({self.ep}) > 1 runs with --engine dk, zero 0 and cp 1 (got engine="
+                f"{self.engine!r}, zero={self.zero}, cp={self.cp})"
+            )
 
 
 def _at_least(name: str, value: int, low: int) -> None:

@@ -25,7 +25,7 @@ from .config import TrainConfig
 from .data import CharCorpus, Sampler
 from .engines import build_engine
 from .metrics import PHASES, JsonLines, Progress, StepTimes, matmul_peak_flops, peak_memory_mb
-from .model import build_model, describe, flops_per_token
+from .model import build_model, describe, flops_per_token, moe_metrics
 from .profiling import StepProfiler
 from .stragglers import StragglerDetector, StragglerReport, minmax_line
 from .tensorboard import TensorBoardLog
@@ -63,17 +63,19 @@ class World:
             dist.all_gather_object(self.hosts, socket.gethostname())
             self.comm = Communicator()
             if need_mesh:
-                self.mesh = ProcessMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp)
+                self.mesh = ProcessMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
         self.pp_rank = self.mesh.pp_rank if self.mesh is not None else 0
         self.tp_rank = getattr(self.mesh, "tp_rank", 0)
         self.tp_comm = getattr(self.mesh, "tp_comm", None) if cfg.tp > 1 else None
         self.cp_comm = getattr(self.mesh, "cp_comm", None) if cfg.cp > 1 else None
+        self.ep_comm = getattr(self.mesh, "ep_comm", None) if cfg.ep > 1 else None
 
     @property
     def shard_name(self) -> str:
         """This rank's piece of the model: its stage, and its tensor shard when tp > 1."""
         tp = f"-tp-{self.tp_rank}" if self.tp_comm is not None else ""
-        return f"stage-{self.pp_rank}{tp}"
+        ep = f"-ep-{self.mesh.ep_rank}" if self.ep_comm is not None else ""
+        return f"stage-{self.pp_rank}{tp}{ep}"
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
         """``[world_size, len(row)]``: every rank's row (one all-gather)."""
@@ -131,9 +133,11 @@ class _Run:
         resume = checkpoints.resolve_resume(cfg, self.ident)
         full, _ = build_model(cfg.model, cfg.seed)
         self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
-        sharded = world.tp_comm is not None or world.cp_comm is not None
+        sharded = any(c is not None for c in (world.tp_comm, world.cp_comm, world.ep_comm))
         model, loss = (
-            build_model(cfg.model, cfg.seed, world.tp_comm, world.cp_comm) if sharded else (full, _)
+            build_model(cfg.model, cfg.seed, world.tp_comm, world.cp_comm, world.ep_comm)
+            if sharded
+            else (full, _)
         )
         self.engine = build_engine(cfg, model, loss, engine, world.mesh, world.rank)
         self.start_step = 0
@@ -255,6 +259,7 @@ class _Run:
         record["rank_step_ms"] = rows[:, col["step_ms"]].tolist()
         record["rank_busy_ms"] = rows[:, col["busy_ms"]].tolist()
         record["peak_mem_mb"] = rows[:, col["peak_mem_mb"]].tolist()
+        record.update(moe_metrics(self.engine.module))
         if cfg.reference_tokens_per_s:
             reference = self.world.world_size * cfg.reference_tokens_per_s
             record["scaling_efficiency"] = tokens_per_s / reference

@@ -104,11 +104,14 @@ class DataParallel:
         self.mesh = mesh
         self.dp_rank = mesh.dp_rank if mesh is not None else rank
         self.replica_rank = mesh.dp_cp_rank if mesh is not None else rank
+        expert_comm = None
+        if mesh is not None and cfg.ep > 1:  # expert shards: ep ranks differ, their replicas not
+            self.replica_rank, expert_comm = mesh.expert_dp_rank, mesh.expert_dp_comm
         dp_comm = mesh.dp_cp_comm if mesh is not None else None  # dp x cp hold the same weights
         self.delay = _Delay(cfg, rank)
         world_size = cfg.dp * cfg.cp
         self.forward, self.optimizer, self._no_sync = self._wrap(
-            cfg, model, engine, dp_comm, world_size
+            cfg, model, engine, dp_comm, world_size, expert_comm
         )
         # FSDP2 hands reduced gradients to its sharded parameters after its reduce-scatter, so
         # a gradient hook there does not mark the end of compute: its comm is not measured.
@@ -117,7 +120,9 @@ class DataParallel:
         self.scheduler = None  # set by start(), once the resume step is known
 
     @staticmethod
-    def _wrap(cfg, model, engine, dp_comm, world) -> Tuple[Callable, Any, Callable[[bool], Any]]:
+    def _wrap(
+        cfg, model, engine, dp_comm, world, expert_comm=None
+    ) -> Tuple[Callable, Any, Callable[[bool], Any]]:
         """(forward callable, optimizer, no_sync(last micro-batch?) context factory)."""
         kwargs = _adamw_kwargs(cfg)
         if engine == "dk" and cfg.zero:
@@ -145,6 +150,7 @@ class DataParallel:
                 dp_comm,
                 bucket_cap_mb=cfg.bucket_cap_mb,
                 first_bucket_mb=min(cfg.first_bucket_mb, cfg.bucket_cap_mb),
+                expert_comm=expert_comm,
             )
         else:
             ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)

@@ -21,11 +21,12 @@ from ..models import GPT, GPTConfig
 
 
 def build_model(
-    cfg: GPTConfig, seed: int, tp_comm: Any = None, cp_comm: Any = None
+    cfg: GPTConfig, seed: int, tp_comm: Any = None, cp_comm: Any = None, ep_comm: Any = None
 ) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
     layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel), on
-    sequence shards over ``cp_comm`` when given (then the loss is the whole sequences' mean)."""
+    sequence shards over ``cp_comm`` when given (then the loss is the whole sequences' mean),
+    MoE experts sharded over ``ep_comm`` when given (the loss adds the MoE aux losses)."""
     if cfg.vocab_size < 1:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
@@ -35,7 +36,24 @@ def build_model(
         gpt.parallelize(tp_comm)  # slices the unsharded initialisation: same model as tp=1
     if cp_comm is not None and cp_comm.world_size > 1:
         gpt.context_parallel(cp_comm)
+    if ep_comm is not None and ep_comm.world_size > 1:
+        gpt.expert_parallel(ep_comm)
     return gpt.as_sequential(), gpt.loss
+
+
+def moe_metrics(model: nn.Module) -> Dict[str, Any]:
+    """The MoE layers' last step (of this rank's ep group): tokens per expert, per layer, and
+    the drop rate over every layer; empty without MoE layers."""
+    from ..moe import MoE
+
+    stats = [m.last_stats for m in model.modules() if isinstance(m, MoE) and m.last_stats]
+    if not stats:
+        return {}
+    return {
+        "moe_tokens_per_expert": [s["tokens_per_expert"] for s in stats],
+        "moe_drop_rate": sum(s["drop_rate"] for s in stats) / len(stats),
+        "moe_imbalance": max(s["imbalance"] for s in stats),
+    }
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

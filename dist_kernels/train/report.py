@@ -39,8 +39,9 @@ def summary_table(cfg: TrainConfig, results: Sequence[Any]) -> str:
         rows.append(ratio + [""] * (len(header) - len(ratio)))
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     line = lambda row: "  ".join(str(c).rjust(w) for c, w in zip(row, widths))  # noqa: E731
+    experts = f"ep={cfg.ep} experts={cfg.model.n_experts} " if cfg.model.n_experts else ""
     layout = (
-        f"dp={cfg.dp} tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} zero={cfg.zero} "
+        f"dp={cfg.dp} tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} zero={cfg.zero} {experts}"
         f"global_batch={cfg.global_batch} "
         f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x dp {cfg.dp}) "
         f"seq_len={cfg.model.block_size} dtype={cfg.dtype}"

@@ -136,6 +136,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups = _param_groups(params)
         for p in (p for g in groups for p in g["params"]):
             _refuse_ddp(p)
+            _refuse_experts(p, self.comm)
         self._gatherer = None
         unit_of = None
         if stage == 3:
@@ -765,6 +766,17 @@ def _param_groups(params: Iterable[Any]) -> List[Dict[str, Any]]:
 
 def _group_options(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def _refuse_experts(p: torch.Tensor, comm: Any) -> None:
+    """Raises for a sharded MoE expert's parameter: not reducible over one communicator."""
+    if getattr(p, "expert_parallel", False):
+        raise NotImplementedError(
+            f"[rank {comm.rank}] ShardedOptimizer: params hold expert-parallel parameters "
+            "(dk.moe experts sharded over ep); ZeRO shards every parameter over one "
+            "communicator and would average different experts: use dk.DDP(model, "
+            "mesh.dp_comm, expert_comm=mesh.expert_dp_comm) for MoE models"
+        )
 
 
 def _refuse_ddp(p: torch.Tensor) -> None:
