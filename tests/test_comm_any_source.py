@@ -99,9 +99,13 @@ def _dead_peer():
     rank = dist.get_rank()
     comm = dk.Communicator(timeout=datetime.timedelta(seconds=30))
     if rank == 2:
+        # dies once rank 1's message to rank 0 is in place: a receive from any source that
+        # found a dead peer before the live one had sent would rightly raise at once
+        comm.recv(torch.empty(1), 1)
         os._exit(0)
     if rank == 1:
         comm.send(torch.ones(2), 0)
+        comm.send(torch.ones(1), 2)
         comm.recv(torch.empty(2), 0)  # rank 0 carries on with us
         comm.send(torch.ones(2), 0)
         comm.close()

@@ -540,3 +540,38 @@ def test_thread_pool_works_in_a_forked_child():
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
         assert pool.apply_async(_reduce_in_child, (n,)).get(timeout=120)
+
+
+_POOL_BITS = """
+import hashlib, time, torch
+from dist_kernels import _C, ops
+_C.kernels_set_cpu_parallel_min_bytes(0)  # every call splits: the pool's wake-up paths run
+gen = torch.Generator().manual_seed({seed})
+out = []
+for dtype in (torch.float32, torch.bfloat16):
+    srcs = [torch.randn(2**18 + 5, generator=gen).to(dtype) for _ in range(3)]
+    for pause in (0.0, 0.0, 0.002):  # back to back (workers spinning), then after they slept
+        time.sleep(pause)
+        dst = srcs[0].clone()
+        ops.reduce_(dst, *srcs[1:])
+        out.append(dst.float())
+print(_C.kernels_cpu_threads(), *(hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in out))
+"""
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_pool_gives_the_same_bits_at_every_thread_count(threads):
+    """The spin-then-sleep pool at 1, 2 and 3 threads (more than this machine's cores): every
+    call, back to back or after the workers went to sleep, gives the one-thread bits."""
+    print(f"seed {SEED}")
+
+    def run(n: int) -> list:
+        env = dict(os.environ, DK_NUM_THREADS=str(n))
+        code = _POOL_BITS.format(seed=SEED)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    serial, pooled = run(1), run(threads)
+    assert serial[0] == "1" and pooled[0] == str(threads)
+    assert pooled[1:] == serial[1:]

@@ -550,3 +550,53 @@ def test_accumulation_across_synchronised_backwards_matches_torch():
     rows = run_ranks(3, _accumulate_without_zero_grad, (1, 2, 3), timeout=120)
     print(f"seed {SEED}, 3 ranks, stages 1-3: max rel diff per stage {rows[0]}")
     assert all(d < 1e-5 for r in rows for d in r)
+
+
+def test_zero_gaps_zeroes_exactly_what_no_gradient_wrote():
+    from dist_kernels.buckets.reduce_scatter import _zero_gaps
+
+    gen = torch.Generator().manual_seed(SEED)
+    print(f"seed {SEED}")
+    for _ in range(50):
+        n = int(torch.randint(1, 200, (1,), generator=gen))
+        runs = []
+        for _ in range(int(torch.randint(0, 6, (1,), generator=gen))):
+            offset = int(torch.randint(0, n, (1,), generator=gen))
+            runs.append((offset, int(torch.randint(0, n - offset + 1, (1,), generator=gen))))
+        written = torch.zeros(n, dtype=torch.bool)  # the reference: a mask of the runs
+        for offset, numel in runs:
+            written[offset : offset + numel] = True
+        buf = torch.full((n,), float("nan"))
+        buf[written] = 7.0
+        _zero_gaps(buf, list(reversed(runs)))  # any order
+        assert torch.equal(buf[written], torch.full((int(written.sum()),), 7.0))
+        assert torch.equal(buf[~written], torch.zeros(int((~written).sum())))
+
+
+def test_stage2_with_a_parameter_without_gradient_equals_stage1():
+    """Stage 2's staging slots are no longer zeroed whole: a parameter that gets no gradient
+    in a backward (an unused branch) must still reduce as zeros, not as whatever an earlier
+    bucket left in the slot. Stage 1 (its flat buffer zeroed by zero_grad) is the reference."""
+    import dist_kernels as dk
+
+    results = []
+    for stage in (1, 2):
+        model = make_model()
+        opt = dk.ShardedOptimizer(
+            model.parameters(),
+            torch.optim.SGD,
+            LocalComm(),
+            stage=stage,
+            lr=0.1,
+            bucket_cap_mb=0.0005,  # many buckets: the staging slots are reused within a pass
+        )
+        for step in range(3):
+            x, y = batch(step, 1)
+            hidden = model[1](model[0](x))
+            out = model[4](model[3](model[2](hidden))) if step != 1 else hidden[:, :5]
+            torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -15,17 +15,24 @@ namespace {
 // One _mm_pause takes 11-20 ns on the 2-core Sapphire Rapids VM, so 512 pauses spin for
 // ~6-10 us: longer than a small all-reduce's handoff (~1 us), so back-to-back collectives stay
 // in the spin phase while each rank has a core, and short, because a rank sharing its core
-// with the peer it waits for (other load on the machine) only wastes that time: it then yields
-// (below). 2048 spins (the value before 2026-12-01) cost 60-120 us per small all-reduce on the
-// loaded EPYC VM; 512 + 1024 yields gave 1.2-1.6 us from 8 B to 8 KiB there (load 5.5).
+// with the peer it waits for (other load on the machine) only wastes that time: it then sleeps
+// (oversubscribed: yields first, below). 2048 spins (the value before 2026-12-01) cost 60-120 us
+// per small all-reduce on the loaded EPYC VM; 512 + 1024 yields gave 1.2-1.6 us from 8 B to 8 KiB
+// there (load 5.5).
 constexpr uint32_t kSpinSteps = 512;
 // Oversubscribed: spin only ~3 us before giving the core to the rank we wait for.
 constexpr uint32_t kSpinStepsOversubscribed = 64;
-// Yield steps before sleeping: a yield returns at once when nobody else wants the core, and
-// hands it to the peer when the two share a core (a loaded machine puts them together): then
-// the handoff costs a context switch, where a spin would burn the rest of the spin phase and
-// a futex sleep a wake-up (MPICH yields every 1000 polls and never sleeps). 1024 yields last
-// ~0.5-1 ms when the core is free: only waits longer than that go to sleep.
+// Yield steps before sleeping, oversubscribed only: there the rank sharing our core is most
+// likely a peer rank, and a yield hands it the core for the price of a context switch. With a
+// core per rank the one sharing our core is someone else's process, and a yield gives it the
+// rest of its slice (EEVDF: ~1.5 ms on 2 cpus) while the peer's write goes unnoticed: with one
+// busy nice-0 process per core, spin + 1024 yields took 1.5-6.3 ms per small all-reduce on
+// average (p99 10-20 ms), spin + futex 38-84 us (p99 0.1-2 ms; 2026-12-02, 2-core VM at load
+// ~10, benchmarks/results/2026-12-02-wait-strategy-loaded.md). A futex sleep also lets the
+// scheduler place the waiter again when it wakes, where a yielding waiter stays runnable on its
+// core: two ranks that a Gloo call left on one core part at the next wake-up (the suspected cause
+// of the slow rows beside Gloo's threads, issue 28; not yet confirmed on an idle machine). 1024
+// yields last ~0.5-1 ms when the core is free.
 constexpr uint32_t kYieldSteps = 1024;
 // A futex sleep ends on the writer's wake; the timeout only bounds how late the waiter
 // notices a dead peer, an abort or its deadline.
@@ -42,6 +49,8 @@ uint32_t Backoff::spinSteps() const {
   return oversubscribed_ ? kSpinStepsOversubscribed : kSpinSteps;
 }
 
+uint32_t Backoff::yieldSteps() const { return oversubscribed_ ? kYieldSteps : 0; }
+
 void Backoff::pause(const std::atomic<uint64_t>& word, uint64_t seen,
                     std::atomic<uint32_t>& sleepers) {
   const uint32_t spin = spinSteps();
@@ -50,7 +59,7 @@ void Backoff::pause(const std::atomic<uint64_t>& word, uint64_t seen,
     _mm_pause();
     return;
   }
-  if (step_ <= spin + kYieldSteps) {
+  if (step_ <= spin + yieldSteps()) {
     sched_yield();
     return;
   }

@@ -3,9 +3,12 @@
 // Pure spinning is fine while every rank has a core (a handoff between two cores costs
 // ~0.2 us), but when ranks outnumber cores a spinning waiter burns the time slice the rank it
 // waits for needs: tests run 8 ranks on 2 cores. So a waiter spins briefly, then gives the core
-// away with sched_yield, then sleeps on a futex until the peer's write wakes it (a timed sleep
-// would add its whole period to every step when ranks outnumber cores). An oversubscribed
-// communicator (more local ranks than usable cores) skips most of the spin.
+// away with sched_yield when ranks outnumber cores (the rank it yields to is then likely the
+// peer it waits for), then sleeps on a futex until the peer's write wakes it (a timed sleep
+// would add its whole period to every step when ranks outnumber cores). With a core per rank
+// it skips the yields: a yield would hand the core to whatever other process shares it for a
+// whole time slice, where a futex wake brings the waiter back at once (shm_backoff.cc). An
+// oversubscribed communicator (more local ranks than usable cores) also skips most of the spin.
 #pragma once
 
 #include <atomic>
@@ -28,6 +31,7 @@ class Backoff {
 
  private:
   uint32_t spinSteps() const;
+  uint32_t yieldSteps() const;
   bool oversubscribed_;
   uint32_t step_ = 0;
 };

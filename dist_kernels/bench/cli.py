@@ -28,8 +28,12 @@ import torch.distributed as dist
 from .. import launch
 from . import calibrate as calibration
 from . import ops, report
+from .load import BusyLoad
 
 ALGORITHMS = ("ring", "tree", "auto")
+# --gloo: whether the ranks hold a Gloo process group (Gloo's threads in the process) or only
+# "dk" groups; "both" runs the sweep twice, without then with, and compares them.
+GLOO_CHOICES = ("with", "without", "both")
 # The row of torch.distributed calls (dist.all_reduce, ...) on a "dk" group (CPU only).
 TORCH_DK = "torchdk"
 DEFAULT_MIN_BYTES = 8
@@ -121,6 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--device", choices=("cpu", "cuda"), default="cpu")
     add("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    add(
+        "--gloo",
+        choices=GLOO_CHOICES,
+        default="with",
+        help="CPU: 'with' = a Gloo default group (torchrun scripts have one) and the Gloo "
+        "baseline row; 'without' = only \"dk\" groups (no Gloo threads in the process, no "
+        "baseline); 'both' = the sweep without, then with, and a p50 / p99 comparison",
+    )
+    add(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy processes beside the ranks while they run (started and stopped by the "
+        "benchmark; under torchrun by each host's local rank 0)",
+    )
+    add("--load-nice", type=int, default=0, help="niceness of the --load processes, 0 to 19")
     add("--json", metavar="FILE", help="write meta data and every row as JSON")
     add("--plot", metavar="FILE.png", help="busbw against size, log-log (needs matplotlib)")
     calibration.add_arguments(parser)
@@ -135,6 +156,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= {1 + (name == 'stepfactor')}")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.load < 0 or not 0 <= args.load_nice <= 19:
+        parser.error("--load must be >= 0 and --load-nice from 0 to 19")
+    if args.gloo != "with" and (args.device != "cpu" or _under_torchrun()):
+        parser.error(
+            f"--gloo {args.gloo}: CPU and spawned ranks only (under torchrun the script's "
+            "process group decides; on CUDA the baseline is NCCL)"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     if args.device == "cuda" and not _under_torchrun():
@@ -210,7 +238,8 @@ class _Rank:
         else:
             self.comm = dk.Communicator(group=None, device=args.device, timeout=timeout)
         self.dk = dk
-        self.baseline = "gloo" if args.device == "cpu" else "nccl"
+        self.gloo = dist.get_backend() == "gloo"
+        self.baseline = ("gloo" if self.gloo else None) if args.device == "cpu" else "nccl"
         requested = list(ALGORITHMS) if args.algorithm == "all" else args.algorithm.split(",")
         self.algorithms, algorithm_note = ops.algorithm_choices(self.comm, args.op, requested)
         self.notes = [algorithm_note] if algorithm_note else []
@@ -238,6 +267,8 @@ class _Rank:
         if self.dk_group is not None:
             torch_api = ops.gloo_runner(redop, self.args.root, group=self.dk_group)
             ours.append(ops.Backend(TORCH_DK, torch_api))
+        if self.baseline is None:  # --gloo without: nothing to compare with in the process
+            return ours
         if self.args.device == "cpu":
             baseline = ops.gloo_runner(redop, self.args.root)
         elif self.args.op == "sendrecv":  # p2p has no algorithm="nccl": torch's NCCL instead
@@ -253,11 +284,11 @@ class _Rank:
         args = self.args
         memcpy = self._memcpy_on_rank0()
         dtype = ops.DTYPES[args.dtype]
-        baseline_label = (
-            "torch.distributed Gloo on the same process group, plain torch.empty tensors"
-            if self.baseline == "gloo"
-            else "NCCL through Communicator(algorithm='nccl'), plain tensors"
-        )
+        baseline_label = {
+            "gloo": "torch.distributed Gloo on the same process group, plain torch.empty tensors",
+            "nccl": "NCCL through Communicator(algorithm='nccl'), plain tensors",
+            None: 'none (--gloo without: only "dk" groups, no Gloo in the process)',
+        }[self.baseline]
         placements = ops.placements(args.op)
         if args.op == "sendrecv":
             self.notes.append(_SENDRECV_NOTES[args.device])
@@ -297,6 +328,8 @@ class _Rank:
             else "plain (torch.empty)",
             "baseline": self.baseline,
             "baseline_label": baseline_label,
+            "gloo_in_process": self.gloo,
+            "load": getattr(args, "load_info", None),
             "algorithms": list(self.algorithms) + ([TORCH_DK] if self.dk_group else []),
             "busbw_factor": ops.bus_factor(args.op, self.world_size),
             "busbw_formula": _FACTOR_FORMULA[args.op],
@@ -389,10 +422,22 @@ class _Rank:
         dist.all_reduce(status)
         if status[1] > 0:
             return {"error": error or "failed on another rank", "wrong": None}
-        seconds = _time_call(call, iters, warmup, self.comm.barrier, self._sync)
-        slowest = torch.tensor([seconds], dtype=torch.float64)
+        seconds, each = _time_call(call, iters, warmup, self.comm.barrier, self._sync)
+        # Each rank's own percentiles, then the slowest rank's: a per-iteration maximum over
+        # ranks would not do, the ranks' iterations end at different moments (one rank's
+        # late end is the other's short wait) and the maximum of two jittered series sits
+        # above both series' median.
+        each = torch.tensor(each, dtype=torch.float64)
+        mine = [seconds, percentile(each, 50), percentile(each, 99)]
+        slowest = torch.tensor(mine, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        return {"seconds": float(slowest[0]), "wrong": int(status[0]), "error": None}
+        return {
+            "seconds": float(slowest[0]),
+            "p50_seconds": float(slowest[1]),
+            "p99_seconds": float(slowest[2]),
+            "wrong": int(status[0]),
+            "error": None,
+        }
 
     def _check(
         self, case: ops.Case, buffers: ops.Buffers, call: Callable[[], None]
@@ -430,11 +475,12 @@ class _Rank:
         return row
 
     def add_ratios(self, rows: List[report.Row]) -> None:
-        base = next(r for r in rows if r["algorithm"] == self.baseline)
+        base = next((r for r in rows if r["algorithm"] == self.baseline), None)
         for row in rows:
             for placement in ops.PLACEMENTS:
-                mine, theirs = row[placement], base[placement]
-                ok = not mine.get("error") and not theirs.get("error") and mine["time_us"] > 0
+                mine, theirs = row[placement], (base or row)[placement]
+                ok = base is not None and not mine.get("error") and not theirs.get("error")
+                ok = ok and mine["time_us"] > 0
                 mine["vs_baseline"] = theirs["time_us"] / mine["time_us"] if ok else None
 
 
@@ -454,10 +500,20 @@ _SENDRECV_NOTES = {
 }
 
 
+def percentile(samples: torch.Tensor, q: float) -> float:
+    """The ``q``-th percentile of ``samples`` (seconds), nearest rank: a time that was measured,
+    as nccl-tests' successors and ``perf`` report it, never an interpolation between two."""
+    ordered = torch.sort(samples).values
+    index = max(0, math.ceil(q / 100 * ordered.numel()) - 1)
+    return float(ordered[index])
+
+
 def _columns(size: int, factor: float, result: Dict[str, Any]) -> Dict[str, Any]:
     if result.get("error"):
         return {
             "time_us": None,
+            "p50_us": None,
+            "p99_us": None,
             "algbw": None,
             "busbw": None,
             "wrong": None,
@@ -467,6 +523,8 @@ def _columns(size: int, factor: float, result: Dict[str, Any]) -> Dict[str, Any]
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
     return {
         "time_us": seconds * 1e6,
+        "p50_us": result["p50_seconds"] * 1e6,
+        "p99_us": result["p99_seconds"] * 1e6,
         "algbw": algbw,
         "busbw": algbw * factor,
         "wrong": result["wrong"],
@@ -476,25 +534,33 @@ def _columns(size: int, factor: float, result: Dict[str, Any]) -> Dict[str, Any]
 
 def _time_call(
     call: Callable[[], None], iters: int, warmup: int, barrier: Callable[[], None], sync: Callable
-) -> float:
-    """Average seconds per call over ``iters`` back-to-back calls, after ``warmup`` calls."""
+) -> Tuple[float, List[float]]:
+    """Average seconds per call over ``iters`` back-to-back calls, after ``warmup`` calls, and
+    each call's seconds (a clock read between calls: ~50 ns, inside the average too; on CUDA
+    an iteration's time is its launch, the average is the one to read there)."""
     for _ in range(warmup):
         call()
     sync()
     barrier()
-    start = time.perf_counter()
+    clock = time.perf_counter
+    stamps = [clock()]
     for _ in range(iters):
         call()
+        stamps.append(clock())
     sync()
-    return (time.perf_counter() - start) / iters
+    end = clock()
+    return (end - stamps[0]) / iters, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def run_rank(args: argparse.Namespace, launcher: str, command: str) -> List[report.Row]:
-    """Runs the whole benchmark on this rank (process group initialised); rank 0 prints."""
+def run_rank(
+    args: argparse.Namespace, launcher: str, command: str
+) -> Tuple[Dict[str, Any], List[report.Row]]:
+    """Runs the whole benchmark on this rank (process group initialised); rank 0 prints.
+    Returns the meta data and every row (the same on every rank)."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if args.calibrate:
         calibration.run_rank(args, command)
-        return []
+        return {}, []
     # all_gather_into_tensor's deprecation notice, once per rank, would split the table.
     warnings.filterwarnings("ignore", category=FutureWarning)
     bench = _Rank(args, launcher, command)
@@ -532,7 +598,7 @@ def run_rank(args: argparse.Namespace, launcher: str, command: str) -> List[repo
         if args.plot:
             report.plot(args.plot, meta, all_rows)
             _print(f"# wrote {args.plot}")
-    return all_rows
+    return meta, all_rows
 
 
 def _print(*lines: str) -> None:
@@ -543,27 +609,54 @@ def _print(*lines: str) -> None:
 # Launch
 
 
-def _spawned_rank(args: argparse.Namespace, command: str) -> None:
-    run_rank(args, f"spawn, {dist.get_world_size()} local ranks", command)
+def _spawned_rank(args: argparse.Namespace, command: str):
+    kind = "a Gloo default group" if args.gloo == "with" else '"dk" groups only'
+    return run_rank(args, f"spawn, {dist.get_world_size()} local ranks, {kind}", command)
 
 
 def _spawn(args: argparse.Namespace, command: str) -> int:
-    """Starts ``--nproc`` ranks and waits; if one fails, the rest get a grace period, then die."""
+    """Starts ``--nproc`` ranks and waits; if one fails, the rest get a grace period, then die.
+
+    ``--gloo both``: two sweeps on fresh ranks, without Gloo then with it, under the same
+    ``--load``; this process prints their comparison and writes the JSON of both.
+    """
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, as torchrun does
+    passes = ("without", "with") if args.gloo == "both" else (args.gloo,)
+    results = []
     try:
-        launch.run(
-            args.nproc,
-            _spawned_rank,
-            args,
-            command,
-            grace=min(60.0, args.timeout),
-            group_timeout=args.timeout,
-            name="dk-bench-rank{rank}",
-        )
+        with BusyLoad(args.load, args.load_nice) as load:
+            args.load_info = load.info()
+            for gloo in passes:
+                one = {"gloo": gloo}
+                if len(passes) > 1:  # the plot of the Gloo pass; the JSON of both, below
+                    one.update(json=None, plot=args.plot if gloo == "with" else None)
+                results.append(_spawn_pass(argparse.Namespace(**{**vars(args), **one}), command))
     except launch.RanksError as e:
         print(f"dist_kernels.bench: {e}", file=sys.stderr)
         return 1
+    if len(passes) > 1:
+        (meta_without, without), (meta, with_gloo) = results
+        _print(*report.gloo_comparison_lines(without, with_gloo, meta))
+        if args.json:
+            rows = [{**r, "gloo_in_process": False} for r in without]
+            rows += [{**r, "gloo_in_process": True} for r in with_gloo]
+            report.write_json(args.json, {**meta, "passes": ["without gloo", "with gloo"]}, rows)
+            _print(f"# wrote {args.json}")
     return 0
+
+
+def _spawn_pass(args: argparse.Namespace, command: str):
+    """One sweep on ``--nproc`` fresh ranks: rank 0's (meta, rows)."""
+    return launch.run(
+        args.nproc,
+        _spawned_rank,
+        args,
+        command,
+        grace=min(60.0, args.timeout),
+        group_timeout=args.timeout,
+        name="dk-bench-rank{rank}",
+        backend="gloo" if args.gloo == "with" else "dk",
+    )[0]
 
 
 def _command(argv: Sequence[str]) -> str:
@@ -577,9 +670,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.project:
         return calibration.project()
     if _under_torchrun():
+        local_leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         try:
-            run_rank(args, f"torchrun, {dist.get_world_size()} ranks", _command(argv))
+            with BusyLoad(args.load if local_leader else 0, args.load_nice) as load:
+                args.load_info = load.info()
+                run_rank(args, f"torchrun, {dist.get_world_size()} ranks", _command(argv))
         finally:
             dist.destroy_process_group()
         return 0

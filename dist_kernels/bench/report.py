@@ -4,11 +4,13 @@ A row is a plain dict (it goes to JSON as is)::
 
     {"algorithm": "ring", "size": 1024, "count": 256, "type": "float32", "redop": "sum",
      "root": -1, "iters": 50, "warmup": 5, "busbw_factor": 1.0,
-     "out_of_place": {"time_us": 9.1, "algbw": 0.11, "busbw": 0.11, "wrong": 0,
-                      "vs_baseline": 80.2, "error": None},
+     "out_of_place": {"time_us": 9.1, "p50_us": 8.8, "p99_us": 12.0, "algbw": 0.11,
+                      "busbw": 0.11, "wrong": 0, "vs_baseline": 80.2, "error": None},
      "in_place": {...}}
 
 ``vs_baseline`` is baseline time / our time, which equals our busbw / baseline busbw.
+``time_us`` is nccl-tests' average (the slowest rank's); ``p50_us`` / ``p99_us`` are each rank's
+percentiles over its iterations, the slowest rank's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
+from .load import describe as describe_load
 from .ops import PLACEMENTS
 
 Row = Dict[str, Any]
@@ -124,20 +127,26 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
         f"# op {meta['op']}, {meta['world_size']} ranks, device {meta['device']}, "
         f"buffers {meta['buffers_label']}",
         f"# baseline: {meta['baseline_label']}",
+        f"# Gloo in the process: {'yes' if meta.get('gloo_in_process') else 'no'}; "
+        f"competing load: {describe_load(meta.get('load'))}",
         f"# iterations: {meta['iteration_policy']}",
         f"# busbw = algbw * {meta['busbw_factor']:.4g} ({meta['busbw_formula']}); "
-        "GB/s = 1e9 bytes/s; time = max over ranks of the per-op average",
-        f"# vs {meta['baseline']} = {meta['baseline']} time / our time "
-        f"(= our busbw / {meta['baseline']} busbw; > 1 is faster)",
+        "GB/s = 1e9 bytes/s; time = max over ranks of the per-op average; p50, p99 = max over "
+        "ranks of each rank's percentiles over its iterations",
     ]
+    if meta["baseline"]:
+        lines.append(
+            f"# vs {meta['baseline']} = {meta['baseline']} time / our time "
+            f"(= our busbw / {meta['baseline']} busbw; > 1 is faster)"
+        )
     lines += [f"# note: {note}" for note in meta["notes"]]
     return lines
 
 
 _PREFIX = ("size", 12), ("count", 12), ("type", 8), ("redop", 5), ("root", 4), ("algo", 7)
 _PREFIX_UNITS = ("(B)", "(elements)", "", "", "", "")
-_CELL = ("time", 9), ("algbw", 7), ("busbw", 7), ("#wrong", 6), ("vs", 7)
-_CELL_UNITS = ("(us)", "(GB/s)", "(GB/s)", "", "{baseline}")
+_CELL = ("time", 9), ("p50", 9), ("p99", 9), ("algbw", 7), ("busbw", 7), ("#wrong", 6), ("vs", 7)
+_CELL_UNITS = ("(us)", "(us)", "(us)", "(GB/s)", "(GB/s)", "", "{baseline}")
 _CELL_WIDTH = sum(width for _, width in _CELL) + len(_CELL) - 1
 
 
@@ -149,14 +158,18 @@ def _line(prefix: List[str], cell: List[str], last: str) -> str:
     return "#" + f"{head}  {cells}  {last:>7}"[1:]
 
 
-def table_header(baseline: str) -> List[str]:
+def table_header(baseline: Optional[str]) -> List[str]:
     """Three comment lines: placement titles, column names, units; aligned with format_row."""
     prefix_width = sum(w for _, w in _PREFIX) + len(_PREFIX) - 1
     titles = "  ".join(f"{p.replace('_', '-'):^{_CELL_WIDTH}}" for p in PLACEMENTS)
     return [
         ("#" + " " * prefix_width + "  " + titles).rstrip(),
         _line([n for n, _ in _PREFIX], [n for n, _ in _CELL], "iters"),
-        _line(list(_PREFIX_UNITS), [u.format(baseline=baseline) for u in _CELL_UNITS], "it/wu"),
+        _line(
+            list(_PREFIX_UNITS),
+            [u.format(baseline=baseline or "-") for u in _CELL_UNITS],
+            "it/wu",
+        ),
     ]
 
 
@@ -171,16 +184,17 @@ def ratio_text(ratio: float) -> str:
 
 def _cell(result: Dict[str, Any], is_baseline: bool) -> str:
     if result.get("error"):
-        return f"{'n/a':>9} {'':>7} {'':>7} {'':>6} {'':>7}"
+        return f"{'n/a':>9} {'':>9} {'':>9} {'':>7} {'':>7} {'':>6} {'':>7}"
     ratio = result.get("vs_baseline")
     vs = "" if is_baseline else ("-" if ratio is None else ratio_text(ratio))
     return (
-        f"{_time(result['time_us'])} {result['algbw']:7.2f} {result['busbw']:7.2f} "
+        f"{_time(result['time_us'])} {_time(result['p50_us'])} {_time(result['p99_us'])} "
+        f"{result['algbw']:7.2f} {result['busbw']:7.2f} "
         f"{result['wrong']:6d} {vs:>7}"
     )
 
 
-def format_row(row: Row, baseline: str) -> str:
+def format_row(row: Row, baseline: Optional[str]) -> str:
     is_baseline = row["algorithm"] == baseline
     cells = "  ".join(_cell(row[p], is_baseline) for p in PLACEMENTS)
     iters = f"{row['iters']}/{row['warmup']}"
@@ -222,7 +236,7 @@ def summary_lines(rows: List[Row], meta: Dict[str, Any]) -> List[str]:
     placement = summary_placement(meta)
     title = placement.replace("_", "-")
     lines = [f"# summary ({title}; ranges over sizes; memcpy ceiling {ceiling:.2f} GB/s)"]
-    for algorithm in meta["algorithms"] + [baseline]:
+    for algorithm in meta["algorithms"] + ([baseline] if baseline else []):
         mine = _ok([r for r in rows if r["algorithm"] == algorithm], placement)
         small = [r[placement] for r in mine if r["size"] <= SMALL_MAX]
         large = [r[placement] for r in mine if r["size"] >= LARGE_MIN]
@@ -277,6 +291,30 @@ def layer_overhead_lines(rows: List[Row], meta: Dict[str, Any], layer: str, dire
     return [f"# ProcessGroup layer ({layer} over {direct}): " + "; ".join(parts)]
 
 
+def gloo_comparison_lines(without: List[Row], with_gloo: List[Row], meta: Dict[str, Any]):
+    """Per size and algorithm, p50 / p99 without Gloo in the process and with it (``--gloo
+    both``): the ratio with / without shows what Gloo's threads cost, sizes up to 64 KiB."""
+    placement = summary_placement(meta)
+    before = {(r["algorithm"], r["size"]): r[placement] for r in _ok(without, placement)}
+    lines = [
+        f"# Gloo in the process ({placement.replace('_', '-')}, sizes <= 64 KiB): p50 / p99 "
+        "in us without Gloo -> with Gloo (with / without)"
+    ]
+    for row in _ok(with_gloo, placement):
+        old = before.get((row["algorithm"], row["size"]))
+        if old is None or row["size"] > SMALL_MAX:
+            continue
+        new = row[placement]
+        lines.append(
+            f"#   {row['algorithm']:>7} {human_bytes(row['size']):>8}: "
+            f"p50 {old['p50_us']:.2f} -> {new['p50_us']:.2f} "
+            f"({ratio_text(new['p50_us'] / old['p50_us'])}), "
+            f"p99 {old['p99_us']:.2f} -> {new['p99_us']:.2f} "
+            f"({ratio_text(new['p99_us'] / old['p99_us'])})"
+        )
+    return lines
+
+
 def write_json(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
     """Writes then renames, so a reader (or a run killed mid-write) never sees half a file."""
     with open(path + ".tmp", "w") as out:
@@ -300,7 +338,7 @@ def plot(path: str, meta: Dict[str, Any], rows: List[Row]) -> None:
 
     placement = summary_placement(meta)
     fig, axes = plt.subplots(figsize=(8, 5))
-    for algorithm in meta["algorithms"] + [meta["baseline"]]:
+    for algorithm in meta["algorithms"] + ([meta["baseline"]] if meta["baseline"] else []):
         ok = _ok(rows, placement)
         mine = [r for r in ok if r["algorithm"] == algorithm and r[placement]["busbw"] > 0]
         if mine:

@@ -125,6 +125,7 @@ class ReduceScatter:
 
     def begin(self, *, shadow: bool = False) -> None:
         self._owner = {}
+        self._filled = {}
         self._left = list(self._pieces_left)
         self._accumulate = self.stage != 1 and self.holds_reduced
 
@@ -140,6 +141,7 @@ class ReduceScatter:
         if p.grad is not None:
             src = p.grad.reshape(-1)[slot.param_offset : slot.param_offset + slot.numel]
             staging[slot.offset : slot.offset + slot.numel].copy_(src)
+            self._filled[b].append((slot.offset, slot.numel))
         self._left[slot.index] -= 1
         if self._left[slot.index] == 0:
             p.grad = None  # the gradient lives on only in the bucket
@@ -156,6 +158,7 @@ class ReduceScatter:
                 src = staging
         else:
             src = self._staging_for(b)
+            _zero_gaps(src, self._filled[b])
         shard, accumulate = target.shard, self._accumulate
         direct = target.wire_dtype == shard.dtype and not accumulate
         if direct:
@@ -220,14 +223,16 @@ class ReduceScatter:
     # ----------------------------------------------------------------- internals
 
     def _staging_for(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s staging buffer, zeroed when the bucket first takes it; the reducer's
-        window has completed the bucket that used it before."""
+        """Bucket ``b``'s staging buffer; the reducer's window has completed the bucket that
+        used it before. Nothing is zeroed here: the gradients overwrite their slots, and
+        :func:`_zero_gaps` zeroes the rest just before the reduce-scatter (zeroing the whole
+        bucket first wrote every byte twice, a large part of stage 2's cost over stage 1)."""
         target, numel = self.targets[b], self.layouts[b].numel
         key = (target.wire_dtype, b % STAGING_SLOTS)
         buf = self.staging[target.wire_dtype][b % STAGING_SLOTS][:numel]
         if self._owner.get(key) != b:
-            buf.zero_()
             self._owner[key] = b
+            self._filled[b] = []
         return buf
 
     def _adopt_grad(self, index: int) -> None:
@@ -239,3 +244,15 @@ class ReduceScatter:
         elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
         p.grad = view
+
+
+def _zero_gaps(buf: torch.Tensor, filled: List[Tuple[int, int]]) -> None:
+    """Zeroes the elements of ``buf`` outside the ``(offset, numel)`` runs a gradient wrote:
+    padding between slots, the tail, and the slots of parameters without a gradient."""
+    position = 0
+    for offset, numel in sorted(filled):
+        if offset > position:
+            buf[position:offset].zero_()
+        position = max(position, offset + numel)
+    if position < buf.numel():
+        buf[position:].zero_()
