@@ -1,5 +1,6 @@
 #include "transport/shm_backoff.h"
 
+#include <errno.h>
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -38,6 +39,15 @@ constexpr uint32_t kYieldSteps = 1024;
 // notices a dead peer, an abort or its deadline.
 constexpr long kSleepNs = 2000000;
 
+// Set once a futex call fails for a reason other than the expected ones (a changed word, a
+// timeout, a signal): every waiter then yields instead of sleeping. A wait only gets slower
+// that way, never wrong or stuck: callers re-check their word and deadline after each pause.
+std::atomic<bool> futexUnusable{false};
+
+bool unexpectedFutexError(long rc) {
+  return rc < 0 && errno != EAGAIN && errno != ETIMEDOUT && errno != EINTR;
+}
+
 // The futex word is the low half of the 64-bit counter (x86-64 is little-endian).
 const uint32_t* lowWord(const std::atomic<uint64_t>& word) {
   static_assert(sizeof(std::atomic<uint64_t>) == 8, "plain 64-bit counter");
@@ -59,21 +69,25 @@ void Backoff::pause(const std::atomic<uint64_t>& word, uint64_t seen,
     _mm_pause();
     return;
   }
-  if (step_ <= spin + yieldSteps()) {
-    sched_yield();
+  if (step_ <= spin + yieldSteps() || futexUnusable.load(std::memory_order_relaxed)) {
+    sched_yield();  // cannot fail on Linux (sched_yield(2))
     return;
   }
   // Dekker with the writer: we register, then the kernel re-reads the word; the writer
   // stores the word, then reads `sleepers`. One of the two sees the other.
   sleepers.fetch_add(1, std::memory_order_seq_cst);
   struct timespec timeout = {0, kSleepNs};
-  syscall(SYS_futex, lowWord(word), FUTEX_WAIT, static_cast<uint32_t>(seen), &timeout, nullptr, 0);
+  const long rc = syscall(SYS_futex, lowWord(word), FUTEX_WAIT, static_cast<uint32_t>(seen),
+                          &timeout, nullptr, 0);
   sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  if (unexpectedFutexError(rc)) futexUnusable.store(true, std::memory_order_relaxed);
 }
 
 void wakeSleepers(const std::atomic<uint64_t>& word, const std::atomic<uint32_t>& sleepers) {
   if (sleepers.load(std::memory_order_seq_cst) == 0) return;
-  syscall(SYS_futex, lowWord(word), FUTEX_WAKE, 0x7fffffff, nullptr, nullptr, 0);
+  const long rc = syscall(SYS_futex, lowWord(word), FUTEX_WAKE, 0x7fffffff, nullptr, nullptr, 0);
+  // A failed wake leaves a sleeper to its 2 ms timeout; from then on nobody sleeps.
+  if (unexpectedFutexError(rc)) futexUnusable.store(true, std::memory_order_relaxed);
 }
 
 }  // namespace dk::shm
