@@ -232,7 +232,8 @@ def test_driver_resumes_after_a_host_is_lost_and_restarted(straight_run, tmp_pat
         )
         cluster.wait([procs[0], procs[2]], 900)
     logs = "\n".join(p.output for p in procs)
-    assert procs[0].proc.returncode == 0 and procs[2].proc.returncode == 0, logs[-6000:]
+    ends = "\n".join(f"--- host process {i}:\n{p.output[-3000:]}" for i, p in enumerate(procs))
+    assert procs[0].proc.returncode == 0 and procs[2].proc.returncode == 0, ends
     assert "resumed from" in logs, logs[-6000:]
     records = _records(out)
     assert records[-1]["step"] == STEPS

@@ -514,6 +514,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--exec", action="store_true", help="run the command itself, no torchrun")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args")
     args = parser.parse_args(argv)
+    # Ctrl-C tears the hosts down even when this process was started with SIGINT ignored (a
+    # background job of a shell without job control, nohup): Python keeps an inherited ignore.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command after --")
