@@ -114,18 +114,29 @@ def _timed_loop(directory, nbytes, iters):
 def test_busbw_from_trace_events_matches_the_benchmark(tmp_path):
     from dist_kernels.bench.ops import bus_factor
 
-    nbytes, iters = 4 << 20, 30
+    # 64 MiB: the profiler costs ~70 us inside each event and ~80 us between events (measured
+    # on the 2-core VM, 2026-12-02): 15% of a 4 MiB call, about 1% of a 64 MiB one, where busbw
+    # is what is compared.
+    nbytes, iters = 64 << 20, 20
     factor = bus_factor("all_reduce", 2)
+    trace_s, timed_s = [], []
     for rank, (path, per_call) in enumerate(
         run_ranks(2, _timed_loop, str(tmp_path), nbytes, iters, timeout=600)
     ):
         events = _events(path, name="record_param_comms")
         assert len(events) == iters
         assert all(e["args"]["In msg nelems"] == nbytes // 4 for e in events)
-        from_trace = factor * nbytes / (statistics.median(e["dur"] for e in events) * 1e-6) / 1e9
-        bench = factor * nbytes / per_call / 1e9
-        print(f"rank {rank}: busbw {from_trace:.2f} GB/s from the trace, {bench:.2f} GB/s timed")
-        assert abs(from_trace - bench) <= BUSBW_TOLERANCE * bench
+        trace_s.append(statistics.median(e["dur"] for e in events) * 1e-6)
+        timed_s.append(per_call)
+        print(
+            f"rank {rank}: {trace_s[-1] * 1e6:.1f} us a call in the trace, {per_call * 1e6:.1f} us"
+        )
+    # As the benchmark (and nccl-tests) report it: the slowest rank's time. A rank that arrives
+    # later each call waits less inside its events, so one rank's alone reads faster.
+    from_trace = factor * nbytes / max(trace_s) / 1e9
+    bench = factor * nbytes / max(timed_s) / 1e9
+    print(f"busbw {from_trace:.2f} GB/s from the trace, {bench:.2f} GB/s timed")
+    assert abs(from_trace - bench) <= BUSBW_TOLERANCE * bench
 
 
 def _chrome_trace(pattern):
