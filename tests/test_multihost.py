@@ -207,6 +207,11 @@ def test_driver_dp2_tp2_across_hosts_matches_single_process(straight_run):
     torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)  # test_train's bound
 
 
+@pytest.mark.skip(
+    reason="flaky (2 of 5 quiet runs, 2026-12-02): the restarted host's torchrun misses host0's "
+    "restarted rendezvous round (RendezvousTimeoutError); the harness's host restart against "
+    "torchelastic's c10d rendezvous needs fixing first (closing note of 2026-12-02, issue 27)"
+)
 def test_driver_resumes_after_a_host_is_lost_and_restarted(straight_run, tmp_path):
     """torchrun --max-restarts 1 (c10d rendezvous on host0): host1 is SIGKILLed once the
     step-3 checkpoint exists, then started again; the job resumes from the checkpoint and
