@@ -239,6 +239,73 @@ def test_reference_check_rejects_wrong_answers():
             check_close(wrong, ref, torch.float32, "SUM", "wrong", bound)
 
 
+# -- the hot paths (process_group.py: allreduce and all_gather_single skip the routed code) ---
+
+
+def _hot_paths():
+    """The plain synchronous calls take the hot path, every other form the routed one, and
+    both give torch's results and a usable Work."""
+    import torch.distributed as dist
+
+    group = _dk_group()
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    dist.all_reduce(torch.zeros(1), group=group)  # a group's first call resolves its routes
+    routed = []
+    for name in ("_allreduce", "_all_gather_single"):  # count calls of the routed versions
+        impl = getattr(group, name)
+        setattr(group, name, lambda *a, _impl=impl, _name=name: routed.append(_name) or _impl(*a))
+    try:
+        print(f"hot paths: seed tag hot, rank {rank}/{n}")
+        xs = [make_input(r, 37, torch.float32, "SUM", "hot") for r in range(n)]
+        ref = reference(xs, torch.float32, "SUM")
+        bound = error_bound(xs, torch.float32, "SUM")
+        t = xs[rank].clone()
+        dist.all_reduce(t, group=group)
+        check_close(t, ref, torch.float32, "SUM", f"hot all_reduce rank {rank}", bound)
+        assert routed == [], f"a plain all_reduce took the routed path: {routed}"
+        # what the hot path does not take: another op, a non-contiguous tensor, async
+        t = xs[rank].clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        assert torch.equal(t, torch.stack(xs).max(0).values), "MAX"
+        wide = torch.stack([xs[rank], xs[rank]], 1)
+        dist.all_reduce(wide[:, 0], group=group)
+        check_close(wide[:, 0], ref, torch.float32, "SUM", "non-contiguous", bound)
+        assert torch.equal(wide[:, 1], xs[rank]), "the other column changed"
+        t = xs[rank].clone()
+        dist.all_reduce(t, group=group, async_op=True).wait()
+        check_close(t, ref, torch.float32, "SUM", "async", bound)
+        assert routed == ["_allreduce"] * 3, routed
+        # a direct synchronous call's Work: completed, carrying the tensor
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        t = xs[rank].clone()
+        work = group.allreduce([t], opts)
+        assert work.is_completed() and work.is_success() and work.wait()
+        assert work.result()[0] is t and work.get_future().value()[0] is t
+        check_close(t, ref, torch.float32, "SUM", "direct allreduce", bound)
+        # all_gather_into_tensor: the hot path, then a mismatched dtype on the routed one
+        out = torch.empty(n * 37)
+        dist.all_gather_into_tensor(out, xs[rank], group=group)
+        assert torch.equal(out, torch.cat(xs)), "hot all_gather_into_tensor"
+        assert routed == ["_allreduce"] * 3, routed
+        try:
+            dist.all_gather_into_tensor(out, xs[rank].double(), group=group)
+        except TypeError as e:
+            assert "dtype" in str(e), e
+        else:
+            raise AssertionError("a float64 input into a float32 output was accepted")
+        assert routed[-1] == "_all_gather_single", routed
+    finally:
+        for name in ("_allreduce", "_all_gather_single"):
+            delattr(group, name)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hot_paths_match_the_routed_ones(world_size):
+    assert run_ranks(world_size, _hot_paths, timeout=120) == [True] * world_size
+
+
 # -- bad arguments ----------------------------------------------------------------------------
 
 

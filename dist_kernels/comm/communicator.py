@@ -49,6 +49,8 @@ __all__ = [
 
 #: all_reduce's names -> codes (dist_kernels/comm/algorithms.py): a dict lookup on the hot path.
 _ALL_REDUCE_CODES = algorithms.codes("cpu", "all_reduce")
+_AUTO_ALL_REDUCE = _ALL_REDUCE_CODES["auto"]
+_AUTO_ALL_GATHER = algorithms.codes("cpu", "all_gather")["auto"]
 
 # Communicators of one group are told apart by creation order: every member creates them in
 # the same order, so the n-th one of a group gets the same store prefix on every rank.
@@ -280,6 +282,21 @@ class Communicator(BaseCommunicator):
             algo = self._algorithm("all_reduce", algorithm)
         handle = self._backend.all_reduce(tensor, code, op, algo, async_op)  # op: an int
         return self._finish(handle, (tensor,), async_op) if async_op else None
+
+    def _all_reduce_sum_checked(self, tensor: torch.Tensor, code: int) -> None:
+        """all_reduce(tensor) (SUM, auto, synchronous) of a tensor the caller has already
+        checked as :meth:`_check_tensor` does and whose dtype code it passes: ProcessGroupDK's
+        hot path, which would otherwise make the same checks twice."""
+        if self._closed:
+            self._check_open("all_reduce")
+        self._backend.all_reduce(tensor, code, ReduceOp.SUM, _AUTO_ALL_REDUCE, False)
+
+    def _all_gather_checked(self, output: torch.Tensor, input: torch.Tensor, code: int) -> None:
+        """all_gather(output, input) (auto, synchronous) of tensors the caller has already
+        checked as :meth:`_check_whole_and_chunk` does: ProcessGroupDK's hot path."""
+        if self._closed:
+            self._check_open("all_gather")
+        self._backend.all_gather(output, input, code, _AUTO_ALL_GATHER, False)
 
     def _check_whole_and_chunk(
         self,

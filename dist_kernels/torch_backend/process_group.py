@@ -46,6 +46,7 @@ from .work import Completions, DkWork, to_dist_error
 
 # torch's ReduceOp kind (its int value: hashing the pybind enum costs more than the rest of
 # the call's checks) -> ours; PREMUL_SUM becomes SUM after scaling
+_SUM = dist.ReduceOp.SUM
 _RED_OPS = {
     dist.ReduceOp.RedOpType.SUM.value: ReduceOp.SUM,
     dist.ReduceOp.RedOpType.AVG.value: ReduceOp.AVG,
@@ -166,6 +167,9 @@ class ProcessGroupDK(dist.ProcessGroup):
         self._completions = Completions(timeout)
         self._routes = Routes(store, rank, world_size, timeout, label)
         self._cpu: Optional[Any] = None  # our CPU communicator, once the routes say it serves
+        # allreduce's hot path (set with the routes: CPU calls ours, no device delegated)
+        self._fast_all_reduce: Optional[Callable[[torch.Tensor, int], None]] = None
+        self._fast_all_gather: Optional[Callable[[torch.Tensor, torch.Tensor, int], None]] = None
         self._name_recorder()
 
     # -- identity (torch's DeviceMesh, FSDP2 and functional collectives look groups up by name)
@@ -217,6 +221,9 @@ class ProcessGroupDK(dist.ProcessGroup):
         was made (routes.py says why not earlier)."""
         self._routes.resolve(device_backends(self))
         self._cpu = self._routes.ours_on_cpu()
+        if self._cpu is not None and not self._routes.delegates:
+            self._fast_all_reduce = self._cpu._all_reduce_sum_checked
+            self._fast_all_gather = self._cpu._all_gather_checked
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -235,6 +242,18 @@ class ProcessGroupDK(dist.ProcessGroup):
                 f"multi-device list form is not supported: call once per tensor)"
             )
         return tensors[0]
+
+    @staticmethod
+    def _plain_pair(output: Any, input: Any) -> Optional[int]:
+        """The dtype code when output and input are plain contiguous CPU tensors of one dtype
+        we reduce (the hot paths' test; anything else takes the checked route)."""
+        if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+            return None
+        if output.dtype is not input.dtype or not (output.is_cpu and input.is_cpu):
+            return None
+        if not (output.is_contiguous() and input.is_contiguous()):
+            return None
+        return DTYPE_CODES.get(output.dtype)
 
     def _list_of_world(self, tensors: Sequence[torch.Tensor], like: torch.Tensor, arg: str, what):
         if len(tensors) != self._world_size:
@@ -272,8 +291,28 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     # -- all-reduce ------------------------------------------------------------------------
 
-    @_routed("allreduce")
     def allreduce(self, tensors: List[torch.Tensor], opts=None) -> DkWork:
+        # The hot path: ``dist.all_reduce(t)`` and DDP's synchronous buckets, one plain
+        # contiguous CPU tensor, SUM, not asynchronous, on a group whose CPU calls are ours.
+        # Each test is the cheapest form of its check (``opts.reduceOp == SUM`` costs 0.2 us,
+        # reading its kind 0.6 us); the call then skips the routing wrapper, the generic
+        # checks and the Work construction (benchmarks/bench_pg_overhead.py measures this
+        # layer against the direct Communicator call).
+        fast = self._fast_all_reduce
+        if fast is not None and opts is not None and len(tensors) == 1 and not opts.asyncOp:
+            t = tensors[0]
+            if type(t) is torch.Tensor and opts.reduceOp == _SUM and t.is_cpu:
+                code = DTYPE_CODES.get(t.dtype)
+                if code is not None and t.is_contiguous():
+                    try:
+                        fast(t, code)
+                    except CommError as e:
+                        raise to_dist_error(e) from e
+                    return DkWork.done(tensors, self._completions)
+        return self._allreduce(tensors, opts)
+
+    @_routed("allreduce")
+    def _allreduce(self, tensors: List[torch.Tensor], opts=None) -> DkWork:
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "allreduce")
         op, factor = self._op(opts.reduceOp, t, "allreduce")
@@ -348,8 +387,22 @@ class ProcessGroupDK(dist.ProcessGroup):
 
         return self._work([handle], output_lists, split)
 
-    @_routed("_allgather_base")
     def all_gather_single(self, output, input, opts=None) -> DkWork:
+        # The hot path (``all_gather_into_tensor``, FSDP2's parameter gathers): plain
+        # contiguous CPU tensors of one dtype and matching sizes, not asynchronous.
+        fast = self._fast_all_gather
+        if fast is not None and opts is not None and not opts.asyncOp:
+            code = self._plain_pair(output, input)
+            if code is not None and output.numel() == self._world_size * input.numel():
+                try:
+                    fast(output, input, code)
+                except CommError as e:
+                    raise to_dist_error(e) from e
+                return DkWork.done([output], self._completions)
+        return self._all_gather_single(output, input, opts)
+
+    @_routed("_allgather_base")
+    def _all_gather_single(self, output, input, opts=None) -> DkWork:
         opts = opts if opts is not None else AllgatherOptions()
         handle, finish = self._all_gather_flat(output, input, opts.asyncOp, "all_gather_single")
         return self._work([handle], [output], finish)
@@ -661,7 +714,7 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Closes the communicators (torch's destroy_process_group calls this)."""
-        self._cpu = None
+        self._cpu = self._fast_all_reduce = self._fast_all_gather = None
         self._routes.close()
         self._completions.close()
 
