@@ -86,12 +86,12 @@ inline void bf16Store(BFloat16* out, Bf16Wide v) {
 }
 inline Bf16Wide bf16Round(Bf16Wide u) {
   const __m512i one = _mm512_set1_epi32(1);
-  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                        _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+  const __m512i bias =
+      _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(
-      _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
   return _mm512_mask_blend_epi32(nan, rounded, quiet);
 }
 inline void storeFloats(float* out, Bf16Wide v) { _mm512_storeu_ps(out, _mm512_castsi512_ps(v)); }
@@ -112,8 +112,8 @@ inline void bf16Store(BFloat16* out, Bf16Wide v) {
 }
 inline Bf16Wide bf16Round(Bf16Wide u) {
   const __m256i one = _mm256_set1_epi32(1);
-  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+  const __m256i bias =
+      _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
   const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
   const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
   const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
