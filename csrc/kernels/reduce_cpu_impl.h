@@ -111,6 +111,18 @@ void reduceMultiLoop(T* dst, const void* const* srcs, int nsrcs, size_t count, F
       return;
     }
   }
+#if defined(__AVX512BW__) || defined(__AVX2__)
+  const void* rest[2];
+  if constexpr (std::is_same<T, BFloat16>::value && std::is_same<Op, SumOp>::value && kKeep) {
+    if (nsrcs == 2) {  // the common BF16 all-reduce step: in registers, the tail below
+      const auto* a = static_cast<const T*>(srcs[0]);
+      const auto* b = static_cast<const T*>(srcs[1]);
+      const size_t done = sumBf16Vectors(dst, a, b, count);
+      rest[0] = a + done, rest[1] = b + done;
+      srcs = rest, dst += done, count -= done;
+    }
+  }
+#endif
   for (size_t begin = 0; begin < count; begin += kBlock) {
     reduceMultiBlock<T, Op>(dst, srcs, nsrcs, begin,
                             count - begin < kBlock ? count - begin : kBlock, finish);
