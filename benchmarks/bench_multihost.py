@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
     p.add_argument("--out", help="write the tables and the machine, date, load and command here")
     p.add_argument("--json", help="write every row as JSON here")
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="instead of the tables: where dk's all_reduce spends its time (2 ranks per host)",
+    )
     p.add_argument("--rank", nargs=2, metavar=("RESULT", "MASTER"), help=argparse.SUPPRESS)
     return p
 
@@ -256,6 +261,8 @@ def rank_main(args) -> int:
 
     result_path, master = args.rank
     mpi = _init_rank(master)
+    if args.phases:
+        return phases_main(args, result_path)
     rank, n = dist.get_rank(), dist.get_world_size()
     runners = _runners(args.impls, mpi)
     dk_choices = {}
@@ -276,6 +283,139 @@ def rank_main(args) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+# The phase profile (--phases): dk's multi-leader all_reduce taken apart, every part timed on
+# the same ranks as flat Gloo and the whole, so each part reads as a fraction of flat Gloo.
+PHASES = (
+    "gloo (flat)",
+    "dk auto",
+    "dk x1",
+    "dk x2",
+    "dk x4",
+    "dk x8",
+    "host reduce-scatter",
+    "cross all-reduce, every group",
+    "cross all-reduce, group 0 alone",
+    "host all-gather",
+    "3 phases in turn, 1 chunk",
+)
+
+
+def _phase_runners(comm):
+    """PHASES -> a call on ``S``-byte all-reduce buffers (full, slice: what a rank holds)."""
+    import torch
+    import torch.distributed as dist
+
+    from dist_kernels.dtypes import DTYPE_CODES, ReduceOp
+
+    be = comm._backend
+    f32, sum_ = DTYPE_CODES[torch.float32], int(ReduceOp.SUM)
+
+    def forced(chunks):
+        def run(full, part):
+            be.settings.kind, be.settings.chunks = "multi_leader", chunks
+            be._choices.clear()
+            try:
+                comm.all_reduce(full)
+            finally:
+                be.settings.kind, be.settings.chunks = "auto", 0
+                be._choices.clear()
+
+        return run
+
+    def rs(full, part):
+        be.local.reduce_scatter(part, full, f32, sum_, 0, False)
+
+    def ag(full, part):
+        be.local.all_gather(full, part, f32, 0, False)
+
+    def cross(full, part):
+        be._cross("gloo", "all_reduce", part, ReduceOp.SUM).wait()
+
+    def cross0(full, part):
+        if be.cross_index == 0:
+            cross(full, part)
+
+    def in_turn(full, part):
+        rs(full, part)
+        cross(full, part)
+        ag(full, part)
+
+    return dict(
+        zip(
+            PHASES,
+            (
+                lambda full, part: dist.all_reduce(full),
+                lambda full, part: comm.all_reduce(full),
+                forced(1),
+                forced(2),
+                forced(4),
+                forced(8),
+                rs,
+                cross,
+                cross0,
+                ag,
+                in_turn,
+            ),
+        )
+    )
+
+
+def phases_main(args, result_path: str) -> int:
+    """--phases on every rank: medians over blocks of the slowest rank's mean per call."""
+    import torch
+    import torch.distributed as dist
+
+    comm = _communicator("gloo")
+    n, local = dist.get_world_size(), comm._backend.local_n
+    if local != 2 or n != 4:
+        raise SystemExit(f"--phases: 2 hosts x 2 ranks only (got {n} ranks, {local} per host)")
+    runners = _phase_runners(comm)
+    rows = []
+    for size in sizes(max(args.minbytes, 64 << 10), args.maxbytes, args.stepfactor):
+        full = torch.ones(size // 4 // local * local)
+        part = torch.ones(full.numel() // local)
+        iters = min(args.max_iters, max(args.min_iters, args.iter_bytes // size))
+        for run in runners.values():  # warm-up
+            run(full, part)
+        blocks = torch.zeros(args.blocks, len(PHASES), dtype=torch.float64)
+        for b in range(args.blocks):
+            for j, run in enumerate(runners.values()):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    run(full, part)
+                blocks[b, j] = (time.perf_counter() - start) / iters
+        dist.all_reduce(blocks, op=dist.ReduceOp.MAX)
+        times = {p: statistics.median(blocks[:, j].tolist()) * 1e6 for j, p in enumerate(PHASES)}
+        choice = _dk_choice(comm, "all_reduce", size, n)
+        rows.append({"size": size, "iters": iters, "us": times, "dk_choice": choice})
+    if dist.get_rank() == 0:
+        with open(result_path + ".tmp", "w") as f:
+            json.dump({"world_size": n, "phases": rows}, f)
+        os.replace(result_path + ".tmp", result_path)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def phase_table(rate: str, result: Dict[str, Any]) -> List[str]:
+    """Each part's time, and its fraction of flat Gloo's all_reduce of the same size."""
+    head = "| size | " + " | ".join(PHASES) + " | dk auto's choice |"
+    lines = [
+        f"### where dk's all_reduce spends its time, 2 hosts x 2 ranks, link {rate}",
+        "",
+        "us per call (slowest rank), and / flat gloo's time",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    for r in result["phases"]:
+        base = r["us"]["gloo (flat)"]
+        cells = [f"{r['us'][p]:.0f} ({r['us'][p] / base:.2f})" for p in PHASES]
+        lines.append(f"| {_human(r['size'])} | " + " | ".join(cells) + f" | {r['dk_choice']} |")
+    return lines + [""]
 
 
 def _dk_choice(comm, op: str, size: int, n: int) -> str:
@@ -382,9 +522,10 @@ def launch(hosts, per_host: int, args, result_path: str) -> Dict[str, Any]:
         str(args.min_iters),
         "--max-iters",
         str(args.max_iters),
+        *(["--phases"] if args.phases else []),
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DK_NUM_THREADS": "1"}
-    if _use_mpiexec(args.launcher):
+    if _use_mpiexec(args.launcher) and not args.phases:
         procs = _mpiexec_manual(hosts, per_host, [sys.executable, *rank_args], env, args.timeout)
     else:
         procs = hosts.torchrun(rank_args, per_host, env=env)
@@ -467,6 +608,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"# link {rate}: ceiling {ceiling / 1e9:.3f} GB/s ({args.streams} TCP streams)",
                 flush=True,
             )
+            if args.phases:
+                result = launch(hosts, 2, args, os.path.join(hosts._dir, "phases.json"))
+                everything.append({"rate": rate, "load": os.getloadavg()[0], **result})
+                block = phase_table(rate, result)
+                print("\n".join(block), flush=True)
+                lines += block
+                continue
             for per_host in args.ranks_per_host:
                 path = os.path.join(hosts._dir, f"result-{per_host}.json")
                 result = launch(hosts, per_host, args, path)

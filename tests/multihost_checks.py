@@ -1,6 +1,7 @@
 """Checks that run on every rank under torchrun across emulated hosts (tests/test_multihost.py).
 
     python tests/multihost_checks.py OUT_DIR check [check ...]      (one rank; torchrun's env)
+    python tests/multihost_checks.py --driver [dist_kernels.train args]   (the driver, below)
 
 Each check is a function below; its return value is pickled to ``OUT_DIR/<check>.<rank>.pkl``
 or its traceback written to ``OUT_DIR/<check>.<rank>.err``, and the next check runs. The
@@ -299,6 +300,38 @@ CHECKS = {
 }
 
 
+HOLD_ENV = "DK_TEST_HOLD_AFTER_CHECKPOINT"
+
+
+def driver(argv) -> int:
+    """``python -m dist_kernels.train argv``; with ``DK_TEST_HOLD_AFTER_CHECKPOINT=STEP:DIR``
+    in the environment, this rank stops once that step's checkpoint is complete (every rank
+    has passed its closing barrier), touches ``DIR/held.<rank>`` and sleeps until killed.
+
+    The host-restart test gives it to the first launch of the host it kills: the other host's
+    ranks then wait in step STEP + 1 for the held ones, so the kill always lands mid-run. With
+    the driver running free, its last steps took less time than the test's poll and kill
+    (tiny model), the job sometimes ended before the kill, and the host started again found
+    no one to rendezvous with (host0's agent, its workers done, sat in its exit barrier)."""
+    from dist_kernels.train import checkpoints, cli
+
+    hold = os.environ.get(HOLD_ENV)
+    if hold:
+        step_text, hold_dir = hold.split(":", 1)
+        save = checkpoints.save
+
+        def save_then_hold(cfg, engine, ident, step, shard, barrier):
+            path = save(cfg, engine, ident, step, shard, barrier)
+            if step == int(step_text):
+                open(os.path.join(hold_dir, f"held.{barrier.rank}"), "w").close()
+                while True:
+                    time.sleep(3600)
+            return path
+
+        checkpoints.save = save_then_hold  # the driver calls it as checkpoints.save
+    return cli.main(argv)
+
+
 def main(out_dir: str, names) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -320,4 +353,6 @@ def main(out_dir: str, names) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--driver":
+        sys.exit(driver(sys.argv[2:]))
     sys.exit(main(sys.argv[1], sys.argv[2:]))

@@ -56,3 +56,16 @@ def test_table_prints_busbw_over_the_ceiling_and_ratios():
     row = lines[-2]
     assert row.startswith("| 1 MiB | 10.0 | 1.500 | 1.50 | 0 | 30.0 | 0.500 | 0.50 | 0 | 3.00 |")
     assert row.endswith("multi_leader x4 gloo |")
+
+
+def test_phase_table_reads_every_part_against_flat_gloo():
+    """--phases: each part's time and its fraction of flat Gloo's time at that size."""
+    us = {p: 10.0 * (i + 1) for i, p in enumerate(bm.PHASES)}
+    result = {"phases": [{"size": 64 << 20, "us": us, "dk_choice": "multi_leader x1 gloo"}]}
+    lines = bm.phase_table("none", result)
+    header, row = lines[4], lines[6]
+    assert header.split(" | ")[1:-1] == list(bm.PHASES)
+    cells = row.strip("| ").split(" | ")
+    assert cells[0] == "64 MiB" and cells[-1] == "multi_leader x1 gloo"
+    expected = [f"{v:.0f} ({v / 10.0:.2f})" for v in us.values()]
+    assert cells[1:-1] == expected, cells

@@ -79,6 +79,21 @@ def test_auto_decides_by_the_fitted_model(tmp_path):
     assert 2 not in builtin, builtin
 
 
+def test_an_oversubscribed_host_sends_large_messages_in_one_chunk():
+    """The same model chunks a 64 MiB all-reduce on hosts with a core per rank and not on
+    oversubscribed ones (their stages share the cores: no overlap to gain); a forced chunk
+    count still wins."""
+    free_cores = cm.HierarchySettings().choose("all_reduce", 2, 2, 64 << 20, ["gloo"])
+    crowded = cm.HierarchySettings(oversubscribed=True)
+    ops = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+    chosen = [crowded.choose(op, 2, 2, 64 << 20, ["gloo"]) for op in ops]
+    forced = cm.HierarchySettings(oversubscribed=True, kind="multi_leader", chunks=4)
+    print(free_cores, chosen)
+    assert free_cores.kind == "multi_leader" and free_cores.chunks > 1
+    assert all(c.chunks == 1 for c in chosen), chosen
+    assert forced.choose("all_reduce", 2, 2, 64 << 20, ["gloo"]).chunks == 4
+
+
 # ------------------------------------------------------------------ projection
 
 

@@ -207,41 +207,38 @@ def test_driver_dp2_tp2_across_hosts_matches_single_process(straight_run):
     torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)  # test_train's bound
 
 
-@pytest.mark.skip(
-    reason="flaky (2 of 5 quiet runs, 2026-12-02): the restarted host's torchrun misses host0's "
-    "restarted rendezvous round (RendezvousTimeoutError); the harness's host restart against "
-    "torchelastic's c10d rendezvous needs fixing first (closing note of 2026-12-02, issue 27)"
-)
 def test_driver_resumes_after_a_host_is_lost_and_restarted(straight_run, tmp_path):
-    """torchrun --max-restarts 1 (c10d rendezvous on host0): host1 is SIGKILLed once the
-    step-3 checkpoint exists, then started again; the job resumes from the checkpoint and
+    """torchrun --max-restarts 1 (c10d rendezvous on host0): host1's ranks hold once the
+    step-3 checkpoint is complete (multihost_checks.driver), so host0's ranks wait for them in
+    step 4; host1 is SIGKILLed, host0's agent sees its workers fail and restarts them into a
+    new round, host1 is started again and joins it; the job resumes from the checkpoint and
     ends on the uninterrupted run's loss."""
-    from dist_kernels.train import checkpoints
+    import multihost_checks as mc
 
-    out, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    out, ckpt, held = tmp_path / "log.jsonl", tmp_path / "ckpt", tmp_path / "held"
+    held.mkdir()
     extra = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--resume", "auto"]
+    argv = [mc.__file__, "--driver", *_driver_args(STEPS, out, extra)[2:]]
     env = {**os.environ, "PYTHONPATH": ROOT}
     with EmulatedHosts(2) as cluster:
-        argv = _driver_args(STEPS, out, extra)
-        procs = cluster.torchrun(argv, nproc_per_host=2, env=env, max_restarts=1)
+        first = {**env, mc.HOLD_ENV: f"3:{held}"}
+        procs = cluster.torchrun(argv, nproc_per_host=2, env=env, max_restarts=1, hosts=[0])
+        procs += cluster.torchrun(argv, nproc_per_host=2, env=first, max_restarts=1, hosts=[1])
         deadline = time.monotonic() + 600
-        complete = ckpt / "step-00000003" / checkpoints.COMPLETE
-        while not complete.exists():
-            assert time.monotonic() < deadline, "no step-3 checkpoint"
-            assert procs[0].proc.poll() is None, "host0's torchrun ended early"
+        while len(list(held.iterdir())) < 2:
+            assert time.monotonic() < deadline, "host1's ranks never reached the step-3 hold"
+            assert all(p.proc.poll() is None for p in procs), "a torchrun ended early"
             time.sleep(0.2)
         cluster.kill_host(1)
         procs[1].proc.wait()
-        procs.append(
-            cluster.torchrun(argv, nproc_per_host=2, env=env, max_restarts=1, hosts=[1])[0]
-        )
+        procs += cluster.torchrun(argv, nproc_per_host=2, env=env, max_restarts=1, hosts=[1])
         cluster.wait([procs[0], procs[2]], 900)
     logs = "\n".join(p.output for p in procs)
     ends = "\n".join(f"--- host process {i}:\n{p.output[-3000:]}" for i, p in enumerate(procs))
     assert procs[0].proc.returncode == 0 and procs[2].proc.returncode == 0, ends
     assert "resumed from" in logs, logs[-6000:]
     records = _records(out)
-    assert records[-1]["step"] == STEPS
+    assert [r["step"] for r in records][-3:] == list(range(4, STEPS + 1)), records
     assert records[-1]["loss"] == pytest.approx(straight_run[-1]["loss"], rel=1e-6, abs=0)
 
 

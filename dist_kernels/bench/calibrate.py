@@ -22,6 +22,7 @@ is the slowest rank's mean per call, a size's time the median of ``--calib-block
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import statistics
@@ -159,7 +160,7 @@ def _check_auto(comm, model: cm.CostModel, args) -> List[Tuple[int, float, float
     for size in _sizes(args):
         t = buf[: max(1, size // 4)]
         if hierarchical:
-            settings = cm.HierarchySettings(model, backend.settings.engine)
+            settings = dataclasses.replace(backend.settings, model=model)  # keeps the rest
             choice = settings.choose(
                 "all_reduce", backend.hosts_n, backend.local_n, size, sorted(backend.legs)
             )
@@ -268,7 +269,7 @@ def run_rank(args, command: str) -> None:
         lines += _fit_lines(f"inter {backend.hosts_n} hosts x {n_local}", fitted, samples)
     model.meta = {"date": report.utc_now(), "command": command, "load": os.getloadavg()[0]}
     if hierarchical:
-        backend.settings = cm.HierarchySettings(model, backend.settings.engine)
+        backend.settings = dataclasses.replace(backend.settings, model=model)
         backend._choices = {}
         title = f"hierarchical all_reduce, {backend.hosts_n} hosts x {n_local}"
     else:

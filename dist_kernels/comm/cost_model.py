@@ -381,6 +381,11 @@ class HierarchySettings:
     MPI out: MPICH spins in MPI_Wait, which takes the cores the other ranks of the host need
     (measured on 2 cores, 2 emulated hosts x 2 ranks: MPICH's own all-reduce at 0.1-0.26 GB/s
     busbw against 0.5-1.1 GB/s at 2 x 1, and our MPI leg slower than our Gloo leg from 2 MiB).
+    And it sends every message in one chunk: the host stages, the Gloo threads and the
+    kernel's TCP work then share the cores, so overlapping them saves little, while each chunk
+    adds hand-offs between ranks that wait for a core (measured, 2 emulated hosts x 2 ranks on
+    one core each, load 20-38: a 16 MiB all-reduce 1.2-1.6x faster in 1 chunk than in the 4
+    the model chose, 4 MiB 1.6-3x faster than in 8; 64 MiB alike within the noise).
     """
 
     model: CostModel = field(default_factory=CostModel)
@@ -401,8 +406,8 @@ class HierarchySettings:
         for kind, chunks, engine in candidates(collective, max(nbytes, 1), usable, local):
             if self.kind != "auto" and kind != self.kind:
                 continue
-            if self.chunks and kind != "flat":
-                chunks = self.chunks
+            if kind != "flat" and (self.chunks or self.oversubscribed):
+                chunks = self.chunks or 1
             us = hierarchical_us(
                 self.model, collective, kind, hosts, local, max(nbytes, 1), chunks, engine
             )

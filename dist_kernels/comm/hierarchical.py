@@ -135,6 +135,7 @@ class HierarchicalBackend:
         self._failure: Optional[str] = None
         self._what = ""  # the call running now: what a lost host's error names
         self._choices: Dict[Tuple[str, int], cost_model.Choice] = {}
+        self._scratch: Dict[torch.dtype, torch.Tensor] = {}
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -236,6 +237,17 @@ class HierarchicalBackend:
             self._choices[key] = choice
         return choice
 
+    def _scratch_for(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """``numel`` elements of a buffer kept across calls (the largest asked for, per dtype).
+        Safe to share: collectives run one at a time on the call queue, each to its end. A
+        fresh buffer per call pays its page faults on first touch: measured on the loaded
+        2-core VM, a 64 MiB all-reduce's 32 MiB slice buffer cost a quarter of its time."""
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self._scratch[dtype] = buf
+        return buf[:numel]
+
     def _stages_run(self, plan: List[List[Stage]]) -> None:
         run_stages(plan)  # every handle ends at its engine's timeout (see _LegHandle)
 
@@ -260,7 +272,7 @@ class HierarchicalBackend:
             return self._stages_run(plan)
         r = self.local_n
         main = flat.numel() // r * r
-        slices = torch.empty(main // r, dtype=t.dtype)
+        slices = self._scratch_for(t.dtype, main // r)
         plan = [
             self._multi_leader_stages(
                 flat[o : o + n], slices[o // r : (o + n) // r], op, algo, choice.engine
@@ -641,6 +653,7 @@ class HierarchicalBackend:
 
     def close(self) -> None:
         self._queue.close(wait=self._failure is None)
+        self._scratch.clear()
         self.local.close()
         for leg in self._all_legs():
             leg.close()
