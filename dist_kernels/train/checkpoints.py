@@ -165,7 +165,7 @@ def _write_json_atomic(path: str, record: Dict[str, Any]) -> None:
 def load(cfg, engine, resume: Dict[str, Any], shard: str) -> int:
     """Restores model and optimizer from ``resume``; returns the step to continue from."""
     stage = os.path.join(resume["path"], shard)
-    saved_ep = resume["identity"].get("ep", 1)
+    saved_ep = resume["identity"].get("ep", cfg.ep)  # older records: resumed at their own ep
     if saved_ep != cfg.ep:
         _load_resharded(engine, resume["path"], shard, saved_ep)
     elif cfg.zero:
