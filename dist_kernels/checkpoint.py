@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import secrets
 from collections import defaultdict
@@ -36,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["CheckpointError", "save", "load"]
+__all__ = ["CheckpointError", "save", "load", "read_model"]
 
 FORMAT = "dist_kernels.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -211,6 +212,7 @@ def save(
     if optimizer is None:
         _save_model_only(path, model, scaler, extra)
         return
+    _refuse_expert_groups(optimizer, "save")
     comm, rank, world_size = optimizer.comm, optimizer.rank, optimizer.world_size
     os.makedirs(path, exist_ok=True)
     tag = _agree_on_tag(comm, world_size)
@@ -251,6 +253,17 @@ def save(
     if int(status[0]) != 0:
         raise CheckpointError(
             f"[rank {rank}] save to {path}: a rank failed; the previous checkpoint is unchanged"
+        )
+
+
+def _refuse_expert_groups(optimizer: Any, call: str) -> None:
+    """The layout records rank 0's flat groups for every rank: groups sharded over another
+    communicator (MoE experts over ``expert_comm``) differ from rank to rank."""
+    if any(fg.comm is not optimizer.comm for fg in optimizer.flat_groups):
+        raise NotImplementedError(
+            f"[rank {optimizer.rank}] checkpoint.{call}: the ShardedOptimizer shards MoE "
+            "experts over expert_comm, whose shards this format does not record yet; save "
+            "the model with dk.checkpoint.save(path, model=...) per ep rank (docs/moe.md)"
         )
 
 
@@ -406,6 +419,7 @@ def load(
             f"{path}: a scaler was given but the checkpoint holds no scaler state"
         )
     if optimizer is not None:
+        _refuse_expert_groups(optimizer, "load")
         plan = _agreed(
             optimizer, lambda: _plan_optimizer_load(path, manifest, layout, meta, model, optimizer)
         )
@@ -418,6 +432,28 @@ def load(
     if scaler is not None:
         scaler.load_state_dict(meta["scaler"])
     return meta["extra"]
+
+
+def read_model(path: str) -> Tuple[Dict[str, torch.Tensor], Any]:
+    """``(state dict, extra)`` of a checkpoint's model, read and verified, applied to nothing:
+    the parameters a ShardedOptimizer saved assembled from every shard, beside the rest. For
+    a caller that maps the keys first (``dk.moe.checkpoint``: experts across ep sizes)."""
+    manifest = _read_manifest(path)
+    meta = torch.load(
+        io.BytesIO(_read_verified(path, manifest, manifest["meta"])), weights_only=False
+    )
+    layout = None
+    if manifest["layout"] is not None:
+        layout = json.loads(_read_verified(path, manifest, manifest["layout"]))
+    state = dict(meta["model_rest"])
+    pieces, reader = _saved_pieces(layout), _ShardReader(path, manifest)
+    for name, (shape, dtype) in _saved_params(layout).items():
+        numel = math.prod(shape)
+        dst = {"master": torch.zeros(numel, dtype=torch.float32)}
+        if _fill(dst, 0, name, 0, numel, pieces, reader, ["master"]) != numel:
+            raise CheckpointError(f"{path}: parameter {name} is not fully covered by the shards")
+        state[name] = dst["master"].view(shape).to(getattr(torch, dtype))
+    return state, meta["extra"]
 
 
 def _agreed(optimizer: Any, prepare):

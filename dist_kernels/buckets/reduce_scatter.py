@@ -45,6 +45,11 @@ class ShardTarget:
     wire_dtype: torch.dtype
     full: Optional[torch.Tensor] = None
     """Stage 1: the bucket's range of the full gradient buffer (reduced in place)."""
+    comm: Any = None
+    """The ranks sharing this bucket's shards (None: the collective's; MoE experts: their
+    replicas)."""
+    scale: float = 1.0
+    """Multiplies the average (MoE experts: ``expert_comm.world_size / comm.world_size``)."""
 
 
 class ReduceScatter:
@@ -113,7 +118,11 @@ class ReduceScatter:
                 continue
             self.staging[wire] = [self.comm.empty((numel,), wire) for _ in range(STAGING_SLOTS)]
             if any(t.wire_dtype == wire != t.shard.dtype for t in self.targets):
-                slice_numel = numel // self.comm.world_size
+                slice_numel = max(
+                    b.slice_numel
+                    for b, t in zip(self.layouts, self.targets)
+                    if t.wire_dtype == wire
+                )
                 self.rs_out[wire] = [
                     self.comm.empty((slice_numel,), wire) for _ in range(STAGING_SLOTS)
                 ]
@@ -167,16 +176,21 @@ class ReduceScatter:
             out = self.rs_out[target.wire_dtype][b % STAGING_SLOTS][: bucket.slice_numel]
         else:  # accumulating in the parameter dtype: a temporary the size of one slice
             out = torch.empty_like(shard)
-        comm = self.comm if group is None else group
+        comm = group if group is not None else self._comm_of(b)
         work = comm.reduce_scatter(out, src, op=ReduceOp.AVG, async_op=True)
+        scale = target.scale
 
         def finish() -> None:
             if direct:
+                if scale != 1.0:
+                    shard.mul_(scale)
                 return
             if accumulate:
-                shard.add_(out)
+                shard.add_(out, alpha=scale)
             else:
                 shard.copy_(out)
+                if scale != 1.0:
+                    shard.mul_(scale)
 
         return work, finish
 
@@ -204,16 +218,17 @@ class ReduceScatter:
         the other slices its local gradients. Before more gradients accumulate (a backward
         without ``zero_grad``), make the bucket a valid local contribution again: N times the
         average in our slice, zeros elsewhere, so the next reduce-scatter averages to
-        average + new average on every rank."""
+        average + new average on every rank (the target's ``scale`` undone first: it is
+        applied again to the sum)."""
         if b not in self._reduced_in_place:
             return
         self._reduced_in_place.discard(b)
-        world_size = self.comm.world_size
-        rows = self.targets[b].full.view(world_size, -1)
-        mine = rows[self.comm.rank].clone() if world_size > 1 else None
+        comm, target = self._comm_of(b), self.targets[b]
+        rows = target.full.view(comm.world_size, -1)
+        mine = rows[comm.rank].clone() if comm.world_size > 1 else None
         if mine is not None:
             rows.zero_()
-            rows[self.comm.rank].copy_(mine.mul_(world_size))
+            rows[comm.rank].copy_(mine.mul_(comm.world_size / target.scale))
 
     @property
     def reduced_in_place(self) -> bool:
@@ -221,6 +236,9 @@ class ReduceScatter:
         return bool(self._reduced_in_place)
 
     # ----------------------------------------------------------------- internals
+
+    def _comm_of(self, b: int) -> Any:
+        return self.targets[b].comm if self.targets[b].comm is not None else self.comm
 
     def _staging_for(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s staging buffer; the reducer's window has completed the bucket that

@@ -11,7 +11,10 @@ run was (model, corpus, pp, tp, zero) so that resuming something else fails befo
 
 With ZeRO the optimizer's shards go through ``dk.checkpoint``'s resharding (save on N replicas,
 load on M). Without it every replica holds the same state: replica 0 of each stage saves its
-model and, in ``extra``, the torch optimizer's state dict.
+model and, in ``extra``, the torch optimizer's state dict with its parameters' names (MoE
+experts by global id). With ep > 1 each ep rank saves its own experts (``stage-0-ep-<r>``); a
+run at another ep resumes through ``dk.moe.checkpoint``: each rank reads the ep ranks that held
+its experts and reshards model and optimizer state by name.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import re
 from typing import Any, Dict, Optional
 
 from .. import checkpoint as dk_checkpoint
+from ..moe import checkpoint as moe_checkpoint
 from .config import ConfigError, TrainConfig
 
 COMPLETE = "COMPLETE.json"
@@ -40,6 +44,7 @@ def identity(cfg: TrainConfig, model_desc: Dict[str, Any], data_fp: str) -> Dict
         "data": data_fp,
         "pp": cfg.pp,
         "tp": cfg.tp,
+        "ep": cfg.ep,
         "sharded": bool(cfg.zero),
         "global_batch": cfg.global_batch,
     }
@@ -101,6 +106,7 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
         dk_checkpoint.save(stage, model=engine.module, optimizer=engine.optimizer, extra=extra)
     elif engine.replica_rank == 0:  # one of the dp x cp ranks that hold these weights
         extra["optimizer"] = engine.optimizer.state_dict()
+        extra["param_names"] = moe_checkpoint.global_param_names(engine.module)
         dk_checkpoint.save(stage, model=engine.module, extra=extra)
     barrier()
     if barrier.rank == 0:
@@ -108,6 +114,38 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
         _write_json_atomic(os.path.join(root, COMPLETE), record)
     barrier()
     return root
+
+
+def _load_resharded(engine, path: str, shard: str, saved_ep: int) -> None:
+    """Model and optimizer of a run saved at ``saved_ep`` (not this run's ep): each saved ep
+    rank's directory is the shard name with its ep rank (none at ep 1)."""
+    base = re.sub(r"-ep-\d+$", "", shard)
+
+    def read(r: int):
+        name = f"{base}-ep-{r}" if saved_ep > 1 else base
+        state, extra = dk_checkpoint.read_model(os.path.join(path, name))
+        if "param_names" not in extra:
+            raise ConfigError(
+                f"resume: {path}/{name} records no parameter names (an older checkpoint): "
+                f"resume it at its own ep({saved_ep})"
+            )
+        return state, extra
+
+    states = {}
+
+    def saved(r: int):
+        if r not in states:
+            states[r] = read(r)
+        return states[r]
+
+    module = engine.module
+    module.load_state_dict(moe_checkpoint.reshard_state(module, saved_ep, lambda r: saved(r)[0]))
+    optimizer_state = moe_checkpoint.reshard_optimizer_state(
+        module,
+        saved_ep,
+        lambda r: (saved(r)[1]["optimizer"], saved(r)[1]["param_names"]),
+    )
+    engine.optimizer.load_state_dict(optimizer_state)
 
 
 def _write_json_atomic(path: str, record: Dict[str, Any]) -> None:
@@ -127,7 +165,10 @@ def _write_json_atomic(path: str, record: Dict[str, Any]) -> None:
 def load(cfg, engine, resume: Dict[str, Any], shard: str) -> int:
     """Restores model and optimizer from ``resume``; returns the step to continue from."""
     stage = os.path.join(resume["path"], shard)
-    if cfg.zero:
+    saved_ep = resume["identity"].get("ep", cfg.ep)  # older records: resumed at their own ep
+    if saved_ep != cfg.ep:
+        _load_resharded(engine, resume["path"], shard, saved_ep)
+    elif cfg.zero:
         dk_checkpoint.load(stage, model=engine.module, optimizer=engine.optimizer)
     else:
         extra = dk_checkpoint.load(stage, model=engine.module)

@@ -134,6 +134,7 @@ class DataParallel:
                 dp_comm,
                 stage=cfg.zero,
                 bucket_cap_mb=cfg.bucket_cap_mb,
+                expert_comm=expert_comm,
                 **kwargs,
             )
             return model, opt, lambda last: contextlib.nullcontext() if last else opt.no_sync()

@@ -35,6 +35,16 @@ Without ``comm`` the ranks would disagree and the next collective would hang.
 
 Reduce-scatters average (``ReduceOp.AVG``) with FP32 accumulation inside the collective; a 16-bit
 ``grad_dtype`` halves the bytes on the wire.
+
+Expert parallelism (``expert_comm``): the parameters of sharded MoE experts (marked
+``expert_parallel``) differ across the ep ranks, so they live in flat groups of their own,
+sharded, reduce-scattered, all-gathered and broadcast over ``expert_comm`` (the replicas of this
+rank's experts, ``mesh.expert_dp_comm``); dense parameters over ``comm`` as before. An expert's
+gradient already sums its ep group's tokens (the all-to-all's backward), so its average over
+``expert_comm`` is scaled by ``expert_comm.world_size / comm.world_size`` (= 1 / ep): the same
+division by dp that the dense average makes. Every element is still owned by one rank of
+``comm`` (an expert shard by one replica, the ep ranks holding different experts), so the
+gradient norm and the inf/NaN flag all-reduced over ``comm`` stay global.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from ..buckets.reduce_scatter import STAGING_SLOTS, ReduceScatter, ShardTarget
 from ..buckets.reducer import BucketReducer
 from ..dtypes import ReduceOp
 from . import memory
-from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_partition
+from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_flat_group
 
 __all__ = ["ShardedOptimizer"]
 
@@ -75,6 +85,7 @@ class _FlatGroup:
 
     plan: FlatGroupPlan
     params: List[torch.nn.Parameter]  # in plan slot order
+    comm: Any  # the ranks that share its shards (``comm``, or ``expert_comm`` for experts)
     dtype: torch.dtype  # parameter dtype
     wire_dtype: torch.dtype  # reduce-scatter dtype
     # Full values; the model's parameters view it. Stages 1, 2: registered, kept. Stage 3: a
@@ -86,6 +97,15 @@ class _FlatGroup:
     grad_flat: Optional[torch.Tensor] = None  # stage 1: the full gradient buffer (registered)
     grad_shard: Optional[torch.Tensor] = None  # stages 2, 3: this rank's gradient shard
     unit: int = 0  # stage 3: the unit of modules that gathers this group
+    grad_scale: float = 1.0  # applied to the averaged gradient (experts: 1 / ep)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -111,6 +131,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ``fully_shard`` per block); None: each child no bigger than ``bucket_cap_mb``,
             splitting only containers (``Sequential``, ``ModuleList``, ``ModuleDict``) and the
             root. Parameters outside every unit belong to the root.
+        expert_comm: the Communicator over which parameters marked ``expert_parallel``
+            (``dk.moe`` experts sharded over ep) are sharded and reduced: their replicas, a
+            subgroup of ``comm`` (``mesh.expert_dp_comm`` with ``comm=mesh.dp_comm``), as for
+            ``dk.DDP``. Without it such parameters are refused.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, betas, momentum, ...).
     """
 
@@ -126,23 +150,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         module: Optional[torch.nn.Module] = None,
         units: Optional[Iterable[torch.nn.Module]] = None,
+        expert_comm: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         _check_arguments(stage, grad_dtype, bucket_cap_mb, module, units)
         self.comm = comm if comm is not None else _default_comm()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        _check_expert_comm(self.comm, expert_comm)
+        self.expert_comm = expert_comm
         self.stage, self.grad_dtype, self.overlap = stage, grad_dtype, overlap
         self.bucket_cap_bytes = int(bucket_cap_mb * _MB)
         groups = _param_groups(params)
         for p in (p for g in groups for p in g["params"]):
             _refuse_ddp(p)
-            _refuse_experts(p, self.comm)
+            if expert_comm is None:
+                _refuse_experts(p, self.comm)
         self._gatherer = None
         unit_of = None
         if stage == 3:
             from .stage3 import ParameterGatherer
 
-            self._gatherer = ParameterGatherer(self.comm, module, units, self.bucket_cap_bytes)
+            self._gatherer = ParameterGatherer(module, units, self.bucket_cap_bytes)
             unit_of = self._gatherer.unit_of_param
         self.plan, self.flat_groups = self._build_flat_groups(groups, unit_of)
         #: Owns the gradient buckets through backward (readiness, reduce-scatters, waiting).
@@ -181,62 +209,84 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Plans and allocates the flat buffers (collective: every rank, same order).
 
         Stages 1, 2: one flat group per (param group, dtype). Stage 3: one per (unit, param
-        group, dtype), units in reverse order, so that plan order follows backward."""
-        specs, members, self._group_of, units = [], [], [], []
-        keyed: Dict[Tuple[int, int, torch.dtype], List[torch.nn.Parameter]] = defaultdict(list)
+        group, dtype), units in reverse order, so that plan order follows backward. Expert
+        parameters (with ``expert_comm``) make groups of their own, keyed ``.../experts`` and
+        planned for ``expert_comm``'s world size."""
+        members, self._group_of, units = [], [], []
+        keyed: Dict[Tuple[int, int, torch.dtype, bool], List[torch.nn.Parameter]]
+        keyed = defaultdict(list)
         for gi, group in enumerate(groups):
             for p in group["params"]:
                 unit = unit_of(p) if unit_of is not None else 0
-                keyed[(unit, gi, p.dtype)].append(p)
-        order = sorted(keyed, key=lambda k: (-k[0], k[1])) if unit_of else list(keyed)
-        for unit, gi, dtype in order:
+                keyed[(unit, gi, p.dtype, self._is_expert(p))].append(p)
+        order = sorted(keyed, key=lambda k: (-k[0], k[1], k[3])) if unit_of else list(keyed)
+        plans = []
+        for unit, gi, dtype, expert in order:
             # reverse registration order: the last layers' gradients arrive first
-            plist = list(reversed(keyed[(unit, gi, dtype)]))
+            plist = list(reversed(keyed[(unit, gi, dtype, expert)]))
             key = f"{gi}/{str(dtype).replace('torch.', '')}"
             if unit_of is not None:
                 key = f"u{unit}/{key}"
+            if expert:
+                key = f"{key}/experts"
             spec = [ParamSpec(f"{key}/{i}", tuple(p.shape), p.numel()) for i, p in enumerate(plist)]
-            specs.append((key, plist[0].element_size(), spec))
-            members.append((dtype, plist))
+            comm = self.expert_comm if expert else self.comm
+            plans.append(
+                plan_flat_group(
+                    key, spec, plist[0].element_size(), comm.world_size, self.bucket_cap_bytes
+                )
+            )
+            members.append((dtype, plist, comm))
             self._group_of.append(gi)
             units.append(unit)
-        plan = plan_partition(specs, self.world_size, self.bucket_cap_bytes)
+        plan = PartitionPlan(self.world_size, tuple(plans))
         flat_groups = [
-            self._allocate(gplan, dtype, plist, unit)
-            for gplan, (dtype, plist), unit in zip(plan.groups, members, units)
+            self._allocate(gplan, dtype, plist, unit, comm)
+            for gplan, (dtype, plist, comm), unit in zip(plan.groups, members, units)
         ]
         return plan, flat_groups
 
+    def _is_expert(self, p: torch.Tensor) -> bool:
+        """Sharded over ``expert_comm``: an MoE expert's parameter, when one is given."""
+        return self.expert_comm is not None and getattr(p, "expert_parallel", False)
+
     def _allocate(
-        self, plan: FlatGroupPlan, dtype: torch.dtype, params: List[torch.nn.Parameter], unit: int
+        self,
+        plan: FlatGroupPlan,
+        dtype: torch.dtype,
+        params: List[torch.nn.Parameter],
+        unit: int,
+        comm: Any,
     ) -> _FlatGroup:
-        """The flat group's values (rank 0's everywhere), shard views and gradient storage."""
+        """The flat group's values (its ``comm``'s rank 0's everywhere), shard views and
+        gradient storage."""
         if self.stage == 3:
             flat = torch.empty((plan.numel,), dtype=dtype, device=params[0].device)
         else:
-            flat = self.comm.empty((plan.numel,), dtype)
+            flat = comm.empty((plan.numel,), dtype)
         flat.zero_()
         with torch.no_grad():
             for slot, p in zip(plan.slots, params):
                 flat[slot.offset : slot.offset + slot.numel].copy_(p.reshape(-1))
-            if self.world_size > 1:
-                self.comm.broadcast(flat, 0)  # every rank starts from rank 0's values
+            if comm.world_size > 1:
+                comm.broadcast(flat, 0)  # every rank starts from rank 0's values
             for slot, p in zip(plan.slots, params):
                 p.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        fg = _FlatGroup(plan, params, dtype, self.grad_dtype or dtype, flat, unit=unit)
+        fg = _FlatGroup(plan, params, comm, dtype, self.grad_dtype or dtype, flat, unit=unit)
+        fg.grad_scale = comm.world_size / self.world_size
         if self.stage == 3:
-            fg.values = self.comm.empty((plan.shard_numel,), dtype)
-            fg.values.copy_(self._gather_shard(plan, flat))
+            fg.values = comm.empty((plan.shard_numel,), dtype)
+            fg.values.copy_(self._gather_shard(fg, flat))
             flat.untyped_storage().resize_(0)  # the full values exist only while gathered
         if dtype != torch.float32:
-            fg.master = self._gather_shard(plan, flat if fg.values is None else None, fg)
+            fg.master = self._gather_shard(fg, flat if fg.values is None else None, master=True)
         if self.stage == 1:
-            fg.grad_flat = self.comm.empty((plan.numel,), dtype)
+            fg.grad_flat = comm.empty((plan.numel,), dtype)
             fg.grad_flat.zero_()
             for slot, p in zip(plan.slots, params):
                 p.grad = self._grad_view(fg, slot.index)
         else:
-            fg.grad_shard = self.comm.empty((plan.shard_numel,), dtype)
+            fg.grad_shard = comm.empty((plan.shard_numel,), dtype)
             fg.grad_shard.zero_()
         for b in range(len(plan.buckets)):  # what the optimizer steps: views, no copies
             fg.pieces.append(torch.nn.Parameter(self._shard_slice(fg, b, fg.master)))
@@ -244,17 +294,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return fg
 
     def _gather_shard(
-        self, plan: FlatGroupPlan, flat: Optional[torch.Tensor], fg: Optional[_FlatGroup] = None
+        self, fg: _FlatGroup, flat: Optional[torch.Tensor], master: bool = False
     ) -> torch.Tensor:
-        """This rank's slices of ``flat`` (or of ``fg.values``), concatenated, in FP32 when
-        ``fg`` is given (the master shard)."""
+        """This rank's slices of ``flat`` (or of ``fg.values``), concatenated, in FP32 for
+        the ``master`` shard."""
         if flat is None:
             return fg.values.to(torch.float32)
         parts = [
-            flat[b.slice_start(self.rank) : b.slice_start(self.rank) + b.slice_numel]
-            for b in plan.buckets
+            flat[b.slice_start(fg.rank) : b.slice_start(fg.rank) + b.slice_numel]
+            for b in fg.plan.buckets
         ]
-        return torch.cat(parts).to(torch.float32 if fg is not None else flat.dtype)
+        return torch.cat(parts).to(torch.float32 if master else flat.dtype)
 
     def _shard_slice(
         self, fg: _FlatGroup, b: int, source: Optional[torch.Tensor] = None
@@ -263,7 +313,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         the values in their own dtype (the flat buffer at stages 1, 2; the shard at 3)."""
         bucket = fg.plan.buckets[b]
         if source is None and fg.values is None:
-            lo = bucket.slice_start(self.rank)
+            lo = bucket.slice_start(fg.rank)
             return fg.flat[lo : lo + bucket.slice_numel]
         source = fg.values if source is None else source
         return source[bucket.shard_offset : bucket.shard_offset + bucket.slice_numel]
@@ -272,7 +322,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This rank's reduced gradient of bucket ``b`` (in the parameter dtype)."""
         bucket = fg.plan.buckets[b]
         if fg.grad_flat is not None:
-            lo = bucket.slice_start(self.rank)
+            lo = bucket.slice_start(fg.rank)
             return fg.grad_flat[lo : lo + bucket.slice_numel]
         return fg.grad_shard[bucket.shard_offset : bucket.shard_offset + bucket.slice_numel]
 
@@ -292,7 +342,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if fg.grad_flat is not None:
                     full = fg.grad_flat[bucket.start : bucket.start + bucket.numel]
                 shard = self._shard_grad(fg, bucket.index)
-                targets.append(ShardTarget(shard, fg.wire_dtype, full))
+                targets.append(ShardTarget(shard, fg.wire_dtype, full, fg.comm, fg.grad_scale))
                 buckets.append(bucket.renumbered(len(buckets), first_param))
             first_param += len(fg.params)
         views = None
@@ -482,9 +532,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for fg in self.flat_groups:
             for b in fg.plan.buckets:
                 out = fg.flat[b.start : b.start + b.numel]
-                inp = fg.flat[b.slice_start(self.rank) : b.slice_start(self.rank) + b.slice_numel]
-                if self.world_size > 1:
-                    works.append(self.comm.all_gather(out, inp, async_op=True))
+                inp = fg.flat[b.slice_start(fg.rank) : b.slice_start(fg.rank) + b.slice_numel]
+                if fg.world_size > 1:
+                    works.append(fg.comm.all_gather(out, inp, async_op=True))
         for work in works:
             work.wait()
 
@@ -582,8 +632,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
             for fg in fgs
         ]
-        formula = memory.formula_bytes(self.stage, self.world_size, counts)
-        allowance = memory.padding_allowance(self.stage, self.world_size, counts)
+        # the formula per sharding world: expert groups are sharded over expert_comm only
+        formula = {k: 0 for k in memory.KINDS}
+        allowance = dict(formula)
+        for size in {fg.world_size for fg in fgs}:
+            mine = [c for c, fg in zip(counts, fgs) if fg.world_size == size]
+            for total, part in (
+                (formula, memory.formula_bytes(self.stage, size, mine)),
+                (allowance, memory.padding_allowance(self.stage, size, mine)),
+            ):
+                for k in memory.KINDS:
+                    total[k] += part[k]
         allowance["buffers"] = self.buffer_bound()
         return memory.MemoryReport(
             self.stage,
@@ -600,14 +659,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``STAGING_SLOTS`` buckets and as many bucket slices, one FP32 bucket slice (16-bit
         parameters), and at stage 3 the gathered full values of at most three units (the
         root, the one running and the one prefetched) plus one per level of unit nesting."""
-        bucket = {}
+        bucket: Dict[torch.dtype, Tuple[int, int]] = {}
         for fg in self.flat_groups:
-            size = (
-                max(b.numel for b in fg.plan.buckets)
-                * torch.empty((), dtype=fg.wire_dtype).element_size()
-            )
-            bucket[fg.wire_dtype] = max(bucket.get(fg.wire_dtype, 0), size)
-        bound = sum(STAGING_SLOTS * (n + n // self.world_size) for n in bucket.values())
+            itemsize = torch.empty((), dtype=fg.wire_dtype).element_size()
+            size = max(b.numel for b in fg.plan.buckets) * itemsize
+            piece = max(b.slice_numel for b in fg.plan.buckets) * itemsize
+            old = bucket.get(fg.wire_dtype, (0, 0))
+            bucket[fg.wire_dtype] = (max(old[0], size), max(old[1], piece))
+        bound = sum(STAGING_SLOTS * (n + s) for n, s in bucket.values())
         if self._step_grad is not None:
             bound += self._step_grad.numel() * 4
         if self._gatherer is not None:
@@ -773,9 +832,22 @@ def _refuse_experts(p: torch.Tensor, comm: Any) -> None:
     if getattr(p, "expert_parallel", False):
         raise NotImplementedError(
             f"[rank {comm.rank}] ShardedOptimizer: params hold expert-parallel parameters "
-            "(dk.moe experts sharded over ep); ZeRO shards every parameter over one "
-            "communicator and would average different experts: use dk.DDP(model, "
-            "mesh.dp_comm, expert_comm=mesh.expert_dp_comm) for MoE models"
+            "(dk.moe experts sharded over ep); sharded over comm alone they would be "
+            "averaged with other ranks' different experts: pass "
+            "expert_comm=mesh.expert_dp_comm (with comm=mesh.dp_comm)"
+        )
+
+
+def _check_expert_comm(comm: Any, expert_comm: Any) -> None:
+    """``expert_comm`` must be a subgroup of ``comm`` (the replicas of one expert shard)."""
+    if expert_comm is None:
+        return
+    if comm.world_size % expert_comm.world_size:
+        raise ValueError(
+            f"[rank {comm.rank}] ShardedOptimizer: expert_comm's world size "
+            f"({expert_comm.world_size}) does not divide comm's ({comm.world_size}): it must be "
+            "the replicas of this rank's experts, a subgroup of comm (mesh.expert_dp_comm with "
+            "comm=mesh.dp_comm)"
         )
 
 

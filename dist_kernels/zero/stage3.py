@@ -77,10 +77,7 @@ class _Unit:
 class ParameterGatherer:
     """Gathers and frees the units' full parameters around forward and backward (stage 3)."""
 
-    def __init__(
-        self, comm: Any, root: torch.nn.Module, units: Optional[Any], cap_bytes: int
-    ) -> None:
-        self.comm = comm
+    def __init__(self, root: torch.nn.Module, units: Optional[Any], cap_bytes: int) -> None:
         self.root = root
         chosen = choose_units(root, cap_bytes) if units is None else list(units)
         names = {m: n for n, m in root.named_modules()}
@@ -144,9 +141,9 @@ class ParameterGatherer:
         if unit.gathered or not unit.groups:
             return
         unit.gathered = True  # storage allocated; values valid once ``works`` are waited for
-        comm = self.comm
         for g in unit.groups:
             fg = self._flat_groups[g]
+            comm = fg.comm  # the group's own ranks (MoE experts: their replicas)
             fg.flat.untyped_storage().resize_(fg.plan.numel * fg.flat.element_size())
             for b in fg.plan.buckets:
                 out = fg.flat[b.start : b.start + b.numel]
