@@ -218,3 +218,66 @@ def test_stage3_reference_rejects_a_wrong_answer():
     finally:
         STEPS = saved
     assert max_rel_diff(short, good) > 1e-3
+
+
+# -- tied parameters: a head sharing the embedding's weight (stage3.py: _owners) -------------
+
+
+def _tied_gpt(seed):
+    from dist_kernels.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layers=2, n_heads=2, dim=32))
+
+
+def _gpt_batch(step, world_size, rank):
+    """This rank's slice of the step's global batch (2 sequences per rank)."""
+    gen = torch.Generator().manual_seed(SEED + step)
+    ids = torch.randint(0, 64, (2 * world_size, 17), generator=gen)
+    mine = ids[2 * rank : 2 * rank + 2]
+    return mine[:, :-1], mine[:, 1:]
+
+
+def _tied_stage3(steps):
+    """The tied GPT at stage 3 with its default units against the same training in one
+    process on the whole batch; also which unit gathers the tied weight."""
+    import dist_kernels as dk
+
+    comm = make_comm()
+    model, ref = _tied_gpt(SEED), _tied_gpt(SEED)
+    assert model.head.lm_head.weight is model.embedding.wte.weight, "the GPT is not tied"
+    opt = dk.ShardedOptimizer(
+        model.parameters(), torch.optim.SGD, comm, stage=3, module=model, lr=0.5
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    owner = opt._gatherer.units[opt._gatherer.unit_of_param(model.embedding.wte.weight)].name
+    for step in range(steps):
+        ids, targets = _gpt_batch(step, comm.world_size, comm.rank)
+        model(ids, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        losses = []
+        for r in range(comm.world_size):  # the whole batch: the mean of the ranks' mean losses
+            losses.append(ref(*_gpt_batch(step, comm.world_size, r)))
+        (sum(losses) / comm.world_size).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with opt.full_parameters():
+        diff = max_rel_diff(model, ref)
+    opt.close()
+    comm.close()
+    return owner, diff
+
+
+def test_stage3_tied_embedding_and_head_gathered_together():
+    """The head's weight is the embedding's: both modules are default units, so gathered by
+    either alone the weight is freed while the other reads it. It belongs to the root, and
+    training equals one process on the whole batch (FP32 sums: 1e-5 relative). SGD, because
+    the tied weight's four gradient terms (head and embedding, two slices) are added in
+    another order than in the single process: rounding-level apart, which SGD keeps at that
+    level and AdamW magnifies where a gradient is near zero (1e-3 after two steps)."""
+    results = run_ranks(2, _tied_stage3, 3, timeout=240)
+    print(f"seed {SEED}: {results}")
+    for owner, diff in results:
+        assert owner == "<root>", f"the tied weight is gathered with {owner!r}"
+        assert diff < 1e-5, f"max relative difference {diff:.3e}"

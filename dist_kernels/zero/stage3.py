@@ -86,10 +86,7 @@ class ParameterGatherer:
                 raise ValueError(f"units: {type(m).__name__} is not a submodule of module")
         self.units = [_Unit(0, root, "<root>")]
         self.units += [_Unit(i + 1, m, names[m]) for i, m in enumerate(chosen)]
-        self._unit_of: Dict[int, int] = {}
-        for unit in sorted(self.units[1:], key=lambda u: -names[u.module].count(".")):
-            for p in unit.module.parameters():
-                self._unit_of.setdefault(id(p), unit.index)  # the innermost unit owns it
+        self._unit_of = self._owners()
         self._handles: List[Any] = []
         self._flat_groups: List[Any] = []
         self.in_backward = False
@@ -99,6 +96,34 @@ class ParameterGatherer:
         self._cursor = 0
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
+
+    def _owners(self) -> Dict[int, int]:
+        """id(parameter) -> the unit that gathers it: the innermost unit holding it, or, for a
+        parameter two units hold side by side (a head tied to the embedding), the innermost
+        unit containing both, else the root: gathered by one of them alone, it would be freed
+        while the other still reads it."""
+        holders: Dict[int, List[_Unit]] = {}
+        for unit in self.units[1:]:
+            for p in unit.module.parameters():
+                holders.setdefault(id(p), []).append(unit)
+        owners = {}
+        for key, units in holders.items():
+            innermost = [
+                u
+                for u in units
+                if not any(o is not u and _contains(u.module, o.module) for o in units)
+            ]
+            if len(innermost) == 1:
+                owners[key] = innermost[0].index
+                continue
+            around = [
+                u
+                for u in self.units[1:]
+                if all(u is i or _contains(u.module, i.module) for i in innermost)
+            ]
+            around.sort(key=lambda u: sum(1 for o in around if _contains(o.module, u.module)))
+            owners[key] = around[-1].index if around else 0
+        return owners
 
     def unit_of_param(self, p: torch.Tensor) -> int:
         return self._unit_of.get(id(p), 0)
