@@ -407,13 +407,7 @@ def load(
         CheckpointError: missing or corrupt files, or a checkpoint of another model or
             optimizer; the model and optimizer are then unchanged.
     """
-    manifest = _read_manifest(path)
-    meta = torch.load(
-        io.BytesIO(_read_verified(path, manifest, manifest["meta"])), weights_only=False
-    )
-    layout = None
-    if manifest["layout"] is not None:
-        layout = json.loads(_read_verified(path, manifest, manifest["layout"]))
+    manifest, meta, layout = _read_header(path)
     if scaler is not None and meta["scaler"] is None:
         raise CheckpointError(
             f"{path}: a scaler was given but the checkpoint holds no scaler state"
@@ -434,10 +428,8 @@ def load(
     return meta["extra"]
 
 
-def read_model(path: str) -> Tuple[Dict[str, torch.Tensor], Any]:
-    """``(state dict, extra)`` of a checkpoint's model, read and verified, applied to nothing:
-    the parameters a ShardedOptimizer saved assembled from every shard, beside the rest. For
-    a caller that maps the keys first (``dk.moe.checkpoint``: experts across ep sizes)."""
+def _read_header(path: str) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Any]]:
+    """The manifest, the verified meta record and the verified layout (None: not sharded)."""
     manifest = _read_manifest(path)
     meta = torch.load(
         io.BytesIO(_read_verified(path, manifest, manifest["meta"])), weights_only=False
@@ -445,6 +437,14 @@ def read_model(path: str) -> Tuple[Dict[str, torch.Tensor], Any]:
     layout = None
     if manifest["layout"] is not None:
         layout = json.loads(_read_verified(path, manifest, manifest["layout"]))
+    return manifest, meta, layout
+
+
+def read_model(path: str) -> Tuple[Dict[str, torch.Tensor], Any]:
+    """``(state dict, extra)`` of a checkpoint's model, read and verified, applied to nothing:
+    the parameters a ShardedOptimizer saved assembled from every shard, beside the rest. For
+    a caller that maps the keys first (``dk.moe.checkpoint``: experts across ep sizes)."""
+    manifest, meta, layout = _read_header(path)
     state = dict(meta["model_rest"])
     pieces, reader = _saved_pieces(layout), _ShardReader(path, manifest)
     for name, (shape, dtype) in _saved_params(layout).items():
