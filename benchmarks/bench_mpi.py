@@ -14,6 +14,12 @@ MPI's and Gloo's time over ours (> 1: ours is faster). With --previous, a result
 `python -m dist_kernels.bench` (same world size) adds its in-place `auto` time and the ratio.
 The first lines print the Python call overhead: Communicator.all_reduce against the bare
 extension call on the same 8-byte tensor.
+
+With --timing each, the blocks still alternate, but each call is timed (a clock read between
+calls, as `python -m dist_kernels.bench` does) and each implementation's calls of all blocks
+are pooled: each rank's mean, p50 and p99, then the slowest rank's of each. --json prints one
+JSON line per size instead of the table (benchmarks/bench_oneccl.py reads them and times
+oneCCL the same way in benchmarks/oneccl/bench_oneccl.cc).
 """
 
 from __future__ import annotations
@@ -150,6 +156,31 @@ def _alternate(mpi_comm, calls: Dict[str, Callable[[], None]], iters: int, block
     return summarize(times)
 
 
+def _time_each(mpi_comm, call: Callable[[], None], iters: int) -> List[float]:
+    """One block, each call's seconds: a barrier, then `iters` back-to-back calls."""
+    mpi_comm.Barrier()
+    clock = time.perf_counter
+    stamps = [clock()]
+    for _ in range(iters):
+        call()
+        stamps.append(clock())
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def _slowest_stats(mpi_comm, each: List[float]) -> Dict[str, float]:
+    """This rank's mean, p50 and p99 (seconds, nearest rank), then the slowest rank's of each."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from dist_kernels.bench.cli import percentile
+
+    samples = torch.tensor(each, dtype=torch.float64)
+    mine = np.array([sum(each) / len(each), percentile(samples, 50), percentile(samples, 99)])
+    mpi_comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+    return dict(zip(("mean", "p50", "p99"), mine.tolist()))
+
+
 def _python_overhead(comm, mpi_comm, iters: int = 2000, blocks: int = 7) -> str:
     """Communicator.all_reduce against the bare extension call it makes (8 bytes)."""
     import torch
@@ -234,13 +265,38 @@ def _measure(comm, mpi_comm, nbytes: int, args):
     iters = iterations(nbytes, args.iter_bytes)
     for impl in IMPLS:  # warm-up
         _time_block(mpi_comm, calls[impl], max(1, iters // 10))
-    times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
-    for impl in block_order(args.blocks):
-        times[impl].append(_time_block(mpi_comm, calls[impl], iters))
-    medians = summarize(times)
+    if args.timing == "each":
+        stats = _time_each_pooled(mpi_comm, calls, iters, args.blocks)
+    else:
+        stats = _time_blocks(mpi_comm, calls, iters, args.blocks)
     if args.no_gloo:
-        medians["gloo"] = float("nan")
-    return medians, wrong
+        stats["gloo"] = {key: float("nan") for key in stats["gloo"]}
+    return stats, wrong
+
+
+def _time_blocks(mpi_comm, calls, iters: int, blocks: int) -> Dict[str, Dict[str, float]]:
+    """impl -> {"mean": median over blocks of the slowest rank's mean per call}."""
+    times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
+    for impl in block_order(blocks):
+        times[impl].append(_time_block(mpi_comm, calls[impl], iters))
+    return {impl: {"mean": t} for impl, t in summarize(times).items()}
+
+
+def _time_each_pooled(mpi_comm, calls, iters: int, blocks: int) -> Dict[str, Dict[str, float]]:
+    """impl -> the slowest rank's mean, p50, p99 over every call of its alternating blocks."""
+    each: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
+    for impl in block_order(blocks):
+        each[impl] += _time_each(mpi_comm, calls[impl], iters)
+    return {impl: _slowest_stats(mpi_comm, samples) for impl, samples in each.items()}
+
+
+def json_line(nbytes: int, iters: int, blocks: int, stats, wrong: Dict[str, int]) -> str:
+    """One size as JSON: per implementation its times in us (null where not measured)."""
+    line: Dict[str, object] = {"size": nbytes, "iters": iters, "blocks": blocks}
+    for impl, s in stats.items():
+        times = {f"{k}_us": (round(v * 1e6, 3) if v == v else None) for k, v in s.items()}
+        line[impl] = {**times, "wrong": wrong[impl]}
+    return json.dumps(line)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -259,6 +315,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--previous", help="dist_kernels.bench JSON to compare ours with")
     parser.add_argument("--no-gloo", action="store_true", help="skip Gloo (slow at 64 MiB)")
+    parser.add_argument(
+        "--timing",
+        choices=("blocks", "each"),
+        default="blocks",
+        help="blocks: median of block means; each: every call timed, mean/p50/p99",
+    )
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of the table")
     args = parser.parse_args(argv)
 
     from mpi4py import MPI
@@ -279,19 +342,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import mpi4py
 
     mpi_name = " ".join(MPI.Get_library_version().split()[:3])  # "MPICH Version: 5.0.2"
-    out(
-        f"# bench_mpi: {n} ranks; {mpi_name}, mpi4py {mpi4py.__version__}, "
-        f"torch {torch.__version__}"
-    )
-    out(f"# buffers {args.buffers}; fp32 sum, in place; our algorithm {args.algorithm}")
-    out(f"# load average {os.getloadavg()}, usable cores {len(os.sched_getaffinity(0))}")
-    out(_python_overhead(comm, mpi_comm))
-    out(_descriptor_check_cost(comm, mpi_comm))
-    out(header(bool(previous)))
+    if args.json:
+        head = {"impl": "bench_mpi", "mpi": mpi_name, "torch": torch.__version__}
+        out(json.dumps({**head, "world_size": n, "timing": args.timing}), flush=True)
+    else:
+        out(
+            f"# bench_mpi: {n} ranks; {mpi_name}, mpi4py {mpi4py.__version__}, "
+            f"torch {torch.__version__}"
+        )
+        out(f"# buffers {args.buffers}; fp32 sum, in place; our algorithm {args.algorithm}")
+        out(f"# load average {os.getloadavg()}, usable cores {len(os.sched_getaffinity(0))}")
+        out(_python_overhead(comm, mpi_comm))
+        out(_descriptor_check_cost(comm, mpi_comm))
+        out(header(bool(previous)))
     for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
-        medians, wrong = _measure(comm, mpi_comm, nbytes, args)
-        out(row(nbytes, n, medians, wrong, previous.get(nbytes)), flush=True)
-    out(f"# load average at end {os.getloadavg()}")
+        stats, wrong = _measure(comm, mpi_comm, nbytes, args)
+        if args.json:
+            iters = iterations(nbytes, args.iter_bytes)
+            out(json_line(nbytes, iters, args.blocks, stats, wrong), flush=True)
+            continue
+        means = {impl: s["mean"] for impl, s in stats.items()}
+        out(row(nbytes, n, means, wrong, previous.get(nbytes)), flush=True)
+    if not args.json:
+        out(f"# load average at end {os.getloadavg()}")
     comm.close()
     dist.destroy_process_group()
     del store
