@@ -25,11 +25,17 @@ SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipe-v")
 MICROBATCHES = (4, 8, 16)
 
 
-def _model() -> nn.Sequential:
+class _Generic(nn.Linear):
+    """Not a plain nn.Linear (a subclass may change forward): its stages take the generic
+    split (``pipeline/split.py``), those of plain Linears the Linear path."""
+
+
+def _model(kind: str = "linear") -> nn.Sequential:
     torch.manual_seed(SEED)
+    linear = nn.Linear if kind == "linear" else _Generic
     layers = []
     for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        layers += [linear(WIDTH, WIDTH), nn.Tanh()]
     return nn.Sequential(*layers)
 
 
@@ -39,9 +45,9 @@ def _batches(replicas: int):
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def _train(comm, schedule: str, m: int, replica: int, replicas: int):
+def _train(comm, schedule: str, m: int, replica: int, replicas: int, kind: str):
     """Two SGD steps; per owned layer index: (weight, bias, their grads of the last step)."""
-    model = _model()
+    model = _model(kind)
     pipe = dk.Pipeline(
         model,
         comm,
@@ -50,6 +56,8 @@ def _train(comm, schedule: str, m: int, replica: int, replicas: int):
         loss_fn=nn.functional.mse_loss,
         print_partition=False,
     )
+    split = {a.stage for a in pipe.actions if a.kind is dk.pipeline.Kind.BACKWARD_INPUT}
+    assert sorted(pipe._deferred) == (sorted(split) if kind == "linear" else [])
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
     xs, ys = _batches(replicas)
     mine = slice(replica * BATCH, (replica + 1) * BATCH)
@@ -67,14 +75,14 @@ def _train(comm, schedule: str, m: int, replica: int, replicas: int):
     return losses, params, grads
 
 
-def _rank_schedules(dp: int):
+def _rank_schedules(dp: int, kind: str):
     mesh = dk.ProcessMesh(dp=dp, pp=torch.distributed.get_world_size() // dp)
     out = {}
     for schedule in SCHEDULES:
         for m in MICROBATCHES:
             comm = mesh if dp > 1 else mesh.pp_comm
             try:
-                out[(schedule, m)] = _train(comm, schedule, m, mesh.dp_rank, dp)
+                out[(schedule, m)] = _train(comm, schedule, m, mesh.dp_rank, dp, kind)
             except ValueError as exc:  # dualpipe-v needs m >= 2 * pp
                 out[(schedule, m)] = str(exc)
     mesh.close()
@@ -114,11 +122,13 @@ def _check_bitwise(results, dp: int, pp: int) -> None:
                         assert torch.equal(a, b), (schedule, m, i, (a - b).abs().max().item())
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_zero_bubble_schedules_equal_1f1b_bitwise(world_size):
+@pytest.mark.parametrize("kind", ["linear", "generic"])
+@pytest.mark.parametrize("world_size,dp", [(2, 1), (4, 1), (4, 2)])
+def test_zero_bubble_schedules_equal_1f1b_bitwise(world_size, dp, kind):
+    """Both paths of the split (``kind``), with DDP over dp = 2 beside at 4 ranks."""
     print("seed", SEED)
-    results = run_ranks(world_size, _rank_schedules, 1, timeout=600)
-    _check_bitwise(results, dp=1, pp=world_size)
+    results = run_ranks(world_size, _rank_schedules, dp, kind, timeout=600)
+    _check_bitwise(results, dp=dp, pp=world_size // dp)
 
 
 class _Slow(nn.Module):

@@ -481,9 +481,15 @@ class Pipeline:
     def _backward_weight(self, a: Action) -> None:
         """W: the weight gradients of an earlier I, into ``.grad``; frees its activations."""
         weight, saved_bytes = self.weight_halves.pop((a.stage, a.microbatch))
-        if weight is not None:
+        if isinstance(weight, LinearWeightGradient):
             with self._dp_context(a):
-                weight.run()
+                weight.run()  # one backward call: DDP's hooks all fire inside it
+        elif weight is not None:
+            # The generic split's groups run in one backward where DDP reduces (its pass
+            # ends with the backward call that started it), one call each elsewhere.
+            syncs = a.stage in self.ddp and a.microbatch == self._last_backward[a.stage]
+            with self._dp_context(a):
+                weight.run(one_backward=syncs)
         self._live_bytes -= saved_bytes
 
     def _backward_roots(self, a: Action):
