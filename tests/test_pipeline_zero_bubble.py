@@ -1,7 +1,8 @@
 """Zero-bubble schedules on the runtime: the same training as 1F1B, bit for bit.
 
-Every schedule computes each micro-batch's gradients with the same autograd nodes (the B/W
-split restarts autograd where the two halves meet) and accumulates a parameter's gradient
+Every schedule computes each micro-batch's gradients with the same ATen calls (the generic B/W
+split restarts autograd where the two halves meet; the Linear path, taken by stages of plain
+nn.Linear, makes AddmmBackward's matmuls itself) and accumulates a parameter's gradient
 over micro-batches in micro-batch order, as 1F1B does; the loss is the same mean. So losses,
 gradients and updated parameters must be bitwise equal to 1F1B's, at 2 and 4 stages, 4, 8
 and 16 micro-batches, and with data parallelism beside (dp = 2: the two replicas' gradients
@@ -172,10 +173,13 @@ def test_profile_times_each_action_without_its_waits():
         times = profile["times"]
         print(schedule, profile)
         split = schedule == "zb-h1"
-        assert sorted(times) == sorted(["F", "send", "recv"] + (["B", "W"] if split else ["BW"]))
+        keys = ["F", "send", "recv", "step"] + (["B", "W"] if split else ["BW"])
+        assert sorted(times) == sorted(keys)
         assert times["F"][1] >= SLEEP
         backward = times["B"][0] + times["W"][0] if split else times["BW"][0]
         assert 0 < backward < SLEEP  # a one-Linear backward, its waits for gradients excluded
         assert profile["p2p"] > 0 and times["send"] > 0 and times["recv"] > 0
+        # once per step: the loss broadcast at least, one latency and one receive
+        assert times["step"] >= profile["p2p"] + times["recv"]
         sim = dk.pipeline.simulate(schedule, 2, 2, **profile)
         assert sim.step_time >= 2 * SLEEP

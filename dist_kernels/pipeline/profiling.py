@@ -12,6 +12,10 @@ exactly one rank). The result is the simulator's input (``dk.pipeline.simulate(.
 * ``send``: the median time a send takes its thread (packing the message and the ``isend``
   call); ``recv``: the fastest receive seen (one whose message was already there), both
   averaged over the ranks that send or receive.
+* ``step``: what a step costs outside the schedule's actions, once per step: splitting the
+  batch and waiting for the last sends (the median per rank, the largest over the ranks), and
+  the loss broadcast: the median time it takes the last stage's rank, plus (added by
+  ``Pipeline.profile``) one ``p2p`` and one ``recv`` for it to reach the others.
 * ``p2p``: half the median round trip of a message of the size of rank 0's first activation
   between ranks 0 and 1 (0 on one rank): from the end of one side's send call to the other
   side holding the bytes.
@@ -48,6 +52,8 @@ class ActionTimer:
         self.sends: List[float] = []
         self.receives: List[float] = []
         self._nested = [0.0]  # per open compute step: seconds spent in its receives
+        # per step: (splitting the batch + waiting for the sends, the loss broadcast), seconds
+        self.step_costs: List[Tuple[float, float]] = []
 
     def run(self, action: Action, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -67,8 +73,9 @@ class ActionTimer:
                 self._nested[-1] += spent
 
 
-def gather_times(timer: ActionTimer, n_stages: int, comm: Any) -> Dict[str, Any]:
-    """The pipeline's table (module docstring): medians per stage, summed over the ranks."""
+def gather_times(timer: ActionTimer, n_stages: int, comm: Any, root: int = 0) -> Dict[str, Any]:
+    """The pipeline's table (module docstring): medians per stage, summed over the ranks;
+    ``root`` is the rank that broadcasts the loss."""
     table = torch.zeros(len(KEYS) + 2, n_stages, dtype=torch.float64)
     for (key, stage), seconds in timer.compute.items():
         table[KEYS.index(key), stage] = statistics.median(seconds)
@@ -79,15 +86,20 @@ def gather_times(timer: ActionTimer, n_stages: int, comm: Any) -> Dict[str, Any]
     if timer.receives:
         table[len(KEYS) + 1, 0] = min(timer.receives)
         counts[1] = 1
+    step = torch.zeros(comm.world_size, 2, dtype=torch.float64)  # per rank: its step costs
+    if timer.step_costs:
+        step[comm.rank] = torch.tensor([statistics.median(c) for c in zip(*timer.step_costs)])
     if comm.world_size > 1:
         comm.all_reduce(table)
         comm.all_reduce(counts)
+        comm.all_reduce(step)
     times: Dict[str, Any] = {}
     for i, key in enumerate(KEYS):
         if table[i].any():
             times[key] = table[i].tolist()
     times["send"] = table[len(KEYS), 0].item() / max(counts[0].item(), 1.0)
     times["recv"] = table[len(KEYS) + 1, 0].item() / max(counts[1].item(), 1.0)
+    times["step"] = step[:, 0].max().item() + step[root, 1].item()
     return times
 
 

@@ -27,6 +27,7 @@ and close theirs in turn: every rank raises instead of hanging.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -316,6 +317,7 @@ class Pipeline:
         """
         if self._failed:
             raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
+        started = time.perf_counter()
         try:
             self._begin(inputs, targets)
         except (TypeError, ValueError) as exc:
@@ -323,12 +325,18 @@ class Pipeline:
             self._failed = str(exc)
             self._close_after_failure()
             raise
+        begun = time.perf_counter()
         for action in self._compute_order:
             self._execute(action)
+        ended = time.perf_counter()
         self._guard(None, "waiting for this step's sends", self._wait_sends)
         # With dp > 1 each stage's DDP already averaged its gradients at the end of the stage's
         # last backward (it waits for its all-reduces before that backward returns).
-        return self._finish_loss()
+        sent = time.perf_counter()
+        loss = self._finish_loss()
+        if self._timer is not None:  # the step's own costs, outside its actions
+            self._timer.step_costs.append((begun - started + sent - ended, time.perf_counter() - sent))
+        return loss
 
     def profile(self, inputs: Any = None, targets: Any = None, *, steps: int = 3) -> Dict:
         """Measures the per-action times of this pipeline on its real model, for the simulator.
@@ -349,10 +357,15 @@ class Pipeline:
                 self.step(inputs, targets)
             finally:
                 self._timer = None
-        times = self._guard(None, "profile", lambda: gather_times(timer, self.n_stages, self.comm))
+        root = self.schedule.rank_of(self.n_stages - 1)  # the loss broadcast's
+        times = self._guard(
+            None, "profile", lambda: gather_times(timer, self.n_stages, self.comm, root)
+        )
         peer = self.schedule.rank_of(1) if self.n_stages > 1 else 0
         nbytes = self.channels.sent_bytes(peer, ACTIVATION) if self.rank == 0 else 0
         p2p = self._guard(None, "profile", lambda: measure_p2p(self.comm, nbytes))
+        if self.n_ranks > 1:  # the loss broadcast reaches the other ranks one latency later
+            times["step"] += p2p + times["recv"]
         return {"times": times, "p2p": p2p}
 
     def _wait_sends(self) -> None:

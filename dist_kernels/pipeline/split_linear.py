@@ -14,9 +14,14 @@ without its norms), and there the split is known in advance, as in the zero-bubb
   computes only ``grad_input = grad_output @ weight`` and stashes ``(input, grad_output)``;
 * W does, per stashed Linear, ``grad_weight = grad_output^T @ input`` and ``grad_bias =
   grad_output.sum(0)``, the same ATen calls autograd's ``AddmmBackward`` makes (so the same
-  bits), then hands them to the parameters' AccumulateGrad nodes in one
-  ``torch.autograd.backward`` (so ``.grad`` accumulates as in any backward, and the parameters'
-  hooks, DDP's among them, fire inside one backward call).
+  bits), and accumulates them into ``.grad`` as AccumulateGrad does: by hand where a parameter
+  has no hooks (an autograd call costs more than these matmuls on small Linears), else through
+  the parameters' AccumulateGrad nodes in one ``torch.autograd.backward`` (so their hooks, DDP's
+  among them, fire inside one backward call).
+
+A Linear given a non-contiguous input of more than 2 dims is the exception: ``F.linear`` picks
+its matmul path there by which operands require grad, so F builds ``F.linear``'s own graph on
+stand-ins of its operands and I and W differentiate that graph, each for its own operands.
 
 :func:`supports` says whether a stage can take this path: every trainable parameter must be the
 weight or bias of a module whose type is exactly ``nn.Linear`` (a subclass may change
@@ -55,11 +60,12 @@ class _DeferredLinear(torch.autograd.Function):
     """``F.linear`` whose backward computes the input gradient and stashes the rest for W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, anchor, module, stash):
+    def forward(ctx, x, weight, bias, anchor, site):
         # ``weight`` and ``bias`` arrive detached: nothing here reaches a parameter. ``anchor``
         # (an empty leaf that requires grad) makes the output require grad even when ``x``
         # does not (data into the first stage), so its backward still runs and stashes.
-        ctx.module, ctx.stash, ctx.local = module, stash, None
+        module = site.module
+        ctx.site, ctx.local = site, None
         if x.dim() <= 2 or x.is_contiguous():
             ctx.save_for_backward(x, weight)
             return F.linear(x, weight, bias)
@@ -85,15 +91,15 @@ class _DeferredLinear(torch.autograd.Function):
             ctx.local = None
             if ctx.needs_input_grad[0]:
                 (grad_x,) = torch.autograd.grad(out, local[0], grad_out, retain_graph=True)
-            ctx.stash.append((ctx.module, (out, local), grad_out))
-            return grad_x, None, None, None, None, None
+            ctx.site.stash.append((ctx.site.module, (out, local), grad_out))
+            return grad_x, None, None, None, None
         x, weight = ctx.saved_tensors
         if ctx.needs_input_grad[0]:
             # AddmmBackward's input gradient: grad_output.mm(weight), on 2-D views.
             flat = grad_out.reshape(-1, grad_out.shape[-1])
             grad_x = flat.mm(weight).view(x.shape)
-        ctx.stash.append((ctx.module, x, grad_out))
-        return grad_x, None, None, None, None, None
+        ctx.site.stash.append((ctx.site.module, x, grad_out))
+        return grad_x, None, None, None, None
 
 
 class LinearWeightGradient:
@@ -123,10 +129,30 @@ class LinearWeightGradient:
             if module.bias is not None and module.bias.requires_grad:
                 params.append(module.bias)
                 grads.append(flat_g.sum(0))
-        if params:
+        if params and all(map(_plain, params, grads)) and len(set(map(id, params))) == len(params):
+            # What AccumulateGrad does for a dense gradient of the parameter's layout, with
+            # no hook to run (autograd's own call costs more than the matmuls here).
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad += g
+        elif params:
             # The parameters' own AccumulateGrad nodes, as roots: .grad and hooks as in any
             # backward (a Linear used twice in the micro-batch gets both, summed here).
             torch.autograd.backward(params, grads)
+
+
+def _plain(p: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether accumulating ``g`` into ``p.grad`` by hand is what AccumulateGrad would do: no
+    hooks on ``p`` (DDP's among them), dense tensors, ``g`` in ``p``'s layout, and a ``.grad``
+    (if any) of that layout too."""
+    if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+        return False
+    if p.is_sparse or g.is_sparse or g.stride() != p.stride() or g.dtype != p.dtype:
+        return False
+    return p.grad is None or (p.grad.stride() == p.stride() and not p.grad.is_sparse)
 
 
 def _local_grads(module: nn.Linear, out, local, grad_out):
@@ -152,9 +178,22 @@ def deferred_linears(linears: Sequence[nn.Linear], stash: List[_Entry]) -> Itera
             del module.forward
 
 
+class _Site:
+    """A Linear and the stash its backward appends to: one opaque argument of the Function
+    (a list among the arguments would be walked by ``Function.apply`` at every call)."""
+
+    __slots__ = ("module", "stash")
+
+    def __init__(self, module: nn.Linear, stash: List[_Entry]) -> None:
+        self.module, self.stash = module, stash
+
+
 def _forward_of(module: nn.Linear, anchor: torch.Tensor, stash: List[_Entry]):
+    site = _Site(module, stash)
+    apply = _DeferredLinear.apply
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         bias = module.bias.detach() if module.bias is not None else None
-        return _DeferredLinear.apply(x, module.weight.detach(), bias, anchor, module, stash)
+        return apply(x, module.weight.detach(), bias, anchor, site)
 
     return forward
