@@ -335,7 +335,8 @@ class Pipeline:
         sent = time.perf_counter()
         loss = self._finish_loss()
         if self._timer is not None:  # the step's own costs, outside its actions
-            self._timer.step_costs.append((begun - started + sent - ended, time.perf_counter() - sent))
+            finished = time.perf_counter()
+            self._timer.step_costs.append((begun - started + sent - ended, finished - sent))
         return loss
 
     def profile(self, inputs: Any = None, targets: Any = None, *, steps: int = 3) -> Dict:

@@ -13,10 +13,10 @@ paper's letters: ``F`` forward, ``B`` the input-gradient half of a backward (tor
 sender's and the receiver's thread, ``p2p`` the time from the end of a send on the sender's
 thread to its message being there to receive, ``step`` a cost paid once per step outside the
 schedule's actions (``Pipeline.profile()`` measures it: splitting the batch, the last sends'
-wait, the loss broadcast), added to the step time and counted as bubble. Each compute time is one number, the time of
-one rank's share of the model (a schedule with ``v`` stages per rank gives each stage
-``1 / v`` of it, so schedules compare at the same model), or one per stage, as
-``Pipeline.profile()`` measures them on the real model.
+wait, the loss broadcast), added to the step time and counted as bubble. Each compute time
+is one number, the time of one rank's share of the model (a schedule with ``v`` stages per
+rank gives each stage ``1 / v`` of it, so schedules compare at the same model), or one per
+stage, as ``Pipeline.profile()`` measures them on the real model.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def simulate(
         recv=per_stage["recv"][0],
         p2p=p2p,
     ).run()
-    return _report(schedule, runtime, float(_values("step", (times or {}).get("step", 0.0), 1, 1)[0]))
+    overhead = _values("step", (times or {}).get("step", 0.0), 1, 1)[0]
+    return _report(schedule, runtime, overhead)
 
 
 _TIME_OF = {
