@@ -40,7 +40,14 @@ from .partition import build_stage, format_partition, plan_partition
 from .profiling import ActionTimer, gather_times, measure_p2p
 from .schedules import build_schedule
 from .split import WeightGradient, backward_input, parameter_nodes
-from .split_linear import LinearWeightGradient, deferred_linears, linear_modules, supports
+from .split_linear import (
+    LinearWeightGradient,
+    Recording,
+    backward_input_linear,
+    linear_modules,
+    record_linears,
+    supports,
+)
 from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -213,7 +220,7 @@ class Pipeline:
         self._parameter_nodes = {
             s: parameter_nodes(list(m.parameters())) for s, m in self.stages.items()
         }
-        self._deferred = self._linear_split_stages(find_unused_parameters)
+        self._deferred = self._linear_split_stages()
         # Per stage, the micro-batch whose backward the schedule runs last: it all-reduces.
         self._last_backward = {
             a.stage: a.microbatch
@@ -223,14 +230,13 @@ class Pipeline:
 
     # ------------------------------------------------------------------ construction
 
-    def _linear_split_stages(self, find_unused: bool) -> Dict[int, List[nn.Module]]:
+    def _linear_split_stages(self) -> Dict[int, List[nn.Module]]:
         """Per stage whose I/W split takes the Linear path (``pipeline/split_linear.py``), its
         Linears: a stage this rank splits whose trainable parameters are all plain Linears'.
-        Not with activation checkpointing (its recompute runs outside the forward's deferral)
-        nor under DDP's find_unused_parameters (its graph walk at forward would find the
-        deferred parameters unused); those stages take the generic split."""
+        Not with activation checkpointing: the recorded inputs would outlive the forward that
+        checkpointing drops them from; those stages take the generic split."""
         split = {a.stage for a in self.actions if a.kind is Kind.BACKWARD_INPUT}
-        if self.checkpoint_activations or (find_unused and self.ddp):
+        if self.checkpoint_activations:
             return {}
         return {
             s: linear_modules(self.stages[s]) for s in sorted(split) if supports(self.stages[s])
@@ -390,7 +396,7 @@ class Pipeline:
         self.saved: Dict[Tuple[int, int], Tuple] = {}  # (stage, mb) -> forward state
         # (stage, mb) -> (the W half of an I, the bytes its activations hold)
         self.weight_halves: Dict[Tuple[int, int], Tuple[Optional[WeightGradient], int]] = {}
-        self.stashes: Dict[Tuple[int, int], List] = {}  # (stage, mb) -> the Linear split's
+        self.recordings: Dict[Tuple[int, int], Recording] = {}  # the Linear path's, per F
         self.losses: List[torch.Tensor] = []
         self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
         self._live_bytes = 0
@@ -443,11 +449,11 @@ class Pipeline:
         leaves = _leaves(tensors) if a.stage > 0 else [t.detach() for t in tensors]
         module = self.stages[a.stage]
         counter = _SavedCounter(list(module.parameters()))
-        deferral = contextlib.nullcontext()
-        if a.stage in self._deferred:  # the Linear split: W's inputs stashed by I
-            stash = self.stashes[(a.stage, a.microbatch)] = []
-            deferral = deferred_linears(self._deferred[a.stage], stash)
-        with counter.hooks(), self._dp_context(a), deferral:
+        recorder = contextlib.nullcontext()
+        if a.stage in self._deferred:  # the Linear split: its Linears' calls, for I and W
+            recording = self.recordings[(a.stage, a.microbatch)] = Recording()
+            recorder = record_linears(self._deferred[a.stage], recording)
+        with counter.hooks(), self._dp_context(a), recorder:
             module = self.ddp.get(a.stage, module)
             if self.checkpoint_activations:
                 # Saves only the stage's inputs, through these hooks (counted), to recompute.
@@ -467,12 +473,10 @@ class Pipeline:
     def _backward(self, a: Action) -> None:
         """B: the full backward of one micro-batch, input and weight gradients at once."""
         leaves, roots, grads, saved_bytes = self._backward_roots(a)
-        stash = self.stashes.pop((a.stage, a.microbatch), None)
+        self.recordings.pop((a.stage, a.microbatch), None)  # a full B needs none
         if roots:
             with self._dp_context(a):
                 torch.autograd.backward(roots, grads)
-                if stash is not None:  # a Linear-split stage's full B: its W at once
-                    LinearWeightGradient(stash).run()
         self._live_bytes -= saved_bytes
         self._send_input_grads(a, leaves)
 
@@ -481,12 +485,10 @@ class Pipeline:
         holds the activations until then (``pipeline/split.py``)."""
         leaves, roots, grads, saved_bytes = self._backward_roots(a)
         weight = None
-        stash = self.stashes.pop((a.stage, a.microbatch), None)
-        if roots and stash is not None:
-            # The Linear split: a plain backward reaches no parameter, only the stash.
-            torch.autograd.backward(roots, grads)
-            weight = LinearWeightGradient(stash)
-        elif roots:
+        recording = self.recordings.pop((a.stage, a.microbatch), None)
+        if roots and recording is not None:  # the Linear path, if this micro-batch fits it
+            weight = backward_input_linear(roots, grads, leaves, recording)
+        if roots and weight is None:
             params = self._parameter_nodes[a.stage]
             weight = backward_input(roots, grads or [None] * len(roots), leaves, params)
         self.weight_halves[(a.stage, a.microbatch)] = (weight, saved_bytes)

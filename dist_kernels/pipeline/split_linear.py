@@ -7,41 +7,44 @@ stages are Linears between parameter-free ops (an MLP, the projections of a tran
 without its norms), and there the split is known in advance, as in the zero-bubble authors'
 ``WeightGradStore`` and Megatron's ``--delay-wgrad-compute``:
 
-* F runs each Linear through :class:`_DeferredLinear` (an autograd Function) that computes
-  ``F.linear`` as usual but sees its weight and bias detached, so the autograd graph of the
-  micro-batch never reaches a parameter;
-* I is then one ordinary ``torch.autograd.backward`` of the stage: each Linear's backward
-  computes only ``grad_input = grad_output @ weight`` and stashes ``(input, grad_output)``;
-* W does, per stashed Linear, ``grad_weight = grad_output^T @ input`` and ``grad_bias =
+* F is the stage's ordinary forward; a forward hook on each Linear records its input and the
+  gradient edge of its output (``AddmmBackward``'s, where the weight branch leaves);
+* I is one ``torch.autograd.grad`` towards the stage inputs and those edges: autograd runs the
+  input path only (each ``AddmmBackward`` computes its input's gradient, never its weight's:
+  no parameter's AccumulateGrad is on the way) and hands back each Linear's output gradient;
+* W does, per recorded Linear, ``grad_weight = grad_output^T @ input`` and ``grad_bias =
   grad_output.sum(0)``, the same ATen calls autograd's ``AddmmBackward`` makes (so the same
   bits), and accumulates them into ``.grad`` as AccumulateGrad does: by hand where a parameter
   has no hooks (an autograd call costs more than these matmuls on small Linears), else through
   the parameters' AccumulateGrad nodes in one ``torch.autograd.backward`` (so their hooks, DDP's
   among them, fire inside one backward call).
 
-A Linear given a non-contiguous input of more than 2 dims is the exception: ``F.linear`` picks
-its matmul path there by which operands require grad, so F builds ``F.linear``'s own graph on
-stand-ins of its operands and I and W differentiate that graph, each for its own operands.
-
 :func:`supports` says whether a stage can take this path: every trainable parameter must be the
 weight or bias of a module whose type is exactly ``nn.Linear`` (a subclass may change
-``forward``). Other stages use the generic split.
+``forward``). A micro-batch whose recording does not fit (a Linear called with a keyword, or
+given a non-contiguous input of more than 2 dims, where ``F.linear`` takes another matmul path,
+or whose output is a view modified in place later) returns None from
+:func:`backward_input_linear`: the caller runs the generic split on it. An output that is not a
+view may be modified in place (``ReLU(inplace=True)``): its edge stays in the graph.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["LinearWeightGradient", "deferred_linears", "linear_modules", "supports"]
-
-# (module, input, grad_output) of one Linear's backward in one micro-batch; for a
-# non-contiguous input, (module, (F.linear's output, its operands' stand-ins), grad_output)
-_Entry = Tuple[nn.Linear, Any, torch.Tensor]
+__all__ = [
+    "LinearWeightGradient",
+    "Recording",
+    "backward_input_linear",
+    "linear_modules",
+    "record_linears",
+    "supports",
+]
 
 
 def linear_modules(module: nn.Module) -> List[nn.Linear]:
@@ -56,144 +59,133 @@ def supports(module: nn.Module) -> bool:
     return bool(trainable) and all(id(p) in covered for p in trainable)
 
 
-class _DeferredLinear(torch.autograd.Function):
-    """``F.linear`` whose backward computes the input gradient and stashes the rest for W."""
+class Recording:
+    """What the forward of one micro-batch recorded: per Linear call, the module, its input
+    (and that input's version) and its output's gradient edge."""
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, anchor, site):
-        # ``weight`` and ``bias`` arrive detached: nothing here reaches a parameter. ``anchor``
-        # (an empty leaf that requires grad) makes the output require grad even when ``x``
-        # does not (data into the first stage), so its backward still runs and stashes.
-        module = site.module
-        ctx.site, ctx.local = site, None
-        if x.dim() <= 2 or x.is_contiguous():
-            ctx.save_for_backward(x, weight)
-            return F.linear(x, weight, bias)
-        # A non-contiguous input of more than 2 dims: F.linear picks its matmul path by which
-        # operands require grad (batched, not folded), so the matmuls above would round
-        # differently. Build F.linear's own graph here, on stand-ins that require grad as the
-        # real operands do, and let I and W differentiate it, each for its own operands.
-        with torch.enable_grad():
-            local = [
-                x.detach().requires_grad_(ctx.needs_input_grad[0]),
-                weight.detach().requires_grad_(module.weight.requires_grad),
-                None if bias is None else bias.detach().requires_grad_(module.bias.requires_grad),
-            ]
-            out = F.linear(*local)
-        ctx.local = (out, local)
-        return out.detach()
+    __slots__ = ("calls", "fits", "views")
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x = None
-        if ctx.local is not None:
-            out, local = ctx.local
-            ctx.local = None
-            if ctx.needs_input_grad[0]:
-                (grad_x,) = torch.autograd.grad(out, local[0], grad_out, retain_graph=True)
-            ctx.site.stash.append((ctx.site.module, (out, local), grad_out))
-            return grad_x, None, None, None, None
-        x, weight = ctx.saved_tensors
-        if ctx.needs_input_grad[0]:
-            # AddmmBackward's input gradient: grad_output.mm(weight), on 2-D views.
-            flat = grad_out.reshape(-1, grad_out.shape[-1])
-            grad_x = flat.mm(weight).view(x.shape)
-        ctx.site.stash.append((ctx.site.module, x, grad_out))
-        return grad_x, None, None, None, None
+    def __init__(self) -> None:
+        self.calls: List[Tuple[nn.Linear, torch.Tensor, int, GradientEdge]] = []
+        self.fits = True  # False: a call this path cannot split; use the generic split
+        # Outputs that are views (F.linear of a 3-D input reshapes addmm's result), with their
+        # versions: modified in place later, their edge leaves the graph (autograd rebases a
+        # view modified in place), so the micro-batch takes the generic split.
+        self.views: List[Tuple[torch.Tensor, int]] = []
+
+    def hook(self, module: nn.Linear, args: tuple, out: torch.Tensor) -> None:
+        x = args[0] if len(args) == 1 else None
+        if x is None or (x.dim() > 2 and not x.is_contiguous()) or out.grad_fn is None:
+            self.fits = False
+            return
+        self.calls.append((module, x, x._version, get_gradient_edge(out)))
+        if out._is_view():
+            self.views.append((out, out._version))
+
+    def still_fits(self) -> bool:
+        return self.fits and all(out._version == v for out, v in self.views)
+
+
+@contextlib.contextmanager
+def record_linears(linears: Sequence[nn.Linear], recording: Recording) -> Iterator[None]:
+    """While open, every call of one of ``linears`` is recorded into ``recording``."""
+    handles = [m.register_forward_hook(recording.hook) for m in linears]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class LinearWeightGradient:
-    """The W half of one micro-batch: the stashed Linears' weight and bias gradients."""
+    """The W half of one micro-batch: the recorded Linears' weight and bias gradients."""
 
-    def __init__(self, stash: List[_Entry]) -> None:
-        self._stash: Optional[List[_Entry]] = stash
+    def __init__(self, stash: List[Tuple[nn.Linear, torch.Tensor, int, torch.Tensor]]) -> None:
+        self._stash: Optional[list] = stash
 
     def run(self) -> None:
-        """Accumulates each stashed Linear's gradients into ``.grad`` (one backward call)."""
+        """Accumulates each recorded Linear's gradients into ``.grad``."""
         if self._stash is None:
             raise RuntimeError("LinearWeightGradient.run: this micro-batch's W has run already")
         stash, self._stash = self._stash, None
         params, grads = [], []
-        for module, x, grad_out in stash:
-            if isinstance(x, tuple):  # F.linear's own graph (a non-contiguous input)
-                params_here, grads_here = _local_grads(module, *x, grad_out)
-                params += params_here
-                grads += grads_here
-                continue
-            flat_g = grad_out.reshape(-1, grad_out.shape[-1])
-            if module.weight.requires_grad:
-                # What AddmmBackward / MmBackward compute for weight.t() (then transposed
-                # back): grad_output^T @ input, one matmul.
-                params.append(module.weight)
-                grads.append(flat_g.t().mm(x.reshape(-1, x.shape[-1])))
-            if module.bias is not None and module.bias.requires_grad:
-                params.append(module.bias)
-                grads.append(flat_g.sum(0))
-        if params and all(map(_plain, params, grads)) and len(set(map(id, params))) == len(params):
-            # What AccumulateGrad does for a dense gradient of the parameter's layout, with
-            # no hook to run (autograd's own call costs more than the matmuls here).
-            with torch.no_grad():
+        with torch.no_grad():
+            for module, x, version, grad_out in stash:
+                if x._version != version:  # as autograd's check of a saved tensor
+                    raise RuntimeError(
+                        "the input of a Linear (needed for its weight gradient) has been "
+                        "modified by an inplace operation after the forward"
+                    )
+                if grad_out.dim() != 2:
+                    grad_out = grad_out.reshape(-1, grad_out.shape[-1])
+                    x = x.reshape(-1, x.shape[-1])
+                weight, bias = module.weight, module.bias
+                if weight.requires_grad:
+                    # What AddmmBackward / MmBackward compute for weight.t() (then transposed
+                    # back): grad_output^T @ input, one matmul.
+                    params.append(weight)
+                    grads.append(grad_out.t().mm(x))
+                if bias is not None and bias.requires_grad:
+                    params.append(bias)
+                    grads.append(grad_out.sum(0))
+            if params and _by_hand(params, grads):
+                # What AccumulateGrad does for a dense gradient of the parameter's layout, with
+                # no hook to run.
                 for p, g in zip(params, grads):
                     if p.grad is None:
                         p.grad = g
                     else:
                         p.grad += g
-        elif params:
+                return
+        if params:
             # The parameters' own AccumulateGrad nodes, as roots: .grad and hooks as in any
-            # backward (a Linear used twice in the micro-batch gets both, summed here).
+            # backward (a Linear called twice in the micro-batch gets both, summed here).
             torch.autograd.backward(params, grads)
 
 
-def _plain(p: torch.Tensor, g: torch.Tensor) -> bool:
-    """Whether accumulating ``g`` into ``p.grad`` by hand is what AccumulateGrad would do: no
-    hooks on ``p`` (DDP's among them), dense tensors, ``g`` in ``p``'s layout, and a ``.grad``
-    (if any) of that layout too."""
-    if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+def _by_hand(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    """Whether accumulating by hand is what AccumulateGrad would do: each parameter once, no
+    hooks on it (DDP's among them), dense tensors, each gradient in its parameter's layout and
+    dtype, and a ``.grad`` (if any) of that layout too."""
+    if len({id(p) for p in params}) != len(params):
         return False
-    if p.is_sparse or g.is_sparse or g.stride() != p.stride() or g.dtype != p.dtype:
-        return False
-    return p.grad is None or (p.grad.stride() == p.stride() and not p.grad.is_sparse)
+    for p, g in zip(params, grads):
+        if p._backward_hooks or p._post_accumulate_grad_hooks or p.is_sparse:
+            return False
+        stride = p.stride()
+        if g.stride() != stride or g.dtype != p.dtype:
+            return False
+        held = p.grad
+        if held is not None and (held.is_sparse or held.stride() != stride):
+            return False
+    return True
 
 
-def _local_grads(module: nn.Linear, out, local, grad_out):
-    """The parameters' gradients from the graph F.linear built in the forward."""
-    pairs = [(p, t) for p, t in zip((module.weight, module.bias), local[1:]) if p is not None]
-    pairs = [(p, t) for p, t in pairs if p.requires_grad]
-    if not pairs:
-        return [], []
-    grads = torch.autograd.grad(out, [t for _, t in pairs], grad_out)
-    return [p for p, _ in pairs], list(grads)
+def backward_input_linear(
+    roots: Sequence[torch.Tensor],
+    grads: Optional[Sequence[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    recording: Recording,
+) -> Optional[LinearWeightGradient]:
+    """Runs the I half: ``inputs`` (leaves) get their ``.grad``; returns the W half, or None
+    (nothing run) when the recording does not fit this path.
 
-
-@contextlib.contextmanager
-def deferred_linears(linears: Sequence[nn.Linear], stash: List[_Entry]) -> Iterator[None]:
-    """While open, the forward of each of ``linears`` defers its weight gradient to ``stash``."""
-    anchor = torch.empty(0, requires_grad=True)
-    for module in linears:
-        module.forward = _forward_of(module, anchor, stash)  # instance attribute: hooks stay
-    try:
-        yield
-    finally:
-        for module in linears:
-            del module.forward
-
-
-class _Site:
-    """A Linear and the stash its backward appends to: one opaque argument of the Function
-    (a list among the arguments would be walked by ``Function.apply`` at every call)."""
-
-    __slots__ = ("module", "stash")
-
-    def __init__(self, module: nn.Linear, stash: List[_Entry]) -> None:
-        self.module, self.stash = module, stash
-
-
-def _forward_of(module: nn.Linear, anchor: torch.Tensor, stash: List[_Entry]):
-    site = _Site(module, stash)
-    apply = _DeferredLinear.apply
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        bias = module.bias.detach() if module.bias is not None else None
-        return apply(x, module.weight.detach(), bias, anchor, site)
-
-    return forward
+    ``roots`` are the stage's outputs (or its scaled loss), ``grads`` their gradients (None for
+    a scalar loss).
+    """
+    if not recording.still_fits():
+        return None
+    leaves = [t for t in inputs if t.requires_grad]
+    edges = [call[3] for call in recording.calls]
+    if not leaves and not edges:
+        return LinearWeightGradient([])
+    found = torch.autograd.grad(roots, [*leaves, *edges], grads, allow_unused=True)
+    for leaf, g in zip(leaves, found):
+        if g is not None:
+            leaf.grad = g if leaf.grad is None else leaf.grad + g
+    stash = [
+        (module, x, version, g)
+        for (module, x, version, _), g in zip(recording.calls, found[len(leaves) :])
+        if g is not None  # a Linear whose output no root uses: no gradient, as in a backward
+    ]
+    return LinearWeightGradient(stash)
