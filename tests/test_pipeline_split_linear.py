@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from dist_kernels.pipeline.split_linear import (
+    Recorder,
     Recording,
     backward_input_linear,
     linear_modules,
@@ -166,3 +167,25 @@ def test_supports_only_stages_of_plain_linears():
     frozen = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     frozen[1].requires_grad_(False)
     assert supports(frozen)  # only trainable parameters count
+
+
+def test_recorder_records_only_inside_recording():
+    """The runtime's installed-once hooks: idle outside ``recording``, and inside it the same
+    gradients as the full backward."""
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    reference = copy.deepcopy(model)
+    recorder = Recorder(linear_modules(model))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(SEED))
+    model(x)  # outside: nothing recorded, nothing kept
+    recording = Recording()
+    with recorder.recording(recording):
+        out = model(x)
+    model(x)
+    assert len(recording.calls) == 2
+    reference(x).sum().backward()
+    backward_input_linear([out.sum()], None, [], recording).run()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    recorder.remove()
+    assert all(not m._forward_hooks for m in linear_modules(model))

@@ -42,10 +42,10 @@ from .schedules import build_schedule
 from .split import WeightGradient, backward_input, parameter_nodes
 from .split_linear import (
     LinearWeightGradient,
+    Recorder,
     Recording,
     backward_input_linear,
     linear_modules,
-    record_linears,
     supports,
 )
 from .wire import ACTIVATION, GRADIENT, Channels
@@ -230,16 +230,20 @@ class Pipeline:
 
     # ------------------------------------------------------------------ construction
 
-    def _linear_split_stages(self) -> Dict[int, List[nn.Module]]:
-        """Per stage whose I/W split takes the Linear path (``pipeline/split_linear.py``), its
-        Linears: a stage this rank splits whose trainable parameters are all plain Linears'.
+    def _linear_split_stages(self) -> Dict[int, Recorder]:
+        """Per stage whose I/W split takes the Linear path (``pipeline/split_linear.py``), the
+        recorder hooked on its Linears (one forward hook each, idle outside this pipeline's
+        forwards): a stage this rank splits whose trainable parameters are all plain
+        Linears'.
         Not with activation checkpointing: the recorded inputs would outlive the forward that
         checkpointing drops them from; those stages take the generic split."""
         split = {a.stage for a in self.actions if a.kind is Kind.BACKWARD_INPUT}
         if self.checkpoint_activations:
             return {}
         return {
-            s: linear_modules(self.stages[s]) for s in sorted(split) if supports(self.stages[s])
+            s: Recorder(linear_modules(self.stages[s]))
+            for s in sorted(split)
+            if supports(self.stages[s])
         }
 
     @staticmethod
@@ -452,7 +456,7 @@ class Pipeline:
         recorder = contextlib.nullcontext()
         if a.stage in self._deferred:  # the Linear split: its Linears' calls, for I and W
             recording = self.recordings[(a.stage, a.microbatch)] = Recording()
-            recorder = record_linears(self._deferred[a.stage], recording)
+            recorder = self._deferred[a.stage].recording(recording)
         with counter.hooks(), self._dp_context(a), recorder:
             module = self.ddp.get(a.stage, module)
             if self.checkpoint_activations:

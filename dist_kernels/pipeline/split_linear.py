@@ -7,8 +7,9 @@ stages are Linears between parameter-free ops (an MLP, the projections of a tran
 without its norms), and there the split is known in advance, as in the zero-bubble authors'
 ``WeightGradStore`` and Megatron's ``--delay-wgrad-compute``:
 
-* F is the stage's ordinary forward; a forward hook on each Linear records its input and the
-  gradient edge of its output (``AddmmBackward``'s, where the weight branch leaves);
+* F is the stage's ordinary forward; a forward hook on each Linear (installed once,
+  :class:`Recorder`) records its input and the gradient edge of its output
+  (``AddmmBackward``'s, where the weight branch leaves);
 * I is one ``torch.autograd.grad`` towards the stage inputs and those edges: autograd runs the
   input path only (each ``AddmmBackward`` computes its input's gradient, never its weight's:
   no parameter's AccumulateGrad is on the way) and hands back each Linear's output gradient;
@@ -31,14 +32,15 @@ view may be modified in place (``ReLU(inplace=True)``): its edge stays in the gr
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 __all__ = [
     "LinearWeightGradient",
+    "Recorder",
     "Recording",
     "backward_input_linear",
     "linear_modules",
@@ -66,7 +68,8 @@ class Recording:
     __slots__ = ("calls", "fits", "views")
 
     def __init__(self) -> None:
-        self.calls: List[Tuple[nn.Linear, torch.Tensor, int, GradientEdge]] = []
+        # (module, input, its version, the output's grad_fn and output_nr: its gradient edge)
+        self.calls: List[Tuple[nn.Linear, torch.Tensor, int, Any, int]] = []
         self.fits = True  # False: a call this path cannot split; use the generic split
         # Outputs that are views (F.linear of a 3-D input reshapes addmm's result), with their
         # versions: modified in place later, their edge leaves the graph (autograd rebases a
@@ -74,16 +77,50 @@ class Recording:
         self.views: List[Tuple[torch.Tensor, int]] = []
 
     def hook(self, module: nn.Linear, args: tuple, out: torch.Tensor) -> None:
-        x = args[0] if len(args) == 1 else None
-        if x is None or (x.dim() > 2 and not x.is_contiguous()) or out.grad_fn is None:
+        # As little as can be here: it runs in every Linear call of the forward.
+        if len(args) != 1:
             self.fits = False
             return
-        self.calls.append((module, x, x._version, get_gradient_edge(out)))
-        if out._is_view():
+        x = args[0]
+        self.calls.append((module, x, x._version, out.grad_fn, out.output_nr))
+        if out._base is not None:
             self.views.append((out, out._version))
 
     def still_fits(self) -> bool:
-        return self.fits and all(out._version == v for out, v in self.views)
+        if not self.fits:
+            return False
+        for _, x, _, grad_fn, _ in self.calls:
+            if grad_fn is None or (x.dim() > 2 and not x.is_contiguous()):
+                return False
+        return all(out._version == v for out, v in self.views)
+
+
+class Recorder:
+    """One forward hook per Linear, installed once: it records into the :class:`Recording` set
+    by :meth:`recording` and does nothing outside it. (Registering and removing hooks around
+    every forward costs several times what the hooks themselves do.)"""
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        self.current: Optional[Recording] = None
+        self.handles = [m.register_forward_hook(self._hook) for m in linears]
+
+    def _hook(self, module: nn.Linear, args: tuple, out: torch.Tensor) -> None:
+        current = self.current
+        if current is not None:
+            current.hook(module, args, out)
+
+    @contextlib.contextmanager
+    def recording(self, recording: Recording) -> Iterator[None]:
+        self.current = recording
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 @contextlib.contextmanager
@@ -176,7 +213,7 @@ def backward_input_linear(
     if not recording.still_fits():
         return None
     leaves = [t for t in inputs if t.requires_grad]
-    edges = [call[3] for call in recording.calls]
+    edges = [GradientEdge(grad_fn, nr) for _, _, _, grad_fn, nr in recording.calls]
     if not leaves and not edges:
         return LinearWeightGradient([])
     found = torch.autograd.grad(roots, [*leaves, *edges], grads, allow_unused=True)
@@ -185,7 +222,7 @@ def backward_input_linear(
             leaf.grad = g if leaf.grad is None else leaf.grad + g
     stash = [
         (module, x, version, g)
-        for (module, x, version, _), g in zip(recording.calls, found[len(leaves) :])
+        for (module, x, version, _, _), g in zip(recording.calls, found[len(leaves) :])
         if g is not None  # a Linear whose output no root uses: no gradient, as in a backward
     ]
     return LinearWeightGradient(stash)
