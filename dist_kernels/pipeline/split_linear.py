@@ -145,6 +145,7 @@ class LinearWeightGradient:
         if self._stash is None:
             raise RuntimeError("LinearWeightGradient.run: this micro-batch's W has run already")
         stash, self._stash = self._stash, None
+        by_hand = _by_hand([p for m, _, _, _ in stash for p in (m.weight, m.bias)])
         params, grads = [], []
         with torch.no_grad():
             for module, x, version, grad_out in stash:
@@ -165,35 +166,43 @@ class LinearWeightGradient:
                 if bias is not None and bias.requires_grad:
                     params.append(bias)
                     grads.append(grad_out.sum(0))
-            if params and _by_hand(params, grads):
-                # What AccumulateGrad does for a dense gradient of the parameter's layout, with
-                # no hook to run.
-                for p, g in zip(params, grads):
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad += g
-                return
+                if by_hand:  # at once, so that each gradient's memory is reused while warm
+                    for p, g in zip(params, grads):
+                        _accumulate(p, g)
+                    params, grads = [], []
         if params:
             # The parameters' own AccumulateGrad nodes, as roots: .grad and hooks as in any
             # backward (a Linear called twice in the micro-batch gets both, summed here).
             torch.autograd.backward(params, grads)
 
 
-def _by_hand(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
-    """Whether accumulating by hand is what AccumulateGrad would do: each parameter once, no
-    hooks on it (DDP's among them), dense tensors, each gradient in its parameter's layout and
-    dtype, and a ``.grad`` (if any) of that layout too."""
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    """What AccumulateGrad does for a dense gradient in its parameter's layout (autograd casts
+    a gradient to its parameter's dtype first)."""
+    if g.dtype != p.dtype:
+        g = g.to(p.dtype)
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad += g
+
+
+def _by_hand(params: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether accumulating by hand is what AccumulateGrad would do: each trainable parameter
+    once, no hooks on it (DDP's among them), dense and contiguous (the layout of the
+    gradients W computes), with a ``.grad`` (if any) of that layout and dtype too."""
+    params = [p for p in params if p is not None and p.requires_grad]
     if len({id(p) for p in params}) != len(params):
         return False
-    for p, g in zip(params, grads):
+    for p in params:
         if p._backward_hooks or p._post_accumulate_grad_hooks or p.is_sparse:
             return False
-        stride = p.stride()
-        if g.stride() != stride or g.dtype != p.dtype:
+        if not p.is_contiguous():
             return False
         held = p.grad
-        if held is not None and (held.is_sparse or held.stride() != stride):
+        if held is not None and (
+            held.is_sparse or not held.is_contiguous() or held.dtype != p.dtype
+        ):
             return False
     return True
 
