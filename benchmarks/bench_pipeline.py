@@ -17,7 +17,7 @@ must agree (max relative difference at most ``--tolerance``), or every rank stop
 anything is timed.
 
 The simulator's prediction beside each row: ``Pipeline.profile()`` times every action of our
-pipeline on this model (medians per stage, the send and receive costs, a ping-pong for the
+pipeline on this model (means per stage, the send and receive costs, a ping-pong for the
 latency), ``dk.pipeline.simulate`` turns them into a step time, and the row shows it beside the
 measured median of ``Pipeline.step`` (the pipeline alone: no optimizer step) and the error.
 

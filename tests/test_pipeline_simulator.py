@@ -145,6 +145,10 @@ def test_transfer_costs_in_closed_form():
     sim = simulate("1f1b", 2, 1, times={"F": [1.0, 4.0], "BW": [2.0, 8.0]})
     assert sim.step_time == 1.0 + 4.0 + 8.0 + 2.0
     assert sim.bubble_fraction == pytest.approx(1 - 15.0 / 30.0)
+    # a step's own cost outside its actions (the loss broadcast, ...): once, as bubble
+    sim = simulate("1f1b", 2, 1, times={"F": [1.0, 4.0], "BW": [2.0, 8.0], "step": 5.0})
+    assert sim.step_time == 1.0 + 4.0 + 8.0 + 2.0 + 5.0
+    assert sim.bubble_fraction == pytest.approx(1 - 15.0 / 40.0)
 
 
 def test_simulate_arguments():

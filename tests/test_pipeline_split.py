@@ -51,7 +51,8 @@ def _outputs(module, x):
 
 @pytest.mark.parametrize("name", ["mlp", "layernorm", "shared", "off-path"])
 @pytest.mark.parametrize("input_grad", [True, False])  # False: the first stage (data inputs)
-def test_halves_equal_the_full_backward(name, input_grad):
+@pytest.mark.parametrize("one_backward", [False, True])  # True: W in one call (under DDP)
+def test_halves_equal_the_full_backward(name, input_grad, one_backward):
     print("seed", SEED)
     reference = _modules()[name]
     split = copy.deepcopy(reference)
@@ -67,7 +68,7 @@ def test_halves_equal_the_full_backward(name, input_grad):
             assert torch.equal(x_split.grad, x_ref.grad)
         if step == 0:  # I alone touches no parameter
             assert all(p.grad is None for p in split.parameters())
-        weight.run()
+        weight.run(one_backward=one_backward)
         for (pname, a), b in zip(reference.named_parameters(), split.parameters()):
             assert (a.grad is None) == (b.grad is None), pname
             if a.grad is not None:

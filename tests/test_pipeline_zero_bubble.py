@@ -1,7 +1,8 @@
 """Zero-bubble schedules on the runtime: the same training as 1F1B, bit for bit.
 
-Every schedule computes each micro-batch's gradients with the same autograd nodes (the B/W
-split restarts autograd where the two halves meet) and accumulates a parameter's gradient
+Every schedule computes each micro-batch's gradients with the same ATen calls (the generic B/W
+split restarts autograd where the two halves meet; the Linear path, taken by stages of plain
+nn.Linear, makes AddmmBackward's matmuls itself) and accumulates a parameter's gradient
 over micro-batches in micro-batch order, as 1F1B does; the loss is the same mean. So losses,
 gradients and updated parameters must be bitwise equal to 1F1B's, at 2 and 4 stages, 4, 8
 and 16 micro-batches, and with data parallelism beside (dp = 2: the two replicas' gradients
@@ -25,11 +26,17 @@ SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipe-v")
 MICROBATCHES = (4, 8, 16)
 
 
-def _model() -> nn.Sequential:
+class _Generic(nn.Linear):
+    """Not a plain nn.Linear (a subclass may change forward): its stages take the generic
+    split (``pipeline/split.py``), those of plain Linears the Linear path."""
+
+
+def _model(kind: str = "linear") -> nn.Sequential:
     torch.manual_seed(SEED)
+    linear = nn.Linear if kind == "linear" else _Generic
     layers = []
     for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        layers += [linear(WIDTH, WIDTH), nn.Tanh()]
     return nn.Sequential(*layers)
 
 
@@ -39,9 +46,9 @@ def _batches(replicas: int):
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def _train(comm, schedule: str, m: int, replica: int, replicas: int):
+def _train(comm, schedule: str, m: int, replica: int, replicas: int, kind: str):
     """Two SGD steps; per owned layer index: (weight, bias, their grads of the last step)."""
-    model = _model()
+    model = _model(kind)
     pipe = dk.Pipeline(
         model,
         comm,
@@ -50,6 +57,8 @@ def _train(comm, schedule: str, m: int, replica: int, replicas: int):
         loss_fn=nn.functional.mse_loss,
         print_partition=False,
     )
+    split = {a.stage for a in pipe.actions if a.kind is dk.pipeline.Kind.BACKWARD_INPUT}
+    assert sorted(pipe._deferred) == (sorted(split) if kind == "linear" else [])
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
     xs, ys = _batches(replicas)
     mine = slice(replica * BATCH, (replica + 1) * BATCH)
@@ -67,14 +76,14 @@ def _train(comm, schedule: str, m: int, replica: int, replicas: int):
     return losses, params, grads
 
 
-def _rank_schedules(dp: int):
+def _rank_schedules(dp: int, kind: str):
     mesh = dk.ProcessMesh(dp=dp, pp=torch.distributed.get_world_size() // dp)
     out = {}
     for schedule in SCHEDULES:
         for m in MICROBATCHES:
             comm = mesh if dp > 1 else mesh.pp_comm
             try:
-                out[(schedule, m)] = _train(comm, schedule, m, mesh.dp_rank, dp)
+                out[(schedule, m)] = _train(comm, schedule, m, mesh.dp_rank, dp, kind)
             except ValueError as exc:  # dualpipe-v needs m >= 2 * pp
                 out[(schedule, m)] = str(exc)
     mesh.close()
@@ -114,11 +123,13 @@ def _check_bitwise(results, dp: int, pp: int) -> None:
                         assert torch.equal(a, b), (schedule, m, i, (a - b).abs().max().item())
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_zero_bubble_schedules_equal_1f1b_bitwise(world_size):
+@pytest.mark.parametrize("kind", ["linear", "generic"])
+@pytest.mark.parametrize("world_size,dp", [(2, 1), (4, 1), (4, 2)])
+def test_zero_bubble_schedules_equal_1f1b_bitwise(world_size, dp, kind):
+    """Both paths of the split (``kind``), with DDP over dp = 2 beside at 4 ranks."""
     print("seed", SEED)
-    results = run_ranks(world_size, _rank_schedules, 1, timeout=600)
-    _check_bitwise(results, dp=1, pp=world_size)
+    results = run_ranks(world_size, _rank_schedules, dp, kind, timeout=600)
+    _check_bitwise(results, dp=dp, pp=world_size // dp)
 
 
 class _Slow(nn.Module):
@@ -162,10 +173,13 @@ def test_profile_times_each_action_without_its_waits():
         times = profile["times"]
         print(schedule, profile)
         split = schedule == "zb-h1"
-        assert sorted(times) == sorted(["F", "send", "recv"] + (["B", "W"] if split else ["BW"]))
+        keys = ["F", "send", "recv", "step"] + (["B", "W"] if split else ["BW"])
+        assert sorted(times) == sorted(keys)
         assert times["F"][1] >= SLEEP
         backward = times["B"][0] + times["W"][0] if split else times["BW"][0]
         assert 0 < backward < SLEEP  # a one-Linear backward, its waits for gradients excluded
         assert profile["p2p"] > 0 and times["send"] > 0 and times["recv"] > 0
+        # once per step: the loss broadcast at least, one latency and one receive
+        assert times["step"] >= profile["p2p"] + times["recv"]
         sim = dk.pipeline.simulate(schedule, 2, 2, **profile)
         assert sim.step_time >= 2 * SLEEP

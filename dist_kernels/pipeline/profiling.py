@@ -5,13 +5,17 @@ pipeline agrees on one table (:func:`gather_times`, a sum all-reduce: every stag
 exactly one rank). The result is the simulator's input (``dk.pipeline.simulate(...,
 **profile)``), in seconds:
 
-* ``F``, ``B``, ``W``, ``BW``: the median time of a forward, an input-gradient half (action
+* ``F``, ``B``, ``W``, ``BW``: the mean time of a forward, an input-gradient half (action
   ``I``), a weight-gradient half and a full backward of each stage, whichever its schedule runs
   (so simulate a schedule with a profile of the same kind: split or not). A compute action's
   time excludes the receives it waited in.
-* ``send``: the median time a send takes its thread (packing the message and the ``isend``
+* ``send``: the mean time a send takes its thread (packing the message and the ``isend``
   call); ``recv``: the fastest receive seen (one whose message was already there), both
   averaged over the ranks that send or receive.
+* ``step``: what a step costs outside the schedule's actions, once per step: splitting the
+  batch and waiting for the last sends (the mean per rank, the largest over the ranks), and
+  the loss broadcast: the mean time it takes the last stage's rank, plus (added by
+  ``Pipeline.profile``) one ``p2p`` and one ``recv`` for it to reach the others.
 * ``p2p``: half the median round trip of a message of the size of rank 0's first activation
   between ranks 0 and 1 (0 on one rank): from the end of one side's send call to the other
   side holding the bytes.
@@ -29,6 +33,11 @@ import torch
 from .actions import Action, Kind
 
 __all__ = ["ActionTimer", "gather_times", "measure_p2p"]
+
+# How one action's samples become its time: the mean, since a step's time is a sum of its
+# actions' (with waits), and what sums is the mean; a median misses the tail that steps pay
+# (preemption, page faults, a cold cache).
+_AVERAGE = statistics.fmean
 
 _COMPUTE_KEY = {
     Kind.FORWARD: "F",
@@ -48,6 +57,8 @@ class ActionTimer:
         self.sends: List[float] = []
         self.receives: List[float] = []
         self._nested = [0.0]  # per open compute step: seconds spent in its receives
+        # per step: (splitting the batch + waiting for the sends, the loss broadcast), seconds
+        self.step_costs: List[Tuple[float, float]] = []
 
     def run(self, action: Action, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -67,27 +78,33 @@ class ActionTimer:
                 self._nested[-1] += spent
 
 
-def gather_times(timer: ActionTimer, n_stages: int, comm: Any) -> Dict[str, Any]:
-    """The pipeline's table (module docstring): medians per stage, summed over the ranks."""
+def gather_times(timer: ActionTimer, n_stages: int, comm: Any, root: int = 0) -> Dict[str, Any]:
+    """The pipeline's table (module docstring): means per stage, summed over the ranks;
+    ``root`` is the rank that broadcasts the loss."""
     table = torch.zeros(len(KEYS) + 2, n_stages, dtype=torch.float64)
     for (key, stage), seconds in timer.compute.items():
-        table[KEYS.index(key), stage] = statistics.median(seconds)
+        table[KEYS.index(key), stage] = _AVERAGE(seconds)
     counts = torch.zeros(2, dtype=torch.float64)  # ranks that sent, and that received
     if timer.sends:
-        table[len(KEYS), 0] = statistics.median(timer.sends)
+        table[len(KEYS), 0] = _AVERAGE(timer.sends)
         counts[0] = 1
     if timer.receives:
         table[len(KEYS) + 1, 0] = min(timer.receives)
         counts[1] = 1
+    step = torch.zeros(comm.world_size, 2, dtype=torch.float64)  # per rank: its step costs
+    if timer.step_costs:
+        step[comm.rank] = torch.tensor([_AVERAGE(c) for c in zip(*timer.step_costs)])
     if comm.world_size > 1:
         comm.all_reduce(table)
         comm.all_reduce(counts)
+        comm.all_reduce(step)
     times: Dict[str, Any] = {}
     for i, key in enumerate(KEYS):
         if table[i].any():
             times[key] = table[i].tolist()
     times["send"] = table[len(KEYS), 0].item() / max(counts[0].item(), 1.0)
     times["recv"] = table[len(KEYS) + 1, 0].item() / max(counts[1].item(), 1.0)
+    times["step"] = step[:, 0].max().item() + step[root, 1].item()
     return times
 
 

@@ -27,6 +27,7 @@ and close theirs in turn: every rank raises instead of hanging.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -39,6 +40,14 @@ from .partition import build_stage, format_partition, plan_partition
 from .profiling import ActionTimer, gather_times, measure_p2p
 from .schedules import build_schedule
 from .split import WeightGradient, backward_input, parameter_nodes
+from .split_linear import (
+    LinearWeightGradient,
+    Recorder,
+    Recording,
+    backward_input_linear,
+    linear_modules,
+    supports,
+)
 from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -211,6 +220,7 @@ class Pipeline:
         self._parameter_nodes = {
             s: parameter_nodes(list(m.parameters())) for s, m in self.stages.items()
         }
+        self._deferred = self._linear_split_stages()
         # Per stage, the micro-batch whose backward the schedule runs last: it all-reduces.
         self._last_backward = {
             a.stage: a.microbatch
@@ -219,6 +229,22 @@ class Pipeline:
         }
 
     # ------------------------------------------------------------------ construction
+
+    def _linear_split_stages(self) -> Dict[int, Recorder]:
+        """Per stage whose I/W split takes the Linear path (``pipeline/split_linear.py``), the
+        recorder hooked on its Linears (one forward hook each, idle outside this pipeline's
+        forwards): a stage this rank splits whose trainable parameters are all plain
+        Linears'.
+        Not with activation checkpointing: the recorded inputs would outlive the forward that
+        checkpointing drops them from; those stages take the generic split."""
+        split = {a.stage for a in self.actions if a.kind is Kind.BACKWARD_INPUT}
+        if self.checkpoint_activations:
+            return {}
+        return {
+            s: Recorder(linear_modules(self.stages[s]))
+            for s in sorted(split)
+            if supports(self.stages[s])
+        }
 
     @staticmethod
     def _resolve_comm(comm: Any):
@@ -301,6 +327,7 @@ class Pipeline:
         """
         if self._failed:
             raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
+        started = time.perf_counter()
         try:
             self._begin(inputs, targets)
         except (TypeError, ValueError) as exc:
@@ -308,12 +335,19 @@ class Pipeline:
             self._failed = str(exc)
             self._close_after_failure()
             raise
+        begun = time.perf_counter()
         for action in self._compute_order:
             self._execute(action)
+        ended = time.perf_counter()
         self._guard(None, "waiting for this step's sends", self._wait_sends)
         # With dp > 1 each stage's DDP already averaged its gradients at the end of the stage's
         # last backward (it waits for its all-reduces before that backward returns).
-        return self._finish_loss()
+        sent = time.perf_counter()
+        loss = self._finish_loss()
+        if self._timer is not None:  # the step's own costs, outside its actions
+            finished = time.perf_counter()
+            self._timer.step_costs.append((begun - started + sent - ended, finished - sent))
+        return loss
 
     def profile(self, inputs: Any = None, targets: Any = None, *, steps: int = 3) -> Dict:
         """Measures the per-action times of this pipeline on its real model, for the simulator.
@@ -334,10 +368,15 @@ class Pipeline:
                 self.step(inputs, targets)
             finally:
                 self._timer = None
-        times = self._guard(None, "profile", lambda: gather_times(timer, self.n_stages, self.comm))
+        root = self.schedule.rank_of(self.n_stages - 1)  # the loss broadcast's
+        times = self._guard(
+            None, "profile", lambda: gather_times(timer, self.n_stages, self.comm, root)
+        )
         peer = self.schedule.rank_of(1) if self.n_stages > 1 else 0
         nbytes = self.channels.sent_bytes(peer, ACTIVATION) if self.rank == 0 else 0
         p2p = self._guard(None, "profile", lambda: measure_p2p(self.comm, nbytes))
+        if self.n_ranks > 1:  # the loss broadcast reaches the other ranks one latency later
+            times["step"] += p2p + times["recv"]
         return {"times": times, "p2p": p2p}
 
     def _wait_sends(self) -> None:
@@ -361,6 +400,7 @@ class Pipeline:
         self.saved: Dict[Tuple[int, int], Tuple] = {}  # (stage, mb) -> forward state
         # (stage, mb) -> (the W half of an I, the bytes its activations hold)
         self.weight_halves: Dict[Tuple[int, int], Tuple[Optional[WeightGradient], int]] = {}
+        self.recordings: Dict[Tuple[int, int], Recording] = {}  # the Linear path's, per F
         self.losses: List[torch.Tensor] = []
         self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
         self._live_bytes = 0
@@ -413,7 +453,11 @@ class Pipeline:
         leaves = _leaves(tensors) if a.stage > 0 else [t.detach() for t in tensors]
         module = self.stages[a.stage]
         counter = _SavedCounter(list(module.parameters()))
-        with counter.hooks(), self._dp_context(a):
+        recorder = contextlib.nullcontext()
+        if a.stage in self._deferred:  # the Linear split: its Linears' calls, for I and W
+            recording = self.recordings[(a.stage, a.microbatch)] = Recording()
+            recorder = self._deferred[a.stage].recording(recording)
+        with counter.hooks(), self._dp_context(a), recorder:
             module = self.ddp.get(a.stage, module)
             if self.checkpoint_activations:
                 # Saves only the stage's inputs, through these hooks (counted), to recompute.
@@ -433,6 +477,7 @@ class Pipeline:
     def _backward(self, a: Action) -> None:
         """B: the full backward of one micro-batch, input and weight gradients at once."""
         leaves, roots, grads, saved_bytes = self._backward_roots(a)
+        self.recordings.pop((a.stage, a.microbatch), None)  # a full B needs none
         if roots:
             with self._dp_context(a):
                 torch.autograd.backward(roots, grads)
@@ -444,7 +489,10 @@ class Pipeline:
         holds the activations until then (``pipeline/split.py``)."""
         leaves, roots, grads, saved_bytes = self._backward_roots(a)
         weight = None
-        if roots:
+        recording = self.recordings.pop((a.stage, a.microbatch), None)
+        if roots and recording is not None:  # the Linear path, if this micro-batch fits it
+            weight = backward_input_linear(roots, grads, leaves, recording)
+        if roots and weight is None:
             params = self._parameter_nodes[a.stage]
             weight = backward_input(roots, grads or [None] * len(roots), leaves, params)
         self.weight_halves[(a.stage, a.microbatch)] = (weight, saved_bytes)
@@ -453,9 +501,15 @@ class Pipeline:
     def _backward_weight(self, a: Action) -> None:
         """W: the weight gradients of an earlier I, into ``.grad``; frees its activations."""
         weight, saved_bytes = self.weight_halves.pop((a.stage, a.microbatch))
-        if weight is not None:
+        if isinstance(weight, LinearWeightGradient):
             with self._dp_context(a):
-                weight.run()
+                weight.run()  # one backward call: DDP's hooks all fire inside it
+        elif weight is not None:
+            # The generic split's groups run in one backward where DDP reduces (its pass
+            # ends with the backward call that started it), one call each elsewhere.
+            syncs = a.stage in self.ddp and a.microbatch == self._last_backward[a.stage]
+            with self._dp_context(a):
+                weight.run(one_backward=syncs)
         self._live_bytes -= saved_bytes
 
     def _backward_roots(self, a: Action):

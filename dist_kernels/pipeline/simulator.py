@@ -11,10 +11,12 @@ paper's letters: ``F`` forward, ``B`` the input-gradient half of a backward (tor
 ``I``), ``W`` the weight-gradient half; a full backward (action ``B`` of GPipe and 1F1B) takes
 ``times["BW"]`` if given, else ``B + W``. ``send`` / ``recv`` are what one transfer costs the
 sender's and the receiver's thread, ``p2p`` the time from the end of a send on the sender's
-thread to its message being there to receive. Each compute time is one number, the time of
-one rank's share of the model (a schedule with ``v`` stages per rank gives each stage
-``1 / v`` of it, so schedules compare at the same model), or one per stage, as
-``Pipeline.profile()`` measures them on the real model.
+thread to its message being there to receive, ``step`` a cost paid once per step outside the
+schedule's actions (``Pipeline.profile()`` measures it: splitting the batch, the last sends'
+wait, the loss broadcast), added to the step time and counted as bubble. Each compute time
+is one number, the time of one rank's share of the model (a schedule with ``v`` stages per
+rank gives each stage ``1 / v`` of it, so schedules compare at the same model), or one per
+stage, as ``Pipeline.profile()`` measures them on the real model.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .schedules import build_schedule
 
 __all__ = ["ScheduleReport", "bubble_formula", "simulate"]
 
-TIME_KEYS = ("F", "B", "W", "BW", "send", "recv")
+TIME_KEYS = ("F", "B", "W", "BW", "send", "recv", "step")
 Times = Mapping[str, Union[float, Sequence[float]]]
 
 
@@ -38,7 +40,8 @@ class ScheduleReport:
 
     Attributes:
         schedule: the schedule simulated.
-        step_time: from the first action to the last, in the units of ``times``.
+        step_time: from the first action to the last, plus ``times["step"]``, in the units
+            of ``times``.
         bubble_fraction: the idle share of ``n_ranks * step_time`` (waiting and transfers).
         bubble_rate: the paper's bubble: the largest idle time inside one rank's own span
             (its first action to its last), over that rank's compute time. (p-1)/m for 1F1B,
@@ -91,7 +94,8 @@ def simulate(
         recv=per_stage["recv"][0],
         p2p=p2p,
     ).run()
-    return _report(schedule, runtime)
+    overhead = _values("step", (times or {}).get("step", 0.0), 1, 1)[0]
+    return _report(schedule, runtime, overhead)
 
 
 _TIME_OF = {
@@ -131,9 +135,9 @@ def _values(key: str, value: Union[float, Sequence[float]], n_stages: int, share
     return values
 
 
-def _report(schedule: Schedule, runtime: FakeRuntime) -> ScheduleReport:
+def _report(schedule: Schedule, runtime: FakeRuntime, overhead: float) -> ScheduleReport:
     ranks = runtime.ranks
-    step = max(r.clock for r in ranks)
+    step = max(r.clock for r in ranks) + overhead
     busy = sum(r.busy for r in ranks)
     fraction = 1.0 - busy / (step * schedule.n_ranks) if step > 0 else 0.0
     rates = [

@@ -94,11 +94,25 @@ class WeightGradient:
         self._groups, self._kept = groups, kept
         self._roots, self._grads = roots, grads
 
-    def run(self) -> None:
-        """Accumulates every parameter's gradient of this micro-batch into its ``.grad``."""
+    def run(self, one_backward: bool = False) -> None:
+        """Accumulates every parameter's gradient of this micro-batch into its ``.grad``.
+
+        ``one_backward``: all groups in one autograd call instead of one call per group, for
+        hooks that expect every parameter's gradient inside one backward (DDP's: its pass ends
+        with the backward call that started it). It costs more: from a boundary node above
+        another, the input path between them runs again (its result is then replaced by the
+        kept gradient, so the gradients are the same).
+        """
         if self._groups is None:
             raise RuntimeError("WeightGradient.run: this micro-batch's W has run already")
         groups, self._groups = self._groups, None
+        if one_backward and groups:
+            merged = _Group()
+            for group in groups:
+                merged.params += group.params
+                merged.boundary |= group.boundary
+                merged.roots |= group.roots
+            groups = [merged]
         for group in groups:
             self._run_group(group)
         self._kept = self._roots = self._grads = None  # the graph goes with them
