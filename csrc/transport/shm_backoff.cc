@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace dk::shm {
 
@@ -53,10 +54,50 @@ const uint32_t* lowWord(const std::atomic<uint64_t>& word) {
   static_assert(sizeof(std::atomic<uint64_t>) == 8, "plain 64-bit counter");
   return reinterpret_cast<const uint32_t*>(&word);
 }
+
+// The adaptive spin's range: from kSpinSteps (~6-10 us) up to ~16k pauses (~200-330 us),
+// which on the 2-core EPYC VM with one busy process per core turned most 8 B-8 KiB
+// all-reduces from 40-50 us into 2-6 us (p50; 2026-12-02, benchmarks/results/
+// 2026-12-02-epyc-wait-spin.md). A sleep that ended within kCatchNs would have been caught by
+// the longest spin. DK_SHM_SPIN_STEPS fixes the spin instead (measurements).
+constexpr uint32_t kMaxSpinSteps = 16384;
+constexpr int64_t kCatchNs = 300000;
+
+int64_t monotonicNs() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);  // cannot fail for CLOCK_MONOTONIC with a valid pointer
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// DK_SHM_SPIN_STEPS, read once; 0 when unset (adaptive).
+uint32_t fixedSpinFromEnv() {
+  static const uint32_t steps = [] {
+    const char* env = std::getenv("DK_SHM_SPIN_STEPS");
+    if (env == nullptr || env[0] == '\0') return uint32_t{0};
+    return static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
+  }();
+  return steps;
+}
 }  // namespace
 
-uint32_t Backoff::spinSteps() const {
-  return oversubscribed_ ? kSpinStepsOversubscribed : kSpinSteps;
+SpinBudget::SpinBudget() : steps_(kSpinSteps) {}
+
+void SpinBudget::afterSleep(int64_t sleptNs) {
+  if (fixedSpinFromEnv() != 0) return;
+  const uint32_t now = steps_.load(std::memory_order_relaxed);
+  const uint32_t next =
+      sleptNs < kCatchNs ? std::min(kMaxSpinSteps, now * 2) : std::max(kSpinSteps, now / 2);
+  steps_.store(next, std::memory_order_relaxed);
+}
+
+uint32_t Backoff::fixedSpinSteps(bool oversubscribed) {
+  if (oversubscribed) return kSpinStepsOversubscribed;
+  const uint32_t fixed = fixedSpinFromEnv();
+  return fixed != 0 ? fixed : kSpinSteps;
+}
+
+Backoff::~Backoff() {
+  if (budget_ != nullptr && sleptSinceNs_ >= 0) budget_->afterSleep(monotonicNs() - sleptSinceNs_);
 }
 
 uint32_t Backoff::yieldSteps() const { return oversubscribed_ ? kYieldSteps : 0; }
@@ -73,6 +114,7 @@ void Backoff::pause(const std::atomic<uint64_t>& word, uint64_t seen,
     sched_yield();  // cannot fail on Linux (sched_yield(2))
     return;
   }
+  if (sleptSinceNs_ < 0) sleptSinceNs_ = monotonicNs();
   // Dekker with the writer: we register, then the kernel re-reads the word; the writer
   // stores the word, then reads `sleepers`. One of the two sees the other.
   sleepers.fetch_add(1, std::memory_order_seq_cst);

@@ -16,9 +16,36 @@
 
 namespace dk::shm {
 
+// How long a rank with a core of its own spins before it sleeps, adapted to the waits it
+// sees (one per transport). A futex wake costs tens of microseconds on a VM (40-50 us p50 for
+// an 8 B all-reduce beside one busy process per core, where spinning ~16k pauses gave 2-6 us);
+// spinning that long costs the core's other threads that time whenever the peer is far
+// behind (a progress thread waiting for a peer's backward while this rank computes its own).
+// So: a wait that slept but ended within what the longest spin covers doubles the spin
+// (spinning longer would have caught it); one that slept longer halves it.
+class SpinBudget {
+ public:
+  SpinBudget();
+  uint32_t steps() const { return steps_.load(std::memory_order_relaxed); }
+  // A wait that slept, for `sleptNs` nanoseconds before its word changed.
+  void afterSleep(int64_t sleptNs);
+
+ private:
+  std::atomic<uint32_t> steps_;
+};
+
 class Backoff {
  public:
-  explicit Backoff(bool oversubscribed) : oversubscribed_(oversubscribed) {}
+  // `budget`: the spin of a rank with a core of its own (nullptr: oversubscribed).
+  explicit Backoff(bool oversubscribed, SpinBudget* budget = nullptr)
+      : oversubscribed_(oversubscribed),
+        budget_(oversubscribed ? nullptr : budget),
+        spin_(oversubscribed || budget_ == nullptr ? fixedSpinSteps(oversubscribed)
+                                                   : budget_->steps()) {}
+  // Reports a wait that slept to the budget.
+  ~Backoff();
+  Backoff(const Backoff&) = delete;
+  Backoff& operator=(const Backoff&) = delete;
   // One step of waiting for `word` to change from `seen` (the value the caller just found
   // not ready). Past the spin and yield phases the waiter sleeps on a futex: it registers in
   // `sleepers`, and the writer of `word` wakes it (see wakeSleepers()).
@@ -30,10 +57,14 @@ class Backoff {
   bool sleeping() const { return step_ > spinSteps(); }
 
  private:
-  uint32_t spinSteps() const;
+  static uint32_t fixedSpinSteps(bool oversubscribed);
+  uint32_t spinSteps() const { return spin_; }
   uint32_t yieldSteps() const;
   bool oversubscribed_;
+  SpinBudget* budget_;
+  uint32_t spin_;
   uint32_t step_ = 0;
+  int64_t sleptSinceNs_ = -1;  // monotonic time of the first sleep (-1: none)
 };
 
 // Called by the writer after storing a new value into `word` (seq_cst): wakes the sleepers.

@@ -220,7 +220,7 @@ template <typename Ready>
 Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
                              const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
                              Ready ready) {
-  Backoff backoff(oversubscribed_);
+  Backoff backoff(oversubscribed_, &spinBudget_);
   bool armed = false;
   for (uint64_t seen = word.load(std::memory_order_acquire); !ready(seen);
        seen = word.load(std::memory_order_acquire)) {
@@ -529,7 +529,7 @@ Status ShmTransport::waitAnySource(int* source) {
   const LaneState& lane = recvLane();
   Doorbell& bell = rankControl(rank_)->doorbell;
   bell.waiting.store(1, std::memory_order_seq_cst);  // before the heads are read
-  Backoff backoff(oversubscribed_);
+  Backoff backoff(oversubscribed_, &spinBudget_);
   bool armed = false;
   Status status;
   for (uint64_t rung = bell.rings.load(std::memory_order_seq_cst); !pendingSource(source);

@@ -172,6 +172,7 @@ class ShmTransport : public Transport {
   SegmentGeometry geometry_;
   int rank_;
   bool oversubscribed_;
+  SpinBudget spinBudget_;  // the spin of its waits (a core per rank), adapted as they go
   bool checkDescriptors_ = true;
   bool holdsLiveness_ = false;
   LaneState lanes_[2];  // indexed by Lane::kSend, Lane::kRecv
