@@ -283,6 +283,13 @@ def _hot_paths():
         assert work.is_completed() and work.is_success() and work.wait()
         assert work.result()[0] is t and work.get_future().value()[0] is t
         check_close(t, ref, torch.float32, "SUM", "direct allreduce", bound)
+        # the hot path reuses one finished Work: each call's result and future are its own
+        future = work.get_future()
+        t2 = xs[rank].clone()
+        work2 = group.allreduce([t2], opts)
+        assert work2.is_completed() and work2.result()[0] is t2
+        assert work2.get_future().value()[0] is t2 and future.value()[0] is t
+        check_close(t2, ref, torch.float32, "SUM", "second direct allreduce", bound)
         # all_gather_into_tensor: the hot path, then a mismatched dtype on the routed one
         out = torch.empty(n * 37)
         dist.all_gather_into_tensor(out, xs[rank], group=group)

@@ -170,6 +170,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         # allreduce's hot path (set with the routes: CPU calls ours, no device delegated)
         self._fast_all_reduce: Optional[Callable[[torch.Tensor, int], None]] = None
         self._fast_all_gather: Optional[Callable[[torch.Tensor, torch.Tensor, int], None]] = None
+        self._sync_done = DkWork.reusable(self._completions)  # what the hot paths return
         self._name_recorder()
 
     # -- identity (torch's DeviceMesh, FSDP2 and functional collectives look groups up by name)
@@ -308,7 +309,7 @@ class ProcessGroupDK(dist.ProcessGroup):
                         fast(t, code)
                     except CommError as e:
                         raise to_dist_error(e) from e
-                    return DkWork.done(tensors, self._completions)
+                    return self._sync_done.finished(tensors)
         return self._allreduce(tensors, opts)
 
     @_routed("allreduce")
@@ -398,7 +399,7 @@ class ProcessGroupDK(dist.ProcessGroup):
                     fast(output, input, code)
                 except CommError as e:
                     raise to_dist_error(e) from e
-                return DkWork.done([output], self._completions)
+                return self._sync_done.finished([output])
         return self._all_gather_single(output, input, opts)
 
     @_routed("_allgather_base")
