@@ -37,7 +37,8 @@ def _gen(*salt: int) -> torch.Generator:
 
 @pytest.fixture(autouse=True, scope="module")
 def pool_from_one_mib():
-    """Lowers the thread pool's threshold (64 MiB by default) so that the 2^20 + 5 and 2^18 + 5
+    """Sets the thread pool's threshold (1 MiB on torch's OpenMP runtime, 64 MiB on our own
+    pool) to 1 MiB so that the 2^20 + 5 and 2^18 + 5
     element cases run split across the pool, parts and ragged last part included."""
     previous = _C.kernels_set_cpu_parallel_min_bytes(1 << 20)
     yield
@@ -525,21 +526,32 @@ def test_concurrent_callers_share_the_thread_pool():
     assert all(torch.equal(r, e) for r, e in zip(results, expected))
 
 
-def _reduce_in_child(n: int) -> bool:
+def _reduce_in_child(n: int) -> tuple:
     # numpy buffers: torch's own OpenMP pool hangs in a child forked after it ran, so the child
     # touches no parallel torch op; only our pool is under test.
     a, b = np.ones(n, dtype=np.float32), np.full(n, 2.0, dtype=np.float32)
     ops.reduce_(torch.from_numpy(a), torch.from_numpy(b))
-    return bool((a == 3).all())
+    return bool((a == 3).all()), _C.kernels_cpu_pool()
 
 
 def test_thread_pool_works_in_a_forked_child():
-    """The parent's pool threads do not exist after fork(); the child must build its own."""
+    """The parent's pool threads (ours or the OpenMP runtime's) do not exist after fork(); the
+    child must build a pool of its own, never enter the parent's OpenMP runtime."""
     n = 1 << 20
     ops.reduce_(torch.ones(n), torch.ones(n))  # parent's pool is running
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
-        assert pool.apply_async(_reduce_in_child, (n,)).get(timeout=120)
+        assert pool.apply_async(_reduce_in_child, (n,)).get(timeout=120) == (True, "dk")
+
+
+def test_standalone_kernels_run_on_torchs_openmp_runtime():
+    """torch is imported, so its OpenMP runtime is in the process: the kernels borrow its
+    threads (not a pool of ours beside them); DK_CPU_POOL=dk keeps our own pool."""
+    assert _C.kernels_cpu_pool() == "openmp"
+    code = "from dist_kernels import _C; print(_C.kernels_cpu_pool())"
+    env = dict(os.environ, DK_CPU_POOL="dk")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["dk"], out.stderr
 
 
 _POOL_BITS = """
@@ -555,23 +567,26 @@ for dtype in (torch.float32, torch.bfloat16):
         dst = srcs[0].clone()
         ops.reduce_(dst, *srcs[1:])
         out.append(dst.float())
-print(_C.kernels_cpu_threads(), *(hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in out))
+print(_C.kernels_cpu_pool(), _C.kernels_cpu_threads(),
+      *(hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in out))
 """
 
 
+@pytest.mark.parametrize("pool", ["openmp", "dk"])
 @pytest.mark.parametrize("threads", [2, 3])
-def test_pool_gives_the_same_bits_at_every_thread_count(threads):
-    """The spin-then-sleep pool at 1, 2 and 3 threads (more than this machine's cores): every
-    call, back to back or after the workers went to sleep, gives the one-thread bits."""
+def test_pool_gives_the_same_bits_at_every_thread_count(threads, pool):
+    """The OpenMP runtime's team and our spin-then-sleep pool at 1, 2 and 3 threads (more than
+    this machine's cores): every call, back to back or after the workers went to sleep, gives
+    the one-thread bits."""
     print(f"seed {SEED}")
 
     def run(n: int) -> list:
-        env = dict(os.environ, DK_NUM_THREADS=str(n))
+        env = dict(os.environ, DK_NUM_THREADS=str(n), DK_CPU_POOL=pool)
         code = _POOL_BITS.format(seed=SEED)
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         return done.stdout.split()
 
     serial, pooled = run(1), run(threads)
-    assert serial[0] == "1" and pooled[0] == str(threads)
-    assert pooled[1:] == serial[1:]
+    assert serial[:2] == [pool, "1"] and pooled[:2] == [pool, str(threads)]
+    assert pooled[2:] == serial[2:]

@@ -15,6 +15,7 @@
 #include "common/dtype.h"
 #include "cuda/device_guard.h"
 #include "kernels/cpu_isa.h"
+#include "kernels/cpu_openmp.h"
 #include "kernels/cpu_thread_pool.h"
 #include "kernels/reduce.h"
 
@@ -191,4 +192,8 @@ DK_REGISTER_BINDINGS(kernels) {
   m.def("kernels_cpu_threads", &dk::kernels::cpuPoolThreads,
         "Threads a standalone CPU kernel call may use (DK_NUM_THREADS, else OMP_NUM_THREADS, "
         "else the core count).");
+  m.def(
+      "kernels_cpu_pool", [] { return std::string(dk::kernels::cpuPoolBackend()); },
+      "Where standalone CPU kernel calls run their parts: 'openmp' (the process's OpenMP "
+      "runtime, torch's) or 'dk' (our own pool: no runtime loaded, or DK_CPU_POOL=dk).");
 }

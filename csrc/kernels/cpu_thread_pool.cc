@@ -1,6 +1,8 @@
 // Persistent worker threads behind cpuPoolRun (see cpu_thread_pool.h).
 #include "kernels/cpu_thread_pool.h"
 
+#include "kernels/cpu_openmp.h"
+
 #include <immintrin.h>
 #include <unistd.h>
 
@@ -143,13 +145,17 @@ class ThreadPool {
 
 // DK_NUM_THREADS, else OMP_NUM_THREADS as torch reads it (torchrun sets it to 1 when it starts
 // several ranks per host, so each rank's pool must not take every core), else the core count.
+// Read once: the OpenMP team and our pool are sized alike for the whole process.
 int configuredThreads() {
-  for (const char* name : {"DK_NUM_THREADS", "OMP_NUM_THREADS"}) {
-    const char* env = std::getenv(name);
-    if (env != nullptr && std::atoi(env) >= 1) return std::atoi(env);
-  }
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(hw);
+  static const int threads = [] {
+    for (const char* name : {"DK_NUM_THREADS", "OMP_NUM_THREADS"}) {
+      const char* env = std::getenv(name);
+      if (env != nullptr && std::atoi(env) >= 1) return std::atoi(env);
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 1 : static_cast<int>(hw);
+  }();
+  return threads;
 }
 
 // The pool of this process; a child after fork() builds its own (the parent's is leaked there:
@@ -173,9 +179,12 @@ constexpr size_t kPartsPerThread = 8;
 
 }  // namespace
 
-int cpuPoolThreads() { return processPool().threads(); }
+int cpuPoolThreads() { return configuredThreads(); }
 
+// The process's OpenMP runtime first (cpu_openmp.h: torch's threads, shared rather than fought
+// for the cores), our own pool where there is none.
 void cpuPoolRun(int parts, const std::function<void(int)>& fn) {
+  if (parts > 1 && configuredThreads() > 1 && openmpRun(configuredThreads(), parts, fn)) return;
   if (parts <= 1 || !processPool().tryRun(parts, fn)) {
     for (int part = 0; part < parts; ++part) fn(part);
   }

@@ -1,5 +1,6 @@
-// A small persistent thread pool for standalone CPU kernel calls (dist_kernels.ops). The
-// communicator never uses it: each rank owns one core there.
+// Parallel parts for standalone CPU kernel calls (dist_kernels.ops): on the process's OpenMP
+// runtime when one is loaded (torch's; cpu_openmp.h), else on a small persistent thread pool of
+// our own, described below. The communicator never uses either: each rank owns one core there.
 //
 // Size: DK_NUM_THREADS if set (>= 1), else OMP_NUM_THREADS (>= 1; torchrun sets it to 1 for
 // several ranks per host), else std::thread::hardware_concurrency(); the calling

@@ -3,9 +3,11 @@
 // computed by the same code, only the thread differs.
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu_openmp.h"
 #include "kernels/cpu_thread_pool.h"
 #include "kernels/reduce.h"
 
@@ -14,21 +16,31 @@ namespace dk::kernels {
 namespace {
 
 // Below this many bytes touched (read + written), a standalone call runs on the caller alone.
-// Measured with an fp32 sum dst += src (AVX-512 build) on the shared 2-core Sapphire Rapids VM,
-// serial time / pooled time, median (best) of 30-200 alternating calls, load average 15-20:
+//
+// On the process's OpenMP runtime (torch's threads, cpu_openmp.h), 1 MiB: an fp32 sum
+// dst += src alternating serial and split calls, quiet 2-core EPYC VM (2026-12-04, best of 3
+// rounds, operand size: serial / split GB/s): 128 KiB 54 / 48, 256 KiB 74 / 73, 512 KiB 80 / 108,
+// 1 MiB 97 / 131, 4 MiB 124 / 203 (torch's add_ 204). Splitting pays from about 1.5 MiB touched.
+//
+// On our own pool (no OpenMP runtime in the process), 64 MiB. Measured with the same sum
+// (AVX-512 build) on the shared 2-core Sapphire Rapids VM, serial time / pooled time, median
+// (best) of 30-200 alternating calls, load average 15-20:
 //   touched 0.75 MiB: 0.67-0.89 (0.68-0.88)   3 MiB: 0.76-0.85 (0.95)   12 MiB: 0.90-0.92
 //   (0.92-0.95) 48 MiB: 0.20-0.26 (0.96-0.98)   192 MiB: 0.80-1.26 (0.81-0.92)
 // and 1.2-1.3 at 192 MiB in a quieter moment (load average 2.5). A call of a few milliseconds
 // or less loses a whole scheduler time slice whenever the OS preempts the worker in the middle
 // of a part (the median collapses at 48 MiB); calls past 64 MiB span many time slices, so
-// preemption evens out and the second core's bandwidth can show. On a machine with idle cores
-// smaller calls would gain too: DK_PARALLEL_MIN_BYTES lowers the threshold.
-constexpr size_t kDefaultParallelMinBytes = size_t{64} << 20;
+// preemption evens out and the second core's bandwidth can show.
+//
+// DK_PARALLEL_MIN_BYTES sets either.
+constexpr size_t kOpenmpParallelMinBytes = size_t{1} << 20;
+constexpr size_t kOwnPoolParallelMinBytes = size_t{64} << 20;
 
 size_t initialParallelMinBytes() {
   const char* env = std::getenv("DK_PARALLEL_MIN_BYTES");
-  if (env == nullptr || env[0] == '\0') return kDefaultParallelMinBytes;
-  return static_cast<size_t>(std::strtoull(env, nullptr, 10));
+  if (env != nullptr && env[0] != '\0') return static_cast<size_t>(std::strtoull(env, nullptr, 10));
+  return std::strcmp(cpuPoolBackend(), "openmp") == 0 ? kOpenmpParallelMinBytes
+                                                      : kOwnPoolParallelMinBytes;
 }
 
 std::atomic<size_t>& parallelMinBytes() {

@@ -1,0 +1,77 @@
+// Standalone CPU kernels on the process's OpenMP runtime (see cpu_openmp.h).
+#include "kernels/cpu_openmp.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace dk::kernels {
+
+namespace {
+
+// libgomp's ABI (GCC >= 4.9): runs fn(data) on a team of num_threads (0: the runtime's
+// default), the calling thread included, and returns when every team thread has returned.
+using GompParallel = void (*)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+
+struct Runtime {
+  GompParallel parallel = nullptr;
+  pid_t owner = 0;  // the process that found it
+};
+
+const Runtime& runtime() {
+  static const Runtime found = [] {
+    Runtime r;
+    const char* choice = std::getenv("DK_CPU_POOL");
+    if (choice != nullptr && std::strcmp(choice, "dk") == 0) return r;
+    // dlsym cannot fail in a way other than "not found" (nullptr), which is an answer here.
+    r.parallel = reinterpret_cast<GompParallel>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+    r.owner = getpid();
+    return r;
+  }();
+  return found;
+}
+
+// One parallel region: the team's threads take parts from one counter, so a thread the OS
+// runs late takes fewer (the same work sharing as our pool's).
+struct Region {
+  const std::function<void(int)>* fn;
+  int parts;
+  std::atomic<int> next{0};
+};
+
+void runParts(void* data) {
+  auto* region = static_cast<Region*>(data);
+  for (int part = region->next.fetch_add(1); part < region->parts;
+       part = region->next.fetch_add(1)) {
+    (*region->fn)(part);
+  }
+}
+
+// Set while a call's region runs: a second caller thread (two Python threads calling kernels)
+// would make the runtime build a second team on the same cores.
+std::atomic<bool> busy{false};
+
+}  // namespace
+
+bool openmpRun(int threads, int parts, const std::function<void(int)>& fn) {
+  const Runtime& rt = runtime();
+  if (rt.parallel == nullptr || rt.owner != getpid()) return false;
+  if (busy.exchange(true, std::memory_order_acquire)) {
+    for (int part = 0; part < parts; ++part) fn(part);
+    return true;
+  }
+  Region region{&fn, parts};
+  rt.parallel(&runParts, &region, static_cast<unsigned>(threads), 0);
+  busy.store(false, std::memory_order_release);
+  return true;
+}
+
+const char* cpuPoolBackend() {
+  const Runtime& rt = runtime();
+  return rt.parallel != nullptr && rt.owner == getpid() ? "openmp" : "dk";
+}
+
+}  // namespace dk::kernels
