@@ -7,6 +7,7 @@ import pytest
 import dist_kernels as dk
 from dist_kernels.pipeline.__main__ import main
 from dist_kernels.pipeline.actions import Kind
+from dist_kernels.pipeline.profiling import average_profiles
 from dist_kernels.pipeline.schedules import SCHEDULES, build_schedule
 from dist_kernels.pipeline.simulator import bubble_formula, simulate
 from dist_kernels.pipeline.table import schedule_table
@@ -176,6 +177,24 @@ def test_zb_v_timeline_by_hand():
         (45.125, 55.125, "1W0"),
     ]
     assert sim.step_time == 59.5 + 0.75
+
+
+def test_average_profiles_of_several_moments():
+    """Profiles taken one step at a time between timed steps, combined: the mean of each time
+    (per stage), the least receive, the median latency."""
+
+    def profile(f, send, recv, step, p2p):
+        return {"times": {"F": f, "send": send, "recv": recv, "step": step}, "p2p": p2p}
+
+    rounds = [
+        profile([1.0, 2.0], 0.5, 0.25, 1.0, 0.125),
+        profile([3.0, 6.0], 1.5, 0.0625, 2.0, 0.5),
+        profile([2.0, 1.0], 1.0, 0.125, 3.0, 0.25),
+    ]
+    assert average_profiles(rounds) == profile([2.0, 3.0], 1.0, 0.0625, 2.0, 0.25)
+    assert average_profiles(rounds[:1]) == rounds[0]
+    with pytest.raises(ValueError, match="at least one"):
+        average_profiles([])
 
 
 def test_simulate_arguments():
