@@ -20,7 +20,7 @@ The simulator's prediction beside each row: ``Pipeline.profile()`` times every a
 pipeline on this model (means per stage, the send and receive costs, a ping-pong for the
 latency), one profiled step in each timed round, so that the profile sees the same moments of
 a shared machine's load as the timed steps (with three consecutive profiled steps before the
-rounds, the errors spread from -40% to +60% over three runs on the shared 2-core machine);
+rounds, the errors spread from -40% to +76% over three runs on the shared 2-core machine);
 ``dk.pipeline.simulate`` turns the rounds' profiles, averaged, into a step time, and the row
 shows it beside the measured median of ``Pipeline.step`` (the pipeline alone: no optimizer
 step) and the error.
