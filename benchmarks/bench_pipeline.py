@@ -18,8 +18,12 @@ anything is timed.
 
 The simulator's prediction beside each row: ``Pipeline.profile()`` times every action of our
 pipeline on this model (means per stage, the send and receive costs, a ping-pong for the
-latency), ``dk.pipeline.simulate`` turns them into a step time, and the row shows it beside the
-measured median of ``Pipeline.step`` (the pipeline alone: no optimizer step) and the error.
+latency), one profiled step in each timed round, so that the profile sees the same moments of
+a shared machine's load as the timed steps (with three consecutive profiled steps before the
+rounds, the errors spread from -40% to +76% over three runs on the shared 2-core machine);
+``dk.pipeline.simulate`` turns the rounds' profiles, averaged, into a step time, and the row
+shows it beside the measured median of ``Pipeline.step`` (the pipeline alone: no optimizer
+step) and the error.
 
 Columns: samples/s = batch / median step time (optimizer step included, for both engines);
 bubble = 1 - (time this rank's stages take to compute the step alone, no pipeline, F and a full
@@ -47,6 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import dist_kernels as dk  # noqa: E402
 from dist_kernels import launch  # noqa: E402
 from dist_kernels.pipeline.partition import build_stage, plan_partition  # noqa: E402
+from dist_kernels.pipeline.profiling import average_profiles  # noqa: E402
 
 # ours -> torch's schedule class (None: no counterpart; checked against torch's 1F1B)
 TORCH_SCHEDULES = {
@@ -212,7 +217,7 @@ def _worker(args) -> list:
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, args.width, generator=gen)
     base = _model(args.width, args.layers)
-    engines, alone, first, predicted = {}, {}, {}, {}
+    engines, alone, first = {}, {}, {}
     for schedule in args.schedules:
         ours, theirs, layout, first[schedule] = _build(schedule, base, comm, x, y, args)
         key = tuple(layout[0])
@@ -223,11 +228,8 @@ def _worker(args) -> list:
             ours.step(x, y)
             if theirs is not None:
                 theirs.step(x, y)
-    for schedule, (ours, _, _) in engines.items():
-        profile = ours.pipe.profile(x, y, steps=args.profile_steps)
-        ours.opt.zero_grad()
-        predicted[schedule] = (profile, _predict(schedule, world, args.microbatches, profile))
     times = {s: {"ours": [], "pipe": [], "torch": [], "alone": []} for s in engines}
+    profiles = {s: [] for s in engines}
     for _ in range(args.iters):  # every engine once per round: machine noise hits all alike
         for schedule, (ours, theirs, yardstick) in engines.items():
             for name, engine in (("ours", ours), ("torch", theirs), ("alone", yardstick)):
@@ -238,6 +240,12 @@ def _worker(args) -> list:
                 engine.step(x, y)
                 times[schedule][name].append(time.perf_counter() - start)
             times[schedule]["pipe"].append(ours.pipe_seconds)
+            profiles[schedule].append(ours.pipe.profile(x, y, steps=1))  # untimed
+            ours.opt.zero_grad()
+    predicted = {}
+    for schedule, rounds in profiles.items():
+        profile = average_profiles(rounds)
+        predicted[schedule] = (profile, _predict(schedule, world, args.microbatches, profile))
     rows = []
     for schedule in engines:
         medians = {
@@ -325,7 +333,6 @@ def main(argv=None) -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--profile-steps", type=int, default=4, help="for the simulator")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="correctness gate")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

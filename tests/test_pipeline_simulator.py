@@ -7,6 +7,7 @@ import pytest
 import dist_kernels as dk
 from dist_kernels.pipeline.__main__ import main
 from dist_kernels.pipeline.actions import Kind
+from dist_kernels.pipeline.profiling import average_profiles
 from dist_kernels.pipeline.schedules import SCHEDULES, build_schedule
 from dist_kernels.pipeline.simulator import bubble_formula, simulate
 from dist_kernels.pipeline.table import schedule_table
@@ -149,6 +150,51 @@ def test_transfer_costs_in_closed_form():
     sim = simulate("1f1b", 2, 1, times={"F": [1.0, 4.0], "BW": [2.0, 8.0], "step": 5.0})
     assert sim.step_time == 1.0 + 4.0 + 8.0 + 2.0 + 5.0
     assert sim.bubble_fraction == pytest.approx(1 - 15.0 / 40.0)
+
+
+def test_zb_v_timeline_by_hand():
+    """ZB-V on 2 ranks, one micro-batch, a different time for every stage and action: rank 0
+    holds stages 0 and 3, rank 1 stages 1 and 2 (handed over in memory: no transfer, no
+    cost). Every start and end computed by hand from send 0.5, recv 0.25, p2p 0.125."""
+    times = {"F": [1.0, 2.0, 3.0, 4.0], "B": [5.0, 6.0, 7.0, 8.0], "W": [9.0, 10.0, 11.0, 12.0]}
+    times.update(send=0.5, recv=0.25, step=0.75)
+    sim = simulate("zb-v", 2, 1, times=times, p2p=0.125)
+    drawn = [[(start, end, a.label(True)) for start, end, a in rank] for rank in sim.timeline]
+    assert drawn[0] == [
+        (0.0, 1.0, "0F0"),  # then SA0: 1.5, there at 1.625
+        (7.75, 11.75, "3F0"),  # RA0 there at 7.5, + recv
+        (11.75, 19.75, "3I0"),  # then SG0: 20.25, there at 20.375
+        (20.25, 32.25, "3W0"),
+        (45.5, 50.5, "0I0"),  # RG0 there at 45.25, + recv
+        (50.5, 59.5, "0W0"),
+    ]
+    assert drawn[1] == [
+        (1.875, 3.875, "1F0"),  # RA0 there at 1.625, + recv
+        (3.875, 6.875, "2F0"),  # in memory; then SA0: 7.375, there at 7.5
+        (20.625, 27.625, "2I0"),  # RG0 there at 20.375, + recv
+        (27.625, 38.625, "2W0"),
+        (38.625, 44.625, "1I0"),  # in memory; then SG0: 45.125, there at 45.25
+        (45.125, 55.125, "1W0"),
+    ]
+    assert sim.step_time == 59.5 + 0.75
+
+
+def test_average_profiles_of_several_moments():
+    """Profiles taken one step at a time between timed steps, combined: the mean of each time
+    (per stage), the least receive, the median latency."""
+
+    def profile(f, send, recv, step, p2p):
+        return {"times": {"F": f, "send": send, "recv": recv, "step": step}, "p2p": p2p}
+
+    rounds = [
+        profile([1.0, 2.0], 0.5, 0.25, 1.0, 0.125),
+        profile([3.0, 6.0], 1.5, 0.0625, 2.0, 0.5),
+        profile([2.0, 1.0], 1.0, 0.125, 3.0, 0.25),
+    ]
+    assert average_profiles(rounds) == profile([2.0, 3.0], 1.0, 0.0625, 2.0, 0.25)
+    assert average_profiles(rounds[:1]) == rounds[0]
+    with pytest.raises(ValueError, match="at least one"):
+        average_profiles([])
 
 
 def test_simulate_arguments():

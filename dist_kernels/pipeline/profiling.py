@@ -19,6 +19,10 @@ exactly one rank). The result is the simulator's input (``dk.pipeline.simulate(.
 * ``p2p``: half the median round trip of a message of the size of rank 0's first activation
   between ranks 0 and 1 (0 on one rank): from the end of one side's send call to the other
   side holding the bytes.
+
+On a shared machine the steps of one profile see one moment's load; :func:`average_profiles`
+combines profiles taken at several moments (one step each, say, between the steps a benchmark
+times), so that the prediction and the measured steps see the same noise.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from .actions import Action, Kind
 
-__all__ = ["ActionTimer", "gather_times", "measure_p2p"]
+__all__ = ["ActionTimer", "average_profiles", "gather_times", "measure_p2p"]
 
 # How one action's samples become its time: the mean, since a step's time is a sum of its
 # actions' (with waits), and what sums is the mean; a median misses the tail that steps pay
@@ -106,6 +110,26 @@ def gather_times(timer: ActionTimer, n_stages: int, comm: Any, root: int = 0) ->
     times["recv"] = table[len(KEYS) + 1, 0].item() / max(counts[1].item(), 1.0)
     times["step"] = step[:, 0].max().item() + step[root, 1].item()
     return times
+
+
+def average_profiles(profiles: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One profile from several of the same pipeline, each ``{"times": ..., "p2p": ...}`` as
+    ``Pipeline.profile()`` returns it: every time the mean over the profiles (per stage for the
+    compute keys: profiles of equally many steps hold equally many samples, so this is the mean
+    of all samples), except ``recv``, the fastest receive seen (the least), and ``p2p``, a
+    median already (the median)."""
+    if not profiles:
+        raise ValueError("average_profiles needs at least one profile")
+    times: Dict[str, Any] = {}
+    for key in profiles[0]["times"]:
+        values = [p["times"][key] for p in profiles]
+        if key == "recv":
+            times[key] = min(values)
+        elif isinstance(values[0], list):
+            times[key] = [_AVERAGE(per_stage) for per_stage in zip(*values)]
+        else:
+            times[key] = _AVERAGE(values)
+    return {"times": times, "p2p": statistics.median(p["p2p"] for p in profiles)}
 
 
 def measure_p2p(comm: Any, nbytes: int, rounds: int = 20) -> float:
