@@ -37,8 +37,8 @@ def _gen(*salt: int) -> torch.Generator:
 
 @pytest.fixture(autouse=True, scope="module")
 def pool_from_one_mib():
-    """Sets the thread pool's threshold (1 MiB on torch's OpenMP runtime, 64 MiB on our own
-    pool) to 1 MiB so that the 2^20 + 5 and 2^18 + 5
+    """Sets the thread pool's threshold (512 KiB on torch's OpenMP runtime, 64 MiB on our
+    own pool) to 1 MiB so that the 2^20 + 5 and 2^18 + 5
     element cases run split across the pool, parts and ragged last part included."""
     previous = _C.kernels_set_cpu_parallel_min_bytes(1 << 20)
     yield

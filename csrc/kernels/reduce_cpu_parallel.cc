@@ -17,10 +17,11 @@ namespace {
 
 // Below this many bytes touched (read + written), a standalone call runs on the caller alone.
 //
-// On the process's OpenMP runtime (torch's threads, cpu_openmp.h), 1 MiB: an fp32 sum
-// dst += src alternating serial and split calls, quiet 2-core EPYC VM (2026-12-04, best of 3
-// rounds, operand size: serial / split GB/s): 128 KiB 54 / 48, 256 KiB 74 / 73, 512 KiB 80 / 108,
-// 1 MiB 97 / 131, 4 MiB 124 / 203 (torch's add_ 204). Splitting pays from about 1.5 MiB touched.
+// On the process's OpenMP runtime (torch's threads, cpu_openmp.h), 512 KiB: an fp32 sum
+// dst += src alternating serial and split calls, quiet 2-core EPYC VM (2026-12-04 19:35, best of
+// 3 rounds, operand size: serial / split GB/s): 128 KiB 83 / 67, 256 KiB 104 / 110, 512 KiB
+// 109 / 153, 1 MiB 122 / 166, 4 MiB 136 / 244 (torch's add_ 242). Splitting pays from an operand
+// of 256 KiB (768 KiB touched) and loses at 128 KiB (384 KiB).
 //
 // On our own pool (no OpenMP runtime in the process), 64 MiB. Measured with the same sum
 // (AVX-512 build) on the shared 2-core Sapphire Rapids VM, serial time / pooled time, median
@@ -33,7 +34,7 @@ namespace {
 // preemption evens out and the second core's bandwidth can show.
 //
 // DK_PARALLEL_MIN_BYTES sets either.
-constexpr size_t kOpenmpParallelMinBytes = size_t{1} << 20;
+constexpr size_t kOpenmpParallelMinBytes = size_t{512} << 10;
 constexpr size_t kOwnPoolParallelMinBytes = size_t{64} << 20;
 
 size_t initialParallelMinBytes() {
