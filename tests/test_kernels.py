@@ -429,27 +429,38 @@ def test_environment_chooses_isa_and_threads():
     assert out.stdout.split() == ["baseline", "1"]
 
 
-def test_pool_threads_follow_omp_num_threads_then_dk_num_threads():
-    """torchrun sets OMP_NUM_THREADS=1 for several ranks per host: the pool follows it, and
-    DK_NUM_THREADS overrides it."""
-    code = "from dist_kernels import _C; print(_C.kernels_cpu_threads())"
+@pytest.mark.parametrize("pool", ["openmp", "dk"])
+def test_pool_threads_follow_omp_num_threads_then_dk_num_threads(pool):
+    """torchrun sets OMP_NUM_THREADS=1 for several ranks per host: the kernels follow it, and
+    DK_NUM_THREADS overrides it. On torch's OpenMP runtime they use torch's team (what
+    torch.get_num_threads() says: torch reads OMP_NUM_THREADS too); on our own pool the
+    environment's number, else the core count."""
+    code = (
+        "import torch; from dist_kernels import _C; "
+        "print(_C.kernels_cpu_pool(), _C.kernels_cpu_threads(), torch.get_num_threads())"
+    )
 
     def threads(**overrides) -> int:
         env = {
             k: v for k, v in os.environ.items() if k not in ("DK_NUM_THREADS", "OMP_NUM_THREADS")
         }
-        env.update(overrides)
+        env.update(overrides, DK_CPU_POOL=pool)
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
-        return int(out.stdout)
+        backend, ours, torchs = out.stdout.split()
+        assert backend == pool
+        if pool == "openmp" and "DK_NUM_THREADS" not in overrides:
+            assert ours == torchs, f"ours {ours}, torch's {torchs}"
+        return int(ours)
 
     cores = os.cpu_count()
     assert threads() == cores
     assert threads(OMP_NUM_THREADS="1") == 1
-    assert threads(OMP_NUM_THREADS="3") == 3
     assert threads(OMP_NUM_THREADS="1", DK_NUM_THREADS="2") == 2
     assert threads(OMP_NUM_THREADS="0") == cores  # not a thread count: ignored, as below 1
+    if pool == "dk":
+        assert threads(OMP_NUM_THREADS="3") == 3
 
 
 def _cuda_ready() -> bool:
@@ -546,8 +557,19 @@ def test_thread_pool_works_in_a_forked_child():
 
 def test_standalone_kernels_run_on_torchs_openmp_runtime():
     """torch is imported, so its OpenMP runtime is in the process: the kernels borrow its
-    threads (not a pool of ours beside them); DK_CPU_POOL=dk keeps our own pool."""
+    threads (not a pool of ours beside them), as many as torch's ops use; DK_CPU_POOL=dk keeps
+    our own pool."""
     assert _C.kernels_cpu_pool() == "openmp"
+    # the team size follows torch.set_num_threads, as torch's own ops do (DK_NUM_THREADS unset)
+    if "DK_NUM_THREADS" not in os.environ:
+        previous = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert _C.kernels_cpu_threads() == 1
+            torch.set_num_threads(3)
+            assert _C.kernels_cpu_threads() == 3
+        finally:
+            torch.set_num_threads(previous)
     code = "from dist_kernels import _C; print(_C.kernels_cpu_pool())"
     env = dict(os.environ, DK_CPU_POOL="dk")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

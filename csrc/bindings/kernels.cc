@@ -190,8 +190,8 @@ DK_REGISTER_BINDINGS(kernels) {
         "Sets the size (bytes read + written) from which standalone CPU calls use the thread "
         "pool; returns the previous value.");
   m.def("kernels_cpu_threads", &dk::kernels::cpuPoolThreads,
-        "Threads a standalone CPU kernel call may use (DK_NUM_THREADS, else OMP_NUM_THREADS, "
-        "else the core count).");
+        "Threads a standalone CPU kernel call may use (DK_NUM_THREADS, else on torch's OpenMP "
+        "runtime torch's intra-op threads, else OMP_NUM_THREADS, else the core count).");
   m.def(
       "kernels_cpu_pool", [] { return std::string(dk::kernels::cpuPoolBackend()); },
       "Where standalone CPU kernel calls run their parts: 'openmp' (the process's OpenMP "

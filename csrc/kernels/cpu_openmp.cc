@@ -16,9 +16,12 @@ namespace {
 // default), the calling thread included, and returns when every team thread has returned.
 using GompParallel = void (*)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
 
+using OmpGetMaxThreads = int (*)();
+
 struct Runtime {
   GompParallel parallel = nullptr;
-  pid_t owner = 0;  // the process that found it
+  OmpGetMaxThreads maxThreads = nullptr;  // the team size torch.set_num_threads sets
+  pid_t owner = 0;                        // the process that found it
 };
 
 const Runtime& runtime() {
@@ -28,6 +31,8 @@ const Runtime& runtime() {
     if (choice != nullptr && std::strcmp(choice, "dk") == 0) return r;
     // dlsym cannot fail in a way other than "not found" (nullptr), which is an answer here.
     r.parallel = reinterpret_cast<GompParallel>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+    r.maxThreads = reinterpret_cast<OmpGetMaxThreads>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+    if (r.maxThreads == nullptr) r.parallel = nullptr;  // a runtime we do not recognise
     r.owner = getpid();
     return r;
   }();
@@ -67,6 +72,12 @@ bool openmpRun(int threads, int parts, const std::function<void(int)>& fn) {
   rt.parallel(&runParts, &region, static_cast<unsigned>(threads), 0);
   busy.store(false, std::memory_order_release);
   return true;
+}
+
+int openmpThreads() {
+  const Runtime& rt = runtime();
+  if (rt.parallel == nullptr || rt.owner != getpid()) return 0;
+  return rt.maxThreads();
 }
 
 const char* cpuPoolBackend() {

@@ -145,17 +145,13 @@ class ThreadPool {
 
 // DK_NUM_THREADS, else OMP_NUM_THREADS as torch reads it (torchrun sets it to 1 when it starts
 // several ranks per host, so each rank's pool must not take every core), else the core count.
-// Read once: the OpenMP team and our pool are sized alike for the whole process.
 int configuredThreads() {
-  static const int threads = [] {
-    for (const char* name : {"DK_NUM_THREADS", "OMP_NUM_THREADS"}) {
-      const char* env = std::getenv(name);
-      if (env != nullptr && std::atoi(env) >= 1) return std::atoi(env);
-    }
-    const unsigned hw = std::thread::hardware_concurrency();
-    return hw == 0 ? 1 : static_cast<int>(hw);
-  }();
-  return threads;
+  for (const char* name : {"DK_NUM_THREADS", "OMP_NUM_THREADS"}) {
+    const char* env = std::getenv(name);
+    if (env != nullptr && std::atoi(env) >= 1) return std::atoi(env);
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
 }
 
 // The pool of this process; a child after fork() builds its own (the parent's is leaked there:
@@ -172,6 +168,18 @@ ThreadPool& processPool() {
   return *pool;
 }
 
+// DK_NUM_THREADS if set (read once), else on the OpenMP runtime its team size, which follows
+// OMP_NUM_THREADS and torch.set_num_threads as torch's own ops do, else configuredThreads().
+int callThreads() {
+  static const int fixed = [] {
+    const char* env = std::getenv("DK_NUM_THREADS");
+    return env != nullptr && std::atoi(env) >= 1 ? std::atoi(env) : 0;
+  }();
+  if (fixed != 0) return fixed;
+  const int team = openmpThreads();
+  return team >= 1 ? team : processPool().threads();
+}
+
 constexpr size_t kCacheLine = 64;
 // Enough parts that a descheduled thread's share is small, few enough that taking a part (one
 // atomic add) stays negligible against a part's work.
@@ -179,12 +187,13 @@ constexpr size_t kPartsPerThread = 8;
 
 }  // namespace
 
-int cpuPoolThreads() { return configuredThreads(); }
+int cpuPoolThreads() { return callThreads(); }
 
 // The process's OpenMP runtime first (cpu_openmp.h: torch's threads, shared rather than fought
 // for the cores), our own pool where there is none.
 void cpuPoolRun(int parts, const std::function<void(int)>& fn) {
-  if (parts > 1 && configuredThreads() > 1 && openmpRun(configuredThreads(), parts, fn)) return;
+  const int threads = parts > 1 ? callThreads() : 1;
+  if (threads > 1 && openmpRun(threads, parts, fn)) return;
   if (parts <= 1 || !processPool().tryRun(parts, fn)) {
     for (int part = 0; part < parts; ++part) fn(part);
   }

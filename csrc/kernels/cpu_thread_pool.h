@@ -2,8 +2,9 @@
 // runtime when one is loaded (torch's; cpu_openmp.h), else on a small persistent thread pool of
 // our own, described below. The communicator never uses either: each rank owns one core there.
 //
-// Size: DK_NUM_THREADS if set (>= 1), else OMP_NUM_THREADS (>= 1; torchrun sets it to 1 for
-// several ranks per host), else std::thread::hardware_concurrency(); the calling
+// Size: DK_NUM_THREADS if set (>= 1); else on the OpenMP runtime its team size (what torch's
+// ops use: OMP_NUM_THREADS, torch.set_num_threads); else OMP_NUM_THREADS (>= 1; torchrun sets it
+// to 1 for several ranks per host), else std::thread::hardware_concurrency(). The calling
 // thread is one of them. Threads start on first use and after a fork() in the child (the
 // parent's threads do not exist there). One job runs at a time; a second caller that finds the
 // pool busy runs its job on its own thread instead of waiting. Idle workers spin ~100 us
