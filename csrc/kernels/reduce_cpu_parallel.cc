@@ -64,10 +64,15 @@ Status sourceSlices(void* dst, const void* const* srcs, int nsrcs, size_t count,
   const size_t size = dtypeSize(dtype);
   const bool split = worthSplitting(count * size * (nsrcs + 1));
   return cpuParallelSlices(count, size, split, [&](size_t begin, size_t end) {
-    std::vector<const void*> slice_srcs(nsrcs);
+    // The sources' slice addresses: on the stack for the usual few (a heap vector per part
+    // cost ~0.05 us each, 16 parts a call).
+    constexpr int kOnStack = 8;
+    const void* on_stack[kOnStack];
+    std::vector<const void*> on_heap(nsrcs > kOnStack ? nsrcs : 0);
+    const void** slice_srcs = nsrcs > kOnStack ? on_heap.data() : on_stack;
     for (int s = 0; s < nsrcs; ++s) slice_srcs[s] = byteOffset(srcs[s], begin, size);
     void* slice_dst = const_cast<char*>(byteOffset(dst, begin, size));
-    return kernel(slice_dst, slice_srcs.data(), end - begin);
+    return kernel(slice_dst, slice_srcs, end - begin);
   });
 }
 
