@@ -65,7 +65,7 @@ Status sourceSlices(void* dst, const void* const* srcs, int nsrcs, size_t count,
   const bool split = worthSplitting(count * size * (nsrcs + 1));
   return cpuParallelSlices(count, size, split, [&](size_t begin, size_t end) {
     // The sources' slice addresses: on the stack for the usual few (a heap vector per part
-    // cost ~0.05 us each, 16 parts a call).
+    // cost ~0.05 us each; our own pool cuts 8 parts per thread).
     constexpr int kOnStack = 8;
     const void* on_stack[kOnStack];
     std::vector<const void*> on_heap(nsrcs > kOnStack ? nsrcs : 0);
