@@ -29,7 +29,10 @@ Columns: samples/s = batch / median step time (optimizer step included, for both
 bubble = 1 - (time this rank's stages take to compute the step alone, no pipeline, F and a full
 backward per micro-batch, timed in the same rounds) / (step time), averaged over ranks: the
 share of a step spent waiting, transferring or in the split's overhead; "ideal" = the
-simulator's bubble at F = B = W. "ratio" = our samples/s / torch's.
+simulator's bubble at F = B = W. "ratio" = our samples/s / torch's. "step ms" and "mean ms":
+the median and the mean ``Pipeline.step`` of the slowest rank, each with the simulator's error
+against it (the simulator adds up mean action times, so the mean step is its like; the median
+is the column samples/s uses).
 """
 
 from __future__ import annotations
@@ -251,6 +254,8 @@ def _worker(args) -> list:
         medians = {
             k: statistics.median(v) if v else float("nan") for k, v in times[schedule].items()
         }
+        # the simulator turns mean action times into a step: its like is the mean step
+        medians["pipe_mean"] = statistics.mean(times[schedule]["pipe"])
         gathered = [None] * world
         dist.all_gather_object(gathered, medians)
         if rank == 0:
@@ -264,7 +269,7 @@ def _predict(schedule: str, world: int, m: int, profile: dict) -> float:
 
 
 def _row(schedule, world, gathered, args, first, predicted) -> dict:
-    step = {k: max(g[k] for g in gathered) for k in ("ours", "pipe", "torch")}
+    step = {k: max(g[k] for g in gathered) for k in ("ours", "pipe", "pipe_mean", "torch")}
     alone = [g["alone"] for g in gathered]
     bubble = lambda s: 1 - statistics.mean(a / s for a in alone)  # noqa: E731
     profile, sim_step = predicted
@@ -280,6 +285,8 @@ def _row(schedule, world, gathered, args, first, predicted) -> dict:
         "pipe_step_s": step["pipe"],
         "predicted_step_s": sim_step,
         "prediction_error": sim_step / step["pipe"] - 1,
+        "pipe_step_mean_s": step["pipe_mean"],
+        "prediction_error_mean": sim_step / step["pipe_mean"] - 1,
         "profile": profile,
         "first_step_rel_diff": first,
     }
@@ -288,7 +295,8 @@ def _row(schedule, world, gathered, args, first, predicted) -> dict:
 def _print(results: list) -> None:
     head = (
         f"{'ranks':>5} {'schedule':>16} {'ours smp/s':>10} {'torch smp/s':>11} {'ratio':>5} "
-        f"{'ours bub':>8} {'torch bub':>9} {'ideal':>5} {'step ms':>7} {'sim ms':>6} {'err':>5}"
+        f"{'ours bub':>8} {'torch bub':>9} {'ideal':>5} {'step ms':>7} {'sim ms':>6} {'err':>5} "
+        f"{'mean ms':>7} {'err':>5}"
     )
     print(head)
     for r in results:
@@ -303,7 +311,8 @@ def _print(results: list) -> None:
             + f"{100 * r['ours_bubble']:>7.1f}% "
             + (f"{100 * r['torch_bubble']:>8.1f}% " if theirs else f"{'-':>9} ")
             + f"{100 * r['ideal_bubble']:>4.1f}% {1e3 * r['pipe_step_s']:>7.2f} "
-            f"{1e3 * r['predicted_step_s']:>6.2f} {100 * r['prediction_error']:>+4.0f}%"
+            f"{1e3 * r['predicted_step_s']:>6.2f} {100 * r['prediction_error']:>+4.0f}% "
+            f"{1e3 * r['pipe_step_mean_s']:>7.2f} {100 * r['prediction_error_mean']:>+4.0f}%"
         )
 
 
