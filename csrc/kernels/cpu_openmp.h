@@ -25,6 +25,10 @@ namespace dk::kernels {
 // a fork()ed child of the one that found it (libgomp's threads do not survive fork()).
 bool openmpRun(int threads, int parts, const std::function<void(int part)>& fn);
 
+// True where openmpRun would run: a runtime was found, DK_CPU_POOL is not "dk", and this is not
+// a fork()ed child of the process that found it.
+bool openmpActive();
+
 // The runtime's team size for a parallel region of the calling thread (omp_get_max_threads:
 // OMP_NUM_THREADS, or what torch.set_num_threads last set); 0 where openmpRun would not run.
 int openmpThreads();

@@ -11,7 +11,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -209,8 +208,7 @@ Status cpuParallelSlices(size_t count, size_t dst_element_bytes, bool split,
   if (threads <= 1) return slice(0, count);
   // parts_per_thread parts per thread, each a multiple of one cache line of the destination.
   const size_t line = dst_element_bytes >= kCacheLine ? 1 : kCacheLine / dst_element_bytes;
-  const size_t parts_per_thread =
-      std::strcmp(cpuPoolBackend(), "openmp") == 0 ? 1 : kPartsPerThread;
+  const size_t parts_per_thread = openmpActive() ? 1 : kPartsPerThread;
   const size_t per_part = (count + threads * parts_per_thread - 1) / (threads * parts_per_thread);
   const size_t length = (per_part + line - 1) / line * line;
   const int parts = static_cast<int>((count + length - 1) / length);

@@ -3,7 +3,6 @@
 // computed by the same code, only the thread differs.
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "common/dtype.h"
@@ -40,8 +39,7 @@ constexpr size_t kOwnPoolParallelMinBytes = size_t{64} << 20;
 size_t initialParallelMinBytes() {
   const char* env = std::getenv("DK_PARALLEL_MIN_BYTES");
   if (env != nullptr && env[0] != '\0') return static_cast<size_t>(std::strtoull(env, nullptr, 10));
-  return std::strcmp(cpuPoolBackend(), "openmp") == 0 ? kOpenmpParallelMinBytes
-                                                      : kOwnPoolParallelMinBytes;
+  return openmpActive() ? kOpenmpParallelMinBytes : kOwnPoolParallelMinBytes;
 }
 
 std::atomic<size_t>& parallelMinBytes() {
