@@ -152,7 +152,7 @@ def test_a_hung_step_leaves_the_later_steps_their_share(tmp_path):
     result = _dry_run(tmp_path, DK_CHECK_BUDGET_S=str(budget), DK_DEVICE_CHECK_DRY_HANG="gpu_tests")
     assert result.returncode == 1, result.stdout + result.stderr
     steps = {s["name"]: s for s in _report(tmp_path / "out")["steps"]}
-    assert steps["gpu_tests"]["status"] == "timeout"
+    assert steps["gpu_tests"]["status"] == "timeout", steps  # every step's report if not
     assert steps["gpu_tests"]["limit_s"] > _share("gpu_tests", budget)  # carried over
     for name in ("bench_ws1", "bench_ws2", "bench_kernels"):
         # Its share, less at most a second of the reports written between steps.
