@@ -534,6 +534,35 @@ class Communicator(BaseCommunicator):
             raise TypeError(f"[rank {self.rank}] empty: {e}") from None
         return self._backend.empty(shape, dtype)
 
+    def empty_symmetric(
+        self, shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32
+    ) -> List[torch.Tensor]:
+        """One registered tensor per rank, every one of them mapped into this process:
+        ``bufs[r]`` is rank r's memory (``bufs[self.rank]`` this rank's own, as :meth:`empty`
+        gives), so a rank can write straight into a peer's tensor, as torch's symmetric memory
+        (``get_buffer(rank, ...)``) allows on GPUs.
+
+        Collective, like :meth:`empty`. The writes of one rank are visible to the others after
+        any collective that follows them (:meth:`barrier`); ordering the writes against the
+        owner's reads is the caller's business. Only where every rank is on this host.
+        """
+        self._check_open("empty_symmetric")
+        if not hasattr(self._backend, "empty_symmetric"):
+            raise NotImplementedError(
+                f"[rank {self.rank}] empty_symmetric: needs every rank on one host's shared "
+                f"memory; this communicator spans {self.num_hosts} hosts"
+            )
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(
+                f"[rank {self.rank}] empty_symmetric: negative dimension in shape {shape}"
+            )
+        try:
+            dtype_code(dtype, "dtype")
+        except TypeError as e:
+            raise TypeError(f"[rank {self.rank}] empty_symmetric: {e}") from None
+        return self._backend.empty_symmetric(shape, dtype)
+
     @property
     def num_hosts(self) -> int:
         """Hosts this communicator's ranks are on (more than one: the hierarchical backend)."""

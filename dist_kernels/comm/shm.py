@@ -125,10 +125,26 @@ class ShmBackend:
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in a fresh registered segment (collective over the host's ranks)."""
+        return self.empty_symmetric(shape, dtype)[self.local_rank]
+
+    def empty_symmetric(self, shape: Sequence[int], dtype: torch.dtype) -> List[torch.Tensor]:
+        """One fresh registered segment per rank (collective): entry r is local rank r's,
+        mapped into this process, so a rank may write straight into a peer's memory."""
         numel = 1
         for d in shape:
             numel *= int(d)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        segments = self._register_segments(nbytes, tuple(shape), dtype)
+        if nbytes == 0:
+            return [torch.empty(tuple(shape), dtype=dtype) for _ in segments]
+        return [
+            torch.frombuffer(seg, dtype=torch.uint8, count=nbytes).view(dtype).view(tuple(shape))
+            for seg in segments
+        ]
+
+    def _register_segments(self, nbytes: int, shape: tuple, dtype: torch.dtype) -> List:
+        """Creates this rank's segment of ``nbytes``, maps every peer's and registers them
+        with the C++ communicator (so collectives on them skip the copy-in)."""
         buffer_id = self._next_buffer
         self._next_buffer += 1
         what = f"buffer{buffer_id}"
@@ -146,16 +162,13 @@ class ShmBackend:
                     raise ValueError(
                         f"empty: ranks disagree on the buffer size: local rank {r} asked for "
                         f"{theirs} bytes, local rank {self.local_rank} for {nbytes} "
-                        f"(shape {tuple(shape)}, {dtype})"
+                        f"(shape {shape}, {dtype})"
                     )
                 segments.append(_C.ShmSegment.open(name, nbytes))
             self.impl.register_buffer(buffer_id, own, segments)
         finally:
             self._mapped_then_unlink(own, what, creator=True)
-        if nbytes == 0:
-            return torch.empty(tuple(shape), dtype=dtype)
-        flat = torch.frombuffer(own, dtype=torch.uint8, count=nbytes)
-        return flat.view(dtype).view(tuple(shape))
+        return segments
 
     # Collectives: tensors were checked by the Communicator; the C++ core takes pointers.
 

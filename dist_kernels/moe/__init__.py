@@ -2,14 +2,17 @@
 
 from . import checkpoint
 from .layer import Expert, MoE, shard_experts
+from .push import RowPlan, push_rows
 from .router import Router, expert_capacity, switch_load_balancing_loss, z_loss
 
 __all__ = [
     "Expert",
     "MoE",
     "Router",
+    "RowPlan",
     "checkpoint",
     "expert_capacity",
+    "push_rows",
     "shard_experts",
     "switch_load_balancing_loss",
     "z_loss",

@@ -18,6 +18,12 @@ Expert e lives on ep rank ``e // (n_experts / ep)``. The dispatch path (torchtit
     7. combine      rows back in [src rank][local expert] order, the reverse all_to_all,
                     y[token] += weight * row                            (router grads via weight)
 
+On one host's shared memory (``push.py``) steps 4 + 5 are one write per row: the sender
+gathers ``x[token]`` straight into the receiver's memory, already grouped by local expert, and
+step 7 writes each expert output straight back into its source rank's memory. Elsewhere (a
+communicator without ``empty_symmetric``) 4 and 7 are all-to-alls (``exchange.py``) and 5 a
+local permutation.
+
 With ``comm`` None (or of one rank) every expert is local and steps 2, 4 and 7 move nothing:
 the unsharded layer, the reference the sharded one must equal.
 """
@@ -32,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .exchange import exchange_rows
+from .push import RowPlan, push_rows, supports_push
 from .router import Router, Routing
 
 __all__ = ["Expert", "MoE", "shard_experts"]
@@ -143,10 +150,17 @@ class MoE(nn.Module):
         token = order // self.top_k
         local_counts = torch.bincount(flat_e[order], minlength=self.n_experts)
         counts = self._count_exchange(local_counts, r.routed)  # 2. [ep, E]
-        plan = _ExchangePlan(counts, self.num_local, 0 if self.comm is None else self.comm.rank)
-        rows = self._to_experts(x, token, plan)  # 4. + 5.
-        out = self._run_experts(rows, plan.rows_per_local_expert)  # 6.
-        back = self._from_experts(out, plan)  # 7.
+        if supports_push(self.comm):  # 4. + 5. in one write per row, 7. likewise
+            push = RowPlan.moe_dispatch(counts.tolist(), self.num_local)
+            rows = push_rows(x, token, self.comm, push)
+            per_expert = counts[:, self.local_expert_ids].sum(0).tolist()
+            out = self._run_experts(rows, per_expert)  # 6.
+            back = push_rows(out, None, self.comm, push.transposed())
+        else:
+            plan = _ExchangePlan(counts, self.num_local, 0 if self.comm is None else self.comm.rank)
+            rows = self._to_experts(x, token, plan)  # 4. + 5.
+            out = self._run_experts(rows, plan.rows_per_local_expert)  # 6.
+            back = self._from_experts(out, plan)  # 7.
         w = r.weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
         return torch.zeros_like(x).index_add(0, token, back * w)
 
