@@ -1,18 +1,22 @@
 """MoE dispatch + combine, and an MoE GPT step, on ep CPU ranks: ours against torch over gloo.
 
     python benchmarks/bench_moe.py [--nproc 2,4] [--mib 1,2,4,8,16] [--dim 1024] [--iters 10]
-        [--gpt-iters 5] [--json f]
+        [--gpt-iters 5] [--seed 7] [--json f]
 
 1. **Ceiling first**: one process copies S bytes (``Tensor.copy_``), median time: the memcpy
    ceiling a rank's dispatch + combine is compared with (each moves every byte once each way),
    one thread as each rank has.
 2. **Dispatch + combine** per world size and S (MiB of tokens per rank, rows of ``--dim``
-   float32, routed uniformly to every rank): permute the rows by destination and exchange them
-   (dispatch), then exchange them back (combine); ours is ``dk.moe``'s row exchange (the
-   permutation gathers into the communicator's registered buffer, the peer copies once), torch's
-   is the same permutation and ``all_to_all_single`` over gloo (torchtitan's dispatch), in the
-   same ranks and run. Correctness first: both results must equal. GB/s per rank = 2 S / time
-   (slowest rank, median of ``--iters``); "x memcpy" is over the ceiling's GB/s for S bytes.
+   float32): every row gets a random destination rank and the rows are stably sorted by it, as
+   the layer's router order does (uneven counts, ascending rows within a destination); dispatch
+   sends them, combine sends them back. Three ways, same ranks, same run:
+   - ours: the layer's path on one host, ``dk.moe.push_rows`` (each row gathered once, straight
+     into the receiver's shared memory; the result is that memory);
+   - a2a: the layer's path elsewhere, ``exchange_rows`` (gathered into the registered buffer,
+     copied out by the peer: ``Communicator.all_to_all``);
+   - gloo: the same permutation and ``all_to_all_single`` over gloo (torchtitan's dispatch).
+   Correctness first: all three results must be equal. GB/s per rank = 2 S / time (slowest
+   rank, median of ``--iters``); "x memcpy" is ours over the ceiling's GB/s for S bytes.
 3. **MoE GPT step** at ep = 2 (forward + backward, every block MoE, median of
    ``--gpt-iters``): the same model with its exchange on our Communicator and on torch
    ``all_to_all_single`` / ``all_gather_into_tensor`` over gloo (the layer's ``comm`` argument
@@ -29,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from typing import Any, Dict, List
 
 import torch
@@ -39,6 +44,7 @@ import dist_kernels as dk  # noqa: E402
 from dist_kernels import launch  # noqa: E402
 from dist_kernels.models import GPT, GPTConfig  # noqa: E402
 from dist_kernels.moe.exchange import exchange_rows  # noqa: E402
+from dist_kernels.moe.push import RowPlan, push_rows  # noqa: E402
 
 MIB = 1 << 20
 
@@ -84,17 +90,22 @@ def memcpy_ceiling(mib: List[int], iters: int) -> Dict[int, float]:
     return out
 
 
-def _dispatch_combine(comm, x, index, splits, rows):
-    sent = exchange_rows(x, index, comm, splits, splits, rows)
-    return exchange_rows(sent, torch.arange(sent.shape[0]), comm, splits, splits, rows)
+def _dispatch_combine(comm, x, index, plan):
+    arrived = push_rows(x, index, comm, plan)  # what the layer does on one host
+    return push_rows(arrived, None, comm, plan.transposed())
 
 
-def _torch_dispatch_combine(group, x, index, splits):
+def _a2a_dispatch_combine(comm, x, index, sends, recvs, rows):
+    arrived = exchange_rows(x, index, comm, sends, recvs, rows)  # the layer's other path
+    return exchange_rows(arrived, torch.arange(arrived.shape[0]), comm, recvs, sends, rows)
+
+
+def _torch_dispatch_combine(group, x, index, sends, recvs):
     send = x.index_select(0, index)
-    arrived = torch.empty_like(send)
-    dist.all_to_all_single(arrived, send, splits, splits, group=group)
-    back = torch.empty_like(arrived)
-    dist.all_to_all_single(back, arrived.clone(), splits, splits, group=group)
+    arrived = send.new_empty(sum(recvs), send.shape[1])
+    dist.all_to_all_single(arrived, send, recvs, sends, group=group)
+    back = torch.empty_like(send)
+    dist.all_to_all_single(back, arrived, sends, recvs, group=group)
     return back
 
 
@@ -109,27 +120,47 @@ def _time(fn, iters: int) -> float:
     return _median_slowest(times)
 
 
+def _routing(rows: int, n: int, seed: int):
+    """A router's order: a random destination rank per row, rows stably sorted by it (as the
+    layer sorts its assignments by expert); every rank's counts, gathered."""
+    dest = torch.randint(0, n, (rows,), generator=torch.Generator().manual_seed(seed))
+    index = torch.sort(dest, stable=True).indices
+    mine = torch.bincount(dest, minlength=n)
+    counts = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(counts, mine)
+    return index, [c.tolist() for c in counts]
+
+
 def _exchange_rows_worker(args) -> List[Dict[str, Any]]:
-    comm, n = dk.Communicator(), dist.get_world_size()
+    comm, n, me = dk.Communicator(), dist.get_world_size(), dist.get_rank()
     gloo = dist.new_group(backend="gloo")
     rows_out = []
     for m in args.mib:
         rows = m * MIB // (4 * args.dim)
-        rows -= rows % n
-        x = torch.randn(rows, args.dim, generator=torch.Generator().manual_seed(dist.get_rank()))
-        index = torch.randperm(rows, generator=torch.Generator().manual_seed(7))
-        splits = [rows // n] * n
-        ours = _dispatch_combine(comm, x, index, splits, rows)
-        theirs = _torch_dispatch_combine(gloo, x, index, splits)
-        wrong = int((ours != theirs).sum())
-        t_ours = _time(
-            lambda x=x, i=index, s=splits, r=rows: _dispatch_combine(comm, x, i, s, r), args.iters
+        x = torch.randn(rows, args.dim, generator=torch.Generator().manual_seed(me))
+        index, counts = _routing(rows, n, args.seed + me)
+        plan = RowPlan.blocks(counts)
+        sends, recvs = counts[me], [counts[s][me] for s in range(n)]
+        room = max(max(sum(c) for c in counts), max(plan.recv_rows))
+        ours = _dispatch_combine(comm, x, index, plan)
+        a2a = _a2a_dispatch_combine(comm, x, index, sends, recvs, room)
+        theirs = _torch_dispatch_combine(gloo, x, index, sends, recvs)
+        wrong = int((ours != theirs).sum()) + int((a2a != theirs).sum())
+        del ours, a2a, theirs
+        t_ours = _time(partial(_dispatch_combine, comm, x, index, plan), args.iters)
+        t_a2a = _time(
+            partial(_a2a_dispatch_combine, comm, x, index, sends, recvs, room), args.iters
         )
-        t_torch = _time(
-            lambda x=x, i=index, s=splits: _torch_dispatch_combine(gloo, x, i, s), args.iters
-        )
+        t_torch = _time(partial(_torch_dispatch_combine, gloo, x, index, sends, recvs), args.iters)
         rows_out.append(
-            {"world": n, "mib": m, "ours_s": t_ours, "torch_s": t_torch, "wrong": wrong}
+            {
+                "world": n,
+                "mib": m,
+                "ours_s": t_ours,
+                "a2a_s": t_a2a,
+                "torch_s": t_torch,
+                "wrong": wrong,
+            }
         )
     comm.close()
     return rows_out
@@ -178,6 +209,7 @@ def main(argv=None) -> None:
     p.add_argument("--gpt-dim", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json")
     args = p.parse_args(argv)
     args.mib = [int(m) for m in args.mib.split(",")]
@@ -188,25 +220,26 @@ def main(argv=None) -> None:
         + ", ".join(f"{m} MiB {g:.2f} GB/s" for m, g in ceiling.items())
     )
     print(
-        f"{'ranks':>5} {'MiB/rank':>8} {'ours GB/s':>10} {'x memcpy':>9} {'gloo GB/s':>10} "
-        f"{'x gloo':>7} {'#wrong':>6}"
+        f"{'ranks':>5} {'MiB/rank':>8} {'ours GB/s':>10} {'x memcpy':>9} {'a2a GB/s':>9} "
+        f"{'gloo GB/s':>10} {'x gloo':>7} {'#wrong':>6}"
     )
     table = []
     for world in (int(w) for w in args.nproc.split(",")):
         for r in launch.run(world, _exchange_rows_worker, args, threads=1)[0]:
-            ours, theirs = (
-                2 * r["mib"] * MIB / r["ours_s"] / 1e9,
-                2 * r["mib"] * MIB / r["torch_s"] / 1e9,
+            ours, a2a, theirs = (
+                2 * r["mib"] * MIB / r[k] / 1e9 for k in ("ours_s", "a2a_s", "torch_s")
             )
             r.update(
                 ours_gbs=ours,
+                a2a_gbs=a2a,
                 torch_gbs=theirs,
                 x_memcpy=ours / ceiling[r["mib"]],
                 x_gloo=ours / theirs,
             )
             table.append(r)
             print(
-                f"{world:>5} {r['mib']:>8} {ours:>10.2f} {r['x_memcpy']:>9.2f} {theirs:>10.2f} "
+                f"{world:>5} {r['mib']:>8} {ours:>10.2f} {r['x_memcpy']:>9.2f} {a2a:>9.2f} "
+                f"{theirs:>10.2f} "
                 f"{r['x_gloo']:>7.2f} {r['wrong']:>6}"
             )
     gpt = launch.run(2, _gpt_worker, args, threads=1)[0]
