@@ -20,7 +20,9 @@
 3. **MoE GPT step** at ep = 2 (forward + backward, every block MoE, median of
    ``--gpt-iters``): the same model with its exchange on our Communicator and on torch
    ``all_to_all_single`` / ``all_gather_into_tensor`` over gloo (the layer's ``comm`` argument
-   given a torch-backed stand-in), same ranks, same inputs; losses must agree.
+   given a torch-backed stand-in), same ranks, same inputs; losses must agree. Beside them the
+   unsharded model on each rank's own batch (every expert local, nothing exchanged): about the
+   same expert work per rank, so the floor of any exchange's step time.
 
 Timings on a loaded machine are loaded: the table prints the load average beside them.
 """
@@ -183,9 +185,12 @@ def _gpt_worker(args) -> Dict[str, Any]:
         0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(dist.get_rank())
     )
     out = {}
-    for name, c in (("ours", comm), ("torch", gloo)):
+    # "local": the unsharded model on this rank's batch, every expert here and no exchange:
+    # about the same expert work per rank (each rank computes E / ep experts for ep ranks'
+    # tokens at ep = 2), so its time is the floor any exchange could bring the step to.
+    for name, c in (("ours", comm), ("torch", gloo), ("local", None)):
         torch.manual_seed(0)
-        model = GPT(cfg).expert_parallel(c)
+        model = GPT(cfg) if c is None else GPT(cfg).expert_parallel(c)
 
         def step(model=model):
             model.zero_grad()
@@ -248,7 +253,8 @@ def main(argv=None) -> None:
         f"experts top-2, every block MoE): ours {gpt['ours_s'] * 1e3:.1f} ms, torch "
         f"all_to_all_single/gloo {gpt['torch_s'] * 1e3:.1f} ms, ours/torch "
         f"{gpt['ours_s'] / gpt['torch_s']:.2f}; losses {gpt['ours_loss']:.6f} vs "
-        f"{gpt['torch_loss']:.6f}"
+        f"{gpt['torch_loss']:.6f}; the unsharded model on one rank's batch (no exchange) "
+        f"{gpt['local_s'] * 1e3:.1f} ms, {gpt['local_s'] / gpt['torch_s']:.2f} of torch's"
     )
     if args.json:
         with open(args.json, "w") as f:
