@@ -132,45 +132,107 @@ def _remove_stale(directory: str, keep: List[str]) -> None:
 
 
 def _param_names(model: Optional[torch.nn.Module], optimizer: Any) -> Dict[int, str]:
-    """id(parameter) -> name; without a model, the optimizer's own slot names."""
+    """id(parameter) -> name; without a model, the optimizer's own slot names. MoE experts go
+    by their global id (``experts.<global id>``), so a checkpoint's names do not depend on
+    the ep it was saved at."""
     if model is not None:
-        return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        from .moe.checkpoint import global_key
+
+        rename = global_key(model)
+        return {id(p): rename(n) for n, p in model.named_parameters(remove_duplicate=False)}
     return {id(p): s.name for fg in optimizer.flat_groups for s, p in zip(fg.plan.slots, fg.params)}
 
 
-def _group_records(optimizer: Any, names: Dict[int, str], rank: int) -> List[Dict[str, Any]]:
-    """Per flat group: parameters and every rank's segments, by parameter name."""
-    records = []
-    for fg in optimizer.flat_groups:
-        params = []
-        for slot, p in zip(fg.plan.slots, fg.params):
-            if id(p) not in names:
-                raise ValueError("model: a parameter of the optimizer is not in the model")
-            params.append(
-                {
-                    "name": names[id(p)],
-                    "shape": list(slot.shape),
-                    "offset": slot.offset,
-                    "dtype": str(fg.dtype).replace("torch.", ""),
-                }
-            )
-        segments = [
-            [
-                [names[id(fg.params[s.slot])], s.param_start, s.length, s.shard_offset]
-                for s in fg.plan.segments(r)
-            ]
-            for r in range(fg.plan.world_size)
-        ]
-        records.append(
+def _expert_test(model: Optional[torch.nn.Module]):
+    """Whether a saved name is an MoE expert's (held by some rank, not necessarily this one)."""
+    if model is None:
+        return lambda name: False
+    from .moe.checkpoint import expert_key_test
+
+    return expert_key_test(model)
+
+
+def _params_record(fg: Any, names: Dict[int, str]) -> List[Dict[str, Any]]:
+    params = []
+    for slot, p in zip(fg.plan.slots, fg.params):
+        if id(p) not in names:
+            raise ValueError("model: a parameter of the optimizer is not in the model")
+        params.append(
             {
-                "key": fg.plan.key,
-                "numel": fg.plan.numel,
-                "shard_numel": fg.plan.shard_numel,
-                "params": params,
-                "segments": segments,
+                "name": names[id(p)],
+                "shape": list(slot.shape),
+                "offset": slot.offset,
+                "dtype": str(fg.dtype).replace("torch.", ""),
             }
         )
+    return params
+
+
+def _segments_record(fg: Any, names: Dict[int, str], rank: int) -> List[List[Any]]:
+    """Rank ``rank`` (of the group's communicator)'s pieces: [name, start, length, offset]."""
+    return [
+        [names[id(fg.params[s.slot])], s.param_start, s.length, s.shard_offset]
+        for s in fg.plan.segments(rank)
+    ]
+
+
+def _expert_records(optimizer: Any, names: Dict[int, str]) -> List[Dict[str, Any]]:
+    """This rank's flat groups sharded over ``expert_comm`` (its own experts, by global name):
+    parameters and this rank's pieces. Every rank's go into the layout (rank 0 gathers them)."""
+    return [
+        {
+            "group": g,
+            "key": fg.plan.key,
+            "params": _params_record(fg, names),
+            "segments": _segments_record(fg, names, fg.comm.rank),
+        }
+        for g, fg in enumerate(optimizer.flat_groups)
+        if fg.comm is not optimizer.comm
+    ]
+
+
+def _group_records(
+    optimizer: Any, names: Dict[int, str], experts: List[List[Dict[str, Any]]]
+) -> List[Dict[str, Any]]:
+    """Per flat group: parameters and the pieces of every rank of ``optimizer.comm`` (the
+    shard file's index), by parameter name. A dense group's pieces follow from rank 0's plan;
+    an expert group's (``experts[r]``: rank r's :func:`_expert_records`) differ from ep rank to
+    ep rank: its parameters are every rank's experts, its pieces each rank's own."""
+    records = []
+    by_group = defaultdict(list)
+    for rank_records in experts:
+        for record in rank_records:
+            by_group[record["group"]].append(record)
+    for g, fg in enumerate(optimizer.flat_groups):
+        record = {"key": fg.plan.key, "numel": fg.plan.numel, "shard_numel": fg.plan.shard_numel}
+        if fg.comm is optimizer.comm:
+            record["params"] = _params_record(fg, names)
+            record["segments"] = [_segments_record(fg, names, r) for r in range(fg.plan.world_size)]
+        else:
+            ranks = by_group[g]
+            if len(ranks) != optimizer.world_size or any(r["key"] != fg.plan.key for r in ranks):
+                raise ValueError(f"flat group {fg.plan.key}: the ranks' expert groups disagree")
+            union = {p["name"]: {**p, "offset": None} for r in ranks for p in r["params"]}
+            record.update(
+                experts=True,
+                params=[union[n] for n in sorted(union)],
+                segments=[r["segments"] for r in ranks],
+            )
+        records.append(record)
     return records
+
+
+def _gather_json(comm: Any, world_size: int, value: Any) -> List[Any]:
+    """Every rank's JSON-able ``value``, in rank order (two all-gathers: sizes, then bytes)."""
+    data = json.dumps(value).encode()
+    if world_size == 1:
+        return [value]
+    sizes = _all_gather_rows(comm, world_size, torch.tensor([len(data)], dtype=torch.int64))
+    width = int(sizes.max())
+    row = torch.zeros(width, dtype=torch.uint8)
+    row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = _all_gather_rows(comm, world_size, row)
+    return [json.loads(bytes(rows[r, : int(sizes[r, 0])].tolist())) for r in range(world_size)]
 
 
 def _jsonable(value: Any) -> Any:
@@ -212,7 +274,6 @@ def save(
     if optimizer is None:
         _save_model_only(path, model, scaler, extra)
         return
-    _refuse_expert_groups(optimizer, "save")
     comm, rank, world_size = optimizer.comm, optimizer.rank, optimizer.world_size
     os.makedirs(path, exist_ok=True)
     tag = _agree_on_tag(comm, world_size)
@@ -220,7 +281,9 @@ def save(
     names = _param_names(model, optimizer)
     digest = torch.zeros(_DIGEST + 8, dtype=torch.uint8)
     error: Optional[BaseException] = None
+    experts: List[Dict[str, Any]] = []
     try:
+        experts = _expert_records(optimizer, names)
         data = _serialize(_shard_payload(optimizer, rank))
         _write_atomic(os.path.join(path, shard_names[rank]), data)
         digest[:_DIGEST] = torch.frombuffer(
@@ -231,6 +294,7 @@ def save(
         error = e
         digest.fill_(255)
     digests = _all_gather_rows(comm, world_size, digest)
+    every_experts = _gather_json(comm, world_size, experts)
     status = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
         status[0] = _commit(
@@ -239,6 +303,7 @@ def save(
             optimizer,
             model,
             names,
+            every_experts,
             scaler,
             extra,
             digests,
@@ -253,17 +318,6 @@ def save(
     if int(status[0]) != 0:
         raise CheckpointError(
             f"[rank {rank}] save to {path}: a rank failed; the previous checkpoint is unchanged"
-        )
-
-
-def _refuse_expert_groups(optimizer: Any, call: str) -> None:
-    """The layout records rank 0's flat groups for every rank: groups sharded over another
-    communicator (MoE experts over ``expert_comm``) differ from rank to rank."""
-    if any(fg.comm is not optimizer.comm for fg in optimizer.flat_groups):
-        raise NotImplementedError(
-            f"[rank {optimizer.rank}] checkpoint.{call}: the ShardedOptimizer shards MoE "
-            "experts over expert_comm, whose shards this format does not record yet; save "
-            "the model with dk.checkpoint.save(path, model=...) per ep rank (docs/moe.md)"
         )
 
 
@@ -296,7 +350,18 @@ def _shard_payload(optimizer: Any, rank: int) -> Dict[str, Any]:
 
 
 def _commit(
-    path, tag, optimizer, model, names, scaler, extra, digests, layout_name, meta_name, shard_names
+    path,
+    tag,
+    optimizer,
+    model,
+    names,
+    experts,
+    scaler,
+    extra,
+    digests,
+    layout_name,
+    meta_name,
+    shard_names,
 ) -> int:
     """Rank 0: writes layout and metadata, then publishes the manifest. Returns 0 or 1."""
     if bool((digests == 255).all(dim=1).any()):
@@ -326,7 +391,7 @@ def _commit(
         "state_keys": sorted(first_state),
         "step": float(step) if step is not None else None,
         "scaler": _jsonable(scaler_state),
-        "groups": _group_records(optimizer, names, 0),
+        "groups": _group_records(optimizer, names, experts),
     }
     for name, data in ((layout_name, json.dumps(layout).encode()), (meta_name, _serialize(meta))):
         _write_atomic(os.path.join(path, name), data)
@@ -413,7 +478,6 @@ def load(
             f"{path}: a scaler was given but the checkpoint holds no scaler state"
         )
     if optimizer is not None:
-        _refuse_expert_groups(optimizer, "load")
         plan = _agreed(
             optimizer, lambda: _plan_optimizer_load(path, manifest, layout, meta, model, optimizer)
         )
@@ -497,13 +561,19 @@ def _saved_params(layout: Optional[Dict[str, Any]]) -> Dict[str, Tuple[List[int]
 
 
 def _check_params(
-    path: str, saved: Dict[str, Tuple[List[int], str]], current: Dict[str, torch.Tensor]
+    path: str,
+    saved: Dict[str, Tuple[List[int], str]],
+    current: Dict[str, torch.Tensor],
+    elsewhere=lambda name: False,
 ) -> None:
+    """Names, shapes and dtypes agree; ``elsewhere(name)``: a saved parameter this rank need
+    not hold (an MoE expert of another ep rank)."""
     problems = []
     for name in sorted(set(current) - set(saved)):
         problems.append(f"missing in checkpoint: {name}")
     for name in sorted(set(saved) - set(current)):
-        problems.append(f"not in the model: {name}")
+        if not elsewhere(name):
+            problems.append(f"not in the model: {name}")
     for name in sorted(set(saved) & set(current)):
         shape, dtype = saved[name]
         p = current[name]
@@ -575,7 +645,7 @@ def _plan_optimizer_load(path, manifest, layout, meta, model, optimizer):
     current = {names[id(p)]: p for p in optimizer._all_params() if id(p) in names}
     if len(current) != sum(len(fg.params) for fg in optimizer.flat_groups):
         raise CheckpointError("model: the optimizer's parameters are not all in the model")
-    _check_params(path, _saved_params(layout), current)
+    _check_params(path, _saved_params(layout), current, _expert_test(model))
     pieces, reader = _saved_pieces(layout), _ShardReader(path, manifest)
     keys = ["master", *layout["state_keys"]]
     new_shards, new_states = [], []
@@ -583,7 +653,7 @@ def _plan_optimizer_load(path, manifest, layout, meta, model, optimizer):
         dst = {k: torch.zeros(fg.plan.shard_numel, dtype=torch.float32) for k in keys}
         expected = copied = 0
         first_name = None
-        for seg in fg.plan.segments(optimizer.rank):
+        for seg in fg.plan.segments(fg.comm.rank):  # experts: the rank in expert_comm
             name = names[id(fg.params[seg.slot])]
             first_name = first_name or name
             copied += _fill(
@@ -627,8 +697,12 @@ def _plan_model_load(path, manifest, layout, meta, model):
     """Assembles full parameters from every saved shard (model only, no optimizer)."""
     rest = meta["model_rest"]
     saved = _saved_params(layout)
-    current = {n: p for n, p in model.named_parameters() if n in saved or n not in rest}
-    _check_params(path, saved, current)
+    # a sharded layout names parameters as _param_names does (experts by global id); a model
+    # saved alone keeps its own state-dict keys in model_rest
+    rename = _param_names(model, None) if layout is not None else {}
+    named = {rename.get(id(p), n): p for n, p in model.named_parameters()}
+    current = {n: p for n, p in named.items() if n in saved or n not in rest}
+    _check_params(path, saved, current, _expert_test(model))
     pieces, reader = _saved_pieces(layout), _ShardReader(path, manifest)
     values = {}
     for name, p in current.items():

@@ -2,12 +2,11 @@
 another ep than the run that saved (``dk.moe.checkpoint`` behind ``train/checkpoints.py``)."""
 
 import dataclasses
+import os
 
 import pytest
 from mp_pool import run_ranks
 from test_train import TINY, _cfg, _on_ranks
-
-from dist_kernels.train.config import ConfigError
 
 MOE = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
 
@@ -21,8 +20,21 @@ def test_driver_zero_over_expert_groups_matches_ddp():
     for stage in (1, 2):
         zero = run_ranks(2, _on_ranks, dataclasses.replace(cfg, zero=stage), timeout=300)
         assert zero[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-5, abs=0), stage
-    with pytest.raises(ConfigError, match=r"ZeRO checkpoints of expert groups"):
-        dataclasses.replace(cfg, zero=2, checkpoint_dir="/tmp/x").with_layout(2)
+
+
+def test_driver_resumes_a_zero_run_over_expert_groups_at_another_ep(tmp_path):
+    """--zero 1 --ep 2 with checkpoints: 4 steps saved (one ``stage-0`` directory, each rank's
+    experts by global id), resumed with --zero 2 at ep 1 (every expert on both ranks, their
+    shards read from both saved ranks) to 6, matches 6 straight steps at ep 2 to the float32
+    rounding of the two layouts."""
+    cfg = _cfg(dp=2, ep=2, zero=1, steps=6, global_batch=4, warmup=1, log_every=3, model=MOE)
+    straight = run_ranks(2, _on_ranks, cfg, timeout=300)
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, stop_after=4, **ckpt), timeout=300)
+    assert sorted(os.listdir(tmp_path / "step-00000004")) == ["COMPLETE.json", "stage-0"]
+    resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, ep=1, zero=2, **ckpt), timeout=300)
+    assert resumed[0]["start"] == 4
+    assert resumed[0]["losses"][-1] == pytest.approx(straight[0]["losses"][-1], rel=1e-5, abs=0)
 
 
 def test_driver_resumes_an_ep2_run_at_ep1(tmp_path):

@@ -27,6 +27,8 @@ import torch.nn as nn
 from .layer import MoE
 
 __all__ = [
+    "expert_key_test",
+    "global_key",
     "global_param_names",
     "global_state",
     "reshard_optimizer_state",
@@ -74,6 +76,20 @@ def global_state(
     return {
         _renamed(k, layers, lambda m: ep_rank * (m.n_experts // ep)): v for k, v in state.items()
     }
+
+
+def global_key(model: nn.Module) -> Callable[[str], str]:
+    """Renames one of ``model``'s parameter or state keys to its global form (experts by
+    global id, other keys unchanged)."""
+    layers = _moe_layers(model)
+    return lambda key: _renamed(key, layers, lambda m: m.local_expert_ids[0])
+
+
+def expert_key_test(model: nn.Module) -> Callable[[str], bool]:
+    """True for a key of one of ``model``'s MoE layers' experts, whatever its expert id (a
+    key that another ep rank may hold)."""
+    prefixes = tuple(prefix for prefix, _ in _moe_layers(model))
+    return lambda key: bool(prefixes) and key.startswith(prefixes)
 
 
 def global_param_names(model: nn.Module) -> List[str]:

@@ -10,11 +10,13 @@ mid-save leaves the previous checkpoint as the newest complete one. It also reco
 run was (model, corpus, pp, tp, zero) so that resuming something else fails before training.
 
 With ZeRO the optimizer's shards go through ``dk.checkpoint``'s resharding (save on N replicas,
-load on M). Without it every replica holds the same state: replica 0 of each stage saves its
-model and, in ``extra``, the torch optimizer's state dict with its parameters' names (MoE
-experts by global id). With ep > 1 each ep rank saves its own experts (``stage-0-ep-<r>``); a
-run at another ep resumes through ``dk.moe.checkpoint``: each rank reads the ep ranks that held
-its experts and reshards model and optimizer state by name.
+load on M), one directory per stage for every ep rank: the shards name MoE experts by global
+id, so a run at another ep loads them the same way. Without it every replica holds the same
+state: replica 0 of each stage saves its model and, in ``extra``, the torch optimizer's state
+dict with its parameters' names (MoE experts by global id). With ep > 1 each ep rank saves its
+own experts (``stage-0-ep-<r>``); a run at another ep resumes through ``dk.moe.checkpoint``:
+each rank reads the ep ranks that held its experts and reshards model and optimizer state by
+name.
 """
 
 from __future__ import annotations
@@ -166,10 +168,10 @@ def load(cfg, engine, resume: Dict[str, Any], shard: str) -> int:
     """Restores model and optimizer from ``resume``; returns the step to continue from."""
     stage = os.path.join(resume["path"], shard)
     saved_ep = resume["identity"].get("ep", cfg.ep)  # older records: resumed at their own ep
-    if saved_ep != cfg.ep:
-        _load_resharded(engine, resume["path"], shard, saved_ep)
-    elif cfg.zero:
+    if cfg.zero:  # at any ep: the shards name experts by global id
         dk_checkpoint.load(stage, model=engine.module, optimizer=engine.optimizer)
+    elif saved_ep != cfg.ep:
+        _load_resharded(engine, resume["path"], shard, saved_ep)
     else:
         extra = dk_checkpoint.load(stage, model=engine.module)
         engine.optimizer.load_state_dict(extra["optimizer"])

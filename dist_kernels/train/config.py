@@ -241,12 +241,6 @@ class TrainConfig:
                 f"ep({self.ep}) > 1 runs with --engine dk and cp 1 (got engine="
                 f"{self.engine!r}, cp={self.cp})"
             )
-        if self.ep > 1 and self.zero and self.checkpoint_dir is not None:
-            raise ConfigError(
-                f"ep({self.ep}) with zero({self.zero}) and checkpoint_dir: ZeRO checkpoints of "
-                "expert groups are not recorded yet (docs/moe.md); train without checkpoints "
-                "or with zero 0"
-            )
 
 
 def _at_least(name: str, value: int, low: int) -> None:

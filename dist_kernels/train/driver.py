@@ -70,11 +70,12 @@ class World:
         self.cp_comm = getattr(self.mesh, "cp_comm", None) if cfg.cp > 1 else None
         self.ep_comm = getattr(self.mesh, "ep_comm", None) if cfg.ep > 1 else None
 
-    @property
-    def shard_name(self) -> str:
-        """This rank's piece of the model: its stage, and its tensor shard when tp > 1."""
+    def shard_name(self, sharded: bool) -> str:
+        """This rank's checkpoint directory: its stage, its tensor shard when tp > 1, and its
+        ep rank when ep > 1 unless ZeRO saves (``sharded``: one directory for every ep rank,
+        whose shards record each rank's experts by global id)."""
         tp = f"-tp-{self.tp_rank}" if self.tp_comm is not None else ""
-        ep = f"-ep-{self.mesh.ep_rank}" if self.ep_comm is not None else ""
+        ep = f"-ep-{self.mesh.ep_rank}" if self.ep_comm is not None and not sharded else ""
         return f"stage-{self.pp_rank}{tp}{ep}"
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
@@ -142,7 +143,9 @@ class _Run:
         self.engine = build_engine(cfg, model, loss, engine, world.mesh, world.rank)
         self.start_step = 0
         if resume is not None:
-            self.start_step = checkpoints.load(cfg, self.engine, resume, world.shard_name)
+            self.start_step = checkpoints.load(
+                cfg, self.engine, resume, world.shard_name(bool(cfg.zero))
+            )
         self.engine.start(self.start_step)
         self.is_rank0 = world.rank == 0
         self.detector = StragglerDetector(
@@ -199,7 +202,12 @@ class _Run:
                 wall = time.perf_counter()
             if self._checkpoint_due(done):
                 checkpoints.save(
-                    cfg, self.engine, self.ident, done, self.world.shard_name, self.world
+                    cfg,
+                    self.engine,
+                    self.ident,
+                    done,
+                    self.world.shard_name(bool(cfg.zero)),
+                    self.world,
                 )
                 self._maybe_die(done)
                 wall = time.perf_counter()  # checkpoint time is not training throughput
