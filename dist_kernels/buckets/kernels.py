@@ -230,6 +230,23 @@ def _sum_squares_args(sum_squares, num_tensors: int, device: torch.device) -> Tu
     return sum_squares.data_ptr(), mode, DTYPE_CODES[sum_squares.dtype]
 
 
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> List[Sequence[torch.Tensor]]:
+    """``tensors`` split by dtype, in first-seen order; the common case, one dtype, without a
+    per-tensor Python loop (the list is ``tensors`` itself: ~0.2 us a tensor saved)."""
+    try:
+        dtypes = set(map(_dtype_of, tensors))
+    except AttributeError:
+        dtypes = set()
+    if len(dtypes) == 1 and all(map(torch.Tensor.__instancecheck__, tensors)):
+        return [tensors]
+    groups: dict = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors: expected tensors, got {type(t).__name__}")
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
 def unscale_(
     tensors: Sequence[torch.Tensor],
     inv_scale: Union[float, torch.Tensor],
@@ -245,12 +262,7 @@ def unscale_(
     """
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(f"tensors: expected a list or tuple, got {type(tensors).__name__}")
-    groups: dict = {}
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors: expected tensors, got {type(t).__name__}")
-        groups.setdefault(t.dtype, []).append(t)
-    for group in groups.values():
+    for group in _by_dtype(tensors):
         device = group[0].device
         ptrs, counts, dtype = _tensor_list(group, "tensors", device)
         scale_value, scale_ptr = _scale_args(inv_scale, device, "inv_scale")
