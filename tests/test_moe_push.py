@@ -163,6 +163,30 @@ def test_wrong_row_count_raises_naming_the_rank():
         assert f"[rank {rank}] push_rows: the plan sends 4 rows from this rank, x has 5" in msg
 
 
+def _rank_disagreeing_plans():
+    comm = dk.Communicator()
+    rows = [[2, 2], [2, 2]] if comm.rank == 0 else [[2, 2], [2, 3]]
+    plan = P.RowPlan.blocks(rows)
+    try:
+        P.push_rows(torch.zeros(plan.send_rows[comm.rank], 3), None, comm, plan)
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    # the communicator and the pool go on: the next push with one plan works
+    plan = P.RowPlan.blocks([[2, 2], [2, 2]])
+    back = P.push_rows(torch.full((4, 3), float(comm.rank)), None, comm, plan)
+    ok = back[:2].eq(0).all().item() and back[2:].eq(1).all().item()
+    comm.close()
+    return message, ok
+
+
+def test_ranks_with_different_plans_raise_before_any_write():
+    for rank, (message, ok) in enumerate(run_ranks(2, _rank_disagreeing_plans)):
+        assert f"[rank {rank}] push_rows: the ranks passed different plans" in message
+        assert "ranks [0] / [1]" in message
+        assert ok
+
+
 def _rank_symmetric():
     comm = dk.Communicator()
     n, me = comm.world_size, comm.rank

@@ -45,6 +45,18 @@ class RowPlan:
     def world_size(self) -> int:
         return len(self.send_rows)
 
+    @property
+    def fingerprint(self) -> int:
+        """A hash of the whole plan, the same in every process (ints and tuples only): ranks
+        compare it before any write, so plans that disagree raise instead of misplacing rows."""
+        if not hasattr(self, "_fingerprint"):
+            segments = tuple(
+                tuple(tuple(map(tuple, cell)) for cell in row) for row in self.segments
+            )
+            whole = (segments, tuple(self.send_rows), tuple(self.recv_rows))
+            self._fingerprint = hash(whole) & ((1 << 62) - 1)
+        return self._fingerprint
+
     def transposed(self) -> RowPlan:
         """The reverse trip: every row goes back from where it landed to where it came from."""
         n = self.world_size
@@ -117,14 +129,24 @@ class _SlabPool:
         self.slabs: List[List[torch.Tensor]] = []  # [slab][rank]: flat uint8, rank's memory
         self.arrays: List[Any] = []  # this rank's slab as numpy: a fresh storage per result
         self.busy: List[bool] = []
-        self.mailbox: Optional[List[Any]] = None  # per rank: int64 [world], every rank's choice
+        self.mailbox: Optional[List[Any]] = None  # per rank: int64 [world, 2], choices, checks
 
-    def acquire(self, needs: Sequence[int]) -> List[int]:
+    def acquire(self, needs: Sequence[int], check: int) -> List[int]:
         """Collective: a slab id per rank holding at least ``needs[r]`` bytes (-1: none
-        needed). Every rank passes the same ``needs``."""
+        needed). Every rank passes the same ``needs`` and ``check`` (a plan's fingerprint);
+        ValueError on every rank, before any write, where they differ."""
         me = self.comm.rank
         mine = self._free_slab(needs[me]) if needs[me] else -2
-        ids = self._publish(mine)
+        ids, checks = self._publish(mine, check)
+        if len(set(checks)) > 1:
+            groups: dict = {}
+            for r, c in enumerate(checks):
+                groups.setdefault(c, []).append(r)
+            raise ValueError(
+                f"[rank {me}] push_rows: the ranks passed different plans (ranks "
+                f"{' / '.join(str(g) for g in groups.values())} agree among themselves); every "
+                "rank must pass the same RowPlan, built from the same counts, and rows as wide"
+            )
         short = [r for r, i in enumerate(ids) if i == -1]
         if short:  # every rank sees the same list, so every rank grows the same slab
             size = 1 << max(16, (max(needs[r] for r in short) - 1).bit_length())
@@ -135,21 +157,20 @@ class _SlabPool:
             self.busy[ids[me]] = True
         return [max(i, -1) for i in ids]
 
-    def _publish(self, mine: int) -> List[int]:
-        """Every rank's choice: written into every peer's mailbox, then one barrier (which
-        also orders the senders' writes after the owner chose the slab)."""
-        if self.mailbox is None:  # [rank][slot]: slot r holds rank r's choice
-            self.mailbox = [
-                t.numpy() for t in self.comm.empty_symmetric(self.comm.world_size, torch.int64)
-            ]
+    def _publish(self, mine: int, check: int) -> Tuple[List[int], List[int]]:
+        """Every rank's choice and check: written into every peer's mailbox, then one barrier
+        (which also orders the senders' writes after the owner chose the slab)."""
+        if self.mailbox is None:  # [rank][slot]: row r holds rank r's (choice, check)
+            boxes = self.comm.empty_symmetric((self.comm.world_size, 2), torch.int64)
+            self.mailbox = [t.numpy() for t in boxes]
         me = self.comm.rank
         for box in self.mailbox:
-            box[me] = mine
+            box[me] = (mine, check)
         self.comm.barrier()
-        ids = self.mailbox[me].tolist()
+        ids, checks = self.mailbox[me].T.tolist()
         # The next call writes the mailboxes again only after a barrier of its own push, which
         # every rank enters after reading here.
-        return ids
+        return ids, checks
 
     def _free_slab(self, nbytes: int) -> int:
         """The smallest free slab of at least ``nbytes`` on this rank, or -1."""
@@ -192,7 +213,7 @@ def _push(comm: Any, x: torch.Tensor, index: Optional[torch.Tensor], plan: RowPl
     me, d, dtype = comm.rank, x.shape[1], x.dtype
     row_bytes = d * x.element_size()
     pool = _pool(comm)
-    ids = pool.acquire([r * row_bytes for r in plan.recv_rows])
+    ids = pool.acquire([r * row_bytes for r in plan.recv_rows], hash((plan.fingerprint, row_bytes)))
     try:
         for dst in range(comm.world_size):
             segments = plan.segments[me][dst]
