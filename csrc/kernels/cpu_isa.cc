@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 namespace dk::kernels {
 
@@ -85,6 +86,15 @@ Status parseCpuIsa(const std::string& name, CpuIsa* isa) {
   }
   return InvalidArgument("isa: unknown instruction set '" + name +
                          "'; expected baseline, avx2 or avx512");
+}
+
+bool bf16InstructionsUsable() {
+  static const bool usable = [] {
+    const char* env = std::getenv("DK_CPU_BF16");
+    const bool off = env != nullptr && std::strcmp(env, "0") == 0;
+    return !off && cpuHasAvx512() && __builtin_cpu_supports("avx512bf16");
+  }();
+  return usable;
 }
 
 }  // namespace dk::kernels

@@ -29,4 +29,9 @@ const char* cpuIsaName(CpuIsa isa);
 // Parses "baseline" | "avx2" | "avx512"; InvalidArgument names the bad value.
 Status parseCpuIsa(const std::string& name, CpuIsa* isa);
 
+// Whether the AVX-512 build may round FP32 to BF16 with AVX512_BF16's vcvtneps2bf16: the CPU
+// has it and DK_CPU_BF16 is not "0" (read once). The bits are the same either way (callers
+// round vectors holding subnormals, which the instruction flushes, the exact way).
+bool bf16InstructionsUsable();
+
 }  // namespace dk::kernels

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "common/half.h"
+#include "kernels/cpu_isa.h"
 
 // GCC 12's F16C headers build results from _mm*_undefined_*(), which -Wmaybe-uninitialized
 // reports as a false positive wherever the intrinsics inline.
@@ -137,16 +138,8 @@ inline Bf16Wide addFloats(Bf16Wide x, Bf16Wide y) {
 // a NaN made quiet, its sign kept) in one instruction instead of seven, but it flushes
 // subnormal inputs to zero, so a vector holding one takes bf16Round: the bits stay the scalar
 // conversion's. The functions below are compiled for that extension alone (the rest of this
-// build does not assume it) and run only where the CPU has it; DK_CPU_BF16=0 turns them off.
+// build does not assume it) and run where bf16InstructionsUsable() (cpu_isa.h).
 #define DK_BF16_TARGET __attribute__((target("avx512bf16")))
-
-inline bool bf16InstructionsUsable() {
-  static const bool usable = [] {
-    const char* env = std::getenv("DK_CPU_BF16");
-    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
-  return usable;
-}
 
 DK_BF16_TARGET inline void bf16StoreRounded(BFloat16* out, __m512i u) {
   const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
@@ -183,7 +176,7 @@ DK_BF16_TARGET size_t narrowBf16VectorsRounded(BFloat16* out, const float* in, s
 [[maybe_unused]] size_t sumBf16Vectors(BFloat16* dst, const BFloat16* a, const BFloat16* b,
                                        size_t count) {
 #if defined(__AVX512BW__)
-  if (bf16InstructionsUsable()) return sumBf16VectorsRounded(dst, a, b, count);
+  if (dk::kernels::bf16InstructionsUsable()) return sumBf16VectorsRounded(dst, a, b, count);
 #endif
   size_t j = 0;
   for (; j + kBf16Lanes <= count; j += kBf16Lanes) {
@@ -204,7 +197,7 @@ template <>
 [[maybe_unused]] void narrow<BFloat16>(BFloat16* out, const float* in, size_t n) {
   size_t j = 0;
 #if defined(__AVX512BW__)
-  if (bf16InstructionsUsable()) j = narrowBf16VectorsRounded(out, in, n);
+  if (dk::kernels::bf16InstructionsUsable()) j = narrowBf16VectorsRounded(out, in, n);
 #endif
   for (; j + kBf16Lanes <= n; j += kBf16Lanes) bf16Store(out + j, bf16Round(loadFloats(in + j)));
   for (; j < n; ++j) out[j] = floatToBFloat16(in[j]);
