@@ -297,20 +297,8 @@ def save(
     every_experts = _gather_json(comm, world_size, experts)
     status = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
-        status[0] = _commit(
-            path,
-            tag,
-            optimizer,
-            model,
-            names,
-            every_experts,
-            scaler,
-            extra,
-            digests,
-            layout_name,
-            meta_name,
-            shard_names,
-        )
+        state = (optimizer, model, names, every_experts, scaler, extra)
+        status[0] = _commit(path, tag, state, digests, (layout_name, meta_name, shard_names))
     if world_size > 1:
         comm.broadcast(status, 0)
     if error is not None:
@@ -349,21 +337,12 @@ def _shard_payload(optimizer: Any, rank: int) -> Dict[str, Any]:
     return {"format": FORMAT, "rank": rank, "world_size": optimizer.world_size, "groups": groups}
 
 
-def _commit(
-    path,
-    tag,
-    optimizer,
-    model,
-    names,
-    experts,
-    scaler,
-    extra,
-    digests,
-    layout_name,
-    meta_name,
-    shard_names,
-) -> int:
-    """Rank 0: writes layout and metadata, then publishes the manifest. Returns 0 or 1."""
+def _commit(path, tag, state, digests, file_names) -> int:
+    """Rank 0: writes layout and metadata, then publishes the manifest. Returns 0 or 1.
+    ``state``: (optimizer, model, names, every rank's expert records, scaler, extra);
+    ``file_names``: (layout, meta, shards)."""
+    optimizer, model, names, experts, scaler, extra = state
+    layout_name, meta_name, shard_names = file_names
     if bool((digests == 255).all(dim=1).any()):
         return 1  # some rank failed to write its shard
     files = {}
