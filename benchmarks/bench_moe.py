@@ -220,8 +220,10 @@ def main(argv=None) -> None:
     args.mib = [int(m) for m in args.mib.split(",")]
     ceiling = memcpy_ceiling(args.mib, max(args.iters, 20))
     load = os.getloadavg()[0]
+    round_trip = dk.info.cross_core_round_trip_ns()  # the VM's vCPU placement (info.py)
     print(
-        f"{os.cpu_count()} CPUs, load {load:.1f}; memcpy ceiling (one process): "
+        f"{os.cpu_count()} CPUs, load {load:.1f}, cache-line round trip between the first two "
+        f"CPUs {round_trip and round(round_trip)} ns; memcpy ceiling (one process): "
         + ", ".join(f"{m} MiB {g:.2f} GB/s" for m, g in ceiling.items())
     )
     print(
@@ -261,6 +263,7 @@ def main(argv=None) -> None:
             json.dump(
                 {
                     "load": load,
+                    "cpu_round_trip_ns": round_trip,
                     "cpus": os.cpu_count(),
                     "ceiling_gbs": ceiling,
                     "exchange": table,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any, Dict, Optional, Sequence
 
 from . import _C
@@ -27,6 +28,24 @@ def build_info() -> Dict[str, Any]:
         return info
     info.update(nccl.describe())
     return info
+
+
+def cross_core_round_trip_ns(iterations: int = 2000, batches: int = 5) -> Optional[float]:
+    """The round trip of one cache line between threads pinned to the first two CPUs this
+    process may use, in ns (median of ``batches``); None with fewer than two CPUs, or when one
+    is too busy to answer within a second.
+
+    Tens of ns: the two CPUs share a core or a cache; hundreds: they are farther apart. A VM
+    may move between the two from run to run, and every two-rank time moves with it, so the
+    benchmarks print this beside their tables, as they print the load average.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        return None
+    try:
+        return _C.cross_core_round_trip_ns(cpus[0], cpus[1], iterations, batches)
+    except RuntimeError:
+        return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

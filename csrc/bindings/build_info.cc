@@ -1,7 +1,9 @@
 // What was compiled in: CUDA or not, runtime version, architectures, visible devices.
 #include <pybind11/pybind11.h>
 
+#include "bindings/errors.h"
 #include "bindings/registry.h"
+#include "common/core_probe.h"
 
 #if DK_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -46,8 +48,22 @@ py::dict buildInfo() {
   return info;
 }
 
+double crossCoreRoundTrip(int cpuA, int cpuB, int iterations, int batches) {
+  double ns = 0.0;
+  dk::Status status;
+  {
+    py::gil_scoped_release spinning;  // up to milliseconds of hand-offs
+    status = dk::probe::crossCoreRoundTripNs(cpuA, cpuB, iterations, batches, &ns);
+  }
+  dk::bindings::check(status, "cross_core_round_trip_ns");
+  return ns;
+}
+
 }  // namespace
 
 DK_REGISTER_BINDINGS(build_info) {
   m.def("build_info", &buildInfo, "What the extension was compiled with and what it sees.");
+  m.def("cross_core_round_trip_ns", &crossCoreRoundTrip, py::arg("cpu_a"), py::arg("cpu_b"),
+        py::arg("iterations") = 2000, py::arg("batches") = 5,
+        "Median round trip of a cache line between threads pinned to two CPUs, in ns.");
 }

@@ -68,7 +68,15 @@ def machine_info() -> Dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
+        "cpu_round_trip_ns": _round_trip(),
     }
+
+
+def _round_trip() -> Optional[float]:
+    from ..info import cross_core_round_trip_ns
+
+    ns = cross_core_round_trip_ns()
+    return None if ns is None else round(ns, 1)
 
 
 def memcpy_bandwidth(
@@ -118,7 +126,8 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
         f"# dist_kernels.bench  {meta['date']}",
         f"# command: {meta['command']}  (launcher: {meta['launcher']})",
         f"# machine: {m['cpu']}, {m['cpus']} cpus ({m['cpus_usable']} usable), "
-        f"{m['memory_gib']} GiB, {m['os']}, host {m['host']}, load average {m['load_average']}",
+        f"{m['memory_gib']} GiB, {m['os']}, host {m['host']}, load average {m['load_average']}, "
+        f"cache-line round trip between the first two CPUs {m.get('cpu_round_trip_ns')} ns",
         f"# python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads per rank), "
         f"env {meta['env']}",
         f"# dist_kernels.build_info(): {json.dumps(meta['build_info'], sort_keys=False)}",
