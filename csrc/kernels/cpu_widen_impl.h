@@ -11,7 +11,6 @@
 #include <immintrin.h>
 
 #include <cstddef>
-#include <cstdlib>
 #include <cstring>
 
 #include "common/half.h"

@@ -525,14 +525,18 @@ class Communicator(BaseCommunicator):
         valid as long as the tensor lives (registered until :meth:`close`).
         """
         self._check_open("empty")
+        return self._backend.empty(self._buffer_shape(shape, dtype, "empty"), dtype)
+
+    def _buffer_shape(self, shape: Union[int, Sequence[int]], dtype: torch.dtype, what: str):
+        """``shape`` as a tuple of ints, after checking it and ``dtype`` (:meth:`empty`)."""
         shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
         if any(d < 0 for d in shape):
-            raise ValueError(f"[rank {self.rank}] empty: negative dimension in shape {shape}")
+            raise ValueError(f"[rank {self.rank}] {what}: negative dimension in shape {shape}")
         try:
             dtype_code(dtype, "dtype")
         except TypeError as e:
-            raise TypeError(f"[rank {self.rank}] empty: {e}") from None
-        return self._backend.empty(shape, dtype)
+            raise TypeError(f"[rank {self.rank}] {what}: {e}") from None
+        return shape
 
     def empty_symmetric(
         self, shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32
@@ -552,15 +556,7 @@ class Communicator(BaseCommunicator):
                 f"[rank {self.rank}] empty_symmetric: needs every rank on one host's shared "
                 f"memory; this communicator spans {self.num_hosts} hosts"
             )
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise ValueError(
-                f"[rank {self.rank}] empty_symmetric: negative dimension in shape {shape}"
-            )
-        try:
-            dtype_code(dtype, "dtype")
-        except TypeError as e:
-            raise TypeError(f"[rank {self.rank}] empty_symmetric: {e}") from None
+        shape = self._buffer_shape(shape, dtype, "empty_symmetric")
         return self._backend.empty_symmetric(shape, dtype)
 
     @property

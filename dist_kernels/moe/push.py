@@ -8,20 +8,22 @@ with every peer's memory mapped (``Communicator.empty_symmetric``), the sender g
 expert, then by source rank), and the receiver's result *is* that memory: one copy per row,
 which is DeepEP's dispatch / combine idea on shared memory.
 
-    acquire    every rank picks a free slab of the pool for what it will receive; one small
-               all_gather publishes the choices (and orders the writes after the owner freed it)
+    acquire    every rank picks a free slab of the pool for what it will receive and writes
+               its choice, with the plan's fingerprint, into every rank's mailbox; one barrier
+               (which also orders the writes after the owner chose the slab)
     write      this rank's segments into each receiver's slab (``index_select(out=...)``)
     barrier    every write has landed
     result     a tensor over this rank's slab; the slab is free again when the last tensor
                viewing it dies (a finalizer on its storage), so autograd may keep it
 
 The slabs are symmetric (every rank allocated the same list in the same order: growth is
-collective and decided from the all_gather), so one slab id names the same size on every rank.
+collective and decided from the mailboxes), so one slab id names the same size on every rank.
 """
 
 from __future__ import annotations
 
 import weakref
+from itertools import accumulate
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -104,11 +106,8 @@ class RowPlan:
 
 
 def _prefix(values: Sequence[int]) -> List[int]:
-    out, at = [], 0
-    for v in values:
-        out.append(at)
-        at += v
-    return out
+    """Where each block starts when blocks of ``values`` rows lie back to back."""
+    return list(accumulate(values, initial=0))[:-1]
 
 
 def supports_push(comm: Any) -> bool:
