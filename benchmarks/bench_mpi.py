@@ -206,7 +206,9 @@ def _python_overhead(comm, mpi_comm, iters: int = 2000, blocks: int = 7) -> str:
 
 def _descriptor_check_cost(comm, mpi_comm, sizes_b=(8, 4096, 65536), blocks: int = 7) -> str:
     """Our all-reduce with the disagreement check (the default) and without it
-    (DK_CHECK_DESCRIPTORS=0: no announcement, no descriptor comparison), alternating blocks."""
+    (DK_CHECK_DESCRIPTORS=0: no announcement, no descriptor comparison), alternating blocks.
+    Without it the small-message boxes are off too (their reuse rests on the announcements),
+    so up to 4,048 bytes this compares the boxes with the FIFO one-shot as well."""
     import dist_kernels as dk
 
     saved = os.environ.get("DK_CHECK_DESCRIPTORS")

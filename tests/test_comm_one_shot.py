@@ -64,9 +64,12 @@ def _winner(n: int, nbytes: int) -> str:
 
 
 def _auto_choice(n: int, nbytes: int) -> int:
-    """The algorithm code auto must pick: the model's cheapest, one-shot up to half a slot."""
+    """The algorithm code auto must pick: one-shot where the message fits the small-message
+    boxes, else the model's cheapest, one-shot up to half a slot."""
     from dist_kernels import _C
 
+    if n > 1 and nbytes <= _C.shm_small_message_bytes():
+        return 3
     ring, tree, one = _C._shm_all_reduce_cost_us(n, nbytes, _oversubscribed(n))
     if nbytes > _C.shm_slot_bytes(n) // 2:
         one = float("inf")

@@ -30,10 +30,13 @@ def _counts(n: int, elem: int) -> list:
 
 
 def _auto_choice(collective: str, n: int, count: int, elem: int) -> int:
-    """The code auto must pick for `count` elements per rank: the cost model's cheaper of ring
-    and one-shot (a tie keeps the ring), one-shot only up to 1 / AUTO_LIMIT slot per peer."""
+    """The code auto must pick for `count` elements per rank: one-shot where every rank's
+    chunks together fit the small-message boxes, else the cost model's cheaper of ring and
+    one-shot (a tie keeps the ring), one-shot only up to 1 / AUTO_LIMIT slot per peer."""
     from dist_kernels import _C
 
+    if n > 1 and n * count * elem <= _C.shm_small_message_bytes():
+        return CODES["one_shot"]
     cost = {
         "all_gather": _C._shm_all_gather_cost_us,
         "reduce_scatter": _C._shm_reduce_scatter_cost_us,
@@ -145,8 +148,9 @@ def test_one_shot_gather_scatter(world_size):
         else:
             want = _auto_choice(collective, world_size, count, 4)
         assert code == want, f"{collective} {name} count={count}: chose {code}, not {want}"
-    if world_size > 2:  # at 2 ranks the ring is one exchange too: the model ties, ring stays
+    if world_size > 1:  # the small-message boxes, at 2 ranks too
         assert chosen[("all_gather", 1, "auto")] == CODES["one_shot"]
+    if world_size > 2:  # at 2 ranks the ring is one exchange too: the model ties, ring stays
         assert chosen[("reduce_scatter", 256, "auto")] == CODES["one_shot"]
     assert chosen[("all_gather", slot // AUTO_LIMIT + 1, "auto")] == CODES["ring"]
     if world_size > 2:

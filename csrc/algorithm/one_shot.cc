@@ -50,12 +50,17 @@ Status oneShotAllReduce(Channel ch, const CollectiveArgs& a) {
   const int rank = ch.transport.rank();
   const size_t bytes = a.count * dtypeSize(a.dtype);
   if (!oneShotFits(ch.transport, bytes)) return Internal("one-shot all_reduce: message too big");
+  std::vector<const void*> srcs(ch.transport.worldSize());
+  srcs[rank] = a.src;
+  if (bytes <= ch.transport.smallMessageBytes()) {
+    // Publish and read in one step, nothing to hand back (transport.h).
+    DK_RETURN_IF_ERROR(ch.transport.exchangeSmall(a.src, bytes, srcs.data()));
+    return reduceInRankOrder(ch, a, a.dst, srcs);
+  }
   // Publish: our input to every peer.
   std::vector<RecvOp> recvs;
   DK_RETURN_IF_ERROR(exchangeWithAll(ch, static_cast<const char*>(a.src), 0, bytes, &recvs));
   // Reduce: every input, in rank order.
-  std::vector<const void*> srcs(ch.transport.worldSize());
-  srcs[rank] = a.src;
   for (const RecvOp& recv : recvs) srcs[recv.peer] = recv.data;
   DK_RETURN_IF_ERROR(reduceInRankOrder(ch, a, a.dst, srcs));
   return releaseAndFinish(ch, recvs);
@@ -68,12 +73,23 @@ Status oneShotReduceScatter(Channel ch, const CollectiveArgs& a) {
     return Internal("one-shot reduce_scatter: chunk too big");
   }
   const auto* in = static_cast<const char*>(a.src);
+  const int n = ch.transport.worldSize();
+  const size_t mine = static_cast<size_t>(rank) * bytes;
+  std::vector<const void*> srcs(n);
+  srcs[rank] = in + mine;
+  const size_t whole = static_cast<size_t>(n) * bytes;
+  if (whole <= ch.transport.smallMessageBytes()) {
+    // Every rank publishes its whole input once; each reads its own chunk of every peer's.
+    DK_RETURN_IF_ERROR(ch.transport.exchangeSmall(in, whole, srcs.data()));
+    for (int p = 0; p < n; ++p) {
+      if (p != rank) srcs[p] = static_cast<const char*>(srcs[p]) + mine;
+    }
+    return reduceInRankOrder(ch, a, a.dst, srcs);
+  }
   // Scatter: chunk p of our input to peer p.
   std::vector<RecvOp> recvs;
   DK_RETURN_IF_ERROR(exchangeWithAll(ch, in, bytes, bytes, &recvs));
   // Reduce: every rank's chunk `rank`, in rank order.
-  std::vector<const void*> srcs(ch.transport.worldSize());
-  srcs[rank] = in + static_cast<size_t>(rank) * bytes;
   for (const RecvOp& recv : recvs) srcs[recv.peer] = recv.data;
   DK_RETURN_IF_ERROR(reduceInRankOrder(ch, a, a.dst, srcs));
   return releaseAndFinish(ch, recvs);
@@ -84,6 +100,17 @@ Status oneShotAllGather(Channel ch, const CollectiveArgs& a) {
   const size_t bytes = a.count * dtypeSize(a.dtype);
   if (!oneShotFits(ch.transport, bytes)) return Internal("one-shot all_gather: chunk too big");
   auto* out = static_cast<char*>(a.dst);
+  if (bytes <= ch.transport.smallMessageBytes()) {
+    const int n = ch.transport.worldSize();
+    std::vector<const void*> chunks(n);
+    // Published before the own chunk is copied: in place, the input is that chunk.
+    DK_RETURN_IF_ERROR(ch.transport.exchangeSmall(a.src, bytes, chunks.data()));
+    chunks[rank] = a.src;
+    for (int p = 0; p < n; ++p) {
+      DK_RETURN_IF_ERROR(ch.compute.copy(out + static_cast<size_t>(p) * bytes, chunks[p], bytes));
+    }
+    return Status::Ok();
+  }
   // Own chunk first: the input may be that very chunk of the output (in place).
   DK_RETURN_IF_ERROR(ch.compute.copy(out + static_cast<size_t>(rank) * bytes, a.src, bytes));
   // Publish: our chunk to every peer.

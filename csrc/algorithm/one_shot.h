@@ -16,6 +16,10 @@
 // descriptor (the transport's header check): disagreement is seen everywhere.
 //
 // The message must fit one transport message (maxMessageBytes()); larger ones use ring / tree.
+// One that fits the transport's small-message boxes (smallMessageBytes(): shared memory's
+// flag-line boxes, up to ~4 KiB) is published with exchangeSmall() instead of exchange():
+// nothing to release or finish, the same reduction. A small reduce-scatter publishes its whole
+// input there (n chunks), and each rank reads its own chunk of every peer's.
 //
 // all-gather and reduce-scatter: the same single step with the ring's bytes, one chunk (count
 // elements) per peer, which must fit one message; larger ones use the ring:

@@ -38,8 +38,9 @@ struct PyCommunicator {
     return "[rank " + std::to_string(label) + "] " + what;
   }
   std::string context(const Request& r) const { return context(requestName(r)); }
-  // The communicator, or a CommError naming `what` once it is closed.
-  std::shared_ptr<CpuCommunicator> live(const std::string& what) const {
+  // The communicator, or a CommError naming `what` once it is closed. `what` is a C string:
+  // the hot path of a small collective builds no string unless it fails.
+  std::shared_ptr<CpuCommunicator> live(const char* what) const {
     if (!comm) check(Status(Code::kPeerFailure, "the communicator is closed"), context(what));
     return comm;
   }
@@ -128,7 +129,7 @@ py::object runRequest(PyCommunicator& c, Request r, bool asyncOp) {
     py::gil_scoped_release nogil;
     s = asyncOp ? comm->submit(r, &work) : comm->run(r);
   }
-  checkInterrupted(s, c.context(r));
+  if (!s.ok()) checkInterrupted(s, c.context(r));
   if (asyncOp) {
     work->context = c.context(r);
     work->source = r.source;
@@ -177,6 +178,9 @@ void bindSegment(py::module_& m) {
   m.def("shm_segment_bytes",
         [](int worldSize) { return shm::defaultGeometry(worldSize).totalBytes; });
   m.def("shm_slot_bytes", [](int worldSize) { return shm::defaultGeometry(worldSize).slotBytes; });
+  // The largest message of the small-message boxes (ShmTransport::exchangeSmall), and so of
+  // `auto`'s one-shot rule under the built-in cost model.
+  m.def("shm_small_message_bytes", [] { return shm::kLowLatencyBytes; });
   m.def("shm_format", &formatSegment, py::arg("segment"), py::arg("world_size"));
 }
 

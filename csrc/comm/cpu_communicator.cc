@@ -154,6 +154,7 @@ algo::Algorithm CpuCommunicator::resolveAllReduce(const Request& r) const {
       (r.algorithm == Algorithm::kOneShot && algo::oneShotFits(*transport_, bytes))) {
     return r.algorithm;
   }
+  if (r.algorithm == Algorithm::kAuto && fitsSmallBoxes(bytes)) return Algorithm::kOneShot;
   const bool autoFits = bytes <= transport_->maxMessageBytes() / kAllReduceAutoOneShotDivisor;
   return algo::chooseAllReduce(costModels(), worldSize(), bytes,
                                autoFits && r.algorithm == Algorithm::kAuto);
@@ -167,12 +168,22 @@ algo::Algorithm CpuCommunicator::resolveGatherScatter(const Request& r) const {
     return algo::oneShotFits(*transport_, bytes) ? Algorithm::kOneShot : Algorithm::kRing;
   }
   if (r.algorithm != Algorithm::kAuto) return Algorithm::kRing;
+  // The small reduce-scatter publishes its whole input (one_shot.cc).
+  if (fitsSmallBoxes(static_cast<size_t>(worldSize()) * bytes)) return Algorithm::kOneShot;
   const bool autoFits = bytes <= transport_->maxMessageBytes() / kGatherScatterAutoOneShotDivisor;
   const algo::AlgorithmCosts model = costModels();
   const size_t whole = static_cast<size_t>(worldSize()) * bytes;
   return r.kind == CollectiveKind::kAllGather
              ? algo::chooseAllGather(model, worldSize(), whole, autoFits)
              : algo::chooseReduceScatter(model, worldSize(), whole, autoFits);
+}
+
+// The built-in model's rule for small messages: one that fits the transport's small-message
+// boxes takes one flag line per peer one-shot (transport.h, exchangeSmall), where ring and
+// tree take a chain of FIFO steps, so `auto` takes one-shot there. A fitted model (measured
+// on the machine, boxes included) decides by its own prices instead.
+bool CpuCommunicator::fitsSmallBoxes(size_t bytes) const {
+  return !options_.fitted && bytes <= transport_->smallMessageBytes();
 }
 
 algo::AlgorithmCosts CpuCommunicator::costModels() const {

@@ -100,6 +100,7 @@ class CpuCommunicator {
   algo::Algorithm resolveAllReduce(const Request& request) const;
   algo::Algorithm resolveGatherScatter(const Request& request) const;
   algo::AlgorithmCosts costModels() const;
+  bool fitsSmallBoxes(size_t bytes) const;
   // Within the deadline of the collective it checks.
   Status fingerprint(const shm::MessageHeader& header,
                      std::chrono::steady_clock::time_point deadline);

@@ -51,8 +51,11 @@ class Backoff {
   // `sleepers`, and the writer of `word` wakes it (see wakeSleepers()).
   void pause(const std::atomic<uint64_t>& word, uint64_t seen, std::atomic<uint32_t>& sleepers);
   // True on the steps where the caller should also check deadline and peer liveness
-  // (a clock read and a trylock are cheap, but not free enough for every spin).
-  bool shouldCheck() const { return (step_ & 255) == 0 || step_ > spinSteps(); }
+  // (a clock read and a trylock are cheap, but not free enough for every spin). Not on the
+  // first step: a small collective's waits mostly end within a few pauses, and the checks
+  // (a clock read, a locked instruction on the peer's liveness line, a read of its
+  // announcement) took ~0.3 us of a ~1 us 8 B all-reduce when made on every wait's first step.
+  bool shouldCheck() const { return (step_ & 255) == 255 || step_ > spinSteps(); }
   // Past the spin phase: the wait is slow enough that a system call costs nothing.
   bool sleeping() const { return step_ > spinSteps(); }
 

@@ -6,6 +6,8 @@
 //                                              collective announcements, its doorbell), one
 //                                              per rank
 //   fifoControlOffset   FifoControl[n(n-1)]  (head, tail, slot descriptors), one per pair
+//   lowLatencyOffset    LowLatencyBox[n][2]  (small collectives: flag, descriptor and data
+//                                              together), page aligned
 //   slotDataOffset      slot data[n(n-1)][slots][slotBytes], page aligned
 //
 // Every field written by one rank and polled by another sits on its own cache line, so a
@@ -22,7 +24,7 @@ namespace dk::shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
-constexpr uint64_t kMagic = 0x646b2d73686d3033ull;  // "dk-shm03"
+constexpr uint64_t kMagic = 0x646b2d73686d3034ull;  // "dk-shm04"
 constexpr int kMaxSlots = 8;
 constexpr size_t kReasonBytes = 448;
 
@@ -125,6 +127,27 @@ static_assert(sizeof(Announcement) == kCacheLine, "one announcement per cache li
 // broadcast checks the announcements), so no rank announces s + 2 while a peer still reads s.
 constexpr int kAnnouncements = 2;
 
+// A rank's box for small collectives (NCCL's low-latency protocol, done with a cache line's
+// flag): the writer copies its bytes and descriptor, then stores `seq` last; a reader that sees
+// `seq` holds the whole message. A FIFO message costs a descriptor line, a head line, the
+// payload and a tail line handed back; this costs the flag line (which carries the descriptor
+// and the first 16 bytes: an 8 B all-reduce moves one line per peer) and nothing to hand back.
+// Two boxes per rank, by collective seq % 2; box s % 2 is rewritten at s + 2, which a rank
+// starts only after it finished s + 1, and no rank finishes s + 1 before every rank has started
+// it (ShmTransport::agree(), with descriptor checks on), so before every rank finished reading
+// s. Without descriptor checks broadcasts do not wait for that, and these boxes stay unused.
+constexpr size_t kLowLatencyBytes = kPage - 48;
+struct alignas(kCacheLine) LowLatencyBox {
+  std::atomic<uint64_t> seq;       // MessageHeader::seq of the message, stored last (0: none)
+  std::atomic<uint32_t> sleepers;  // peers asleep on `seq` (futex)
+  uint32_t bytes;
+  MessageHeader header;
+  unsigned char data[kLowLatencyBytes];
+};
+static_assert(offsetof(LowLatencyBox, data) == 48, "16 bytes of data on the flag line");
+static_assert(sizeof(LowLatencyBox) == kPage, "one page per box");
+constexpr int kLowLatencyBoxes = 2;
+
 // What a receive from any source sleeps on. A named receive sleeps on its FIFO's `head`; one
 // that waits for whichever peer sends first cannot sleep on n - 1 words, so while `waiting` is
 // set every sender to this rank also rings `rings` after publishing its message (Dekker: the
@@ -179,6 +202,7 @@ struct SegmentGeometry {
   size_t slotBytes;
   size_t rankControlOffset;
   size_t fifoControlOffset;
+  size_t lowLatencyOffset;
   size_t slotDataOffset;
   size_t totalBytes;
 
@@ -192,10 +216,11 @@ struct SegmentGeometry {
 inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 inline SegmentGeometry makeGeometry(int worldSize, int slotsPerFifo, size_t slotBytes) {
-  SegmentGeometry g{worldSize, slotsPerFifo, slotBytes, 0, 0, 0, 0};
+  SegmentGeometry g{worldSize, slotsPerFifo, slotBytes, 0, 0, 0, 0, 0};
   g.rankControlOffset = alignUp(sizeof(SegmentHeader), kCacheLine);
   g.fifoControlOffset = g.rankControlOffset + worldSize * sizeof(RankControl);
-  g.slotDataOffset = alignUp(g.fifoControlOffset + g.numFifos() * sizeof(FifoControl), kPage);
+  g.lowLatencyOffset = alignUp(g.fifoControlOffset + g.numFifos() * sizeof(FifoControl), kPage);
+  g.slotDataOffset = g.lowLatencyOffset + worldSize * kLowLatencyBoxes * sizeof(LowLatencyBox);
   g.totalBytes = g.slotDataOffset + static_cast<size_t>(g.numFifos()) * slotsPerFifo * slotBytes;
   g.totalBytes = alignUp(g.totalBytes, kPage);
   return g;

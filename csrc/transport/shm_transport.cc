@@ -65,6 +65,8 @@ Status ShmTransport::formatSegment(Segment& segment, const SegmentGeometry& g) {
   pthread_mutexattr_destroy(&attr);
   for (int f = 0; f < g.numFifos(); ++f)
     new (base + g.fifoControlOffset + f * sizeof(FifoControl)) FifoControl();
+  for (int b = 0; b < g.worldSize * kLowLatencyBoxes; ++b)
+    new (base + g.lowLatencyOffset + b * sizeof(LowLatencyBox)) LowLatencyBox();
   // Publish the format last: attach() checks the magic.
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kMagic;
@@ -119,6 +121,12 @@ char* ShmTransport::slotData(int sender, int receiver, uint64_t seq) const {
       geometry_.fifoIndex(sender, receiver) * geometry_.slotsPerFifo + seq % geometry_.slotsPerFifo;
   return static_cast<char*>(segment_->data()) + geometry_.slotDataOffset +
          slot * geometry_.slotBytes;
+}
+
+LowLatencyBox* ShmTransport::lowLatencyBox(int r, uint64_t seq) const {
+  const size_t box = static_cast<size_t>(r) * kLowLatencyBoxes + seq % kLowLatencyBoxes;
+  return reinterpret_cast<LowLatencyBox*>(static_cast<char*>(segment_->data()) +
+                                          geometry_.lowLatencyOffset + box * sizeof(LowLatencyBox));
 }
 
 Status ShmTransport::holdLiveness() {
@@ -442,6 +450,33 @@ Status ShmTransport::completeRecv(RecvOp& recv) {
 Status ShmTransport::exchange(const SendOp* sends, int nsends, RecvOp* recvs, int nrecvs) {
   for (int i = 0; i < nsends; ++i) DK_RETURN_IF_ERROR(postSend(sends[i]));
   for (int i = 0; i < nrecvs; ++i) DK_RETURN_IF_ERROR(completeRecv(recvs[i]));
+  return Status::Ok();
+}
+
+Status ShmTransport::exchangeSmall(const void* src, size_t bytes, const void** data) {
+  const LaneState& lane = sendLane();
+  const uint64_t seq = lane.header.seq;
+  if (lane.lane != Lane::kBoth || seq == 0) return Internal("small exchange outside a collective");
+  if (bytes > smallMessageBytes()) return Internal("small exchange of too many bytes");
+  LowLatencyBox* mine = lowLatencyBox(rank_, seq);
+  if (bytes > 0) std::memcpy(mine->data, src, bytes);
+  mine->bytes = static_cast<uint32_t>(bytes);
+  mine->header = lane.header;
+  // seq_cst: the Dekker pairing with a peer that registers in `sleepers` before it sleeps.
+  mine->seq.store(seq, std::memory_order_seq_cst);
+  wakeSleepers(mine->seq, mine->sleepers);
+  const int n = worldSize();
+  for (int d = 1; d < n; ++d) {  // nearest peer first, as exchange() sends
+    const int peer = (rank_ + d) % n;
+    LowLatencyBox* theirs = lowLatencyBox(peer, seq);
+    // No peer reaches seq + 2 before this rank has finished seq + 1 (see LowLatencyBox).
+    DK_RETURN_IF_ERROR(waitFor(lane, peer, "waiting for its small message", theirs->seq,
+                               theirs->sleepers, [&](uint64_t s) { return s == seq; }));
+    if (theirs->header != lane.header || theirs->bytes != bytes) {
+      return mismatch(lane, peer, theirs->header, theirs->bytes, bytes);
+    }
+    data[peer] = theirs->data;
+  }
   return Status::Ok();
 }
 

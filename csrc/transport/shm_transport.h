@@ -52,6 +52,11 @@ class ShmTransport : public Transport {
   Status exchange(const SendOp* sends, int nsends, RecvOp* recvs, int nrecvs) override;
   Status release(const RecvOp* recvs, int nrecvs) override;
   Status finish() override;
+  // With descriptor checks on (the boxes' reuse rests on them; see LowLatencyBox).
+  size_t smallMessageBytes() const override {
+    return checkDescriptors_ && worldSize() > 1 ? kLowLatencyBytes : 0;
+  }
+  Status exchangeSmall(const void* src, size_t bytes, const void** data) override;
   // Receive lane. Skips peers whose first unreceived message belongs to a collective (a peer
   // may start one while this rank still receives: that message is not for this call) and
   // peers that closed or died with nothing left to receive. A peer found dead is reported once,
@@ -107,6 +112,8 @@ class ShmTransport : public Transport {
   RankControl* rankControl(int r) const;
   FifoControl* fifo(int sender, int receiver) const;
   char* slotData(int sender, int receiver, uint64_t seq) const;
+  // Rank r's small-message box for collective `seq`.
+  LowLatencyBox* lowLatencyBox(int r, uint64_t seq) const;
   // The call in progress on one lane.
   struct LaneState {
     MessageHeader header;

@@ -57,6 +57,20 @@ class Transport {
   // Ends one collective: returns when every peer has consumed every send of this rank.
   virtual Status finish() = 0;
 
+  // Small collectives: the largest message exchangeSmall() takes (0: it is not offered).
+  virtual size_t smallMessageBytes() const { return 0; }
+  // Inside a collective: publishes this rank's `bytes` from `src` to every peer at once and
+  // waits until every peer has published its own; then data[p] (an array of worldSize()
+  // pointers; data[rank()] is left alone) points at peer p's bytes. Those stay readable until
+  // this rank's next collective ends, and nothing is released or finished: one flag line
+  // carries the message where exchange() costs a descriptor, a head, a tail and finish().
+  // Every rank must call it in the same collective with the same byte count (a rank whose
+  // descriptor differs fails every rank that reads it, as exchange() does).
+  virtual Status exchangeSmall(const void* src, size_t bytes, const void** data) {
+    (void)src, (void)bytes, (void)data;
+    return Unsupported("small-message exchange is not supported by this transport");
+  }
+
   // A receive from any source: waits until some peer has a point-to-point message for this
   // rank and sets *source to it; the caller then receives it from *source with exchange().
   // Peers are taken in turn (round robin), so a busy one cannot starve the others.
