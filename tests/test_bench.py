@@ -7,6 +7,7 @@ nccl-tests columns, and satisfy busbw = algbw * factor. Timings are never assert
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -321,6 +322,53 @@ def test_sendrecv_runner_posts_receive_first_and_waits_both():
     cuda = _FakeCudaComm(rank=2, world_size=3)
     ops.ours_runner(cuda, "default", ops.ReduceOp.SUM, 0)("sendrecv", out, inp)
     assert cuda.calls == [("send_recv", inp, 0, out, 1)]
+
+
+class _FakeCollectiveComm:
+    """Records the collectives a runner's calls make, with their arguments."""
+
+    def __init__(self) -> None:
+        self.calls, self.rank, self.world_size = [], 0, 2
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
+def _bound_args(op: str, call) -> dict:
+    import inspect
+
+    import dist_kernels as dk
+
+    _, args, kwargs = call
+    bound = inspect.signature(getattr(dk.Communicator, op)).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return {k: id(v) if torch.is_tensor(v) else v for k, v in bound.arguments.items()}
+
+
+@pytest.mark.parametrize(
+    "op, algorithm",
+    [(op, a) for op in ("all_reduce", "reduce_scatter", "all_gather") for a in ("default", "ring")]
+    + [("broadcast", "default")],  # broadcast takes no algorithm
+)
+def test_bound_call_is_the_collective_as_the_runner_makes_it(op, algorithm):
+    """bind() times the runner's direct call (no dispatch on the op per call): it must make
+    the very call run(op, ...) makes; the out-of-place copy-in form keeps run()."""
+    direct, generic = _FakeCollectiveComm(), _FakeCollectiveComm()
+    out, inp = torch.zeros(4), torch.ones(8)
+    tensors = (out,) if op in ("all_reduce", "broadcast") else (out, inp)
+    buffers = ops.Buffers(op, inp, out, tensors)
+    call = buffers.bind(ops.ours_runner(direct, algorithm, ops.ReduceOp.MAX, 1))
+    assert isinstance(call, functools.partial)
+    call()
+    ops.ours_runner(generic, algorithm, ops.ReduceOp.MAX, 1)(op, *tensors)
+    assert len(direct.calls) == 1 and direct.calls[0][0] == op
+    # the same arguments once bound to the Communicator method's signature (one may pass by
+    # position what the other passes by keyword); tensors compared by identity
+    assert _bound_args(op, direct.calls[0]) == _bound_args(op, generic.calls[0])
+    copied = ops.Buffers(op, inp, out, tensors, copy_in=True).bind(
+        ops.ours_runner(_FakeCollectiveComm(), algorithm, ops.ReduceOp.MAX, 1)
+    )
+    assert not isinstance(copied, functools.partial)
 
 
 def test_inputs_vary_across_ranks_and_elements():
