@@ -1,5 +1,7 @@
 #include "algorithm/point_to_point.h"
 
+#include <vector>
+
 #include "algorithm/topology.h"
 
 namespace dk::algo {
@@ -42,6 +44,12 @@ Status recvFromAny(Channel ch, const CollectiveArgs& a, int* source) {
 Status barrier(Channel ch) {
   const int n = ch.transport.worldSize();
   const int rank = ch.transport.rank();
+  if (ch.transport.smallMessageBytes() > 0) {
+    // One round: every rank raises its flag and waits for every other's (no bytes).
+    std::vector<const void*> unused(n);
+    DK_RETURN_IF_ERROR(ch.transport.exchangeSmall(nullptr, 0, unused.data()));
+    return ch.transport.finish();
+  }
   for (int dist = 1; dist < n; dist *= 2) {
     SendOp send{(rank + dist) % n, nullptr, 0};
     RecvOp recv{(rank - dist + n) % n, 0};

@@ -15,8 +15,10 @@ Status recvFrom(Channel ch, const CollectiveArgs& args);
 // *source is set to; then as recvFrom() from it.
 Status recvFromAny(Channel ch, const CollectiveArgs& args, int* source);
 
-// Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k;
-// after ceil(log2 n) rounds every rank has heard, indirectly, from every other.
+// Barrier. Where the transport has small-message boxes: one round, every rank raises its flag
+// and waits for every other's (n - 1 flag lines instead of log2 n dependent FIFO steps).
+// Elsewhere the dissemination barrier: in round k every rank signals rank + 2^k and waits for
+// rank - 2^k; after ceil(log2 n) rounds every rank has heard, indirectly, from every other.
 //
 //   n = 5, round 0: 0->1 1->2 2->3 3->4 4->0;  round 1: 0->2 1->3 ...;  round 2: 0->4 ...
 Status barrier(Channel ch);

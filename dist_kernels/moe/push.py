@@ -138,6 +138,10 @@ class _SlabPool:
         mine = self._free_slab(needs[me]) if needs[me] else -2
         ids, checks = self._publish(mine, check)
         if len(set(checks)) > 1:
+            # Every rank read the same mailbox and raises; the barrier keeps a rank that
+            # raised first from writing the next call's choice into a mailbox that a peer
+            # has not read yet (the success path's completion barrier does that there).
+            self.comm.barrier()
             groups: dict = {}
             for r, c in enumerate(checks):
                 groups.setdefault(c, []).append(r)
@@ -167,8 +171,9 @@ class _SlabPool:
             box[me] = (mine, check)
         self.comm.barrier()
         ids, checks = self.mailbox[me].T.tolist()
-        # The next call writes the mailboxes again only after a barrier of its own push, which
-        # every rank enters after reading here.
+        # The next call writes the mailboxes again only after a barrier of its own push (or,
+        # when the plans differ, the one before the ValueError), which every rank enters after
+        # reading here.
         return ids, checks
 
     def _free_slab(self, nbytes: int) -> int:
