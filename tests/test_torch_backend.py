@@ -239,7 +239,8 @@ def test_reference_check_rejects_wrong_answers():
             check_close(wrong, ref, torch.float32, "SUM", "wrong", bound)
 
 
-# -- the hot paths (process_group.py: allreduce and all_gather_single skip the routed code) ---
+# -- the hot paths (process_group.py: allreduce, all_gather_single and broadcast skip the routed
+# code) ---
 
 
 def _hot_paths():
@@ -251,7 +252,8 @@ def _hot_paths():
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     dist.all_reduce(torch.zeros(1), group=group)  # a group's first call resolves its routes
     routed = []
-    for name in ("_allreduce", "_all_gather_single"):  # count calls of the routed versions
+    routed_names = ("_allreduce", "_all_gather_single", "_broadcast")
+    for name in routed_names:  # count calls of the routed versions
         impl = getattr(group, name)
         setattr(group, name, lambda *a, _impl=impl, _name=name: routed.append(_name) or _impl(*a))
     try:
@@ -302,8 +304,22 @@ def _hot_paths():
         else:
             raise AssertionError("a float64 input into a float32 output was accepted")
         assert routed[-1] == "_all_gather_single", routed
+        # broadcast from the last rank: the hot path, then non-contiguous and async (routed)
+        root = n - 1
+        groot = dist.get_global_rank(group, root)
+        t = xs[rank].clone()
+        dist.broadcast(t, src=groot, group=group)
+        assert torch.equal(t, xs[root]), "hot broadcast"
+        assert routed[-1] == "_all_gather_single", routed
+        wide = torch.stack([xs[rank], xs[rank]], 1)
+        dist.broadcast(wide[:, 0], src=groot, group=group)
+        assert torch.equal(wide[:, 0], xs[root]) and torch.equal(wide[:, 1], xs[rank])
+        t = xs[rank].clone()
+        dist.broadcast(t, src=groot, group=group, async_op=True).wait()
+        assert torch.equal(t, xs[root]), "async broadcast"
+        assert routed[-2:] == ["_broadcast", "_broadcast"], routed
     finally:
-        for name in ("_allreduce", "_all_gather_single"):
+        for name in routed_names:
             delattr(group, name)
     return True
 

@@ -252,7 +252,7 @@ Status CpuCommunicator::execute(const Request& request, bool inPlace) {
     if (status.ok()) status = transport_->begin(header, deadline, lane, inPlace, r.interruptible);
   }
   if (status.ok()) status = dispatch(r);
-  if (status.ok() && needsAgreement(r)) status = transport_->agree();
+  if (status.ok() && needsAgreement(r) && !boxedBroadcast(r)) status = transport_->agree();
   if (status.ok()) {
     if (recorder != nullptr) recorder->completed(r.traceId);
   } else {
@@ -312,6 +312,13 @@ TraceCall CpuCommunicator::traceCallOf(const Request& r) const {
   return call;
 }
 
+// A broadcast small enough for the small-message boxes: every rank reads every rank's flag
+// and descriptor there, which is what agree() would check afterwards.
+bool CpuCommunicator::boxedBroadcast(const Request& r) const {
+  return r.kind == CollectiveKind::kBroadcast &&
+         algo::oneShotBroadcastFits(*transport_, r.args.count * dtypeSize(r.args.dtype));
+}
+
 // See ShmTransport::agree(): a broadcast root receives nothing, and a zero-byte collective
 // may move no bytes, so neither learns from its data flow what the other ranks called.
 bool CpuCommunicator::needsAgreement(const Request& r) {
@@ -335,6 +342,7 @@ Status CpuCommunicator::dispatch(const Request& r) {
       return algo::ringAllGather(ch, args);
     case CollectiveKind::kBroadcast:
       // Several slices: the chain pipelines them; one slice: the heap tree is shallower.
+      if (boxedBroadcast(r)) return algo::oneShotBroadcast(ch, args);
       return algo::treeBroadcast(
           ch, args, args.count * dtypeSize(args.dtype) > transport_->maxMessageBytes());
     case CollectiveKind::kSendRecv:

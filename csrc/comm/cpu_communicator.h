@@ -101,6 +101,7 @@ class CpuCommunicator {
   algo::Algorithm resolveGatherScatter(const Request& request) const;
   algo::AlgorithmCosts costModels() const;
   bool fitsSmallBoxes(size_t bytes) const;
+  bool boxedBroadcast(const Request& request) const;
   // Within the deadline of the collective it checks.
   Status fingerprint(const shm::MessageHeader& header,
                      std::chrono::steady_clock::time_point deadline);

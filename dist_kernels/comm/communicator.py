@@ -298,6 +298,13 @@ class Communicator(BaseCommunicator):
             self._check_open("all_gather")
         self._backend.all_gather(output, input, code, _AUTO_ALL_GATHER, False)
 
+    def _broadcast_checked(self, tensor: torch.Tensor, code: int, src: int) -> None:
+        """broadcast(tensor, src) (synchronous) of a tensor the caller has already checked as
+        :meth:`_check_tensor` does and a ``src`` in range: ProcessGroupDK's hot path."""
+        if self._closed:
+            self._check_open("broadcast")
+        self._backend.broadcast(tensor, code, src, False)
+
     def _check_whole_and_chunk(
         self,
         output: torch.Tensor,

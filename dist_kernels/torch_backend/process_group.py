@@ -170,6 +170,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         # allreduce's hot path (set with the routes: CPU calls ours, no device delegated)
         self._fast_all_reduce: Optional[Callable[[torch.Tensor, int], None]] = None
         self._fast_all_gather: Optional[Callable[[torch.Tensor, torch.Tensor, int], None]] = None
+        self._fast_broadcast: Optional[Callable[[torch.Tensor, int, int], None]] = None
         self._sync_done = DkWork.reusable(self._completions)  # what the hot paths return
         self._name_recorder()
 
@@ -225,6 +226,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         if self._cpu is not None and not self._routes.delegates:
             self._fast_all_reduce = self._cpu._all_reduce_sum_checked
             self._fast_all_gather = self._cpu._all_gather_checked
+            self._fast_broadcast = self._cpu._broadcast_checked
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -504,8 +506,25 @@ class ProcessGroupDK(dist.ProcessGroup):
             )
         return root
 
-    @_routed("broadcast")
     def broadcast(self, tensors, opts=None) -> DkWork:
+        # The hot path (``dist.broadcast(t, src)``, DDP's and FSDP's parameter broadcasts,
+        # ``broadcast_object_list``): one plain contiguous CPU tensor, not asynchronous, a
+        # root in range; it skips the routing wrapper, the generic checks and the Work.
+        fast = self._fast_broadcast
+        if fast is not None and opts is not None and len(tensors) == 1 and not opts.asyncOp:
+            t, root = tensors[0], opts.rootRank
+            if type(t) is torch.Tensor and t.is_cpu and 0 <= root < self._world_size:
+                code = DTYPE_CODES.get(t.dtype)
+                if code is not None and t.is_contiguous():
+                    try:
+                        fast(t, code, root)
+                    except CommError as e:
+                        raise to_dist_error(e) from e
+                    return self._sync_done.finished(tensors)
+        return self._broadcast(tensors, opts)
+
+    @_routed("broadcast")
+    def _broadcast(self, tensors, opts=None) -> DkWork:
         opts = opts if opts is not None else BroadcastOptions()
         t = self._one(tensors, "broadcast")
         root = self._check_root(opts.rootRank, "broadcast")
@@ -715,7 +734,7 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Closes the communicators (torch's destroy_process_group calls this)."""
-        self._cpu = self._fast_all_reduce = self._fast_all_gather = None
+        self._cpu = self._fast_all_reduce = self._fast_all_gather = self._fast_broadcast = None
         self._routes.close()
         self._completions.close()
 
