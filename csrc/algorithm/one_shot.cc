@@ -52,7 +52,7 @@ Status oneShotAllReduce(Channel ch, const CollectiveArgs& a) {
   if (!oneShotFits(ch.transport, bytes)) return Internal("one-shot all_reduce: message too big");
   std::vector<const void*> srcs(ch.transport.worldSize());
   srcs[rank] = a.src;
-  if (bytes <= ch.transport.smallMessageBytes()) {
+  if (ch.transport.fitsSmall(bytes)) {
     // Publish and read in one step, nothing to hand back (transport.h).
     DK_RETURN_IF_ERROR(ch.transport.exchangeSmall(a.src, bytes, srcs.data()));
     return reduceInRankOrder(ch, a, a.dst, srcs);
@@ -78,7 +78,7 @@ Status oneShotReduceScatter(Channel ch, const CollectiveArgs& a) {
   std::vector<const void*> srcs(n);
   srcs[rank] = in + mine;
   const size_t whole = static_cast<size_t>(n) * bytes;
-  if (whole <= ch.transport.smallMessageBytes()) {
+  if (ch.transport.fitsSmall(whole)) {
     // Every rank publishes its whole input once; each reads its own chunk of every peer's.
     DK_RETURN_IF_ERROR(ch.transport.exchangeSmall(in, whole, srcs.data()));
     for (int p = 0; p < n; ++p) {
@@ -100,7 +100,7 @@ Status oneShotAllGather(Channel ch, const CollectiveArgs& a) {
   const size_t bytes = a.count * dtypeSize(a.dtype);
   if (!oneShotFits(ch.transport, bytes)) return Internal("one-shot all_gather: chunk too big");
   auto* out = static_cast<char*>(a.dst);
-  if (bytes <= ch.transport.smallMessageBytes()) {
+  if (ch.transport.fitsSmall(bytes)) {
     const int n = ch.transport.worldSize();
     std::vector<const void*> chunks(n);
     // Published before the own chunk is copied: in place, the input is that chunk.
@@ -125,7 +125,7 @@ Status oneShotAllGather(Channel ch, const CollectiveArgs& a) {
 }
 
 bool oneShotBroadcastFits(const Transport& transport, size_t bytes) {
-  return bytes <= transport.smallMessageBytes();
+  return transport.fitsSmall(bytes);
 }
 
 Status oneShotBroadcast(Channel ch, const CollectiveArgs& a) {

@@ -183,7 +183,7 @@ algo::Algorithm CpuCommunicator::resolveGatherScatter(const Request& r) const {
 // tree take a chain of FIFO steps, so `auto` takes one-shot there. A fitted model (measured
 // on the machine, boxes included) decides by its own prices instead.
 bool CpuCommunicator::fitsSmallBoxes(size_t bytes) const {
-  return !options_.fitted && bytes <= transport_->smallMessageBytes();
+  return !options_.fitted && transport_->fitsSmall(bytes);
 }
 
 algo::AlgorithmCosts CpuCommunicator::costModels() const {

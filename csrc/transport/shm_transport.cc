@@ -457,7 +457,7 @@ Status ShmTransport::exchangeSmall(const void* src, size_t bytes, const void** d
   const LaneState& lane = sendLane();
   const uint64_t seq = lane.header.seq;
   if (lane.lane != Lane::kBoth || seq == 0) return Internal("small exchange outside a collective");
-  if (bytes > smallMessageBytes()) return Internal("small exchange of too many bytes");
+  if (!fitsSmall(bytes)) return Internal("small exchange of too many bytes, or boxes off");
   LowLatencyBox* mine = lowLatencyBox(rank_, seq);
   if (bytes > 0) std::memcpy(mine->data, src, bytes);
   mine->bytes = static_cast<uint32_t>(bytes);

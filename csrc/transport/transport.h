@@ -59,6 +59,11 @@ class Transport {
 
   // Small collectives: the largest message exchangeSmall() takes (0: it is not offered).
   virtual size_t smallMessageBytes() const { return 0; }
+  // True if a message of `bytes` (0 included) may go through exchangeSmall().
+  bool fitsSmall(size_t bytes) const {
+    const size_t most = smallMessageBytes();
+    return most > 0 && bytes <= most;
+  }
   // Inside a collective: publishes this rank's `bytes` from `src` to every peer at once and
   // waits until every peer has published its own; then data[p] (an array of worldSize()
   // pointers; data[rank()] is left alone) points at peer p's bytes. Those stay readable until
