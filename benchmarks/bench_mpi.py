@@ -208,7 +208,7 @@ def _descriptor_check_cost(comm, mpi_comm, sizes_b=(8, 4096, 65536), blocks: int
     """Our all-reduce with the disagreement check (the default) and without it
     (DK_CHECK_DESCRIPTORS=0: no announcement, no descriptor comparison), alternating blocks.
     Without it the small-message boxes are off too (their reuse rests on the announcements),
-    so up to 4,048 bytes this compares the boxes with the FIFO one-shot as well."""
+    so up to 8 KiB this compares the boxes with the FIFO one-shot as well."""
     import dist_kernels as dk
 
     saved = os.environ.get("DK_CHECK_DESCRIPTORS")

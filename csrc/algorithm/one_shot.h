@@ -17,7 +17,7 @@
 //
 // The message must fit one transport message (maxMessageBytes()); larger ones use ring / tree.
 // One that fits the transport's small-message boxes (smallMessageBytes(): shared memory's
-// flag-line boxes, up to ~4 KiB) is published with exchangeSmall() instead of exchange():
+// flag-line boxes, up to 8 KiB) is published with exchangeSmall() instead of exchange():
 // nothing to release or finish, the same reduction. A small reduce-scatter publishes its whole
 // input there (n chunks), and each rank reads its own chunk of every peer's.
 //
