@@ -352,7 +352,8 @@ def _bound_args(op: str, call) -> dict:
 )
 def test_bound_call_is_the_collective_as_the_runner_makes_it(op, algorithm):
     """bind() times the runner's direct call (no dispatch on the op per call): it must make
-    the very call run(op, ...) makes; the out-of-place copy-in form keeps run()."""
+    the very call run(op, ...) makes, and that call must be the collective with this
+    benchmark's arguments; the out-of-place copy-in form keeps run()."""
     direct, generic = _FakeCollectiveComm(), _FakeCollectiveComm()
     out, inp = torch.zeros(4), torch.ones(8)
     tensors = (out,) if op in ("all_reduce", "broadcast") else (out, inp)
@@ -365,6 +366,14 @@ def test_bound_call_is_the_collective_as_the_runner_makes_it(op, algorithm):
     # the same arguments once bound to the Communicator method's signature (one may pass by
     # position what the other passes by keyword); tensors compared by identity
     assert _bound_args(op, direct.calls[0]) == _bound_args(op, generic.calls[0])
+    extra = {} if algorithm == "default" else {"algorithm": algorithm}
+    expected = {  # what a script would write
+        "all_reduce": ((out,), {"op": ops.ReduceOp.MAX, **extra}),
+        "reduce_scatter": ((out, inp), {"op": ops.ReduceOp.MAX, **extra}),
+        "all_gather": ((out, inp), extra),
+        "broadcast": ((out,), {"src": 1}),
+    }[op]
+    assert _bound_args(op, direct.calls[0]) == _bound_args(op, (op, *expected))
     copied = ops.Buffers(op, inp, out, tensors, copy_in=True).bind(
         ops.ours_runner(_FakeCollectiveComm(), algorithm, ops.ReduceOp.MAX, 1)
     )

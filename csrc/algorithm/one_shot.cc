@@ -124,14 +124,10 @@ Status oneShotAllGather(Channel ch, const CollectiveArgs& a) {
   return releaseAndFinish(ch, recvs);
 }
 
-bool oneShotBroadcastFits(const Transport& transport, size_t bytes) {
-  return transport.fitsSmall(bytes);
-}
-
 Status oneShotBroadcast(Channel ch, const CollectiveArgs& a) {
   const int n = ch.transport.worldSize();
   const size_t bytes = a.count * dtypeSize(a.dtype);
-  if (!oneShotBroadcastFits(ch.transport, bytes)) return Internal("one-shot broadcast: too big");
+  if (!ch.transport.fitsSmall(bytes)) return Internal("one-shot broadcast: too big");
   std::vector<const void*> boxes(n);
   // Every rank publishes its buffer (the same byte count, so the descriptors compare); the
   // others' bytes are not read.

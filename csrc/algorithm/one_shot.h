@@ -45,10 +45,9 @@ Status oneShotAllReduce(Channel ch, const CollectiveArgs& args);
 Status oneShotReduceScatter(Channel ch, const CollectiveArgs& args);
 // dst (worldSize * count elements) = concatenation over ranks of src (count elements).
 Status oneShotAllGather(Channel ch, const CollectiveArgs& args);
-// Broadcast of a message that fits the transport's small-message boxes: one round in which
-// every rank publishes and reads every flag, so every rank has checked every rank's
+// Broadcast of a message that fits the transport's small-message boxes (fitsSmall): one round
+// in which every rank publishes and reads every flag, so every rank has checked every rank's
 // descriptor (the agreement a tree broadcast needs afterwards) and non-roots copy the root's.
-bool oneShotBroadcastFits(const Transport& transport, size_t bytes);
 Status oneShotBroadcast(Channel ch, const CollectiveArgs& args);
 
 }  // namespace dk::algo

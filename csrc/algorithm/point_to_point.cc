@@ -44,7 +44,7 @@ Status recvFromAny(Channel ch, const CollectiveArgs& a, int* source) {
 Status barrier(Channel ch) {
   const int n = ch.transport.worldSize();
   const int rank = ch.transport.rank();
-  if (ch.transport.smallMessageBytes() > 0) {
+  if (ch.transport.fitsSmall(0)) {
     // One round: every rank raises its flag and waits for every other's (no bytes).
     std::vector<const void*> unused(n);
     DK_RETURN_IF_ERROR(ch.transport.exchangeSmall(nullptr, 0, unused.data()));

@@ -316,7 +316,7 @@ TraceCall CpuCommunicator::traceCallOf(const Request& r) const {
 // and descriptor there, which is what agree() would check afterwards.
 bool CpuCommunicator::boxedBroadcast(const Request& r) const {
   return r.kind == CollectiveKind::kBroadcast &&
-         algo::oneShotBroadcastFits(*transport_, r.args.count * dtypeSize(r.args.dtype));
+         transport_->fitsSmall(r.args.count * dtypeSize(r.args.dtype));
 }
 
 // See ShmTransport::agree(): a broadcast root receives nothing, and a zero-byte collective

@@ -368,24 +368,27 @@ def _ours_sendrecv(comm) -> Callable[[torch.Tensor, torch.Tensor], None]:
     return shift
 
 
+def _runner(shift: Callable, direct: Callable) -> Runner:
+    """run(op, *tensors) from a sendrecv shift and the bound collectives; ``run.direct`` is
+    what Buffers.bind times (one list of calls serves both)."""
+
+    def run(op: str, *tensors: torch.Tensor) -> None:
+        if op == "sendrecv":
+            shift(tensors[0], tensors[1])
+        else:
+            direct(op, tensors)()
+
+    run.direct = direct
+    return run
+
+
 def ours_runner(comm, algorithm: str, redop: ReduceOp, root: int) -> Runner:
     """Calls the Communicator; ``algorithm="default"`` passes no algorithm argument."""
     extra = {} if algorithm == "default" else {"algorithm": algorithm}
     shift = _ours_sendrecv(comm)
 
-    def run(op: str, *tensors: torch.Tensor) -> None:
-        if op == "sendrecv":
-            shift(tensors[0], tensors[1])
-        elif op == "all_reduce":
-            comm.all_reduce(tensors[0], op=redop, **extra)
-        elif op == "reduce_scatter":
-            comm.reduce_scatter(tensors[0], tensors[1], op=redop, **extra)
-        elif op == "all_gather":
-            comm.all_gather(tensors[0], tensors[1], **extra)
-        else:
-            comm.broadcast(tensors[0], root, **extra)
-
     def direct(op: str, tensors: Tuple[torch.Tensor, ...]) -> Optional[Callable[[], None]]:
+        """The collective bound to its arguments (None for sendrecv: two calls and waits)."""
         if op == "all_reduce":
             return functools.partial(comm.all_reduce, tensors[0], redop, **extra)
         if op == "reduce_scatter":
@@ -394,10 +397,9 @@ def ours_runner(comm, algorithm: str, redop: ReduceOp, root: int) -> Runner:
             return functools.partial(comm.all_gather, tensors[0], tensors[1], **extra)
         if op == "broadcast":
             return functools.partial(comm.broadcast, tensors[0], root, **extra)
-        return None  # sendrecv: the shift is a small function of its own
+        return None
 
-    run.direct = direct
-    return run
+    return _runner(shift, direct)
 
 
 def gloo_runner(redop: str, root: int, group=None) -> Runner:
@@ -416,18 +418,6 @@ def gloo_runner(redop: str, root: int, group=None) -> Runner:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     shift = torch_sendrecv(group)
 
-    def run(op: str, *tensors: torch.Tensor) -> None:
-        if op == "sendrecv":
-            shift(tensors[0], tensors[1])
-        elif op == "all_reduce":
-            dist.all_reduce(tensors[0], op=torch_op, group=group)
-        elif op == "reduce_scatter":
-            dist.reduce_scatter_tensor(tensors[0], tensors[1], op=torch_op, group=group)
-        elif op == "all_gather":
-            gather(tensors[0], tensors[1], group=group)
-        else:
-            dist.broadcast(tensors[0], root, group=group)
-
     def direct(op: str, tensors: Tuple[torch.Tensor, ...]) -> Optional[Callable[[], None]]:
         partial = functools.partial
         if op == "all_reduce":
@@ -440,8 +430,7 @@ def gloo_runner(redop: str, root: int, group=None) -> Runner:
             return partial(dist.broadcast, tensors[0], root, group=group)
         return None
 
-    run.direct = direct
-    return run
+    return _runner(shift, direct)
 
 
 def torch_sendrecv(
