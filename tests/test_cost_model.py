@@ -4,6 +4,8 @@ calibration's own prediction errors are printed, for the quiet-machine rerun."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import sys
@@ -33,23 +35,72 @@ def _calibrate(path):
             "16",
             "--calib-blocks",
             "1",
-            "--iters",
+            "--calib-iters",
             "5",
         ]
     )
-    calibrate.run_rank(args, "test")
-    return True
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        calibrate.run_rank(args, "test")
+    return out.getvalue()
 
 
-def test_calibrate_writes_every_algorithm_of_the_host(tmp_path, capsys):
+def test_calibrate_writes_every_algorithm_of_the_host(tmp_path):
     path = str(tmp_path / "model.json")
-    assert run_ranks(2, _calibrate, path, timeout=300) == [True, True]
+    out = run_ranks(2, _calibrate, path, timeout=300)[0]  # rank 0 prints
     model = cm.load_model(path)
     assert sorted(model.shm[2]) == sorted(f"{c}/{a}" for c, a in cm.FITTED_ORDER)
     for link in model.shm[2].values():
         assert link.alpha_us >= 0 and link.beta_us_per_byte >= 0
         assert link.alpha_us + link.beta_us_per_byte > 0
     assert len(model.fitted_costs(2)) == 28 and model.meta["command"] == "test"
+    # the Communicator's own cost per call, measured beside the links, for 2 ranks only
+    assert list(model.call_us) == [2] and model.call_us[2] >= 0
+    assert "# fit the Communicator's own cost per call" in out
+    # the check prints one row per size (8 B, 128 B, 2 KiB, 32 KiB) with what auto runs
+    rows = [line for line in out.splitlines() if line.startswith("#  ") and "one_shot" in line]
+    assert len(rows) >= 4, out
+
+
+def test_call_cost_prices_a_communicator_call_and_survives_the_file(tmp_path):
+    """``call_us[n]`` adds to a Communicator call's price on a host of n ranks only, and is
+    written and read back with the links."""
+    link = cm.Link(2.0, 1e-3)
+    model = cm.CostModel(shm={2: {"all_reduce/ring": link}}, call_us={2: 1.25})
+    steps, nbytes = cm.terms("all_reduce", "ring", 2, 4096)
+    assert model.call_us_of("all_reduce", 2, 4096, "ring") == 1.25 + link.us(steps, nbytes)
+    assert model.call_us_of("all_reduce", 4, 4096, "ring") == model.shm_link(
+        4, "all_reduce", "ring"
+    ).us(*cm.terms("all_reduce", "ring", 4, 4096))
+    back = cm.load_model(cm.save_model(model, str(tmp_path / "m.json")))
+    assert back.call_us == {2: 1.25} and back.shm[2]["all_reduce/ring"] == link
+    # a file written before call_us existed loads with none
+    assert cm.CostModel.from_json({"shm": {}, "inter": {}}).call_us == {}
+
+
+def _block_order(iters_cap):
+    from dist_kernels.bench import calibrate
+
+    order = []
+    calls = [(lambda k=k: order.append(k), iters_cap) for k in "abc"]
+    times = calibrate._timed_all(calls, blocks=2)
+    return order, times
+
+
+def test_calibration_blocks_go_round_every_measurement():
+    """The timed blocks alternate between measurements (a, b, c, a, b, c), after one first
+    timing of each that sets its calls per block (capped by the call's own cap), so that a
+    change in the machine's speed reaches every size alike."""
+    from dist_kernels.bench import calibrate
+
+    per_first = 1 + calibrate.WARMUP  # the first timing of each call
+    per_block = calibrate.WARMUP + 7  # a block: untimed calls, then the capped timed ones
+    for order, times in run_ranks(2, _block_order, 7):
+        first, rounds = order[: 3 * per_first], order[3 * per_first :]
+        assert first == [k for k in "abc" for _ in range(per_first)]
+        expected = [k for _ in range(2) for k in "abc" for _ in range(per_block)]
+        assert rounds == expected
+        assert len(times) == 3 and all(t >= 0 for t in times)
 
 
 def _auto_choices(path, sizes):

@@ -132,11 +132,17 @@ class CostModel:
 
     ``shm[n]["all_reduce/ring"]``: the ring all-reduce on a host of n ranks (one link per
     algorithm: each is fitted on its own measurements); ``inter[engine]``: an inter-host leg.
+    ``call_us[n]``: what a :class:`~dist_kernels.Communicator` call on a host of n ranks adds
+    over the extension's collective (its checks and dispatch in Python; where ranks outnumber
+    cores, also the time that longer call gives the scheduler), the same for every algorithm
+    and size: it prices what a caller times (:meth:`call_us_of`), never a stage inside the
+    extension, and so never changes what ``auto`` picks.
     """
 
     shm: Dict[int, Dict[str, Link]] = field(default_factory=dict)
     inter: Dict[str, Link] = field(default_factory=dict)
     meta: Dict = field(default_factory=dict)
+    call_us: Dict[int, float] = field(default_factory=dict)
 
     def shm_link(self, n: int, collective: str, algorithm: str,
                  oversubscribed: bool = False) -> Link:  # fmt: skip
@@ -153,6 +159,12 @@ class CostModel:
 
     def inter_link(self, engine: str) -> Link:
         return self.inter.get(engine) or Link(**DEFAULT_INTER[engine])
+
+    def call_us_of(self, collective: str, n: int, nbytes: float, algorithm: str) -> float:
+        """A Communicator call of ``algorithm`` on one host of n ranks, as its caller times it:
+        the collective plus the call's fixed cost in Python."""
+        link = self.shm_link(n, collective, algorithm)
+        return self.call_us.get(n, 0.0) + link.us(*terms(collective, algorithm, n, nbytes))
 
     def shm_us(self, collective: str, n: int, nbytes: float, algorithm: str = "best") -> float:
         """Time on the host; ``best``: the cheapest of the algorithms auto chooses from."""
@@ -175,6 +187,7 @@ class CostModel:
                 for n, links in sorted(self.shm.items())
             },
             "inter": {e: asdict(link) for e, link in sorted(self.inter.items())},
+            "call_us": {str(n): us for n, us in sorted(self.call_us.items())},
             "meta": self.meta,
         }
 
@@ -187,6 +200,7 @@ class CostModel:
             },
             inter={e: Link(**v) for e, v in data.get("inter", {}).items()},
             meta=data.get("meta", {}),
+            call_us={int(n): float(us) for n, us in data.get("call_us", {}).items()},
         )
 
 
