@@ -8,7 +8,10 @@ collective (8 B all_reduce; at more than one rank also a 4-float ``all_gather_in
 - ``direct``: the Communicator under the group (``group.communicator()``), called directly;
 - ``dk``: ``torch.distributed.all_reduce(t, group=g)`` on a ``new_group(backend="dk")``;
 - ``floor``: the same torch call on a group of a Python backend that does nothing and returns
-  a finished Work: what torch's own dispatch costs any Python backend (issue 28's floor).
+  a finished Work: what torch's own dispatch costs any Python backend (issue 28's floor);
+- ``C++ floor``: the same torch call on torch's own ``FakeProcessGroup`` (a C++ backend that
+  does nothing, ``torch.testing._internal.distributed.fake_pg``): what the dispatch costs a
+  backend written in C++, the route a compiled ``"dk"`` backend would take.
 
 Each block times ``--calls`` calls of one kind; the kinds alternate, block after block, so that
 machine noise hits them alike; a row prints the median and the best block, in us per call, on
@@ -72,8 +75,11 @@ def _cases(world: int) -> Dict[str, Dict[str, Callable[[], None]]]:
     import dist_kernels.torch_backend  # noqa: F401  (registers "dk")
 
     _register_noop()
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
     dk_group = dist.new_group(backend="dk")
     noop_group = dist.new_group(backend=NOOP)
+    fake_group = dist.new_group(backend="fake")
     comm = dk_group.communicator()
     t = torch.zeros(2)
     cases = {
@@ -81,6 +87,7 @@ def _cases(world: int) -> Dict[str, Dict[str, Callable[[], None]]]:
             "direct": lambda: comm.all_reduce(t),
             "dk": lambda: dist.all_reduce(t, group=dk_group),
             "floor": lambda: dist.all_reduce(t, group=noop_group),
+            "C++ floor": lambda: dist.all_reduce(t, group=fake_group),
         }
     }
     if world > 1:
@@ -89,6 +96,7 @@ def _cases(world: int) -> Dict[str, Dict[str, Callable[[], None]]]:
             "direct": lambda: comm.all_gather(out, inp),
             "dk": lambda: dist.all_gather_into_tensor(out, inp, group=dk_group),
             "floor": lambda: dist.all_gather_into_tensor(out, inp, group=noop_group),
+            "C++ floor": lambda: dist.all_gather_into_tensor(out, inp, group=fake_group),
         }
     return cases, comm
 
@@ -132,7 +140,7 @@ def main() -> None:
         f"({os.cpu_count()} cpus); torch {torch.__version__}"
     )
     print(
-        f"# {'ranks':>5} {'op':<30} {'direct':>14} {'dk':>14} {'floor':>14} "
+        f"# {'ranks':>5} {'op':<30} {'direct':>14} {'dk':>14} {'floor':>14} {'C++ floor':>14} "
         f"{'dk-direct':>10} {'-floor':>8}   (us per call: median [best] block)"
     )
     for world in args.nproc:
@@ -140,14 +148,14 @@ def main() -> None:
         for op in outcomes[0]:
             med, best = {}, {}
             cells = []
-            for kind in ("direct", "dk", "floor"):
+            for kind in ("direct", "dk", "floor", "C++ floor"):
                 blocks = _slowest(outcomes, op, kind)
                 med[kind], best[kind] = statistics.median(blocks), min(blocks)
                 cells.append(f"{med[kind]:7.2f} [{best[kind]:5.2f}]")
             over = med["dk"] - med["direct"]
             print(
                 f"  {world:>5} {op:<30} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} "
-                f"{over:>+10.2f} {over - med['floor']:>+8.2f}"
+                f"{cells[3]:>14} {over:>+10.2f} {over - med['floor']:>+8.2f}"
             )
     print(f"# load average at end {[round(x, 2) for x in os.getloadavg()]}")
 
