@@ -196,6 +196,41 @@ def test_unscale_matches_torch(device, dtype, inject):
         _assert_bitwise(t, r, f"unscale_ {dtype}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("flag_dtype", [torch.float32, torch.int32])
+def test_unscale_of_one_tensor_matches_torch(dtype, flag_dtype):
+    """GradScaler's common call, one CPU tensor with a tensor scale and flag (the fast path),
+    against torch's kernel, with and without a non-finite value; float16 has no torch CPU
+    reference for the flag's dtype, so its values are checked against float64 math."""
+    gen = _gen(5)
+    for inject in (False, True):
+        t = (torch.randn(140_000, generator=gen) * 100).to(dtype)  # split at 2 threads
+        if inject:
+            t[139_999] = float("inf")
+        want = (t.double() * (1 / 1024)).to(dtype)
+        found = torch.zeros(1, dtype=flag_dtype)
+        bk.unscale_([t], torch.tensor([1 / 1024]), found)
+        assert found.item() == int(inject)
+        _assert_bitwise(t, want, f"unscale_ of one {dtype} tensor")
+
+
+def test_unscale_fast_path_leaves_other_calls_to_the_checks():
+    """What the fast path does not take still works or raises as before: a parameter, a
+    non-contiguous tensor, a scale of the wrong dtype, a flag of the wrong size."""
+    inv, found = torch.tensor([0.5]), torch.zeros(1)
+    param = torch.nn.Parameter(torch.full((4,), 2.0), requires_grad=False)
+    bk.unscale_([param], inv, found)
+    assert torch.equal(param.data, torch.ones(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        bk.unscale_([torch.ones(4, 4).t()], inv, found)
+    with pytest.raises(ValueError, match="inv_scale"):
+        bk.unscale_([torch.ones(4)], torch.tensor([0.5], dtype=torch.float64), found)
+    with pytest.raises(ValueError, match="found_inf"):
+        bk.unscale_([torch.ones(4)], inv, torch.zeros(2))
+    with pytest.raises(TypeError, match="tensors"):
+        bk.unscale_(torch.ones(4), inv, found)
+
+
 def test_unscale_mixed_dtypes_and_empty(device):
     tensors = [torch.full((5,), 2.0, dtype=d, device=device) for d in DTYPES]
     found = torch.zeros(1, device=device)
@@ -231,7 +266,13 @@ def test_pack_to_bf16_rounds_subnormals_exactly(device, scale):
 
 def test_threads_split_gives_same_bits():
     gen = _gen(4)
-    grads = [torch.randn(n, generator=gen) for n in (1 << 20, 3, (1 << 20) + 17, 5)]
+    # ~1M elements each, and lists just past the split threshold (512 KiB touched)
+    sizes = [(1 << 20, 3, (1 << 20) + 17, 5), (60_000, 3, 40_001)]
+    for shape in sizes:
+        _check_split_bits([torch.randn(n, generator=gen) for n in shape])
+
+
+def _check_split_bits(grads):
     offsets, end = [], 0
     for g in grads:
         offsets.append(end)

@@ -1,12 +1,14 @@
 // CPU cast-and-scale: the baseline build of the element loop (the shared functor, any x86-64),
 // the instruction-set build chosen by cpu_isa.h, and the split of big calls across the shared
 // CPU pool.
+#include <algorithm>
 #include <vector>
 
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_thread_pool.h"
 #include "kernels/multi_tensor.h"
 #include "kernels/multi_tensor_cpu_range.h"
+#include "kernels/reduce.h"
 
 namespace dk::kernels {
 
@@ -23,11 +25,6 @@ CastScaleRangeFn activeRangeFn() {
   }
 }
 
-// Below this many elements per thread a thread is not worth starting: std::thread create + join
-// costs tens of microseconds, while 1M float32 elements take about 0.5 ms on one core here
-// (measured: 64 MiB of float32 packed into bfloat16 in 8.7 ms by the AVX-512 path).
-constexpr int64_t kMinElementsPerThread = int64_t{1} << 20;
-
 // Runs the ranges on the shared CPU pool (the caller takes part), each range exactly once.
 void runRanges(const TensorSegment* segments, int64_t num_segments, const int64_t* starts,
                const std::vector<CpuRange>& ranges, const CastScaleArgs& args, float scale,
@@ -43,10 +40,16 @@ void runRanges(const TensorSegment* segments, int64_t num_segments, const int64_
   }
 }
 
-std::vector<CpuRange> splitRanges(int64_t total, int num_threads) {
-  int64_t parts = total / kMinElementsPerThread;
-  if (parts > num_threads) parts = num_threads;
-  if (parts < 1) parts = 1;
+// One range per thread once the call touches enough bytes to gain from a split, by the same
+// measured threshold as the other standalone kernels (cpuWorthSplitting, reduce.h: 512 KiB on
+// OpenMP). It was 1M elements per thread, a rule from when each part started a std::thread:
+// a 4 MiB float32 unscale then ran on one thread at 0.65x torch's two.
+std::vector<CpuRange> splitRanges(int64_t total, const CastScaleArgs& args, int num_threads) {
+  // read the source, write the destination, and read it too when accumulating
+  const size_t per_element =
+      dtypeSize(args.src_dtype) + dtypeSize(args.dst_dtype) * (args.accumulate ? 2 : 1);
+  const bool split = num_threads > 1 && cpuWorthSplitting(static_cast<size_t>(total) * per_element);
+  const int64_t parts = split ? std::min<int64_t>(num_threads, total) : 1;
   std::vector<CpuRange> ranges;
   for (int64_t t = 0; t < parts; ++t)
     ranges.push_back({total * t / parts, total * (t + 1) / parts});
@@ -78,7 +81,7 @@ Status castScaleMultiCpu(const TensorSegment* segments, int64_t num_segments,
   std::vector<int64_t> starts(num_segments + 1, 0);
   for (int64_t i = 0; i < num_segments; ++i) starts[i + 1] = starts[i] + segments[i].count;
   const float scale = args.scale_ptr != nullptr ? *args.scale_ptr : args.scale;
-  const std::vector<CpuRange> ranges = splitRanges(starts[num_segments], num_threads);
+  const std::vector<CpuRange> ranges = splitRanges(starts[num_segments], args, num_threads);
 
   const int64_t num_sums = args.sum_squares_mode == SumSquares::kPerSegment ? num_segments
                            : args.sum_squares_mode == SumSquares::kTotal    ? 1

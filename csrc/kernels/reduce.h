@@ -47,6 +47,8 @@ Status castScaleCpuParallel(void* dst, DType dst_dtype, const void* src, DType s
 // Calls touching fewer bytes (read + written) than this stay on the caller's thread; default
 // 64 MiB or DK_PARALLEL_MIN_BYTES (see reduce_cpu_parallel.cc). Returns the previous value.
 size_t setCpuParallelMinBytes(size_t bytes);
+// True if a standalone call touching `touched_bytes` (read + written) is worth splitting.
+bool cpuWorthSplitting(size_t touched_bytes);
 
 #if DK_WITH_CUDA
 // The same operations on device memory, enqueued on `stream` (a cudaStream_t); they return

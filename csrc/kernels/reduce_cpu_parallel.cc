@@ -47,9 +47,7 @@ std::atomic<size_t>& parallelMinBytes() {
   return min_bytes;
 }
 
-bool worthSplitting(size_t touched_bytes) {
-  return touched_bytes >= parallelMinBytes().load(std::memory_order_relaxed);
-}
+bool worthSplitting(size_t touched_bytes) { return cpuWorthSplitting(touched_bytes); }
 
 const char* byteOffset(const void* base, size_t elements, size_t element_bytes) {
   return static_cast<const char*>(base) + elements * element_bytes;
@@ -77,6 +75,10 @@ Status sourceSlices(void* dst, const void* const* srcs, int nsrcs, size_t count,
 }  // namespace
 
 size_t setCpuParallelMinBytes(size_t bytes) { return parallelMinBytes().exchange(bytes); }
+
+bool cpuWorthSplitting(size_t touched_bytes) {
+  return touched_bytes >= parallelMinBytes().load(std::memory_order_relaxed);
+}
 
 Status reduceMultiCpuParallel(void* dst, const void* const* srcs, int nsrcs, size_t count,
                               DType dtype, RedOp op) {
