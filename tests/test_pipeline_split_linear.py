@@ -103,6 +103,32 @@ def test_linear_halves_equal_the_full_backward(name, shape, layout, input_grad):
     assert all(not m._forward_hooks for m in linear_modules(split))  # recording undone
 
 
+def test_w_into_a_held_grad_at_large_micro_batches_is_within_rounding():
+    """From the second micro-batch on, W adds each weight gradient into the held ``.grad`` in
+    one GEMM (beta = 1; the test above shows the bits of a full backward at small micro-batches).
+    Where the BLAS blocks over the rows (1,024 here) the sum's order differs from autograd's
+    product-then-add, so both are checked against the same gradients in float64."""
+    print("seed", SEED)
+    torch.manual_seed(SEED)
+    reference = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    split, exact = copy.deepcopy(reference), copy.deepcopy(reference).double()
+    gen = torch.Generator().manual_seed(SEED)
+    for _ in range(3):
+        x, grad = torch.randn(1024, 64, generator=gen), torch.randn(1024, 64, generator=gen)
+        reference(x).backward(grad)
+        exact(x.double()).backward(grad.double())
+        recording = Recording()
+        with record_linears(linear_modules(split), recording):
+            out = split(x)
+        backward_input_linear([out], [grad], [], recording).run()
+    params = zip(exact.named_parameters(), reference.parameters(), split.parameters())
+    for (name, e), r, p in params:
+        scale = e.grad.abs().max().item()
+        for got, who in ((p.grad, "split"), (r.grad, "autograd")):
+            err = (got.double() - e.grad).abs().max().item()
+            assert err <= 1e-5 * scale, (name, who, err, scale)
+
+
 def test_recordings_the_path_cannot_split_fall_back():
     """A non-contiguous input of more than 2 dims (F.linear's batched matmul path) or a call
     with a keyword: None, nothing run (the runtime takes the generic split)."""

@@ -2,10 +2,11 @@
 
 Every schedule computes each micro-batch's gradients with the same ATen calls (the generic B/W
 split restarts autograd where the two halves meet; the Linear path, taken by stages of plain
-nn.Linear, makes AddmmBackward's matmuls itself) and accumulates a parameter's gradient
-over micro-batches in micro-batch order, as 1F1B does; the loss is the same mean. So losses,
-gradients and updated parameters must be bitwise equal to 1F1B's, at 2 and 4 stages, 4, 8
-and 16 micro-batches, and with data parallelism beside (dp = 2: the two replicas' gradients
+nn.Linear, makes AddmmBackward's matmuls itself, adding into a held .grad in the same GEMM,
+which keeps the bits at these micro-batches of a few rows) and accumulates a parameter's
+gradient over micro-batches in micro-batch order, as 1F1B does; the loss is the same mean. So
+losses, gradients and updated parameters must be bitwise equal to 1F1B's, at 2 and 4 stages,
+4, 8 and 16 micro-batches, and with data parallelism beside (dp = 2: the two replicas' gradients
 summed in the same pairs, whatever the bucket layout). Layers are compared by their index in
 the model, wherever the schedule put them (V schedules cut the model into twice the stages).
 """
