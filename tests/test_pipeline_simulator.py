@@ -239,3 +239,46 @@ def test_command_line_table(capsys):
     assert float(zb_h1_4[3]) == 3 * 8 + 3 and zb_h1_4[4] == f"{33 / 27:.2f}x"
     with pytest.raises(SystemExit):
         main(["--schedules", "zigzag"])
+
+
+class _Recording:
+    """Rank 1's side of gather_times: keeps what it would all-reduce."""
+
+    rank, world_size = 1, 2
+
+    def __init__(self):
+        self.sent = []
+
+    def all_reduce(self, t):
+        self.sent.append(t.clone())
+
+
+class _Summing:
+    """Rank 0's side: each all-reduce adds rank 1's tensor of the same call."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, others):
+        self.others = list(others)
+
+    def all_reduce(self, t):
+        t += self.others.pop(0)
+
+
+def test_profile_step_cost_takes_the_loss_broadcast_of_the_last_rank_to_reach_it():
+    """The root of a 1F1B step finishes first and waits in the loss broadcast for rank 0's
+    last backward; that wait is on the simulator's timeline already, so the step's own cost
+    takes the broadcast as the rank that reached it last saw it (the shorter), and the
+    largest of the ranks' split-and-send costs."""
+    from dist_kernels.pipeline.profiling import ActionTimer, gather_times
+
+    root, other = ActionTimer(), ActionTimer()
+    root.step_costs = [(0.10, 1.30), (0.10, 1.50)]  # (split + wait for sends, broadcast)
+    other.step_costs = [(0.20, 0.05), (0.20, 0.07)]
+    root.compute[("F", 1)] = [1.0]
+    other.compute[("F", 0)] = [2.0]
+    recording = _Recording()
+    gather_times(other, 2, recording)
+    times = gather_times(root, 2, _Summing(recording.sent))
+    assert times["step"] == pytest.approx(0.20 + 0.06)
+    assert times["F"] == [2.0, 1.0]

@@ -368,10 +368,7 @@ class Pipeline:
                 self.step(inputs, targets)
             finally:
                 self._timer = None
-        root = self.schedule.rank_of(self.n_stages - 1)  # the loss broadcast's
-        times = self._guard(
-            None, "profile", lambda: gather_times(timer, self.n_stages, self.comm, root)
-        )
+        times = self._guard(None, "profile", lambda: gather_times(timer, self.n_stages, self.comm))
         peer = self.schedule.rank_of(1) if self.n_stages > 1 else 0
         nbytes = self.channels.sent_bytes(peer, ACTIVATION) if self.rank == 0 else 0
         p2p = self._guard(None, "profile", lambda: measure_p2p(self.comm, nbytes))
