@@ -129,6 +129,30 @@ def test_w_into_a_held_grad_at_large_micro_batches_is_within_rounding():
             assert err <= 1e-5 * scale, (name, who, err, scale)
 
 
+def test_w_under_autocast_equals_the_full_backward():
+    """Under CPU autocast a Linear multiplies its input cast to bfloat16 while the recorded
+    input is the float32 one: W casts it the same way (it raised a dtype mismatch before), and
+    float32 weights take their bfloat16 products through AccumulateGrad's cast, bit for bit."""
+    print("seed", SEED)
+    torch.manual_seed(SEED)
+    reference = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    split = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(SEED)
+    for _ in range(2):  # the second adds into the first's .grad
+        x = torch.randn(4, 8, generator=gen)
+        grad = torch.randn(4, 8, generator=gen).to(torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_ref = reference(x)
+            recording = Recording()
+            with record_linears(linear_modules(split), recording):
+                out = split(x)
+        out_ref.backward(grad)
+        backward_input_linear([out], [grad], [], recording).run()
+    for (name, a), b in zip(reference.named_parameters(), split.parameters()):
+        assert b.grad.dtype == torch.float32
+        assert torch.equal(a.grad, b.grad), name
+
+
 def test_recordings_the_path_cannot_split_fall_back():
     """A non-contiguous input of more than 2 dims (F.linear's batched matmul path) or a call
     with a keyword: None, nothing run (the runtime takes the generic split)."""

@@ -157,12 +157,20 @@ class LinearWeightGradient:
                 if grad_out.dim() != 2:
                     grad_out = grad_out.reshape(-1, grad_out.shape[-1])
                     x = x.reshape(-1, x.shape[-1])
+                if x.dtype != grad_out.dtype:  # under autocast the matmul took x cast so
+                    x = x.to(grad_out.dtype)
                 weight, bias = module.weight, module.bias
-                if weight.requires_grad and by_hand and _fits(weight.grad, weight):
+                held = weight.grad
+                if (
+                    weight.requires_grad
+                    and by_hand
+                    and held is not None
+                    and held.dtype == grad_out.dtype
+                ):
                     # Into the held gradient in one GEMM (beta = 1), as Megatron's gradient
                     # accumulation fusion does: no 1 MiB product per 512 x 512 layer to
                     # allocate, write and add back.
-                    weight.grad.addmm_(grad_out.t(), x)
+                    held.addmm_(grad_out.t(), x)
                 elif weight.requires_grad:
                     # What AddmmBackward / MmBackward compute for weight.t() (then transposed
                     # back): grad_output^T @ input, one matmul.
@@ -190,17 +198,6 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad = g
     else:
         p.grad += g
-
-
-def _fits(held: Optional[torch.Tensor], p: torch.Tensor) -> bool:
-    """A held ``.grad`` that W may accumulate into in place: dense, contiguous, p's dtype."""
-    return (
-        held is not None
-        and not held.is_sparse
-        and held.is_contiguous()
-        and held.dtype == p.dtype
-        and held.shape == p.shape
-    )
 
 
 def _by_hand(params: Sequence[Optional[torch.Tensor]]) -> bool:
