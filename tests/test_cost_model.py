@@ -62,6 +62,16 @@ def test_calibrate_writes_every_algorithm_of_the_host(tmp_path):
     assert len(rows) >= 4, out
 
 
+def test_calibrate_on_one_rank_checks_what_it_runs(tmp_path):
+    """One rank fits nothing on its host (no peer) but still times and prints what auto runs
+    at every size (the check's own rounds) instead of failing on the measurements it lacks."""
+    out = run_ranks(1, _calibrate, str(tmp_path / "one.json"), timeout=300)[0]
+    rows = [line.split() for line in out.splitlines() if line.startswith("#  ") and "|" not in line]
+    sizes = [row[1] for row in rows if row[1].isdigit()]
+    assert sizes == ["8", "128", "2048", "32768"], out
+    assert "# check: worst" in out
+
+
 def test_call_cost_prices_a_communicator_call_and_survives_the_file(tmp_path):
     """``call_us[n]`` adds to a Communicator call's price on a host of n ranks only, and is
     written and read back with the links."""

@@ -47,8 +47,6 @@ std::atomic<size_t>& parallelMinBytes() {
   return min_bytes;
 }
 
-bool worthSplitting(size_t touched_bytes) { return cpuWorthSplitting(touched_bytes); }
-
 const char* byteOffset(const void* base, size_t elements, size_t element_bytes) {
   return static_cast<const char*>(base) + elements * element_bytes;
 }
@@ -58,7 +56,7 @@ template <typename Kernel>
 Status sourceSlices(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype,
                     Kernel kernel) {
   const size_t size = dtypeSize(dtype);
-  const bool split = worthSplitting(count * size * (nsrcs + 1));
+  const bool split = cpuWorthSplitting(count * size * (nsrcs + 1));
   return cpuParallelSlices(count, size, split, [&](size_t begin, size_t end) {
     // The sources' slice addresses: on the stack for the usual few (a heap vector per part
     // cost ~0.05 us each; our own pool cuts 8 parts per thread).
@@ -103,7 +101,7 @@ Status reduceAverageCpuParallel(void* dst, const void* const* srcs, int nsrcs, s
 Status divideCpuParallel(void* dst, const void* src, size_t count, DType dtype, int64_t divisor) {
   if (!isValidDType(static_cast<int>(dtype))) return divideCpu(dst, src, count, dtype, divisor);
   const size_t size = dtypeSize(dtype);
-  const bool split = worthSplitting(count * size * 2);
+  const bool split = cpuWorthSplitting(count * size * 2);
   return cpuParallelSlices(count, size, split, [&](size_t begin, size_t end) {
     void* slice_dst = const_cast<char*>(byteOffset(dst, begin, size));
     return divideCpu(slice_dst, byteOffset(src, begin, size), end - begin, dtype, divisor);
@@ -117,7 +115,7 @@ Status castScaleCpuParallel(void* dst, DType dst_dtype, const void* src, DType s
   }
   const size_t dst_size = dtypeSize(dst_dtype);
   const size_t src_size = dtypeSize(src_dtype);
-  const bool split = worthSplitting(count * (dst_size + src_size));
+  const bool split = cpuWorthSplitting(count * (dst_size + src_size));
   return cpuParallelSlices(count, dst_size, split, [&](size_t begin, size_t end) {
     void* slice_dst = const_cast<char*>(byteOffset(dst, begin, dst_size));
     return castScaleCpu(slice_dst, dst_dtype, byteOffset(src, begin, src_size), src_dtype,

@@ -54,11 +54,6 @@ WARMUP = 3  # untimed calls after each block's barrier: the first call after Glo
 Sample = Tuple[float, float, float]  # steps, bytes, measured us
 
 
-def _timed(call: Callable[[], None], iters: int, blocks: int = BLOCKS) -> float:
-    """Median over blocks of the slowest rank's mean time per call, in us."""
-    return _timed_all([(call, iters)], blocks)[0]
-
-
 def _timed_all(calls: List[Tuple[Callable[[], None], int]], blocks: int) -> List[float]:
     """Each (call, at most iters)'s median over blocks of the slowest rank's mean time per
     call, in us. The blocks go round: one of every call, then the next of every call, so that
@@ -178,7 +173,7 @@ def shm_samples(local, n: int, args, comm=None) -> HostMeasurements:
         timed.append((lambda: local.all_reduce(small, 0, 0, 3, False), args.calib_iters))
         what += [("communicator",), ("extension",)]
     measured = HostMeasurements({})
-    times = dict(zip(range(len(timed)), _timed_all(timed, args.calib_blocks)))
+    times = _timed_all(timed, args.calib_blocks)
     for i, row in enumerate(what):
         if row[0] == "fit":
             _, key, size, steps, coef = row
@@ -186,7 +181,7 @@ def shm_samples(local, n: int, args, comm=None) -> HostMeasurements:
         elif row[0] == "call":
             measured.calls[(row[1], row[2])] = times[i]
     if comm is not None:
-        measured.call_us = max(0.0, times[len(timed) - 2] - times[len(timed) - 1])
+        measured.call_us = max(0.0, times[-2] - times[-1])  # the communicator, the extension
     return measured
 
 
@@ -241,30 +236,32 @@ def _check_auto(comm, model: cm.CostModel, args, calls=None) -> List[Tuple[int, 
 
     One host: ``calls`` holds the Communicator's all_reduce of every algorithm at every size,
     timed in the calibration's rounds (:func:`shm_samples`); the row takes the one auto now
-    picks by the fitted model. Across hosts auto's plan is timed here."""
+    picks by the fitted model. What ``calls`` lacks (auto's plan across hosts; a single rank,
+    which fits nothing) is timed here, in rounds of its own."""
     backend = comm._backend
-    if not hasattr(backend, "settings"):
-        n = comm.world_size
-        rows = []
-        for size in _sizes(args):
-            algorithm = _C_choice(comm, size)
-            predicted = model.call_us_of("all_reduce", n, size, algorithm)
-            rows.append((size, predicted, calls[(size, algorithm)], algorithm))
-        return rows
+    hierarchical = hasattr(backend, "settings")
+    if hierarchical:
+        settings = dataclasses.replace(backend.settings, model=model)  # keeps the rest
+        backend.settings, backend._choices = settings, {}
+    calls = calls or {}
     rows, timed = [], []
     buf = torch.ones(max(_sizes(args)) // 4 + 1)
-    settings = dataclasses.replace(backend.settings, model=model)  # keeps the rest
-    backend.settings, backend._choices = settings, {}
     for size in _sizes(args):
-        choice = settings.choose(
-            "all_reduce", backend.hosts_n, backend.local_n, size, sorted(backend.legs)
-        )
-        what = f"{choice.kind} x{choice.chunks} {choice.engine}"
-        t = buf[: max(1, size // 4)]
-        timed.append((lambda t=t: comm.all_reduce(t), _iters(size, args)))
-        rows.append((size, choice.predicted_us, what))
-    measured = _timed_all(timed, args.calib_blocks)
-    return [(size, p, m, what) for (size, p, what), m in zip(rows, measured)]
+        if hierarchical:
+            choice = settings.choose(
+                "all_reduce", backend.hosts_n, backend.local_n, size, sorted(backend.legs)
+            )
+            predicted, what = choice.predicted_us, f"{choice.kind} x{choice.chunks} {choice.engine}"
+        else:
+            what = _C_choice(comm, size)
+            predicted = model.call_us_of("all_reduce", comm.world_size, size, what)
+        measured = calls.get((size, what))
+        if measured is None:
+            t = buf[: max(1, size // 4)]
+            timed.append((lambda t=t: comm.all_reduce(t), _iters(size, args)))
+        rows.append((size, predicted, measured, what))
+    fresh = iter(_timed_all(timed, args.calib_blocks) if timed else [])
+    return [(size, p, next(fresh) if m is None else m, what) for size, p, m, what in rows]
 
 
 def _C_choice(comm, size: int) -> str:
