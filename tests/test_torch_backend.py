@@ -623,6 +623,59 @@ def test_recv_without_src_returns_the_sender():
     assert [v for s, v in got if s == 1] == [1.0, 10.0], got  # one sender's messages in order
 
 
+def _bool_reductions():
+    """Reductions of bool tensors over dk equal gloo's (the pool's default group) for every op
+    gloo takes on bool, in all_reduce, reduce, reduce_scatter_tensor and the coalesced
+    all-reduce; AVG raises TypeError naming the op, as torch's NCCL backend does."""
+    import torch.distributed as dist
+
+    group, rank, n = _dk_group(), dist.get_rank(), dist.get_world_size()
+    seed = SEED + 17 * rank
+    print(f"bool reductions: seed {seed}, rank {rank}/{n}")
+    gen = torch.Generator().manual_seed(seed)
+    # 5 columns: random, every rank True, every rank False, True on one rank only, random
+    x = torch.rand(4 * n, 5, generator=gen) < 0.5
+    x[:, 1], x[:, 2], x[:, 3] = True, False, rank == n - 1
+    R = dist.ReduceOp
+    for op in (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR):
+        ours, theirs = x.clone(), x.clone()
+        dist.all_reduce(ours, op=op, group=group)
+        dist.all_reduce(theirs, op=op)
+        assert ours.dtype is torch.bool and torch.equal(ours, theirs), (op, ours, theirs)
+        # every byte 0 or 1: a byte of 2 reads as True here, but torch's ops on it misbehave
+        # (~ gives 253, still True) and a sum of 256 of them would wrap to False
+        assert int(ours.view(torch.uint8).max()) == 1, (op, ours.view(torch.uint8))
+        ours, theirs = x.clone(), x.clone()
+        dist.reduce(ours, dst=n - 1, op=op, group=group)
+        dist.reduce(theirs, dst=n - 1, op=op)
+        if rank == n - 1:
+            assert torch.equal(ours, theirs), ("reduce", op)
+        ours, theirs = torch.empty(4, 5, dtype=torch.bool), torch.empty(4, 5, dtype=torch.bool)
+        dist.reduce_scatter_tensor(ours, x, op=op, group=group)
+        rows = x.clone()
+        dist.all_reduce(rows, op=op)  # gloo has no reduce_scatter: the slice of its all-reduce
+        theirs = rows[4 * rank : 4 * rank + 4]
+        assert torch.equal(ours, theirs), ("reduce_scatter", op)
+    pieces = [x[:3].clone(), x[3:].clone()]
+    dist.all_reduce_coalesced(pieces, op=R.SUM, group=group)
+    expected = x.clone()
+    dist.all_reduce(expected, op=R.SUM)
+    assert torch.equal(torch.cat(pieces), expected)
+    try:
+        dist.all_reduce(x.clone(), op=R.AVG, group=group)
+    except TypeError as e:
+        assert "AVG" in str(e) and "bool" in str(e), e
+    else:
+        raise AssertionError("AVG of bools did not raise")
+    dist.all_reduce(torch.ones(1), group=group)  # still in step after the refusal
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bool_reductions_match_gloo(world_size):
+    assert run_ranks(world_size, _bool_reductions, timeout=120) == [True] * world_size
+
+
 def _sparse_and_timeout():
     """A sparse tensor is refused with our error; ``set_timeout`` lowers the timeout of the
     next call (made with 60 s, set to 1 s), worded as torch's tests expect ("Timed out")."""

@@ -54,6 +54,15 @@ _RED_OPS = {
     dist.ReduceOp.RedOpType.MIN.value: ReduceOp.MIN,
     dist.ReduceOp.RedOpType.MAX.value: ReduceOp.MAX,
 }
+# torch's ReduceOp -> ours on a bool tensor's bytes (ProcessGroupDK._bool_op).
+_BOOL_OPS = {
+    dist.ReduceOp.RedOpType.SUM.value: ReduceOp.MAX,
+    dist.ReduceOp.RedOpType.PRODUCT.value: ReduceOp.MIN,
+    dist.ReduceOp.RedOpType.MIN.value: ReduceOp.MIN,
+    dist.ReduceOp.RedOpType.MAX.value: ReduceOp.MAX,
+    dist.ReduceOp.RedOpType.BAND.value: ReduceOp.MIN,
+    dist.ReduceOp.RedOpType.BOR.value: ReduceOp.MAX,
+}
 
 
 def create_process_group(common_opts) -> ProcessGroupDK:
@@ -122,6 +131,12 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     if t.layout is not torch.strided:
         raise _NotStrided(t.layout)
     return t.contiguous()
+
+
+def _bytes_of_bool(t: torch.Tensor) -> torch.Tensor:
+    """A bool tensor's bytes (0 or 1 each) as uint8, which the reductions take; others as they
+    are. The view shares the storage, so results land in ``t``."""
+    return t.view(torch.uint8) if t.dtype is torch.bool else t
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -275,6 +290,8 @@ class ProcessGroupDK(dist.ProcessGroup):
     def _op(self, op: Any, t: torch.Tensor, what: str) -> Tuple[ReduceOp, Optional[Any]]:
         """(our op, PREMUL_SUM factor or None) for torch's ReduceOp."""
         kind = op.op if isinstance(op, dist.ReduceOp) else op
+        if t.dtype is torch.bool:
+            return self._bool_op(kind, what), None
         ours = _RED_OPS.get(kind.value)
         if ours is not None:
             return ours, None
@@ -286,8 +303,21 @@ class ProcessGroupDK(dist.ProcessGroup):
             return ReduceOp.SUM, op.factor
         raise NotImplementedError(
             f"{self._what(what)}: ReduceOp {kind} is not supported (SUM, AVG, PRODUCT, MIN, "
-            f"MAX, PREMUL_SUM are); for bitwise ops use a gloo group"
+            f"MAX, PREMUL_SUM are; BAND and BOR on bool tensors); for bitwise ops on integers "
+            f"use a gloo group"
         )
+
+    def _bool_op(self, kind: Any, what: str) -> ReduceOp:
+        """Our op on a bool tensor's bytes (see _bytes_of_bool): as torch's NCCL backend does,
+        SUM is MAX (a sum of bytes could wrap to 0, and a bool byte must stay 0 or 1), PRODUCT
+        is MIN; BAND and BOR, which gloo also takes on bool, are MIN and MAX."""
+        ours = _BOOL_OPS.get(kind.value)
+        if ours is None:
+            raise TypeError(
+                f"{self._what(what)}: ReduceOp {kind} on a bool tensor; SUM, PRODUCT, MIN, "
+                f"MAX, BAND and BOR are supported (AVG of booleans is undefined, as in torch)"
+            )
+        return ours
 
     def _work(self, handles, result, finish=None) -> DkWork:
         return DkWork(handles, result, finish, self._completions)
@@ -322,14 +352,18 @@ class ProcessGroupDK(dist.ProcessGroup):
         if t.is_contiguous():  # the hot path (DDP buckets, dist.all_reduce): no staging
             if factor is not None:
                 t.mul_(factor)
-            handle = self._comm(t, "allreduce").all_reduce(t, op, async_op=opts.asyncOp)
+            handle = self._comm(t, "allreduce").all_reduce(
+                _bytes_of_bool(t), op, async_op=opts.asyncOp
+            )
             if handle is None:
                 return DkWork.done(tensors, self._completions)
             return DkWork((handle,), tensors, None, self._completions)
         staged = _Staged(t)
         if factor is not None:
             staged.buf.mul_(factor)
-        handle = self._comm(t, "allreduce").all_reduce(staged.buf, op, async_op=opts.asyncOp)
+        handle = self._comm(t, "allreduce").all_reduce(
+            _bytes_of_bool(staged.buf), op, async_op=opts.asyncOp
+        )
         return self._work([handle], tensors, staged.copy_back)
 
     @_routed("allreduce_coalesced")
@@ -346,7 +380,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         if factor is not None:
             flat.mul_(factor)
         comm = self._comm(tensors[0], "allreduce_coalesced")
-        handle = comm.all_reduce(flat, op, async_op=opts.asyncOp)
+        handle = comm.all_reduce(_bytes_of_bool(flat), op, async_op=opts.asyncOp)
 
         def unflatten() -> None:
             offset = 0
@@ -457,7 +491,9 @@ class ProcessGroupDK(dist.ProcessGroup):
             source = source * factor  # a copy: the caller's input stays as it was
         staged = _Staged(output)
         comm = self._comm(input, what)
-        handle = comm.reduce_scatter(staged.buf.view(-1), source, op, async_op=async_op)
+        handle = comm.reduce_scatter(
+            _bytes_of_bool(staged.buf.view(-1)), _bytes_of_bool(source), op, async_op=async_op
+        )
         return handle, staged.copy_back, source
 
     @_routed("reduce_scatter")
@@ -545,7 +581,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         buf = staged.buf if self._rank == root else _dense(t).clone()
         if factor is not None:
             buf.mul_(factor)
-        handle = self._comm(t, "reduce").all_reduce(buf, op, async_op=opts.asyncOp)
+        handle = self._comm(t, "reduce").all_reduce(_bytes_of_bool(buf), op, async_op=opts.asyncOp)
         finish = staged.copy_back if self._rank == root else None
         return self._work([handle], tensors, finish)
 
