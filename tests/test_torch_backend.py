@@ -676,6 +676,65 @@ def test_bool_reductions_match_gloo(world_size):
     assert run_ranks(world_size, _bool_reductions, timeout=120) == [True] * world_size
 
 
+def _uneven_lists():
+    """all_gather, gather and scatter with lists of several sizes (torch's NCCL backend takes
+    them; gloo refuses uneven all_gather): every entry equals the tensor its rank passed,
+    including an empty one, for float32 and bool; a rank whose tensor has another size than
+    its peers' lists say makes every rank raise."""
+    import torch.distributed as dist
+
+    group, rank, n = _dk_group(), dist.get_rank(), dist.get_world_size()
+    size = [(2 * r + 1) % 4 for r in range(n)]
+    size[n - 1] = 0  # an empty entry: 1, 0 at two ranks, 1, 3, 0 at three
+    for dtype in (torch.float32, torch.bool):
+
+        def value(r, dtype=dtype):
+            t = torch.arange(size[r], dtype=torch.float32) + 100 * r
+            return t.to(torch.bool) if dtype is torch.bool else t
+
+        mine = value(rank)
+        outs = [torch.full((size[r],), -1.0).to(dtype) for r in range(n)]
+        dist.all_gather(outs, mine, group=group)
+        assert all(torch.equal(o, value(r)) for r, o in enumerate(outs)), (dtype, outs)
+        got = [torch.full((size[r],), -1.0).to(dtype) for r in range(n)] if rank == 1 else None
+        dist.gather(mine, got, dst=1, group=group)
+        if rank == 1:
+            assert all(torch.equal(o, value(r)) for r, o in enumerate(got)), (dtype, got)
+        parts = [value(r) + 1 if dtype is torch.float32 else value(r) for r in range(n)]
+        out = torch.full((size[rank],), -1.0).to(dtype)
+        dist.scatter(out, parts if rank == 0 else None, src=0, group=group)
+        assert torch.equal(out, parts[rank]), (dtype, out)
+    # rank 0 sends one element more than its peers' lists expect from it: they raise naming
+    # the sizes; rank 0 itself received what it expected, and its next call raises (the first
+    # failure stops the communicator on every rank; a group of its own, so the pool's stays usable)
+    failing = dist.new_group(backend="dk", timeout=datetime.timedelta(seconds=30))
+    mine = torch.zeros(size[rank] + (1 if rank == 0 else 0))
+    outs = [torch.zeros(size[r]) for r in range(n)]
+    outs[rank] = torch.zeros(mine.numel())
+    errors = []
+    try:
+        for call in (
+            lambda: dist.all_gather(outs, mine, group=failing),
+            lambda: dist.all_reduce(torch.ones(1), group=failing),
+        ):
+            try:
+                call()
+            except dist.DistBackendError as e:
+                errors.append(str(e))
+    finally:
+        dist.destroy_process_group(failing)
+    dist.all_reduce(torch.ones(1), group=group)  # the pool's group is unharmed
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_all_gather_gather_scatter(world_size):
+    errors = run_ranks(world_size, _uneven_lists, timeout=120)
+    assert all(errors), errors  # every rank raised
+    peers = [e[0] for e in errors[1:]]
+    assert all("rank 0 sent 8 bytes where" in e and "expected 4" in e for e in peers), errors
+
+
 def _sparse_and_timeout():
     """A sparse tensor is refused with our error; ``set_timeout`` lowers the timeout of the
     next call (made with 60 s, set to 1 s), worded as torch's tests expect ("Timed out")."""

@@ -273,19 +273,29 @@ class ProcessGroupDK(dist.ProcessGroup):
             return None
         return DTYPE_CODES.get(output.dtype)
 
-    def _list_of_world(self, tensors: Sequence[torch.Tensor], like: torch.Tensor, arg: str, what):
+    def _list_of_world(
+        self, tensors: Sequence[torch.Tensor], like: torch.Tensor, arg: str, what, even=True
+    ) -> bool:
+        """Checks a per-rank list against the local tensor: world_size entries of its dtype and
+        device, of its size too where ``even``; returns whether all sizes equal its size. The
+        entry of this rank must always match it."""
         if len(tensors) != self._world_size:
             raise ValueError(
                 f"{self._what(what)}: {arg} has {len(tensors)} tensors, expected world_size "
                 f"({self._world_size})"
             )
         for r, t in enumerate(tensors):
-            if t.numel() != like.numel() or t.dtype != like.dtype or t.device != like.device:
+            mine = r == self._rank
+            if (t.numel() != like.numel() and (even or mine)) or (
+                t.dtype != like.dtype or t.device != like.device
+            ):
                 raise NotImplementedError(
                     f"{self._what(what)}: {arg}[{r}] is {tuple(t.shape)} {t.dtype} on "
                     f"{t.device}, but the local tensor is {tuple(like.shape)} {like.dtype} on "
-                    f"{like.device}; uneven sizes are not supported (pad to one size)"
+                    f"{like.device}"
+                    + ("; uneven sizes are not supported (pad to one size)" if even else "")
                 )
+        return all(t.numel() == like.numel() for t in tensors)
 
     def _op(self, op: Any, t: torch.Tensor, what: str) -> Tuple[ReduceOp, Optional[Any]]:
         """(our op, PREMUL_SUM factor or None) for torch's ReduceOp."""
@@ -414,7 +424,8 @@ class ProcessGroupDK(dist.ProcessGroup):
         opts = opts if opts is not None else AllgatherOptions()
         t = self._one(input_tensors, "allgather")
         outputs = self._one(output_lists, "allgather")
-        self._list_of_world(outputs, t, "output_tensor_list", "allgather")
+        if not self._list_of_world(outputs, t, "output_tensor_list", "allgather", even=False):
+            return self._all_gather_uneven(outputs, t, opts.asyncOp, output_lists)
         flat = torch.empty(self._world_size * t.numel(), dtype=t.dtype, device=t.device)
         handle, _ = self._all_gather_flat(flat, t, opts.asyncOp, "allgather")
 
@@ -423,6 +434,31 @@ class ProcessGroupDK(dist.ProcessGroup):
                 out.copy_(flat[r * t.numel() : (r + 1) * t.numel()].view_as(out))
 
         return self._work([handle], output_lists, split)
+
+    def _all_gather_uneven(self, outputs, t: torch.Tensor, async_op: bool, result) -> DkWork:
+        """all_gather into tensors of several sizes (gloo takes them too): an all-to-all in
+        which every rank sends its whole input to each rank and receives each rank's input at
+        the size its list gives; a rank whose input has another size than its peers' list says
+        fails on every rank (the exchange compares sizes)."""
+        n = self._world_size
+        source = _flat(t).repeat(n)
+        recv_counts = [o.numel() for o in outputs]
+        out = torch.empty(sum(recv_counts), dtype=t.dtype, device=t.device)
+        handle = self._comm(t, "allgather").all_to_all(
+            _flat(out),
+            source,
+            _scaled([t.numel()] * n, t),
+            _scaled(recv_counts, t),
+            async_op=async_op,
+        )
+
+        def split() -> None:
+            offset = 0
+            for o in outputs:
+                o.copy_(out[offset : offset + o.numel()].view_as(o))
+                offset += o.numel()
+
+        return self._work([handle], result, split)
 
     def all_gather_single(self, output, input, opts=None) -> DkWork:
         # The hot path (``all_gather_into_tensor``, FSDP2's parameter gathers): plain
@@ -605,7 +641,7 @@ class ProcessGroupDK(dist.ProcessGroup):
             handle, _ = self._p2p("send", comm, t, root)
             return self._work([handle], [])
         outputs = self._one(output_lists, "gather")
-        self._list_of_world(outputs, t, "gather_list", "gather")
+        self._list_of_world(outputs, t, "gather_list", "gather", even=False)
         outputs[root].copy_(t)
         parts = [self._p2p("recv", comm, o, r) for r, o in enumerate(outputs) if r != root]
         return self._work([h for h, _ in parts], output_lists, _run_all([f for _, f in parts]))
@@ -622,7 +658,7 @@ class ProcessGroupDK(dist.ProcessGroup):
             handle, finish = self._p2p("recv", comm, t, root)
             return self._work([handle], outputs, finish)
         inputs = self._one(input_lists, "scatter")
-        self._list_of_world(inputs, t, "scatter_list", "scatter")
+        self._list_of_world(inputs, t, "scatter_list", "scatter", even=False)
         t.copy_(inputs[root])
         handles = [self._p2p("send", comm, i, r)[0] for r, i in enumerate(inputs) if r != root]
         return self._work(handles, outputs)
