@@ -676,6 +676,55 @@ def test_bool_reductions_match_gloo(world_size):
     assert run_ranks(world_size, _bool_reductions, timeout=120) == [True] * world_size
 
 
+def _complex_reductions():
+    """Complex tensors in the reductions torch hands the backend as they are (reduce_scatter,
+    reduce, the coalesced all-reduce, all-reduce through the group itself): SUM equals gloo's,
+    AVG and PREMUL_SUM gloo's SUM divided and scaled (gloo has neither); MAX raises ValueError
+    naming the op, as torch does for all_reduce."""
+    import torch.distributed as dist
+    from torch.distributed import AllreduceOptions
+
+    group, rank, n = _dk_group(), dist.get_rank(), dist.get_world_size()
+    seed = SEED + 31 * rank
+    print(f"complex reductions: seed {seed}, rank {rank}/{n}")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2 * n, 3, dtype=torch.complex64, generator=gen)
+    total = x.clone()
+    dist.all_reduce(total)  # gloo: the reference sum
+    R = dist.ReduceOp
+    premul = dist._make_nccl_premul_sum(PREMUL)
+    for op, want in ((R.SUM, total), (R.AVG, total / n), (premul, total * PREMUL)):
+        out = torch.empty(2, 3, dtype=torch.complex64)
+        dist.reduce_scatter_tensor(out, x, op=op, group=group)
+        torch.testing.assert_close(out, want[2 * rank : 2 * rank + 2], msg=str(op))
+        y = x.clone()
+        dist.reduce(y, dst=0, op=op, group=group)
+        if rank == 0:
+            torch.testing.assert_close(y, want, msg=str(op))
+        opts = AllreduceOptions()
+        opts.reduceOp = op
+        y = x.clone()
+        group.allreduce([y], opts).wait()
+        torch.testing.assert_close(y, want, msg=str(op))
+    pieces = [x[:1].clone(), x[1:].clone()]
+    dist.all_reduce_coalesced(pieces, group=group)
+    torch.testing.assert_close(torch.cat(pieces), total)
+    try:
+        dist.reduce_scatter_tensor(
+            torch.empty(2, 3, dtype=torch.complex64), x, op=R.MAX, group=group
+        )
+    except ValueError as e:
+        assert "MAX" in str(e) and "complex" in str(e), e
+    else:
+        raise AssertionError("MAX of complex tensors did not raise")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_complex_reductions_match_gloo(world_size):
+    assert run_ranks(world_size, _complex_reductions, timeout=120) == [True] * world_size
+
+
 def _uneven_lists():
     """all_gather, gather and scatter with lists of several sizes (torch's NCCL backend takes
     them; gloo refuses uneven all_gather): every entry equals the tensor its rank passed,

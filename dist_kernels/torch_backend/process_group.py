@@ -54,6 +54,12 @@ _RED_OPS = {
     dist.ReduceOp.RedOpType.MIN.value: ReduceOp.MIN,
     dist.ReduceOp.RedOpType.MAX.value: ReduceOp.MAX,
 }
+# torch's ReduceOps that act on a complex tensor's real and imaginary parts apart.
+_COMPLEX_OPS = (
+    dist.ReduceOp.RedOpType.SUM,
+    dist.ReduceOp.RedOpType.AVG,
+    dist.ReduceOp.RedOpType.PREMUL_SUM,
+)
 # torch's ReduceOp -> ours on a bool tensor's bytes (ProcessGroupDK._bool_op).
 _BOOL_OPS = {
     dist.ReduceOp.RedOpType.SUM.value: ReduceOp.MAX,
@@ -133,10 +139,16 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _bytes_of_bool(t: torch.Tensor) -> torch.Tensor:
-    """A bool tensor's bytes (0 or 1 each) as uint8, which the reductions take; others as they
-    are. The view shares the storage, so results land in ``t``."""
-    return t.view(torch.uint8) if t.dtype is torch.bool else t
+def _reducible(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the reductions take it, a view sharing its storage (results land in ``t``): a
+    bool tensor's bytes (0 or 1 each) as uint8; a complex tensor's real and imaginary parts as
+    floats (SUM and AVG act on them apart; ProcessGroupDK._op refuses the other ops); others as
+    they are."""
+    if t.dtype is torch.bool:
+        return t.view(torch.uint8)
+    if t.is_complex():
+        return torch.view_as_real(t).view(-1)
+    return t
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -302,11 +314,16 @@ class ProcessGroupDK(dist.ProcessGroup):
         kind = op.op if isinstance(op, dist.ReduceOp) else op
         if t.dtype is torch.bool:
             return self._bool_op(kind, what), None
+        if t.is_complex() and kind not in _COMPLEX_OPS:
+            raise ValueError(
+                f"{self._what(what)}: ReduceOp {kind} on a complex tensor; complex tensors "
+                f"reduce with SUM, AVG and PREMUL_SUM (as torch's backends)"
+            )
         ours = _RED_OPS.get(kind.value)
         if ours is not None:
             return ours, None
         if kind == dist.ReduceOp.PREMUL_SUM:
-            if not t.is_floating_point():
+            if not (t.is_floating_point() or t.is_complex()):
                 raise NotImplementedError(
                     f"{self._what(what)}: PREMUL_SUM on {t.dtype}; it needs a floating dtype"
                 )
@@ -318,7 +335,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         )
 
     def _bool_op(self, kind: Any, what: str) -> ReduceOp:
-        """Our op on a bool tensor's bytes (see _bytes_of_bool): as torch's NCCL backend does,
+        """Our op on a bool tensor's bytes (see _reducible): as torch's NCCL backend does,
         SUM is MAX (a sum of bytes could wrap to 0, and a bool byte must stay 0 or 1), PRODUCT
         is MIN; BAND and BOR, which gloo also takes on bool, are MIN and MAX."""
         ours = _BOOL_OPS.get(kind.value)
@@ -362,9 +379,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         if t.is_contiguous():  # the hot path (DDP buckets, dist.all_reduce): no staging
             if factor is not None:
                 t.mul_(factor)
-            handle = self._comm(t, "allreduce").all_reduce(
-                _bytes_of_bool(t), op, async_op=opts.asyncOp
-            )
+            handle = self._comm(t, "allreduce").all_reduce(_reducible(t), op, async_op=opts.asyncOp)
             if handle is None:
                 return DkWork.done(tensors, self._completions)
             return DkWork((handle,), tensors, None, self._completions)
@@ -372,7 +387,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         if factor is not None:
             staged.buf.mul_(factor)
         handle = self._comm(t, "allreduce").all_reduce(
-            _bytes_of_bool(staged.buf), op, async_op=opts.asyncOp
+            _reducible(staged.buf), op, async_op=opts.asyncOp
         )
         return self._work([handle], tensors, staged.copy_back)
 
@@ -390,7 +405,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         if factor is not None:
             flat.mul_(factor)
         comm = self._comm(tensors[0], "allreduce_coalesced")
-        handle = comm.all_reduce(_bytes_of_bool(flat), op, async_op=opts.asyncOp)
+        handle = comm.all_reduce(_reducible(flat), op, async_op=opts.asyncOp)
 
         def unflatten() -> None:
             offset = 0
@@ -528,7 +543,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         staged = _Staged(output)
         comm = self._comm(input, what)
         handle = comm.reduce_scatter(
-            _bytes_of_bool(staged.buf.view(-1)), _bytes_of_bool(source), op, async_op=async_op
+            _reducible(staged.buf.view(-1)), _reducible(source), op, async_op=async_op
         )
         return handle, staged.copy_back, source
 
@@ -617,7 +632,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         buf = staged.buf if self._rank == root else _dense(t).clone()
         if factor is not None:
             buf.mul_(factor)
-        handle = self._comm(t, "reduce").all_reduce(_bytes_of_bool(buf), op, async_op=opts.asyncOp)
+        handle = self._comm(t, "reduce").all_reduce(_reducible(buf), op, async_op=opts.asyncOp)
         finish = staged.copy_back if self._rank == root else None
         return self._work([handle], tensors, finish)
 
