@@ -346,7 +346,8 @@ def _bad_arguments():
             lambda: dist.all_reduce(t, op=dist.ReduceOp.BAND, group=group),
             lambda: dist.all_gather_into_tensor(torch.empty(3), t, group=group),
             lambda: dist.reduce_scatter_tensor(torch.empty(3), t, group=group),
-            lambda: dist.all_gather([torch.empty(4), torch.empty(5)][:n], t, group=group),
+            # lists of several sizes are taken, but this rank's own entry must fit its tensor
+            lambda: dist.all_gather([torch.empty(5), torch.empty(4)][:n], t, group=group),
             lambda: dist.all_to_all_single(torch.empty(4), t, [1, 3], [3, 2], group=group),
             lambda: dist.all_reduce(
                 torch.ones(4, dtype=torch.int32), op=_torch_op("PREMUL_SUM", None), group=group
@@ -373,6 +374,7 @@ def test_bad_arguments_raise_before_anything_is_sent():
     assert all(m.startswith("[rank 0] dk backend: ") for m in messages[:8]), messages
     assert messages[8].startswith("[rank 0] all_to_all: send_counts[0] (1)"), messages[8]
     assert "BAND" in messages[0] and "gloo" in messages[0]
+    assert "output_tensor_list[0] is (5,)" in messages[3], messages[3]
     assert "all_to_all_single" in messages[4] and "split sizes" in messages[4]
     assert "broadcast: a torch.sparse_coo tensor" in messages[7] and "dense" in messages[7]
 
