@@ -451,10 +451,11 @@ class ProcessGroupDK(dist.ProcessGroup):
         return self._work([handle], output_lists, split)
 
     def _all_gather_uneven(self, outputs, t: torch.Tensor, async_op: bool, result) -> DkWork:
-        """all_gather into tensors of several sizes (gloo takes them too): an all-to-all in
-        which every rank sends its whole input to each rank and receives each rank's input at
-        the size its list gives; a rank whose input has another size than its peers' list says
-        fails on every rank (the exchange compares sizes)."""
+        """all_gather into tensors of several sizes (torch's NCCL backend takes them, gloo does
+        not): an all-to-all in which every rank sends its whole input to each rank and receives
+        each rank's input at the size its list gives. A rank whose input has another size than
+        its peers' lists say makes them raise (the exchange compares sizes), and it raises at
+        its next call."""
         n = self._world_size
         source = _flat(t).repeat(n)
         recv_counts = [o.numel() for o in outputs]
