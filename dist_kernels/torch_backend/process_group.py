@@ -406,14 +406,7 @@ class ProcessGroupDK(dist.ProcessGroup):
             flat.mul_(factor)
         comm = self._comm(tensors[0], "allreduce_coalesced")
         handle = comm.all_reduce(_reducible(flat), op, async_op=opts.asyncOp)
-
-        def unflatten() -> None:
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-        return self._work([handle], tensors, unflatten)
+        return self._work([handle], tensors, _copy_out(flat, tensors))
 
     # -- all-gather ------------------------------------------------------------------------
 
@@ -443,12 +436,7 @@ class ProcessGroupDK(dist.ProcessGroup):
             return self._all_gather_uneven(outputs, t, opts.asyncOp, output_lists)
         flat = torch.empty(self._world_size * t.numel(), dtype=t.dtype, device=t.device)
         handle, _ = self._all_gather_flat(flat, t, opts.asyncOp, "allgather")
-
-        def split() -> None:
-            for r, out in enumerate(outputs):
-                out.copy_(flat[r * t.numel() : (r + 1) * t.numel()].view_as(out))
-
-        return self._work([handle], output_lists, split)
+        return self._work([handle], output_lists, _copy_out(flat, outputs))
 
     def _all_gather_uneven(self, outputs, t: torch.Tensor, async_op: bool, result) -> DkWork:
         """all_gather into tensors of several sizes (torch's NCCL backend takes them, gloo does
@@ -467,14 +455,7 @@ class ProcessGroupDK(dist.ProcessGroup):
             _scaled(recv_counts, t),
             async_op=async_op,
         )
-
-        def split() -> None:
-            offset = 0
-            for o in outputs:
-                o.copy_(out[offset : offset + o.numel()].view_as(o))
-                offset += o.numel()
-
-        return self._work([handle], result, split)
+        return self._work([handle], result, _copy_out(out, outputs))
 
     def all_gather_single(self, output, input, opts=None) -> DkWork:
         # The hot path (``all_gather_into_tensor``, FSDP2's parameter gathers): plain
@@ -747,14 +728,7 @@ class ProcessGroupDK(dist.ProcessGroup):
             _scaled([t.numel() for t in output_tensors], source),
             async_op=opts.asyncOp,
         )
-
-        def split() -> None:
-            offset = 0
-            for t in output_tensors:
-                t.copy_(out[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-        return self._work([handle], output_tensors, split)
+        return self._work([handle], output_tensors, _copy_out(out, output_tensors))
 
     # -- point-to-point and barrier --------------------------------------------------------
 
@@ -828,6 +802,19 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+def _copy_out(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """A Work's finish that copies consecutive pieces of ``flat`` into ``tensors``, each
+    piece the size of its tensor."""
+
+    def run() -> None:
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    return run
 
 
 def _run_all(finishes: Sequence[Optional[Callable[[], None]]]) -> Callable[[], None]:
