@@ -55,11 +55,11 @@ _RED_OPS = {
     dist.ReduceOp.RedOpType.MAX.value: ReduceOp.MAX,
 }
 # torch's ReduceOps that act on a complex tensor's real and imaginary parts apart.
-_COMPLEX_OPS = (
-    dist.ReduceOp.RedOpType.SUM,
-    dist.ReduceOp.RedOpType.AVG,
-    dist.ReduceOp.RedOpType.PREMUL_SUM,
-)
+_COMPLEX_OPS = {
+    dist.ReduceOp.RedOpType.SUM.value,
+    dist.ReduceOp.RedOpType.AVG.value,
+    dist.ReduceOp.RedOpType.PREMUL_SUM.value,
+}
 # torch's ReduceOp -> ours on a bool tensor's bytes (ProcessGroupDK._bool_op).
 _BOOL_OPS = {
     dist.ReduceOp.RedOpType.SUM.value: ReduceOp.MAX,
@@ -314,7 +314,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         kind = op.op if isinstance(op, dist.ReduceOp) else op
         if t.dtype is torch.bool:
             return self._bool_op(kind, what), None
-        if t.is_complex() and kind not in _COMPLEX_OPS:
+        if t.is_complex() and kind.value not in _COMPLEX_OPS:
             raise ValueError(
                 f"{self._what(what)}: ReduceOp {kind} on a complex tensor; complex tensors "
                 f"reduce with SUM, AVG and PREMUL_SUM (as torch's backends)"
