@@ -874,7 +874,9 @@ _WORLD_SCRIPT = textwrap.dedent(
     assert "dist_kernels._C" not in sys.modules, "registering loaded the extension"
     rank = int(sys.argv[2])
     torch.set_num_threads(1)
-    dist.init_process_group("dk", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+    dist.init_process_group(
+        "dk", init_method="file://" + sys.argv[1] + "/store", rank=rank, world_size=2
+    )
     assert dist.get_backend() == "dk" and "dist_kernels._C" in sys.modules
     mesh = init_device_mesh("cpu", (2,))
     t = torch.full((4,), float(rank + 1))
@@ -903,14 +905,113 @@ _WORLD_SCRIPT = textwrap.dedent(
 def test_init_process_group_dk_world(tmp_path):
     """The world group's creator runs before dist.is_initialized(); DeviceMesh, new_group and
     DDP on it; registering at import loads nothing compiled."""
+    _run_world_script(tmp_path, _WORLD_SCRIPT)
+
+
+_CHECKPOINT_SCRIPT = textwrap.dedent(
+    """
+    import copy, sys
+    import torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict,
+        set_model_state_dict, set_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+    import dist_kernels
+
+    root, rank = sys.argv[1], int(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("dk", init_method="file://" + root + "/store", rank=rank, world_size=2)
+    world = dist.group.WORLD
+    assert torch.device("cpu") in world._device_types, world._device_types
+    assert world._get_backend(torch.device("cpu")).name() == "dk"
+    try:
+        world._get_backend(torch.device("meta"))
+        raise AssertionError("a device the group does not serve was given a backend")
+    except RuntimeError as e:
+        assert "no backend for device type 'meta'" in str(e), e
+    FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        for layer in (m[0], m[2]):
+            fully_shard(layer)
+        fully_shard(m)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    def train(m, opt, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            m(torch.randn(4, 16, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    def full(m, opt):
+        return get_model_state_dict(m, options=FULL), get_optimizer_state_dict(m, opt, options=FULL)
+
+    def same(a, b):  # nested state dicts, tensors bitwise
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and torch.equal(a, b)
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(map(same, a, b))
+        return a == b
+
+    m, opt = model(0)
+    train(m, opt, 2, seed=100 + rank)
+    saved = copy.deepcopy(full(m, opt))
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root + "/sync")
+    dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=root + "/async").result()
+    for kind in ("sync", "async"):
+        m2, opt2 = model(1)
+        train(m2, opt2, 1, seed=200 + rank)  # optimizer state to overwrite
+        msd2, osd2 = get_state_dict(m2, opt2)
+        loaded = {"model": msd2, "optim": osd2}
+        dcp.load(loaded, checkpoint_id=root + "/" + kind)
+        set_state_dict(m2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        assert same(full(m2, opt2), saved), kind
+    dist.barrier()
+    if rank == 0:  # the sharded files read back in one process, no collective involved
+        dcp_to_torch_save(root + "/sync", root + "/one.pt")
+        one = torch.load(root + "/one.pt", weights_only=False)["model"]
+        assert same(one, saved[0]), sorted(one)
+    # a full state dict on rank 0 only (the Hugging Face weights load), broadcast to the shards
+    m3, _ = model(2)
+    set_model_state_dict(
+        m3,
+        copy.deepcopy(saved[0]) if rank == 0 else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    assert same(get_model_state_dict(m3, options=FULL), saved[0])
+    dist.destroy_process_group()
+    print("ok", rank)
+    """
+)
+
+
+def test_distributed_checkpoint_on_dk_world(tmp_path):
+    """torch.distributed.checkpoint over FSDP2 on a dk world group: save, async_save and load
+    round-trip model and AdamW state bitwise, the files read back in one process equal the
+    gathered state, and set_model_state_dict(broadcast_from_rank0=True) shards rank 0's full
+    state (it indexes the group's _device_types, which torch leaves empty for a Python group)."""
+    _run_world_script(tmp_path, _CHECKPOINT_SCRIPT)
+
+
+def _run_world_script(tmp_path, text):
+    """Runs ``text`` as 2 fresh processes (argv: ``tmp_path``, where the file store goes, and
+    the rank); each must end by printing "ok <rank>"."""
     script = tmp_path / "world.py"
-    script.write_text(_WORLD_SCRIPT)
-    store = tmp_path / "store"
+    script.write_text(text)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(store), str(r)],
+            [sys.executable, str(script), str(tmp_path), str(r)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

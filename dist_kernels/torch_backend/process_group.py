@@ -255,6 +255,31 @@ class ProcessGroupDK(dist.ProcessGroup):
             self._fast_all_gather = self._cpu._all_gather_checked
             self._fast_broadcast = self._cpu._broadcast_checked
 
+    # -- devices (torch registers no per-device backend on a Python group: ours is its own)
+
+    @property
+    def _device_types(self) -> List[torch.device]:
+        """The device types this group serves, as torch's groups list their registered
+        backends'. torch's own table stays empty for a group its creator made, and torch reads
+        it: ``set_model_state_dict(..., broadcast_from_rank0=True)`` takes its first entry
+        (IndexError on an empty list) and ``dcp.async_save`` requires CPU in it."""
+        backends = self._routes.backends or device_backends(self)
+        return [torch.device(kind) for kind in backends]
+
+    def _get_backend(self, device: Any) -> Any:
+        """What torch's helpers read as the backend of ``device``: the torch backend this group
+        hands that device to, once made, else a :class:`BackendView` of this group.
+        RuntimeError, as torch's, for a device the group does not serve."""
+        kind = torch.device(device).type
+        backends = self._routes.backends or device_backends(self)
+        if kind not in backends:
+            raise RuntimeError(
+                f"{self._what('_get_backend')}: no backend for device type {kind!r}; this group "
+                f"serves {', '.join(f'{d}:{b}' for d, b in backends.items())}"
+            )
+        held = self._routes.held(kind)
+        return held if held is not None else BackendView(self)
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _what(self, what: str) -> str:
@@ -830,3 +855,33 @@ def _scaled(counts: Sequence[int], flat_of: torch.Tensor) -> List[int]:
     """Element counts of ``flat_of``'s dtype as counts of ``_flat``'s (bytes when viewed)."""
     scale = flat_of.element_size() if flat_of.dtype not in DTYPE_CODES else 1
     return [c * scale for c in counts]
+
+
+class BackendView:
+    """A :class:`ProcessGroupDK` seen as torch's per-device ``Backend``, for torch's helpers
+    that look one up (``_get_backend``) to ask what it supports: splitting, coalescing, time
+    estimates, shrinking and allocation are all refused, so they take their general path;
+    type checks for gloo or NCCL fail, as they should. Collectives go through the group."""
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+
+    def __init__(self, group: ProcessGroupDK) -> None:
+        self._group = group
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def rank(self) -> int:
+        return self._group.rank()
+
+    def size(self) -> int:
+        return self._group.size()
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"BackendView({self._group!r})"

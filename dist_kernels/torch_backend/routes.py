@@ -109,6 +109,12 @@ class Routes:
                 self._torch[kind] = self._torch_backend(kind, self.backends[kind])
             return self._torch[kind]
 
+    def held(self, kind: str) -> Optional[Any]:
+        """The torch backend already made for device type ``kind``, else None; never makes
+        one (making a gloo backend is collective, and torch asks from one rank)."""
+        with self._lock:
+            return self._torch.get(kind)
+
     def comm(self, device: Optional[torch.device], what: str) -> Any:
         """Our communicator for ``device`` (CPU, or CUDA made on first use)."""
         kind = device.type if device is not None else self.default_device()
