@@ -478,6 +478,76 @@ def test_torch_ddp_over_dk_trains_as_over_gloo():
     assert results == [(True, True)] * 2, results
 
 
+def _powersgd_train(group, steps):
+    """torch DDP with torch's PowerSGD hook, whose future callbacks wait for all-reduces they
+    start (so a group must complete a later call while a callback blocks)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    model = DDP(_Net(), process_group=group, bucket_cap_mb=0.0005)  # several buckets
+    state = powersgd.PowerSGDState(
+        process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2
+    )
+    model.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(SEED + rank)
+    for _ in range(steps):
+        model(torch.randn(6, 8, generator=gen), True).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _powersgd_dk_vs_gloo():
+    import torch.distributed as dist
+
+    gloo = _powersgd_train(dist.group.WORLD, 5)
+    dk = _powersgd_train(_dk_group(), 5)
+    return all(torch.equal(a, b) for a, b in zip(gloo, dk))
+
+
+def test_torch_ddp_powersgd_hook_over_dk_trains_as_over_gloo():
+    """Steps 0-1 all-reduce plainly, steps 2-4 compress; before the watcher pool the first
+    compressed step hung (the callback waited on a future only the blocked thread completes)."""
+    assert run_ranks(2, _powersgd_dk_vs_gloo, timeout=180) == [True, True]
+
+
+def _nested_futures(depth):
+    """A chain of ``depth`` then() callbacks, each waiting inside for an all-reduce it starts."""
+    import torch.distributed as dist
+
+    group, rank = _dk_group(), dist.get_rank()
+    seen = []
+
+    def step(level):
+        def callback(fut):
+            seen.append(float(fut.value()[0][0]))
+            if level == depth:
+                return fut.value()
+            t = torch.full((4,), float(rank + level + 1))
+            inner = dist.all_reduce(t, group=group, async_op=True).get_future()
+            inner.then(step(level + 1)).wait()  # blocks this watcher until the next completes
+            return fut.value()
+
+        return callback
+
+    t = torch.full((4,), float(rank))
+    dist.all_reduce(t, group=group, async_op=True).get_future().then(step(0)).wait()
+    return seen
+
+
+def test_future_callbacks_may_wait_for_later_calls():
+    n = 2
+    for depth in (1, 3):
+        seen = run_ranks(n, _nested_futures, depth, timeout=120)
+        # level k sums rank + k over the ranks (level 0: the ranks themselves)
+        expected = [float(sum(r + k for r in range(n))) for k in range(depth + 1)]
+        assert seen == [expected] * n, (depth, seen)
+
+
 def _fsdp2_vs_single(steps):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh

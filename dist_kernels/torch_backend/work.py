@@ -3,8 +3,8 @@
 A :class:`DkWork` wraps the handles of one torch-level call (several of ours for the list and
 point-to-point forms), the copy-outs to run once they complete (list outputs, non-contiguous
 tensors) and the tensors its future carries. ``get_future()`` (which torch DDP waits on) is
-completed by one watcher thread per process group, started the first time a future is asked
-for an unfinished call.
+completed by the process group's watcher threads (:class:`Completions`), started the first
+time a future is asked for an unfinished call.
 
 CUDA tensors, as ProcessGroupNCCL does it: ``wait()`` makes the caller's current stream wait
 for the collective (and the copy-outs), without blocking the host; the future carries the CUDA
@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -229,55 +229,100 @@ def _cuda_devices(tensors: Any) -> List[torch.device]:
 
 
 class Completions:
-    """Completes the futures of unfinished calls, in issue order, on one daemon thread.
+    """Completes the futures of unfinished calls, in issue order, on daemon threads.
 
-    CUDA work is completed on a stream of this thread's own per device: the stream waits for
+    ``future.set_result`` runs the future's ``then()`` callbacks on the thread that calls it,
+    and a callback may block on a later call of the same group: torch's PowerSGD hook waits,
+    inside its callbacks, for an all-reduce it starts there. So one thread at a time (the
+    leader) takes the next call and waits for it; before it runs the callbacks it leaves the
+    pool, and when no other thread is left to lead, it starts one. A pool thread therefore
+    stays free to complete the call a callback waits for; the pool grows to one thread more
+    than the callbacks blocked at once (two, for DDP and PowerSGD) and lives until
+    :meth:`close`.
+
+    CUDA work is completed on a stream of the watchers' own per device: the stream waits for
     the collective, the host waits (at most ``timeout``) until the GPU is done, the copy-outs run
     on that stream, and only then is the future's result set, with its events recorded there.
     """
 
     def __init__(self, timeout: Optional[datetime.timedelta] = None) -> None:
         self._queue: queue.SimpleQueue[Optional[DkWork]] = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
+        self._threads: List[threading.Thread] = []
+        self._free = 0  # pool threads not running callbacks (the leader and those waiting)
+        self._lock = threading.Lock()  # guards _threads and _free
+        self._lead = threading.Lock()  # held by the thread that takes and waits for a call
         self._timeout = timeout
-        self._streams: Dict[torch.device, Any] = {}  # the thread's CUDA streams
+        self._streams: Dict[torch.device, Any] = {}  # the watchers' CUDA streams
         # Guards every DkWork of the group: its copy-outs run once, its future is made once.
         self.lock = threading.Lock()
 
     def watch(self, work: DkWork) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="dk-torch-futures", daemon=True
-                )
-                self._thread.start()
+            if not self._threads:
+                self._start()
         self._queue.put(work)
 
-    def _run(self) -> None:
-        while (work := self._queue.get()) is not None:
-            future = work._future
-            try:
-                if work.device is None:
-                    work.wait()
-                    future.set_result(work._result)
-                else:
-                    self._complete_on_device(work, future)
-            except BaseException as e:  # noqa: BLE001 - the future carries it to its waiter
-                future.set_exception(e)
+    def _start(self) -> None:
+        """One more pool thread (called with ``_lock`` held)."""
+        thread = threading.Thread(target=self._run, name="dk-torch-futures", daemon=True)
+        self._threads.append(thread)
+        self._free += 1
+        thread.start()
 
-    def _complete_on_device(self, work: DkWork, future: torch.futures.Future) -> None:
-        stream = self._streams.get(work.device)
-        if stream is None:
-            stream = self._streams[work.device] = torch.cuda.Stream(work.device)
-        with torch.cuda.device(work.device), torch.cuda.stream(stream):
-            work.wait(self._timeout if self._timeout is not None else _NO_TIMEOUT)
+    def _run(self) -> None:
+        while True:
+            with self._lead:
+                work = self._queue.get()
+                if work is None:  # close(): pass the word on to the next thread
+                    self._queue.put(None)
+                    return
+                stream, error = self._wait(work)
+                with self._lock:  # leaving the pool to run callbacks: keep a thread to lead
+                    self._free -= 1
+                    if self._free == 0:
+                        self._start()
+            try:
+                self._set(work, stream, error)
+            finally:
+                with self._lock:
+                    self._free += 1
+
+    def _wait(self, work: DkWork) -> Tuple[Optional[Any], Optional[BaseException]]:
+        """Waits for ``work`` (CUDA: on the device's watcher stream); (that stream, the error)."""
+        stream = None
+        try:
+            if work.device is None:
+                work.wait()
+            else:
+                stream = self._streams.get(work.device)
+                if stream is None:
+                    stream = self._streams[work.device] = torch.cuda.Stream(work.device)
+                with torch.cuda.device(work.device), torch.cuda.stream(stream):
+                    work.wait(self._timeout if self._timeout is not None else _NO_TIMEOUT)
+        except BaseException as e:  # noqa: BLE001 - the future carries it to its waiter
+            return stream, e
+        return stream, None
+
+    @staticmethod
+    def _set(work: DkWork, stream: Optional[Any], error: Optional[BaseException]) -> None:
+        """Completes the future, which runs its callbacks here (CUDA: events on ``stream``)."""
+        future = work._future
+        if error is not None:
+            future.set_exception(error)
+        elif stream is None:
             future.set_result(work._result)
+        else:
+            with torch.cuda.device(work.device), torch.cuda.stream(stream):
+                future.set_result(work._result)
 
     def close(self) -> None:
-        """Stops the thread once the calls it watches have finished (or failed)."""
+        """Stops the threads once the calls they watch have finished (or failed)."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
+            threads, self._threads = self._threads, []
+        if threads:
             self._queue.put(None)
-            thread.join()
+            for thread in threads:
+                if thread is not threading.current_thread():
+                    thread.join()
+        with self._lock:  # the stop word stays queued: a later watch() starts afresh
+            self._queue, self._free = queue.SimpleQueue(), 0
