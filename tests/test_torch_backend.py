@@ -478,6 +478,40 @@ def test_torch_ddp_over_dk_trains_as_over_gloo():
     assert results == [(True, True)] * 2, results
 
 
+def _compiled_ddp(group, steps):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = DDP(net, process_group=group)
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(SEED + rank)
+    for _ in range(steps):
+        compiled(torch.randn(6, 8, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _compiled_ddp_dk_vs_gloo():
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    gloo = _compiled_ddp(dist.group.WORLD, 3)
+    dk = _compiled_ddp(_dk_group(), 3)
+    return all(torch.equal(a, b) for a, b in zip(gloo, dk))
+
+
+def test_torch_compile_of_ddp_over_dk_trains_as_over_gloo():
+    """torch.compile(DDP(model)): DDP's forward runs its C++ reducer eagerly around a graph
+    break and the reducer broadcasts through the group; dynamo must not trace our Python group
+    there (it failed with UnsafeScriptObjectError before torch_backend/dynamo.py)."""
+    assert run_ranks(2, _compiled_ddp_dk_vs_gloo, timeout=300) == [True, True]
+
+
 def _powersgd_train(group, steps):
     """torch DDP with torch's PowerSGD hook, whose future callbacks wait for all-reduces they
     start (so a group must complete a later call while a callback blocks)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -41,6 +42,7 @@ from torch._C._distributed_c10d import (
 from ..dtypes import DTYPE_CODES, ReduceOp
 from ..errors import CommError
 from . import BACKEND_NAME
+from .dynamo import skip_module
 from .routes import Routes, device_backends
 from .work import Completions, DkWork, to_dist_error
 
@@ -885,3 +887,6 @@ class BackendView:
 
     def __repr__(self) -> str:
         return f"BackendView({self._group!r})"
+
+
+skip_module(sys.modules[__name__])  # torch.compile must not trace these frames (dynamo.py)

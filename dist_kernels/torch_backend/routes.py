@@ -18,6 +18,7 @@ if the group turns out to send CPU tensors elsewhere.
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 from typing import Any, Dict, Optional
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import BACKEND_NAME, DEVICES
+from .dynamo import skip_module
 
 TORCH_BACKENDS = ("gloo", "nccl")
 
@@ -187,3 +189,6 @@ class Routes:
             if shutdown is not None:
                 shutdown()
         self._torch.clear()
+
+
+skip_module(sys.modules[__name__])  # torch.compile must not trace these frames (dynamo.py)

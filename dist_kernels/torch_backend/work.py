@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import queue
+import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommError
+from .dynamo import skip_module
 
 
 def to_dist_error(e: CommError) -> dist.DistBackendError:
@@ -326,3 +328,6 @@ class Completions:
                     thread.join()
         with self._lock:  # the stop word stays queued: a later watch() starts afresh
             self._queue, self._free = queue.SimpleQueue(), 0
+
+
+skip_module(sys.modules[__name__])  # torch.compile must not trace these frames (dynamo.py)
