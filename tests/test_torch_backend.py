@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import pytest
 import torch
@@ -373,7 +374,7 @@ def test_bad_arguments_raise_before_anything_is_sent():
     assert len(messages) == 9
     assert all(m.startswith("[rank 0] dk backend: ") for m in messages[:8]), messages
     assert messages[8].startswith("[rank 0] all_to_all: send_counts[0] (1)"), messages[8]
-    assert "BAND" in messages[0] and "gloo" in messages[0]
+    assert "BAND" in messages[0] and "bitwise ops take integer" in messages[0], messages[0]
     assert "output_tensor_list[0] is (5,)" in messages[3], messages[3]
     assert "all_to_all_single" in messages[4] and "split sizes" in messages[4]
     assert "broadcast: a torch.sparse_coo tensor" in messages[7] and "dense" in messages[7]
@@ -829,6 +830,136 @@ def _complex_reductions():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_complex_reductions_match_gloo(world_size):
     assert run_ranks(world_size, _complex_reductions, timeout=120) == [True] * world_size
+
+
+def _bits(rank, count, dtype, tag):
+    """Random bit patterns of ``dtype``, the same on every process (seeded by rank and tag)."""
+    seed = zlib.crc32(repr((SEED, rank, count, str(dtype), tag)).encode())
+    g = torch.Generator().manual_seed(seed)
+    width = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (count * width,), generator=g, dtype=torch.uint8).view(dtype)
+
+
+def _bitwise_reductions():
+    """BAND, BOR and BXOR on integer tensors (and BXOR on bool) in every reduction, against
+    torch's bitwise fold of all ranks' inputs, and gloo's result where gloo takes the dtype."""
+    import functools
+
+    import torch.distributed as dist
+
+    group, gloo = _dk_group(), dist.group.WORLD
+    rank, n = dist.get_rank(), dist.get_world_size()
+    fns = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+    cases = [(d, name) for d in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+             for name in fns] + [(torch.bool, "BXOR")]  # fmt: skip
+    for dtype, name in cases:
+        op, fn, what = getattr(dist.ReduceOp, name), fns[name], f"{name} {dtype}"
+        xs = [_bits(r, 37, dtype, name) for r in range(n)]
+        if dtype is torch.bool:
+            xs = [x.view(torch.uint8) & 1 for x in xs]
+            xs = [x.bool() for x in xs]
+        want = functools.reduce(fn, xs)
+        t = xs[rank].clone()
+        dist.all_reduce(t, op=op, group=group)
+        assert torch.equal(t, want), what
+        if dtype not in (torch.int16, torch.bool):  # gloo takes these
+            g = xs[rank].clone()
+            dist.all_reduce(g, op=op, group=gloo)
+            assert torch.equal(g, want), f"gloo {what}"
+        t = xs[rank].clone()
+        dist.all_reduce(t, op=op, group=group, async_op=True).wait()
+        assert torch.equal(t, want), f"async {what}"
+        wide = torch.zeros(37, 2, dtype=dtype)
+        wide[:, 0] = xs[rank]
+        dist.all_reduce(wide[:, 0], op=op, group=group)  # not contiguous
+        assert torch.equal(wide[:, 0], want) and not wide[:, 1].any(), f"strided {what}"
+        t = xs[rank].clone()
+        dist.reduce(t, dst=n - 1, op=op, group=group)
+        assert torch.equal(t, want if rank == n - 1 else xs[rank]), f"reduce {what}"
+        parts = [xs[rank][:5].clone(), xs[rank][5:].clone()]
+        opts = dist.AllreduceCoalescedOptions()
+        opts.reduceOp = op
+        group.allreduce_coalesced(parts, opts).wait()
+        assert torch.equal(torch.cat(parts), want), f"coalesced {what}"
+        big = [_bits(r, 3 * n, dtype, name + "rs") for r in range(n)]
+        if dtype is torch.bool:
+            big = [(b.view(torch.uint8) & 1).bool() for b in big]
+        out = torch.empty(3, dtype=dtype)
+        dist.reduce_scatter_tensor(out, big[rank], op=op, group=group)
+        assert torch.equal(out, functools.reduce(fn, big).view(n, 3)[rank]), f"rs {what}"
+    with pytest.raises(TypeError, match="bitwise ops take integer and bool tensors"):
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BOR, group=group)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bitwise_reductions_on_integers(world_size):
+    print(f"seed {SEED}")
+    assert run_ranks(world_size, _bitwise_reductions, timeout=180) == [True] * world_size
+
+
+def _uneven_reduce_scatter():
+    """reduce_scatter with a list of several sizes (gloo takes it): each rank's output is the
+    reduction of the pieces every rank holds for it, against the float64 / exact reference,
+    and against gloo where gloo takes the op."""
+    import functools
+
+    import torch.distributed as dist
+
+    group, gloo = _dk_group(), dist.group.WORLD
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sizes = [d + 2 for d in range(n)]  # destination d receives d + 2 elements
+    for dtype, op_name in [
+        (torch.float32, "SUM"),
+        (torch.bfloat16, "AVG"),
+        (torch.float64, "PROD"),
+        (torch.int32, "MAX"),
+        (torch.int8, "MIN"),
+        (torch.int64, "BXOR"),
+        (torch.complex64, "SUM"),
+    ]:
+        what = f"uneven reduce_scatter {op_name} {dtype}"
+        base = torch.float32 if dtype.is_complex else dtype
+        lists = [
+            [make_input(r, sizes[d] * (2 if dtype.is_complex else 1), base, op_name, ("rs", d))
+             for d in range(n)]
+            for r in range(n)
+        ]  # fmt: skip
+        if dtype.is_complex:
+            lists = [[torch.view_as_complex(x.view(-1, 2)) for x in row] for row in lists]
+        out = torch.empty(sizes[rank], dtype=dtype)
+        op = getattr(dist.ReduceOp, "PRODUCT" if op_name == "PROD" else op_name)
+        dist.reduce_scatter(out, [x.clone() for x in lists[rank]], op=op, group=group)
+        mine = [lists[r][rank] for r in range(n)]
+        if op_name == "BXOR":
+            assert torch.equal(out, functools.reduce(torch.bitwise_xor, mine)), what
+        elif dtype.is_complex:
+            got, parts = (
+                torch.view_as_real(out).reshape(-1),
+                [torch.view_as_real(x).reshape(-1) for x in mine],
+            )
+            check_close(
+                got,
+                reference(parts, base, "SUM"),
+                base,
+                "SUM",
+                what,
+                error_bound(parts, base, "SUM"),
+            )
+        else:
+            bound = error_bound(mine, dtype, op_name) if dtype.is_floating_point else None
+            check_close(out, reference(mine, dtype, op_name), dtype, op_name, what, bound)
+        if dtype in (torch.int32, torch.int64, torch.int8):  # exact: gloo must agree bitwise
+            g = torch.empty_like(out)
+            dist.reduce_scatter(g, [x.clone() for x in lists[rank]], op=op, group=gloo)
+            assert torch.equal(g, out), f"gloo {what}"
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_reduce_scatter_list(world_size):
+    print(f"seed {SEED}")
+    assert run_ranks(world_size, _uneven_reduce_scatter, timeout=180) == [True] * world_size
 
 
 def _uneven_lists():

@@ -39,6 +39,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
+from .. import ops
 from ..dtypes import DTYPE_CODES, ReduceOp
 from ..errors import CommError
 from . import BACKEND_NAME
@@ -70,6 +71,13 @@ _BOOL_OPS = {
     dist.ReduceOp.RedOpType.MAX.value: ReduceOp.MAX,
     dist.ReduceOp.RedOpType.BAND.value: ReduceOp.MIN,
     dist.ReduceOp.RedOpType.BOR.value: ReduceOp.MAX,
+}
+# torch's bitwise ReduceOps on integer tensors (and BXOR on bool), which we reduce by
+# exchanging every rank's tensor and folding the copies locally (ProcessGroupDK._bitwise).
+_BITWISE = {
+    dist.ReduceOp.RedOpType.BAND.value: torch.bitwise_and,
+    dist.ReduceOp.RedOpType.BOR.value: torch.bitwise_or,
+    dist.ReduceOp.RedOpType.BXOR.value: torch.bitwise_xor,
 }
 
 
@@ -355,11 +363,38 @@ class ProcessGroupDK(dist.ProcessGroup):
                     f"{self._what(what)}: PREMUL_SUM on {t.dtype}; it needs a floating dtype"
                 )
             return ReduceOp.SUM, op.factor
+        if kind.value in _BITWISE:
+            raise TypeError(
+                f"{self._what(what)}: ReduceOp {kind} on a {t.dtype} tensor; bitwise ops take "
+                f"integer and bool tensors (as gloo)"
+            )
         raise NotImplementedError(
             f"{self._what(what)}: ReduceOp {kind} is not supported (SUM, AVG, PRODUCT, MIN, "
-            f"MAX, PREMUL_SUM are; BAND and BOR on bool tensors); for bitwise ops on integers "
-            f"use a gloo group"
+            f"MAX, PREMUL_SUM, BAND, BOR and BXOR are)"
         )
+
+    def _bitwise(self, op: Any, t: torch.Tensor) -> Optional[Callable]:
+        """torch's function for a BAND, BOR or BXOR on an integer tensor or a BXOR on a bool
+        one, else None (bool BAND and BOR reduce as MIN and MAX, see _bool_op; other dtypes
+        reach _op, which refuses them). Our kernels have no bitwise ops, so these collectives
+        exchange every rank's tensor (:meth:`_gather_fold`, :meth:`_exchange_reduce`) and
+        fold the copies here: as much data as a ring all-reduce at 2 ranks, (n - 1) / 2 times
+        more at n; results exact, so every rank holds the same bits."""
+        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        fn = _BITWISE.get(kind.value)
+        if fn is None or t.is_floating_point() or t.is_complex():
+            return None
+        if t.dtype is torch.bool and fn is not torch.bitwise_xor:
+            return None
+        return fn
+
+    def _gather_fold(self, t: torch.Tensor, fold: Callable, async_op: bool, what: str):
+        """All-reduce of ``t`` by all-gather and a local fold: (handle, the result's getter,
+        valid once the handle completed)."""
+        n, flat = self._world_size, _dense(t).view(-1)
+        gathered = torch.empty(n * flat.numel(), dtype=t.dtype, device=t.device)
+        handle = self._comm(t, what).all_gather(_flat(gathered), _flat(flat), async_op=async_op)
+        return handle, lambda: functools.reduce(fold, gathered.view(n, -1).unbind(0))
 
     def _bool_op(self, kind: Any, what: str) -> ReduceOp:
         """Our op on a bool tensor's bytes (see _reducible): as torch's NCCL backend does,
@@ -369,7 +404,8 @@ class ProcessGroupDK(dist.ProcessGroup):
         if ours is None:
             raise TypeError(
                 f"{self._what(what)}: ReduceOp {kind} on a bool tensor; SUM, PRODUCT, MIN, "
-                f"MAX, BAND and BOR are supported (AVG of booleans is undefined, as in torch)"
+                f"MAX, BAND, BOR and BXOR are supported (AVG of booleans is undefined, as in "
+                f"torch)"
             )
         return ours
 
@@ -402,6 +438,10 @@ class ProcessGroupDK(dist.ProcessGroup):
     def _allreduce(self, tensors: List[torch.Tensor], opts=None) -> DkWork:
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "allreduce")
+        fold = self._bitwise(opts.reduceOp, t)
+        if fold is not None:
+            handle, folded = self._gather_fold(t, fold, opts.asyncOp, "allreduce")
+            return self._work([handle], tensors, lambda: t.copy_(folded().view_as(t)))
         op, factor = self._op(opts.reduceOp, t, "allreduce")
         if t.is_contiguous():  # the hot path (DDP buckets, dist.all_reduce): no staging
             if factor is not None:
@@ -427,8 +467,12 @@ class ProcessGroupDK(dist.ProcessGroup):
             raise ValueError(
                 f"{self._what('allreduce_coalesced')}: tensors must share one dtype and device"
             )
-        op, factor = self._op(opts.reduceOp, tensors[0], "allreduce_coalesced")
         flat = torch.cat([_dense(t).view(-1) for t in tensors])
+        fold = self._bitwise(opts.reduceOp, flat)
+        if fold is not None:
+            handle, folded = self._gather_fold(flat, fold, opts.asyncOp, "allreduce_coalesced")
+            return self._work([handle], tensors, lambda: _copy_out(folded(), tensors)())
+        op, factor = self._op(opts.reduceOp, tensors[0], "allreduce_coalesced")
         if factor is not None:
             flat.mul_(factor)
         comm = self._comm(tensors[0], "allreduce_coalesced")
@@ -545,6 +589,10 @@ class ProcessGroupDK(dist.ProcessGroup):
                 f"{self._what(what)}: input.numel() ({input.numel()}) must equal world_size "
                 f"({self._world_size}) * output.numel() ({output.numel()})"
             )
+        if self._bitwise(op_arg, input) is not None:
+            counts = [output.numel()] * self._world_size
+            handle, finish = self._exchange_reduce(output, input, counts, op_arg, async_op, what)
+            return handle, finish, input
         op, factor = self._op(op_arg, input, what)
         source = _dense(input).view(-1)
         if factor is not None:
@@ -556,16 +604,55 @@ class ProcessGroupDK(dist.ProcessGroup):
         )
         return handle, staged.copy_back, source
 
+    def _exchange_reduce(self, output, input, counts, op_arg, async_op: bool, what):
+        """reduce_scatter as an all-to-all and a local reduce: rank r receives the ``counts[r]``
+        elements of ``input`` each rank holds for it (consecutive pieces, in rank order), then
+        reduces the n copies in rank order, as our kernels do (FP16 / BF16 in FP32, rounded
+        once; AVG divides once) or with the bitwise fold. For lists of several sizes (gloo
+        takes them) and bitwise ops; moves what a reduce-scatter moves. (handle, finish)."""
+        n, m = self._world_size, output.numel()
+        fold = self._bitwise(op_arg, output)
+        op, factor = (None, None) if fold is not None else self._op(op_arg, output, what)
+        source = _dense(input).view(-1)
+        if factor is not None:
+            source = source * factor  # a copy: the caller's input stays as it was
+        received = torch.empty(n * m, dtype=output.dtype, device=output.device)
+        handle = self._comm(output, what).all_to_all(
+            _flat(received),
+            _flat(source),
+            _scaled(counts, output),
+            _scaled([m] * n, output),
+            async_op=async_op,
+        )
+
+        def finish() -> None:
+            if fold is not None:
+                result = functools.reduce(fold, received.view(n, m).unbind(0))
+            else:
+                rows = _reducible(received).view(n, -1)
+                if n > 1:
+                    ops.reduce_(rows[0], *rows[1:].unbind(0), op=op)
+                result = received[:m]
+            output.copy_(result.view_as(output))
+
+        return handle, finish
+
     @_routed("reduce_scatter")
     def reduce_scatter(self, outputs, input_lists, opts=None) -> DkWork:
         opts = opts if opts is not None else ReduceScatterOptions()
         out = self._one(outputs, "reduce_scatter")
         inputs = self._one(input_lists, "reduce_scatter")
-        self._list_of_world(inputs, out, "input_list", "reduce_scatter")
+        even = self._list_of_world(inputs, out, "input_list", "reduce_scatter", even=False)
         flat = torch.cat([_dense(t).view(-1) for t in inputs])
-        handle, finish, _ = self._reduce_scatter_flat(
-            out, flat, opts.reduceOp, opts.asyncOp, "reduce_scatter"
-        )
+        if even:
+            handle, finish, _ = self._reduce_scatter_flat(
+                out, flat, opts.reduceOp, opts.asyncOp, "reduce_scatter"
+            )
+        else:  # pieces of several sizes (gloo takes them)
+            counts = [t.numel() for t in inputs]
+            handle, finish = self._exchange_reduce(
+                out, flat, counts, opts.reduceOp, opts.asyncOp, "reduce_scatter"
+            )
         return self._work([handle], outputs, finish)
 
     @_routed("_reduce_scatter_base")
@@ -635,6 +722,11 @@ class ProcessGroupDK(dist.ProcessGroup):
         opts = opts if opts is not None else ReduceOptions()
         t = self._one(tensors, "reduce")
         root = self._check_root(opts.rootRank, "reduce")
+        fold = self._bitwise(opts.reduceOp, t)
+        if fold is not None:
+            handle, folded = self._gather_fold(t, fold, opts.asyncOp, "reduce")
+            finish = (lambda: t.copy_(folded().view_as(t))) if self._rank == root else None
+            return self._work([handle], tensors, finish)
         op, factor = self._op(opts.reduceOp, t, "reduce")
         staged = _Staged(t)
         # Only the root keeps the result; the others reduce a copy.
