@@ -479,75 +479,65 @@ def test_torch_ddp_over_dk_trains_as_over_gloo():
     assert results == [(True, True)] * 2, results
 
 
-def _compiled_ddp(group, steps):
+def _sgd_steps(call, model, steps):
+    """``steps`` SGD steps of ``call(x)`` (the model or its compiled form) on this rank's
+    batches; the parameters after them."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank = dist.get_rank()
-    torch.manual_seed(SEED)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    model = DDP(net, process_group=group)
-    compiled = torch.compile(model, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(SEED + rank)
+    gen = torch.Generator().manual_seed(SEED + dist.get_rank())
     for _ in range(steps):
-        compiled(torch.randn(6, 8, generator=gen)).square().mean().backward()
+        call(torch.randn(6, 8, generator=gen)).square().mean().backward()
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _compiled_ddp_dk_vs_gloo():
+def _same_on_dk_as_gloo(train, steps):
+    """``train(group, steps)`` on the gloo world group, then on a dk group: equal bitwise."""
     import torch.distributed as dist
 
-    torch._dynamo.reset()
-    gloo = _compiled_ddp(dist.group.WORLD, 3)
-    dk = _compiled_ddp(_dk_group(), 3)
+    gloo = train(dist.group.WORLD, steps)
+    dk = train(_dk_group(), steps)
     return all(torch.equal(a, b) for a, b in zip(gloo, dk))
+
+
+def _compiled_ddp(group, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(SEED)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = DDP(net, process_group=group)
+    return _sgd_steps(torch.compile(model, backend="aot_eager"), model, steps)
 
 
 def test_torch_compile_of_ddp_over_dk_trains_as_over_gloo():
     """torch.compile(DDP(model)): DDP's forward runs its C++ reducer eagerly around a graph
     break and the reducer broadcasts through the group; dynamo must not trace our Python group
     there (it failed with UnsafeScriptObjectError before torch_backend/dynamo.py)."""
-    assert run_ranks(2, _compiled_ddp_dk_vs_gloo, timeout=300) == [True, True]
+    assert run_ranks(2, _same_on_dk_as_gloo, _compiled_ddp, 3, timeout=300) == [True, True]
 
 
 def _powersgd_train(group, steps):
     """torch DDP with torch's PowerSGD hook, whose future callbacks wait for all-reduces they
     start (so a group must complete a later call while a callback blocks)."""
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank = dist.get_rank()
     torch.manual_seed(SEED)
     model = DDP(_Net(), process_group=group, bucket_cap_mb=0.0005)  # several buckets
     state = powersgd.PowerSGDState(
         process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2
     )
     model.register_comm_hook(state, powersgd.powerSGD_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(SEED + rank)
-    for _ in range(steps):
-        model(torch.randn(6, 8, generator=gen), True).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _powersgd_dk_vs_gloo():
-    import torch.distributed as dist
-
-    gloo = _powersgd_train(dist.group.WORLD, 5)
-    dk = _powersgd_train(_dk_group(), 5)
-    return all(torch.equal(a, b) for a, b in zip(gloo, dk))
+    return _sgd_steps(lambda x: model(x, True), model, steps)
 
 
 def test_torch_ddp_powersgd_hook_over_dk_trains_as_over_gloo():
     """Steps 0-1 all-reduce plainly, steps 2-4 compress; before the watcher pool the first
     compressed step hung (the callback waited on a future only the blocked thread completes)."""
-    assert run_ranks(2, _powersgd_dk_vs_gloo, timeout=180) == [True, True]
+    assert run_ranks(2, _same_on_dk_as_gloo, _powersgd_train, 5, timeout=180) == [True, True]
 
 
 def _nested_futures(depth):
