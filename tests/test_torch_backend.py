@@ -1011,15 +1011,94 @@ def test_uneven_all_gather_gather_scatter(world_size):
     assert all("rank 0 sent 8 bytes where" in e and "expected 4" in e for e in peers), errors
 
 
-def _sparse_and_timeout():
-    """A sparse tensor is refused with our error; ``set_timeout`` lowers the timeout of the
-    next call (made with 60 s, set to 1 s), worded as torch's tests expect ("Timed out")."""
+def _random_sparse(rank, shape, sparse_dim, nnz, tag):
+    """A sparse COO tensor with repeated indices (uncoalesced, as nn.Embedding's gradients)."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((SEED, rank, shape, tag)).encode()))
+    idx = torch.stack([torch.randint(0, s, (nnz,), generator=g) for s in shape[:sparse_dim]])
+    val = torch.randn(nnz, *shape[sparse_dim:], generator=g)
+    return torch.sparse_coo_tensor(idx, val, shape)
+
+
+def _sparse_all_reduce():
+    """Sparse COO all_reduce (SUM): the union of every rank's entries, duplicates summed,
+    against the float64 sum of the dense forms; the same bits on every rank (the digest) and,
+    at 2 ranks, gloo's bits; a rank without entries; AVG and mismatched shapes refused on
+    every rank, after which the group still works."""
+    import torch.distributed as dist
+
+    group, rank, n = _dk_group(), dist.get_rank(), dist.get_world_size()
+    digests = []
+    for shape, sparse_dim in (((10, 3), 1), ((6, 5), 2), ((7,), 1)):
+        inputs = [_random_sparse(r, shape, sparse_dim, 0 if r == 1 else 9, "s") for r in range(n)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=group)
+        assert t.is_sparse and t.is_coalesced(), shape
+        got = t.to_dense()
+        dense = [x.to_dense().double() for x in inputs]
+        ref = torch.stack(dense).sum(0)
+        terms = sum(int(x._nnz()) for x in inputs)  # each entry's sum has at most this many
+        size = torch.stack([x.coalesce().to_dense().double().abs() for x in inputs]).sum(0)
+        bound = terms * 2.0**-24 * (size + ref.abs()) + 1e-30
+        assert bool(((got.double() - ref).abs() <= bound).all()), shape
+        digests.append(got.numpy().tobytes())
+        if n == 2:
+            g = inputs[rank].clone()
+            dist.all_reduce(g, group=dist.group.WORLD)
+            assert torch.equal(g.to_dense(), got), f"gloo {shape}"
+    with pytest.raises(ValueError, match="sparse tensors reduce with SUM only"):
+        dist.all_reduce(_random_sparse(rank, (4,), 1, 2, "a"), op=dist.ReduceOp.AVG, group=group)
+    with pytest.raises(ValueError, match="differ in shape"):
+        dist.all_reduce(_random_sparse(rank, (4 + rank,), 1, 2, "b"), group=group)
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, torch.full((3,), float(n * (n + 1) // 2)))
+    return digests
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sparse_all_reduce(world_size):
+    print(f"seed {SEED}")
+    digests = run_ranks(world_size, _sparse_all_reduce, timeout=180)
+    assert all(d == digests[0] for d in digests), "ranks disagree"
+
+
+class _SparseNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.emb(x).sum(1))
+
+
+def _sparse_embedding_ddp(group, steps):
+    """torch DDP with a sparse embedding: its gradient is all-reduced as a sparse tensor."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(SEED)
+    model = DDP(_SparseNet(), process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(SEED + dist.get_rank())
+    for _ in range(steps):
+        model(torch.randint(0, 20, (5, 3), generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_torch_ddp_with_a_sparse_embedding_over_dk_trains_as_over_gloo():
+    """Two ranks: every sum is one rounding either way, so dk and gloo agree bitwise."""
+    assert run_ranks(2, _same_on_dk_as_gloo, _sparse_embedding_ddp, 3) == [True, True]
+
+
+def _set_timeout():
+    """``set_timeout`` lowers the timeout of the next call (made with 60 s, set to 1 s),
+    worded as torch's tests expect ("Timed out")."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
-    with pytest.raises(NotImplementedError, match=r"dk backend: allreduce: a torch.sparse_coo"):
-        dist.all_reduce(sparse, group=_dk_group())
     group = dist.new_group(backend="dk", timeout=datetime.timedelta(seconds=60))
     group.set_timeout(datetime.timedelta(seconds=1))
     try:
@@ -1033,8 +1112,8 @@ def _sparse_and_timeout():
         dist.destroy_process_group(group)
 
 
-def test_sparse_refused_and_set_timeout_honoured():
-    message = run_ranks(2, _sparse_and_timeout)[0]
+def test_set_timeout_honoured():
+    message = run_ranks(2, _set_timeout)[0]
     assert "Timed out after 1.0 s" in message, message
 
 

@@ -79,7 +79,6 @@ KNOWN_FAILURES = {
     "test_monitored_barrier_gloo": "monitored_barrier is gloo's; dk raises NotImplementedError",
     "test_monitored_barrier_gloo_rank_0_timeout": "monitored_barrier is gloo's (as above)",
     "test_monitored_barrier_gloo_subgroup": "monitored_barrier is gloo's (as above)",
-    "test_sparse_all_reduce_sum": "sparse tensors are refused with our NotImplementedError",
 }
 
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import sys
+import zlib
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -124,8 +126,8 @@ def _routed(torch_name: str) -> Callable:
             except _NotStrided as e:
                 raise NotImplementedError(
                     f"{self._what(torch_name)}: a {e.layout} tensor; this backend takes dense "
-                    f"(strided) tensors only: call .to_dense() first, or use a gloo group for "
-                    f"sparse all-reduce"
+                    f"(strided) tensors, and sparse COO ones in all_reduce (SUM): call "
+                    f".to_dense() first"
                 ) from None
 
         return method
@@ -438,6 +440,9 @@ class ProcessGroupDK(dist.ProcessGroup):
     def _allreduce(self, tensors: List[torch.Tensor], opts=None) -> DkWork:
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "allreduce")
+        if t.layout is torch.sparse_coo:
+            self._sparse_all_reduce(t, opts.reduceOp)
+            return DkWork.done(tensors, self._completions)
         fold = self._bitwise(opts.reduceOp, t)
         if fold is not None:
             handle, folded = self._gather_fold(t, fold, opts.asyncOp, "allreduce")
@@ -457,6 +462,50 @@ class ProcessGroupDK(dist.ProcessGroup):
             _reducible(staged.buf), op, async_op=opts.asyncOp
         )
         return self._work([handle], tensors, staged.copy_back)
+
+    def _sparse_all_reduce(self, t: torch.Tensor, op: Any) -> None:
+        """SUM of a sparse COO tensor, as gloo does it (torch DDP sends the gradients of
+        ``nn.Embedding(sparse=True)`` this way): every rank's coalesced indices and values
+        are all-gathered, the union is coalesced (duplicates summed in rank order, so every
+        rank gets the same bits) and replaces ``t``. Runs on the caller's thread."""
+        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        if kind != dist.ReduceOp.SUM:
+            raise ValueError(
+                f"{self._what('allreduce')}: ReduceOp {kind} on a sparse tensor; sparse "
+                f"tensors reduce with SUM only (as gloo)"
+            )
+        n, comm, local = self._world_size, self._comm(t, "allreduce"), t.coalesce()
+        sparse_dim, row = t.sparse_dim(), math.prod(t.shape[t.sparse_dim() :])
+        layout = zlib.crc32(repr((tuple(t.shape), sparse_dim, str(t.dtype))).encode())
+        meta = torch.empty(n * 2, dtype=torch.int64, device=t.device)
+        comm.all_gather(meta, torch.tensor([local._nnz(), layout], device=t.device))
+        counts, layouts = meta.view(n, 2).t().tolist()
+        if len(set(layouts)) != 1:
+            raise ValueError(
+                f"{self._what('allreduce')}: the ranks' sparse tensors differ in shape, sparse "
+                f"dimensions or dtype (this rank: {tuple(t.shape)}, {sparse_dim} sparse dims, "
+                f"{t.dtype})"
+            )
+        indices = self._gather_rows(local.indices().t(), sparse_dim, counts, comm)
+        values = self._gather_rows(local.values(), row, counts, comm)
+        total = torch.sparse_coo_tensor(
+            indices.view(-1, sparse_dim).t(), values.view(-1, *t.shape[sparse_dim:]), t.shape
+        )
+        t.copy_(total.coalesce())
+
+    def _gather_rows(self, rows: torch.Tensor, width: int, counts: List[int], comm) -> torch.Tensor:
+        """Every rank's ``rows`` (``counts[r]`` rows of ``width`` elements on rank r), back to
+        back in rank order: an all-to-all in which each rank sends its rows whole to every
+        rank."""
+        n, flat = self._world_size, _dense(rows).view(-1)
+        out = torch.empty(sum(counts) * width, dtype=rows.dtype, device=rows.device)
+        comm.all_to_all(
+            _flat(out),
+            _flat(flat.repeat(n)),
+            _scaled([flat.numel()] * n, flat),
+            _scaled([c * width for c in counts], flat),
+        )
+        return out
 
     @_routed("allreduce_coalesced")
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None) -> DkWork:
