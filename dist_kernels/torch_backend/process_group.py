@@ -24,7 +24,7 @@ import functools
 import math
 import sys
 import zlib
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,11 @@ def create_process_group(common_opts) -> ProcessGroupDK:
         common_opts.timeout,
         group_name=str(common_opts.group_id),
     )
+
+
+def _kind(op: Any) -> Any:
+    """torch's ReduceOp kind (RedOpType) of a ReduceOp or of a kind."""
+    return op.op if isinstance(op, dist.ReduceOp) else op
 
 
 def _device_of(args: Sequence[Any]) -> Optional[torch.device]:
@@ -275,15 +280,13 @@ class ProcessGroupDK(dist.ProcessGroup):
         backends'. torch's own table stays empty for a group its creator made, and torch reads
         it: ``set_model_state_dict(..., broadcast_from_rank0=True)`` takes its first entry
         (IndexError on an empty list) and ``dcp.async_save`` requires CPU in it."""
-        backends = self._routes.backends or device_backends(self)
-        return [torch.device(kind) for kind in backends]
+        return [torch.device(kind) for kind in self._device_table()]
 
     def _get_backend(self, device: Any) -> Any:
         """What torch's helpers read as the backend of ``device``: the torch backend this group
         hands that device to, once made, else a :class:`BackendView` of this group.
         RuntimeError, as torch's, for a device the group does not serve."""
-        kind = torch.device(device).type
-        backends = self._routes.backends or device_backends(self)
+        kind, backends = torch.device(device).type, self._device_table()
         if kind not in backends:
             raise RuntimeError(
                 f"{self._what('_get_backend')}: no backend for device type {kind!r}; this group "
@@ -291,6 +294,10 @@ class ProcessGroupDK(dist.ProcessGroup):
             )
         held = self._routes.held(kind)
         return held if held is not None else BackendView(self)
+
+    def _device_table(self) -> Dict[str, str]:
+        """device type -> backend: the routes once resolved, else what torch recorded."""
+        return self._routes.backends or device_backends(self)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -348,7 +355,7 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     def _op(self, op: Any, t: torch.Tensor, what: str) -> Tuple[ReduceOp, Optional[Any]]:
         """(our op, PREMUL_SUM factor or None) for torch's ReduceOp."""
-        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        kind = _kind(op)
         if t.dtype is torch.bool:
             return self._bool_op(kind, what), None
         if t.is_complex() and kind.value not in _COMPLEX_OPS:
@@ -382,9 +389,10 @@ class ProcessGroupDK(dist.ProcessGroup):
         exchange every rank's tensor (:meth:`_gather_fold`, :meth:`_exchange_reduce`) and
         fold the copies here: as much data as a ring all-reduce at 2 ranks, (n - 1) / 2 times
         more at n; results exact, so every rank holds the same bits."""
-        kind = op.op if isinstance(op, dist.ReduceOp) else op
-        fn = _BITWISE.get(kind.value)
-        if fn is None or t.is_floating_point() or t.is_complex():
+        if t.is_floating_point() or t.is_complex():  # the common case, before reading the op
+            return None
+        fn = _BITWISE.get(_kind(op).value)
+        if fn is None:
             return None
         if t.dtype is torch.bool and fn is not torch.bitwise_xor:
             return None
@@ -468,7 +476,7 @@ class ProcessGroupDK(dist.ProcessGroup):
         ``nn.Embedding(sparse=True)`` this way): every rank's coalesced indices and values
         are all-gathered, the union is coalesced (duplicates summed in rank order, so every
         rank gets the same bits) and replaces ``t``. Runs on the caller's thread."""
-        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        kind = _kind(op)
         if kind != dist.ReduceOp.SUM:
             raise ValueError(
                 f"{self._what('allreduce')}: ReduceOp {kind} on a sparse tensor; sparse "
@@ -486,26 +494,14 @@ class ProcessGroupDK(dist.ProcessGroup):
                 f"dimensions or dtype (this rank: {tuple(t.shape)}, {sparse_dim} sparse dims, "
                 f"{t.dtype})"
             )
-        indices = self._gather_rows(local.indices().t(), sparse_dim, counts, comm)
-        values = self._gather_rows(local.values(), row, counts, comm)
+        _, indices = self._to_every_rank(
+            local.indices().t(), [c * sparse_dim for c in counts], comm
+        )
+        _, values = self._to_every_rank(local.values(), [c * row for c in counts], comm)
         total = torch.sparse_coo_tensor(
             indices.view(-1, sparse_dim).t(), values.view(-1, *t.shape[sparse_dim:]), t.shape
         )
         t.copy_(total.coalesce())
-
-    def _gather_rows(self, rows: torch.Tensor, width: int, counts: List[int], comm) -> torch.Tensor:
-        """Every rank's ``rows`` (``counts[r]`` rows of ``width`` elements on rank r), back to
-        back in rank order: an all-to-all in which each rank sends its rows whole to every
-        rank."""
-        n, flat = self._world_size, _dense(rows).view(-1)
-        out = torch.empty(sum(counts) * width, dtype=rows.dtype, device=rows.device)
-        comm.all_to_all(
-            _flat(out),
-            _flat(flat.repeat(n)),
-            _scaled([flat.numel()] * n, flat),
-            _scaled([c * width for c in counts], flat),
-        )
-        return out
 
     @_routed("allreduce_coalesced")
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None) -> DkWork:
@@ -564,18 +560,23 @@ class ProcessGroupDK(dist.ProcessGroup):
         each rank's input at the size its list gives. A rank whose input has another size than
         its peers' lists say makes them raise (the exchange compares sizes), and it raises at
         its next call."""
-        n = self._world_size
-        source = _flat(t).repeat(n)
-        recv_counts = [o.numel() for o in outputs]
+        comm = self._comm(t, "allgather")
+        handle, out = self._to_every_rank(t, [o.numel() for o in outputs], comm, async_op)
+        return self._work([handle], result, _copy_out(out, outputs))
+
+    def _to_every_rank(self, t: torch.Tensor, recv_counts, comm, async_op: bool = False):
+        """An all-to-all in which each rank sends ``t`` whole to every rank and receives
+        ``recv_counts[r]`` elements from rank r, back to back in rank order: (handle, out)."""
+        n, flat = self._world_size, _dense(t).view(-1)
         out = torch.empty(sum(recv_counts), dtype=t.dtype, device=t.device)
-        handle = self._comm(t, "allgather").all_to_all(
+        handle = comm.all_to_all(
             _flat(out),
-            source,
-            _scaled([t.numel()] * n, t),
-            _scaled(recv_counts, t),
+            _flat(flat.repeat(n)),
+            _scaled([flat.numel()] * n, flat),
+            _scaled(recv_counts, flat),
             async_op=async_op,
         )
-        return self._work([handle], result, _copy_out(out, outputs))
+        return handle, out
 
     def all_gather_single(self, output, input, opts=None) -> DkWork:
         # The hot path (``all_gather_into_tensor``, FSDP2's parameter gathers): plain
