@@ -302,28 +302,262 @@ def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict
     return {"losses": losses, "params": _params(model), "wrapped": wrapped, "refusal": refusal}
 
 
+# -- DeepSpeed ---------------------------------------------------------------------------------
+
+
+def _deepspeed_init(backend: str) -> None:
+    """deepspeed.init_distributed(dist_backend=...), the call a DeepSpeed script makes
+    (env://, torchrun's variables). DeepSpeed caches its communication backend and its
+    expert-parallel groups in module globals; they name the previous run's (destroyed) groups,
+    so they are dropped first, as a fresh process would start."""
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    ds_comm.cdb = None
+    for name, value in vars(groups).items():
+        if name.isupper() and ("_GROUP" in name or name.startswith("_MPU_")):
+            if isinstance(value, dict):
+                value.clear()
+            else:
+                setattr(groups, name, None)
+    deepspeed.init_distributed(dist_backend=backend, timeout=TIMEOUT)
+
+
+def _deepspeed_config(**extra) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**6,
+        "zero_allow_untested_optimizer": True,  # a torch optimizer: no DeepSpeed op to build
+        **extra,
+    }
+
+
+def deepspeed_zero(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """deepspeed.init_distributed(dist_backend="dk"), then ZeRO stages 1, 2 and 3 with
+    gradient accumulation and clipping, in FP32 and in BF16, each rank on its own shard."""
+    import deepspeed
+    from deepspeed.runtime.zero import GatheredParameters
+
+    _deepspeed_init(backend)
+    out = {"group_backend": dist.get_backend()}
+    for stage in (1, 2, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = _net()
+            config = _deepspeed_config(
+                gradient_accumulation_steps=2,
+                gradient_clipping=1.0,
+                # small buckets: several reduce / gather calls a step, not one
+                zero_optimization={
+                    "stage": stage,
+                    "reduce_bucket_size": 64,
+                    "allgather_bucket_size": 64,
+                    "stage3_prefetch_bucket_size": 64,
+                    "stage3_param_persistence_threshold": 0,
+                },
+                bf16={"enabled": dtype == torch.bfloat16},
+            )
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+            x, y = _data(rank)
+            losses = []
+            for i in range(2 * STEPS):  # two micro-batches a step
+                xb, yb = x[2 * i : 2 * i + 2].to(dtype), y[2 * i : 2 * i + 2].to(dtype)
+                loss = nn.functional.mse_loss(engine(xb), yb)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach().float())
+            with GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+                params = _params(engine.module)
+            key = f"stage{stage}-{str(dtype).split('.')[-1]}"
+            out[key] = {"losses": torch.stack(losses), "params": params}
+            engine.destroy()
+    _teardown()
+    return out
+
+
+def deepspeed_moe(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """deepspeed.moe.layer.MoE with its experts over an expert-parallel group of every rank
+    (the token exchange is all_to_all_single on the group), under ZeRO stage 1 with the
+    expert and dense parameters in separate groups, as DeepSpeed's MoE tutorial sets it."""
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    _deepspeed_init(backend)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(8, 16)
+            expert = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+            self.moe = MoE(16, expert, num_experts=4, ep_size=world_size, k=2, min_capacity=16)
+            self.out = nn.Linear(16, 2)
+
+        def forward(self, x):
+            h, aux, _ = self.moe(self.inp(x))
+            return self.out(h), aux
+
+    model = Net()
+    param_groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "all"}
+    )
+    opt = torch.optim.AdamW(param_groups, lr=1e-2)
+    config = _deepspeed_config(zero_optimization={"stage": 1})
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    x, y = _data(rank)
+    losses = []
+    for i in range(STEPS):
+        out, aux = engine(x[4 * i : 4 * i + 4])
+        loss = nn.functional.mse_loss(out, y[4 * i : 4 * i + 4]) + 0.01 * aux
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    params = _params(engine.module)
+    engine.destroy()
+    _teardown()
+    return {"losses": torch.stack(losses), "params": params}
+
+
+def deepspeed_pipe(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """deepspeed.pipe.PipelineModule over two stages (one a rank): its 1F1B schedule sends
+    activations and gradients with torch.distributed send / recv (broadcasts on 2-rank
+    groups) on the group given."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    _deepspeed_init(backend)
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)]
+    net = PipelineModule(layers=layers, num_stages=world_size, loss_fn=nn.MSELoss())
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    config = _deepspeed_config(gradient_accumulation_steps=4)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+    x, y = _data(0, 16 * STEPS)  # every stage reads the same stream; DeepSpeed uses its ends
+    batches = iter([(x[i : i + 4], y[i : i + 4]) for i in range(0, len(x), 4)])
+    losses = torch.stack([engine.train_batch(data_iter=batches).detach() for _ in range(STEPS)])
+    params = _params(engine.module)
+    engine.destroy()
+    _teardown()
+    return {"losses": losses, "params": params}
+
+
+def deepspeed_autotp(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """DeepSpeed's AutoTP training ("tensor_parallel": {"autotp_size": 2}) of a small
+    transformers Llama built here: its Linear layers sharded over a tensor-parallel group that
+    DeepSpeed takes from a DeviceMesh of the dk world, with ZeRO stage 1 over data parallel."""
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _deepspeed_init(backend)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(5)  # every tp rank reads the same tokens
+    first = torch.randint(0, config.vocab_size, (2, 16), generator=g)
+    with torch.no_grad():
+        unsharded_first_loss = model(input_ids=first, labels=first).loss
+    g.manual_seed(5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ds_config = _deepspeed_config(
+        tensor_parallel={"autotp_size": world_size}, zero_optimization={"stage": 1}
+    )
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, config.vocab_size, (2, 16), generator=g)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    params = _params(engine.module)  # this rank's shards
+    engine.destroy()
+    _teardown()
+    return {
+        "losses": torch.stack(losses),
+        "params": params,
+        "unsharded_first_loss": unsharded_first_loss,
+    }
+
+
+def deepspeed_ulysses(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """DeepSpeed-Ulysses sequence parallelism (deepspeed.sequence.layer.DistributedAttention):
+    each rank holds a slice of the sequence; all_to_all_single turns it into a slice of the
+    heads for attention and back. Forward and backward in float64 against single-process
+    attention of the whole sequence."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    _deepspeed_init(backend)
+
+    def attention(q, k, v, *args, **kwargs):  # [seq, batch, heads, dim]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.permute(2, 0, 1, 3)
+
+    seed = 3
+    g = torch.Generator().manual_seed(seed)
+    seq, batch, heads, dim = 16, 2, 4, 8
+    full = [
+        torch.randn(seq, batch, heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(3)
+    ]
+    rows = slice(rank * seq // world_size, (rank + 1) * seq // world_size)
+    local = [t.detach()[rows].clone().requires_grad_() for t in full]
+    out = DistributedAttention(attention, dist.group.WORLD, scatter_idx=2, gather_idx=0)(
+        *local,
+        1,  # batch_dim_idx
+    )
+    out.backward(torch.ones_like(out))
+    ref = attention(*full)
+    ref.backward(torch.ones_like(ref))
+    _teardown()
+    return {
+        "seed": seed,
+        "out": out.detach(),
+        "grads": torch.stack([t.grad for t in local]),
+        "ref_out": ref.detach()[rows],
+        "ref_grads": torch.stack([t.grad[rows] for t in full]),
+    }
+
+
 FRAMEWORKS = {
     "lightning": ("lightning", lightning),
     "lightning_fsdp2": ("lightning", lightning_fsdp2),
     "accelerate": ("accelerate", accelerate),
     "transformers": ("transformers", transformers),
+    "deepspeed_zero": ("deepspeed", deepspeed_zero),
+    "deepspeed_moe": ("deepspeed", deepspeed_moe),
+    "deepspeed_pipe": ("deepspeed", deepspeed_pipe),
+    "deepspeed_autotp": ("deepspeed", deepspeed_autotp),
+    "deepspeed_ulysses": ("deepspeed", deepspeed_ulysses),
 }
 
 
 def main(out_dir: str, rank: int, world_size: int, port: int, names) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        OMP_NUM_THREADS="1",
-    )
     torch.set_num_threads(1)
     for run_index, name in enumerate(names):
         module, fn = FRAMEWORKS[name]
         for b, backend in enumerate(("gloo", "dk")):
-            os.environ["MASTER_PORT"] = str(port + 2 * run_index + b)
+            # torchrun's variables, set anew for each run: a framework may have changed them
+            # (one without RANK set sends DeepSpeed to MPI discovery: a world of one)
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port + 2 * run_index + b),
+                OMP_NUM_THREADS="1",
+            )
             path = os.path.join(out_dir, f"{name}-{backend}-{rank}.pt")
             if importlib.util.find_spec(module) is None:
                 torch.save({"skip": f"{module} is not installed: .[integrations]"}, path)

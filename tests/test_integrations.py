@@ -4,7 +4,8 @@ Two processes (tests/framework_runs.py) run each installed framework on gloo, th
 from the same seed and data; each test here compares the two runs bitwise (with two ranks
 a + b is one rounding either way, so torch DDP over dk equals DDP over gloo to the bit:
 docs/torch_backend.md) and checks what docs/integrations.md promises (the refusal a
-framework gives the name "dk", DDP wrapping, resume from a checkpoint). A framework that is
+framework gives the name "dk", DDP wrapping, resume from a checkpoint, DeepSpeed's engines:
+ZeRO 1-3, MoE, pipeline, AutoTP, Ulysses). A framework that is
 not installed is skipped with the reason (`pip install .[integrations]` installs them).
 """
 
@@ -21,7 +22,17 @@ from mp_pool import shm_leaks
 
 pytestmark = pytest.mark.integrations
 
-FRAMEWORKS = ("lightning", "lightning_fsdp2", "accelerate", "transformers")
+FRAMEWORKS = (
+    "lightning",
+    "lightning_fsdp2",
+    "accelerate",
+    "transformers",
+    "deepspeed_zero",
+    "deepspeed_moe",
+    "deepspeed_pipe",
+    "deepspeed_autotp",
+    "deepspeed_ulysses",
+)
 WORLD = 2
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -140,3 +151,70 @@ def test_transformers_trainer_on_a_dk_group_made_first_equals_gloo(runs):
     _same(gloo, dk, "losses")
     _same(gloo, dk, "params")
     assert all(torch.equal(dk[0]["params"][k], dk[1]["params"][k]) for k in dk[0]["params"])
+
+
+def _replicas_agree(ranks, key="params") -> bool:
+    return all(torch.equal(ranks[0][key][k], ranks[1][key][k]) for k in ranks[0][key])
+
+
+def test_deepspeed_zero_stages_on_dk_equal_gloo(runs):
+    result = runs("deepspeed_zero")
+    gloo, dk = result["gloo"], result["dk"]
+    assert [r["group_backend"] for r in dk] == ["dk"] * WORLD
+    runs_ = [k for k in dk[0] if k.startswith("stage")]
+    assert len(runs_) == 6, runs_  # stages 1-3, FP32 and BF16
+    for key in runs_:
+        _same([r[key] for r in gloo], [r[key] for r in dk], "losses")
+        _same([r[key] for r in gloo], [r[key] for r in dk], "params")
+        assert _replicas_agree([r[key] for r in dk]), key
+        losses = dk[0][key]["losses"]
+        assert not torch.equal(losses[0], losses[-1]), key
+
+
+def test_deepspeed_moe_expert_parallel_on_dk_equals_gloo(runs):
+    result = runs("deepspeed_moe")
+    gloo, dk = result["gloo"], result["dk"]
+    _same(gloo, dk, "losses")
+    _same(gloo, dk, "params")
+    # experts sharded over the ep group: each rank its own; dense weights replicated
+    names = dk[0]["params"]
+    expert = [k for k in names if ".experts." in k]
+    dense = [k for k in names if ".experts." not in k]
+    assert expert and dense
+    assert all(torch.equal(dk[0]["params"][k], dk[1]["params"][k]) for k in dense)
+    assert not any(torch.equal(dk[0]["params"][k], dk[1]["params"][k]) for k in expert)
+
+
+def test_deepspeed_pipeline_module_on_dk_equals_gloo(runs):
+    result = runs("deepspeed_pipe")
+    gloo, dk = result["gloo"], result["dk"]
+    _same(gloo, dk, "losses")
+    _same(gloo, dk, "params")
+    # two stages, one a rank: the layers are split between them
+    assert set(dk[0]["params"]).isdisjoint(dk[1]["params"])
+    assert not torch.equal(dk[0]["losses"][0], dk[0]["losses"][-1])
+
+
+def test_deepspeed_autotp_training_on_dk_equals_gloo(runs):
+    result = runs("deepspeed_autotp")
+    gloo, dk = result["gloo"], result["dk"]
+    _same(gloo, dk, "losses")
+    _same(gloo, dk, "params")
+    # the projections are sharded over the two tp ranks, the first loss is the unsharded
+    # model's (a single-process forward of the same model and tokens, in the run)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert dk[0]["params"][q].shape == (32 // WORLD, 32)
+    assert not torch.equal(dk[0]["params"][q], dk[1]["params"][q])
+    for r in dk:
+        assert abs(float(r["losses"][0]) - float(r["unsharded_first_loss"])) < 1e-5
+
+
+def test_deepspeed_ulysses_attention_on_dk_matches_float64_attention(runs):
+    result = runs("deepspeed_ulysses")
+    gloo, dk = result["gloo"], result["dk"]
+    print("seed", dk[0]["seed"])
+    for r in dk:
+        assert torch.allclose(r["out"], r["ref_out"], rtol=0, atol=1e-12)
+        assert torch.allclose(r["grads"], r["ref_grads"], rtol=0, atol=1e-12)
+    _same(gloo, dk, "out")
+    _same(gloo, dk, "grads")
