@@ -333,45 +333,71 @@ def _deepspeed_config(**extra) -> dict:
     }
 
 
-def deepspeed_zero(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
-    """deepspeed.init_distributed(dist_backend="dk"), then ZeRO stages 1, 2 and 3 with
-    gradient accumulation and clipping, in FP32 and in BF16, each rank on its own shard."""
+def _zero_engine(stage: int, dtype: torch.dtype):
     import deepspeed
+
+    model = _net()
+    config = _deepspeed_config(
+        gradient_accumulation_steps=2,
+        gradient_clipping=1.0,
+        # small buckets: several reduce / gather calls a step, not one
+        zero_optimization={
+            "stage": stage,
+            "reduce_bucket_size": 64,
+            "allgather_bucket_size": 64,
+            "stage3_prefetch_bucket_size": 64,
+            "stage3_param_persistence_threshold": 0,
+        },
+        bf16={"enabled": dtype == torch.bfloat16},
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return deepspeed.initialize(model=model, optimizer=opt, config=config)[0]
+
+
+def _zero_micro_batches(engine, rank: int, dtype: torch.dtype, steps: range) -> list:
+    """Two micro-batches per optimizer step, each rank its own shard; the losses."""
+    x, y = _data(rank)
+    losses = []
+    for i in range(2 * steps.start, 2 * steps.stop):
+        xb, yb = x[2 * i : 2 * i + 2].to(dtype), y[2 * i : 2 * i + 2].to(dtype)
+        loss = nn.functional.mse_loss(engine(xb), yb)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+    return losses
+
+
+def _zero_params(engine, stage: int) -> dict:
     from deepspeed.runtime.zero import GatheredParameters
 
+    with GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        return _params(engine.module)
+
+
+def deepspeed_zero(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """deepspeed.init_distributed(dist_backend="dk"), then ZeRO stages 1, 2 and 3 with
+    gradient accumulation and clipping, in FP32 and in BF16, each rank on its own shard; in
+    FP32 also the same run stopped halfway, saved (engine.save_checkpoint), loaded into a
+    fresh engine and finished."""
     _deepspeed_init(backend)
     out = {"group_backend": dist.get_backend()}
     for stage in (1, 2, 3):
         for dtype in (torch.float32, torch.bfloat16):
-            model = _net()
-            config = _deepspeed_config(
-                gradient_accumulation_steps=2,
-                gradient_clipping=1.0,
-                # small buckets: several reduce / gather calls a step, not one
-                zero_optimization={
-                    "stage": stage,
-                    "reduce_bucket_size": 64,
-                    "allgather_bucket_size": 64,
-                    "stage3_prefetch_bucket_size": 64,
-                    "stage3_param_persistence_threshold": 0,
-                },
-                bf16={"enabled": dtype == torch.bfloat16},
-            )
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-            x, y = _data(rank)
-            losses = []
-            for i in range(2 * STEPS):  # two micro-batches a step
-                xb, yb = x[2 * i : 2 * i + 2].to(dtype), y[2 * i : 2 * i + 2].to(dtype)
-                loss = nn.functional.mse_loss(engine(xb), yb)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach().float())
-            with GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
-                params = _params(engine.module)
+            engine = _zero_engine(stage, dtype)
+            losses = _zero_micro_batches(engine, rank, dtype, range(STEPS))
             key = f"stage{stage}-{str(dtype).split('.')[-1]}"
-            out[key] = {"losses": torch.stack(losses), "params": params}
+            out[key] = {"losses": torch.stack(losses), "params": _zero_params(engine, stage)}
             engine.destroy()
+        half, ckpt = STEPS // 2, os.path.join(out_dir, f"deepspeed-{backend}-stage{stage}")
+        first = _zero_engine(stage, torch.float32)
+        _zero_micro_batches(first, rank, torch.float32, range(half))
+        first.save_checkpoint(ckpt, tag="half")
+        first.destroy()
+        resumed = _zero_engine(stage, torch.float32)
+        resumed.load_checkpoint(ckpt, tag="half")
+        _zero_micro_batches(resumed, rank, torch.float32, range(half, STEPS))
+        out[f"stage{stage}-float32"]["resumed_params"] = _zero_params(resumed, stage)
+        resumed.destroy()
     _teardown()
     return out
 

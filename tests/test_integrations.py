@@ -169,6 +169,11 @@ def test_deepspeed_zero_stages_on_dk_equal_gloo(runs):
         assert _replicas_agree([r[key] for r in dk]), key
         losses = dk[0][key]["losses"]
         assert not torch.equal(losses[0], losses[-1]), key
+    for stage in (1, 2, 3):  # saved halfway, loaded into a fresh engine: the straight run's end
+        for r in dk:
+            run = r[f"stage{stage}-float32"]
+            for name, value in run["params"].items():
+                assert torch.equal(value, run["resumed_params"][name]), (stage, name)
 
 
 def test_deepspeed_moe_expert_parallel_on_dk_equals_gloo(runs):
