@@ -253,9 +253,9 @@ def accelerate(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
 # -- transformers Trainer ----------------------------------------------------------------------
 
 
-def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
-    """TrainingArguments(ddp_backend="dk") is refused; with the group made first (and
-    ddp_backend left unset) Trainer trains on it."""
+def _hf_trainer(backend: str, out_dir: str, rank: int, world_size: int, deepspeed=None) -> dict:
+    """transformers' Trainer on the default group made first (``ddp_backend`` unset), with
+    a DeepSpeed config (``TrainingArguments(deepspeed=...)``) or without."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
 
@@ -267,17 +267,14 @@ def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict
         def forward(self, x, labels):
             return {"loss": nn.functional.mse_loss(self.net(x), labels)}
 
-    refusal = ""
-    if backend == "dk":
-        try:
-            TrainingArguments(output_dir=out_dir, ddp_backend="dk", use_cpu=True)
-        except ValueError as e:
-            refusal = str(e)
-    _init(backend, out_dir, "transformers", rank, world_size)
+    run = "transformers" if deepspeed is None else "transformers_deepspeed"
+    if deepspeed is not None:
+        _deepspeed_reset()
+    _init(backend, out_dir, run, rank, world_size)
     x, y = _data(0, 4 * STEPS * world_size)  # the Trainer's sampler shards it
     dataset = [{"x": x[i], "labels": y[i]} for i in range(len(x))]
     args = TrainingArguments(
-        output_dir=os.path.join(out_dir, f"transformers-{backend}"),
+        output_dir=os.path.join(out_dir, f"{run}-{backend}"),
         use_cpu=True,
         per_device_train_batch_size=4,
         max_steps=STEPS,
@@ -291,6 +288,7 @@ def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        deepspeed=deepspeed,
     )
     model = Model()
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
@@ -299,18 +297,43 @@ def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict
     wrapped = type(trainer.model_wrapped).__name__
     AcceleratorState._reset_state(reset_partial_state=True)
     _teardown()
-    return {"losses": losses, "params": _params(model), "wrapped": wrapped, "refusal": refusal}
+    return {"losses": losses, "params": _params(model), "wrapped": wrapped}
+
+
+def transformers(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """TrainingArguments(ddp_backend="dk") is refused; with the group made first (and
+    ddp_backend left unset) Trainer trains on it, in torch DDP."""
+    from transformers import TrainingArguments
+
+    refusal = ""
+    if backend == "dk":
+        try:
+            TrainingArguments(output_dir=out_dir, ddp_backend="dk", use_cpu=True)
+        except ValueError as e:
+            refusal = str(e)
+    return {**_hf_trainer(backend, out_dir, rank, world_size), "refusal": refusal}
+
+
+def transformers_deepspeed(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """Trainer with a DeepSpeed ZeRO-2 config (``--deepspeed ds_config.json``) on the group
+    made first: DeepSpeed finds it made and trains on it."""
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,  # the Trainer's torch SGD
+    }
+    return _hf_trainer(backend, out_dir, rank, world_size, deepspeed=config)
 
 
 # -- DeepSpeed ---------------------------------------------------------------------------------
 
 
-def _deepspeed_init(backend: str) -> None:
-    """deepspeed.init_distributed(dist_backend=...), the call a DeepSpeed script makes
-    (env://, torchrun's variables). DeepSpeed caches its communication backend and its
-    expert-parallel groups in module globals; they name the previous run's (destroyed) groups,
-    so they are dropped first, as a fresh process would start."""
-    import deepspeed
+def _deepspeed_reset() -> None:
+    """DeepSpeed caches its communication backend and its groups in module globals; they name
+    the previous run's (destroyed) groups, so they are dropped first, as a fresh process would
+    start."""
     import deepspeed.comm.comm as ds_comm
     from deepspeed.utils import groups
 
@@ -321,6 +344,14 @@ def _deepspeed_init(backend: str) -> None:
                 value.clear()
             else:
                 setattr(groups, name, None)
+
+
+def _deepspeed_init(backend: str) -> None:
+    """deepspeed.init_distributed(dist_backend=...), the call a DeepSpeed script makes
+    (env://, torchrun's variables)."""
+    import deepspeed
+
+    _deepspeed_reset()
     deepspeed.init_distributed(dist_backend=backend, timeout=TIMEOUT)
 
 
@@ -560,6 +591,7 @@ FRAMEWORKS = {
     "lightning_fsdp2": ("lightning", lightning_fsdp2),
     "accelerate": ("accelerate", accelerate),
     "transformers": ("transformers", transformers),
+    "transformers_deepspeed": ("deepspeed", transformers_deepspeed),
     "deepspeed_zero": ("deepspeed", deepspeed_zero),
     "deepspeed_moe": ("deepspeed", deepspeed_moe),
     "deepspeed_pipe": ("deepspeed", deepspeed_pipe),

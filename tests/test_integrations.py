@@ -27,6 +27,7 @@ FRAMEWORKS = (
     "lightning_fsdp2",
     "accelerate",
     "transformers",
+    "transformers_deepspeed",
     "deepspeed_zero",
     "deepspeed_moe",
     "deepspeed_pipe",
@@ -151,6 +152,16 @@ def test_transformers_trainer_on_a_dk_group_made_first_equals_gloo(runs):
     _same(gloo, dk, "losses")
     _same(gloo, dk, "params")
     assert all(torch.equal(dk[0]["params"][k], dk[1]["params"][k]) for k in dk[0]["params"])
+
+
+def test_transformers_trainer_with_deepspeed_on_a_dk_group_made_first_equals_gloo(runs):
+    result = runs("transformers_deepspeed")
+    gloo, dk = result["gloo"], result["dk"]
+    assert [r["wrapped"] for r in dk] == ["DeepSpeedEngine"] * WORLD
+    _same(gloo, dk, "losses")
+    _same(gloo, dk, "params")
+    assert _replicas_agree(dk)
+    assert not torch.equal(dk[0]["losses"][0], dk[0]["losses"][-1])
 
 
 def _replicas_agree(ranks, key="params") -> bool:
