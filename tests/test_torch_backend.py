@@ -540,6 +540,60 @@ def test_torch_ddp_powersgd_hook_over_dk_trains_as_over_gloo():
     assert run_ranks(2, _same_on_dk_as_gloo, _powersgd_train, 5, timeout=180) == [True, True]
 
 
+def _zero_overlap_vs_float64(steps):
+    """torch's ZeroRedundancyOptimizer(overlap_with_ddp=True) stepping inside DDP's comm hook
+    (``hook_with_zero_step``) on a dk group, against single-process SGD in float64 on both
+    ranks' batches. torch refuses this on gloo ("may meet hangs", pytorch#62300): the hook's
+    broadcasts are started and waited for while other buckets' all-reduces are in flight."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    group, rank, world = _dk_group(), dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 2)
+    )
+    start = [p.detach().clone() for p in net.parameters()]
+    ref = copy.deepcopy(net).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ddp = DDP(net, process_group=group, bucket_cap_mb=0.002)  # several buckets
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(),
+        optimizer_class=torch.optim.SGD,
+        process_group=group,
+        overlap_with_ddp=True,
+        lr=0.1,
+    )
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    gen = torch.Generator().manual_seed(SEED)  # every rank draws every rank's batch
+    for i in range(steps):
+        xs = torch.randn(world, 4, 8, generator=gen)
+        ys = torch.randn(world, 4, 2, generator=gen)
+        zero.zero_grad()
+        torch.nn.functional.mse_loss(ddp(xs[rank]), ys[rank]).backward()  # steps in the hook
+        if i >= 2:  # torch's docs: the first two iterations build the buckets, no update
+            ref_opt.zero_grad()
+            out = ref(xs.flatten(0, 1).double())
+            torch.nn.functional.mse_loss(out, ys.flatten(0, 1).double()).backward()
+            ref_opt.step()
+    got = [p.detach() for p in net.parameters()]
+    err = max((a.double() - b).abs().max().item() for a, b in zip(got, ref.parameters()))
+    moved = max((a - b).abs().max().item() for a, b in zip(got, start))
+    return err, moved
+
+
+def test_zero_redundancy_optimizer_overlapped_with_ddp_on_dk_matches_float64_sgd():
+    print("seed", SEED)
+    results = run_ranks(2, _zero_overlap_vs_float64, 6, timeout=180)
+    for err, moved in results:
+        assert err < 1e-5 and moved > 1e-3, results
+
+
 def _nested_futures(depth):
     """A chain of ``depth`` then() callbacks, each waiting inside for an all-reduce it starts."""
     import torch.distributed as dist
