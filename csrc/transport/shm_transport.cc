@@ -235,7 +235,14 @@ Status ShmTransport::waitFor(const LaneState& lane, int peer, const char* what,
     if (header()->abortRank.load(std::memory_order_relaxed) != 0) return health();
     if (backoff.shouldCheck()) {
       DK_RETURN_IF_ERROR(waitChecks(lane, backoff, &armed, peer, what));
-      DK_RETURN_IF_ERROR(pointToPointPeerAlive(lane, peer));
+      // A peer stores what this wait is for before it closes or exits (its closed flag and
+      // its robust mutex are released after), and it may have done both since `seen` was
+      // read: a peer that is gone fails the wait only if the word is still not ready.
+      const Status alive = pointToPointPeerAlive(lane, peer);
+      if (!alive.ok()) {
+        if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
+        return alive;
+      }
       // A peer announces its next collective only after its calls before it have ended, so
       // after it stored what this wait is for; it may have done both since `seen` was read.
       // Read the word again after the announcement: not ready yet is a real disagreement.
