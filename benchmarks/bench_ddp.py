@@ -66,6 +66,17 @@ class Transformer(nn.Module):
         return self.head(self.norm(self.blocks(h)))
 
 
+def add_model_args(parser) -> None:
+    """The transformer's size, its batch and the bucket size: the arguments of every benchmark
+    that trains this model (bench_ddp, bench_torch_backend, bench_deepspeed)."""
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+
+
 def _make_model(args) -> nn.Module:
     torch.manual_seed(0)
     return Transformer(args.vocab, args.dim, args.layers, args.seq)
@@ -370,12 +381,7 @@ def main() -> None:
     parser.add_argument("--grad-dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    add_model_args(parser)
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument(
         "--hooks", nargs="+", choices=HOOKS, help="compare comm hooks instead (2+ ranks)"

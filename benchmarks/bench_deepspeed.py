@@ -16,9 +16,7 @@ the ratio dk / gloo. docs/integrations.md says what DeepSpeed runs on dk and how
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from typing import Dict, List
@@ -30,11 +28,10 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_ddp import _make_model  # noqa: E402
+from bench_ddp import _make_model, add_model_args  # noqa: E402
+from bench_torch_backend import BACKENDS, print_rows, write_json  # noqa: E402
 
 from dist_kernels.launch import LocalRanks  # noqa: E402
-
-BACKENDS = ("gloo", "dk")
 
 
 def _engine(args, stage: int):
@@ -102,12 +99,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    add_model_args(parser)
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
     start_load = os.getloadavg()
@@ -137,15 +129,9 @@ def main() -> None:
         f"slowest rank's); load average {start_load[0]:.1f} at start, {end_load[0]:.1f} at end "
         f"on {os.cpu_count()} cpus"
     )
-    print(f"{'engine':>8} {'gloo ms':>9} {'dk ms':>9} {'dk / gloo':>9}")
-    rows = []
-    for stage, by in results.items():
-        gloo, dk = (statistics.median(by[b]) * 1e3 for b in BACKENDS)
-        rows.append({"engine": stage, "gloo_ms": gloo, "dk_ms": dk, "ratio": dk / gloo})
-        print(f"{stage:>8} {gloo:>9.1f} {dk:>9.1f} {dk / gloo:>9.2f}")
+    rows = print_rows(results, width=8)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "raw": results}, f, indent=1)
+        write_json(args.json, args, rows, results)
 
 
 if __name__ == "__main__":

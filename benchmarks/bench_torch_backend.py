@@ -31,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_ddp import _make_model, _step  # noqa: E402
+from bench_ddp import _make_model, _step, add_model_args  # noqa: E402
 
 from dist_kernels import launch  # noqa: E402
 
@@ -93,18 +93,30 @@ def _rank_main(args):
     return nparams, results, os.getloadavg()
 
 
+def print_rows(results: Dict[str, Dict[str, List[float]]], width: int) -> List[dict]:
+    """One row per engine: the median seconds per step on each backend, in ms, and dk / gloo;
+    printed, and returned for the JSON file."""
+    print(f"{'engine':>{width}} {'gloo ms':>9} {'dk ms':>9} {'dk / gloo':>9}")
+    rows = []
+    for engine, by in results.items():
+        gloo, dk = (statistics.median(by[b]) * 1e3 for b in BACKENDS)
+        rows.append({"engine": engine, "gloo_ms": gloo, "dk_ms": dk, "ratio": dk / gloo})
+        print(f"{engine:>{width}} {gloo:>9.1f} {dk:>9.1f} {dk / gloo:>9.2f}")
+    return rows
+
+
+def write_json(path: str, args, rows: List[dict], raw) -> None:
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "rows": rows, "raw": raw}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=list(ENGINES))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    add_model_args(parser)
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
     start_load = os.getloadavg()
@@ -117,12 +129,7 @@ def main() -> None:
         f"{args.steps} steps (median); load average {start_load[0]:.1f} at start, "
         f"{end_load[0]:.1f} at end on {os.cpu_count()} cpus (machine shared: timings noisy)"
     )
-    print(f"{'engine':>11} {'gloo ms':>9} {'dk ms':>9} {'dk / gloo':>9}")
-    rows = []
-    for engine, by in results.items():
-        gloo, dk = (statistics.median(by[b]) * 1e3 for b in BACKENDS)
-        rows.append({"engine": engine, "gloo_ms": gloo, "dk_ms": dk, "ratio": dk / gloo})
-        print(f"{engine:>11} {gloo:>9.1f} {dk:>9.1f} {dk / gloo:>9.2f}")
+    rows = print_rows(results, width=11)
     if "DDP no_sync" in results:
         by = {r["engine"]: r for r in rows}
         exposed = {b: by["torch DDP"][f"{b}_ms"] - by["DDP no_sync"][f"{b}_ms"] for b in BACKENDS}
@@ -131,8 +138,7 @@ def main() -> None:
             + ", ".join(f"{b} {ms:.1f} ms" for b, ms in exposed.items())
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "raw": results}, f, indent=1)
+        write_json(args.json, args, rows, results)
 
 
 if __name__ == "__main__":
