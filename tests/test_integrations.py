@@ -102,6 +102,12 @@ def _same(gloo, dk, key):
             assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), (key, r)
 
 
+def _replicas_agree(ranks) -> bool:
+    """Both ranks ended on the same parameters (the engine kept its replicas identical)."""
+    first, second = ranks[0]["params"], ranks[1]["params"]
+    return all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_lightning_ddp_strategy_dk_equals_gloo_with_validation_and_resume(runs):
     result = runs("lightning")
     gloo, dk = result["gloo"], result["dk"]
@@ -112,7 +118,7 @@ def test_lightning_ddp_strategy_dk_equals_gloo_with_validation_and_resume(runs):
         for name, value in r["params"].items():
             assert torch.equal(value, r["resumed_params"][name]), name
     # DDP kept the replicas identical; the run moved them (the check can fail)
-    assert all(torch.equal(dk[0]["params"][k], dk[1]["params"][k]) for k in dk[0]["params"])
+    assert _replicas_agree(dk)
     assert not torch.equal(dk[0]["losses"][0], dk[0]["losses"][-1])
 
 
@@ -139,7 +145,7 @@ def test_accelerate_on_a_dk_group_made_first_equals_gloo(runs):
     _same(gloo, dk, "losses")
     _same(gloo, dk, "params")
     # each rank trained on its own shard, DDP averaged: the replicas agree, the losses do not
-    assert all(torch.equal(dk[0]["params"][k], dk[1]["params"][k]) for k in dk[0]["params"])
+    assert _replicas_agree(dk)
     assert not torch.equal(dk[0]["losses"], dk[1]["losses"])
 
 
@@ -151,7 +157,7 @@ def test_transformers_trainer_on_a_dk_group_made_first_equals_gloo(runs):
     assert [r["wrapped"] for r in dk] == ["DistributedDataParallel"] * WORLD
     _same(gloo, dk, "losses")
     _same(gloo, dk, "params")
-    assert all(torch.equal(dk[0]["params"][k], dk[1]["params"][k]) for k in dk[0]["params"])
+    assert _replicas_agree(dk)
 
 
 def test_transformers_trainer_with_deepspeed_on_a_dk_group_made_first_equals_gloo(runs):
@@ -162,10 +168,6 @@ def test_transformers_trainer_with_deepspeed_on_a_dk_group_made_first_equals_glo
     _same(gloo, dk, "params")
     assert _replicas_agree(dk)
     assert not torch.equal(dk[0]["losses"][0], dk[0]["losses"][-1])
-
-
-def _replicas_agree(ranks, key="params") -> bool:
-    return all(torch.equal(ranks[0][key][k], ranks[1][key][k]) for k in ranks[0][key])
 
 
 def test_deepspeed_zero_stages_on_dk_equal_gloo(runs):
