@@ -671,6 +671,132 @@ def test_fsdp2_over_dk_matches_single_process():
     assert run_ranks(2, _fsdp2_vs_single, 3, timeout=180) == [True, True]
 
 
+def _fsdp1_run(strategy, group, steps):
+    """torch's FSDP (the first one, what accelerate's FSDP plugin wraps) over ``group``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = FSDP(
+        _copy(reference),
+        process_group=group,
+        sharding_strategy=getattr(ShardingStrategy, strategy),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(SEED)
+    for _ in range(steps):
+        batches = [torch.randn(4, 8, generator=gen) for _ in range(n)]
+        model(batches[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        reference(torch.cat(batches)).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with FSDP.summon_full_params(model):
+        params = [p.detach().clone() for p in model.parameters()]
+    return params, list(reference.parameters())
+
+
+def _fsdp1_vs_gloo(strategy, steps):
+    import torch.distributed as dist
+
+    ours, reference = _fsdp1_run(strategy, _dk_group(), steps)
+    gloo, _ = _fsdp1_run(strategy, dist.group.WORLD, steps)
+    for p, g, ref in zip(ours, gloo, reference):
+        # two addends sum alike in any order; more are summed in each backend's own order
+        assert dist.get_world_size() > 2 or torch.equal(p, g), strategy
+        # single process: the mean over every rank's batch (FSDP averages gradients)
+        torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g, ref.detach(), rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize(
+    "strategy,world_size",
+    [("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("NO_SHARD", 2), ("FULL_SHARD", 4)],
+)
+def test_fsdp1_over_dk_equals_gloo_and_single_process(strategy, world_size):
+    assert run_ranks(world_size, _fsdp1_vs_gloo, strategy, 3, timeout=180) == [True] * world_size
+
+
+# torch.distributed.pipelining's schedules: name -> stage ids of rank r out of n ranks
+_PIPELINING = {
+    "ScheduleGPipe": lambda r, n: [r],
+    "Schedule1F1B": lambda r, n: [r],
+    "ScheduleInterleaved1F1B": lambda r, n: [r, r + n],
+    "ScheduleLoopedBFS": lambda r, n: [r, r + n],
+    "ScheduleInterleavedZeroBubble": lambda r, n: [r, r + n],
+    "ScheduleZBVZeroBubble": lambda r, n: [r, 2 * n - 1 - r],  # the V: first and last stage
+    "ScheduleDualPipeV": lambda r, n: [r, 2 * n - 1 - r],
+}
+
+
+def _pipelining_step(name, layers, group, x, y):
+    """One step of torch's schedule ``name`` over ``group``: this rank's gradients and losses."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ids = _PIPELINING[name](rank, n)
+    n_stages = n * len(ids)
+    per = len(layers) // n_stages
+    mods = {s: _copy(torch.nn.Sequential(*layers[s * per : (s + 1) * per])) for s in ids}
+    stages = [
+        pipelining.PipelineStage(mods[s], s, n_stages, torch.device("cpu"), group=group)
+        for s in ids
+    ]
+    cls = getattr(pipelining, name)
+    schedule = cls(stages if len(ids) > 1 else stages[0], 8, loss_fn=torch.nn.functional.mse_loss)
+    losses = []
+    schedule.step(
+        *((x,) if 0 in ids else ()), target=y if n_stages - 1 in ids else None, losses=losses
+    )
+    grads = {f"{s}.{k}": p.grad for s, m in mods.items() for k, p in m.named_parameters()}
+    return grads, losses
+
+
+def _torch_pipelining(name):
+    """A schedule over dk against the same schedule over gloo (bitwise: the same sends, the same
+    arithmetic) and against single-process autograd of the whole model (rounding)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    torch.manual_seed(SEED)
+    layers = [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(2 * n)]
+    gen = torch.Generator().manual_seed(SEED)
+    x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 6, generator=gen)
+    ours = _pipelining_step(name, layers, _dk_group(), x, y)
+    gloo = _pipelining_step(name, layers, dist.group.WORLD, x, y)
+    assert dist.get_backend(_dk_group()) == "dk" and dist.get_backend() == "gloo"
+    assert ours[0].keys() == gloo[0].keys() and ours[0]
+    for key, grad in ours[0].items():
+        assert torch.equal(grad, gloo[0][key]), (name, key)
+    assert len(ours[1]) == len(gloo[1]) and all(map(torch.equal, ours[1], gloo[1]))
+    # single process: 8 equal micro-batches, gradients averaged over them (scale_grads)
+    full = _copy(torch.nn.Sequential(*layers))
+    torch.nn.functional.mse_loss(full(x), y).backward()
+    per = len(layers) // (n * len(_PIPELINING[name](0, n)))
+    for key, grad in ours[0].items():
+        stage, rest = key.split(".", 1)
+        layer, param = rest.split(".", 1)
+        ref = full.get_parameter(f"{int(stage) * per + int(layer)}.{param}").grad
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
+    return len(ours[0])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", sorted(_PIPELINING))
+def test_torch_pipelining_schedules_over_dk_equal_gloo(name, world_size):
+    counts = run_ranks(world_size, _torch_pipelining, name, timeout=180)
+    assert all(c > 0 for c in counts)
+
+
 def _dtensor_tp():
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
