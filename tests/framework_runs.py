@@ -586,6 +586,104 @@ def deepspeed_ulysses(backend: str, out_dir: str, rank: int, world_size: int) ->
     }
 
 
+# -- Megatron-Core ------------------------------------------------------------------------------
+
+
+def megatron_tp(backend: str, out_dir: str, rank: int, world_size: int) -> dict:
+    """Megatron-Core's parallel_state (every group it makes, on the default backend) and its
+    tensor-parallel layers: a vocab-parallel embedding, a column- and a row-parallel linear, a
+    column-parallel head and the vocab-parallel cross entropy, trained 3 SGD steps at tp = 2.
+    Against single-process float64 training of the same unsharded weights. (On CPU only this
+    much of Megatron runs: sequence parallelism, its GPT, DDP buffers and pipeline p2p
+    allocate on CUDA whatever the backend.)"""
+    from megatron.core import parallel_state as ps
+
+    _init(backend, out_dir, "megatron_tp", rank, world_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        return _megatron_tp_train(backend, rank, world_size)
+    finally:
+        ps.destroy_model_parallel()  # Megatron's groups are module globals: gone for the next run
+        _teardown()
+
+
+def _megatron_tp_train(backend: str, rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as tp
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    assert dist.get_backend(ps.get_tensor_model_parallel_group()) == backend
+    cfg = ModelParallelConfig(
+        tensor_model_parallel_size=world_size,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
+    torch.manual_seed(0)  # each layer draws its whole weight, then keeps this rank's shard
+
+    def init(t):
+        return nn.init.normal_(t, std=0.2)
+
+    vocab, dim, hidden = 32, 16, 32
+    layers = nn.ModuleDict(
+        {
+            "emb": tp.VocabParallelEmbedding(vocab, dim, init_method=init, config=cfg),
+            "up": tp.ColumnParallelLinear(dim, hidden, config=cfg, init_method=init, bias=True),
+            "down": tp.RowParallelLinear(
+                hidden,
+                dim,
+                config=cfg,
+                init_method=init,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+            ),
+            "head": tp.ColumnParallelLinear(dim, vocab, config=cfg, init_method=init, bias=False),
+        }
+    )
+    # the unsharded weights: the shards of every rank, in float64
+    shard_dim = {"emb.weight": 0, "up.weight": 0, "up.bias": 0, "down.weight": 1, "head.weight": 0}
+    full = {}
+    for name, p in layers.named_parameters():
+        if name in shard_dim:
+            parts = [torch.empty_like(p.data) for _ in range(world_size)]
+            dist.all_gather(parts, p.data.contiguous())
+            full[name] = torch.cat(parts, shard_dim[name]).double().requires_grad_()
+        else:
+            full[name] = p.detach().double().requires_grad_()
+
+    def forward(tok):  # [seq, batch] tokens, Megatron's layout
+        h, _ = layers["up"](layers["emb"](tok))
+        y, _ = layers["down"](nn.functional.gelu(h))
+        logits, _ = layers["head"](y)
+        return tp.vocab_parallel_cross_entropy(logits, tok.roll(-1, 0)).mean()
+
+    def reference(tok):
+        x = nn.functional.embedding(tok, full["emb.weight"])
+        h = nn.functional.gelu(x @ full["up.weight"].T + full["up.bias"])
+        y = h @ full["down.weight"].T + full["down.bias"]
+        logits = y @ full["head.weight"].T
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab), tok.roll(-1, 0).reshape(-1))
+
+    opt = torch.optim.SGD(layers.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(full.values(), lr=0.5)
+    g = torch.Generator().manual_seed(5)  # the same tokens on both ranks: tp shares the batch
+    losses, ref_losses = [], []
+    for _ in range(3):
+        tok = torch.randint(0, vocab, (8, 2), generator=g)
+        for o, f, out in ((opt, forward, losses), (ref_opt, reference, ref_losses)):
+            o.zero_grad()
+            loss = f(tok)
+            loss.backward()
+            o.step()
+            out.append(loss.item())
+    params = {k: p.detach().clone() for k, p in layers.named_parameters()}
+    shards = {
+        k: v.detach().chunk(world_size, shard_dim[k])[rank] if k in shard_dim else v.detach()
+        for k, v in full.items()
+    }
+    return {"losses": losses, "ref_losses": ref_losses, "params": params, "ref_params": shards}
+
+
 FRAMEWORKS = {
     "lightning": ("lightning", lightning),
     "lightning_fsdp2": ("lightning", lightning_fsdp2),
@@ -597,7 +695,16 @@ FRAMEWORKS = {
     "deepspeed_pipe": ("deepspeed", deepspeed_pipe),
     "deepspeed_autotp": ("deepspeed", deepspeed_autotp),
     "deepspeed_ulysses": ("deepspeed", deepspeed_ulysses),
+    "megatron_tp": ("megatron.core", megatron_tp),
 }
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` imports; a dotted name whose parent is missing counts as missing."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def main(out_dir: str, rank: int, world_size: int, port: int, names) -> None:
@@ -617,7 +724,7 @@ def main(out_dir: str, rank: int, world_size: int, port: int, names) -> None:
                 OMP_NUM_THREADS="1",
             )
             path = os.path.join(out_dir, f"{name}-{backend}-{rank}.pt")
-            if importlib.util.find_spec(module) is None:
+            if not _installed(module):
                 torch.save({"skip": f"{module} is not installed: .[integrations]"}, path)
                 continue
             try:

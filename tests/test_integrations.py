@@ -5,8 +5,9 @@ from the same seed and data; each test here compares the two runs bitwise (with 
 a + b is one rounding either way, so torch DDP over dk equals DDP over gloo to the bit:
 docs/torch_backend.md) and checks what docs/integrations.md promises (the refusal a
 framework gives the name "dk", DDP wrapping, resume from a checkpoint, DeepSpeed's engines:
-ZeRO 1-3, MoE, pipeline, AutoTP, Ulysses). A framework that is
-not installed is skipped with the reason (`pip install .[integrations]` installs them).
+ZeRO 1-3, MoE, pipeline, AutoTP, Ulysses; Megatron-Core's tensor-parallel layers). A
+framework that is not installed is skipped with the reason (`pip install .[integrations]`
+installs them).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ FRAMEWORKS = (
     "deepspeed_pipe",
     "deepspeed_autotp",
     "deepspeed_ulysses",
+    "megatron_tp",
 )
 WORLD = 2
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -236,3 +238,16 @@ def test_deepspeed_ulysses_attention_on_dk_matches_float64_attention(runs):
         assert torch.allclose(r["grads"], r["ref_grads"], rtol=0, atol=1e-12)
     _same(gloo, dk, "out")
     _same(gloo, dk, "grads")
+
+
+def test_megatron_core_tensor_parallel_layers_on_dk_match_float64_and_gloo(runs):
+    result = runs("megatron_tp")
+    gloo, dk = result["gloo"], result["dk"]
+    for r in dk:
+        # float32 layers against the float64 unsharded model, 3 SGD steps
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-6)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref.float(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(dk[0]["params"]["up.weight"], dk[1]["params"]["up.weight"])  # shards
+    _same(gloo, dk, "losses")
+    _same(gloo, dk, "params")
