@@ -155,6 +155,22 @@ def _point_to_point_and_async(comm):
         t = torch.empty(5)
         comm.recv(t, peers["cross"])
         assert torch.equal(t, torch.arange(5.0) + peers["cross"])
+    # tags received in the other order than sent: across hosts (gloo) and inside one (ours)
+    for kind, p in peers.items():
+        if r < p:  # isend: gloo may hold a send until its tag's receive is posted
+            sent = [comm.isend(torch.full((4,), 10.0 * tag + r), p, tag=tag) for tag in (1, 2)]
+            for w in sent:
+                w.wait()
+        else:
+            for tag in (2, 1):
+                t = torch.empty(4)
+                comm.recv(t, p, tag=tag)
+                assert torch.equal(t, torch.full((4,), 10.0 * tag + p)), (kind, tag, t)
+    try:  # gloo takes nonnegative tags only: refused before anything is sent
+        comm.send(torch.ones(1), peers["cross"], tag=-1)
+        raise AssertionError("a negative tag across hosts was taken")
+    except ValueError as e:
+        assert "nonnegative" in str(e) and f"[rank {r}]" in str(e), e
     # several collectives in flight at once, then waited in reverse
     tensors = [torch.full((c,), float(r + 1)) for c in (3, 70000, 1)]
     gathered = torch.empty(n * 4)

@@ -894,6 +894,65 @@ def _recv_any_source():
     return got
 
 
+def _tagged_p2p(seed, group_name):
+    """torch's send / recv / isend / irecv with tags over ``group_name``: rank 1 sends a random
+    schedule (tags, sizes, dtypes), rank 0 receives it in a random order that keeps each tag's
+    messages in sending order (test_comm_tags._schedule); then rank 1 isends one more tag-0
+    message and both gather, and rank 0 receives that message after the gather. Returns what
+    rank 0 got wrong; the same on gloo, which matches tags by definition."""
+    import torch.distributed as dist
+    from test_comm_tags import _index_within_tag, _payload, _schedule
+
+    group = _dk_group() if group_name == "dk" else dist.group.WORLD
+    assert dist.get_backend(group) == group_name
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sends, order = _schedule(seed, 16)
+    dtypes = [(torch.float32, torch.float64, torch.int32)[i % 3] for i in range(len(sends))]
+    tags = [abs(tag) % 2**31 for tag, _ in sends]  # gloo takes nonnegative tags only
+    sends = [(t, numel % 5000) for t, (_, numel) in zip(tags, sends)]
+    wrong = []
+
+    def payload(i):
+        tag, numel = sends[i]
+        return _payload(1, tag, _index_within_tag(sends, i), numel).to(dtypes[i])
+
+    if rank == 1:
+        works = [dist.isend(payload(i), 0, group=group, tag=sends[i][0]) for i in range(len(sends))]
+        late = dist.isend(torch.full((3,), 7.0), 0, group=group, tag=0)
+        for w in works:
+            w.wait()
+    elif rank == 0:
+        for k, i in enumerate(order):
+            tag, numel = sends[i]
+            t = torch.empty(numel, dtype=dtypes[i])
+            if k % 2:
+                dist.irecv(t, 1, group=group, tag=tag).wait()
+            else:
+                dist.recv(t, 1, group=group, tag=tag)
+            if not torch.equal(t, payload(i)):
+                wrong.append((i, tag, numel))
+    gathered = [torch.empty(2) for _ in range(n)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), gathered, dst=0, group=group)
+    if rank == 0:
+        if [g.tolist() for g in gathered] != [[float(r)] * 2 for r in range(n)]:
+            wrong.append(("gather", [g.tolist() for g in gathered]))
+        t = torch.empty(3)
+        dist.recv(t, 1, group=group, tag=0)
+        if t.tolist() != [7.0] * 3:
+            wrong.append(("after gather", t.tolist()))
+    elif rank == 1:
+        late.wait()
+    dist.barrier(group=group)
+    return wrong
+
+
+@pytest.mark.parametrize("backend", ["gloo", "dk"])
+def test_point_to_point_tags_match_as_gloo_does(backend):
+    seed = int(os.environ.get("DK_TAG_SEED", zlib.crc32(b"tags") + SEED))
+    print(f"tag schedule seed {seed} (rerun with DK_TAG_SEED={seed})")
+    assert run_ranks(2, _tagged_p2p, seed, backend, timeout=180) == [[], []]
+
+
 def test_recv_without_src_returns_the_sender():
     got = run_ranks(3, _recv_any_source)[0]
     assert sorted(got) == [(1, 1.0), (1, 10.0), (2, 2.0), (2, 20.0)], got

@@ -34,13 +34,6 @@ Status recvFrom(Channel ch, const CollectiveArgs& a) {
   return Status::Ok();
 }
 
-Status recvFromAny(Channel ch, const CollectiveArgs& a, int* source) {
-  DK_RETURN_IF_ERROR(ch.transport.waitAnySource(source));
-  CollectiveArgs fromSource = a;
-  fromSource.root = *source;
-  return recvFrom(ch, fromSource);
-}
-
 Status barrier(Channel ch) {
   const int n = ch.transport.worldSize();
   const int rank = ch.transport.rank();

@@ -11,9 +11,6 @@ Status sendTo(Channel ch, const CollectiveArgs& args);
 // args.dst (count elements) from rank args.root. Touches only the receiving side of the
 // transport, so it may run beside a sendTo() on another thread (the CPU communicator's lanes).
 Status recvFrom(Channel ch, const CollectiveArgs& args);
-// args.dst (count elements) from whichever rank sends first (Transport::waitAnySource), which
-// *source is set to; then as recvFrom() from it.
-Status recvFromAny(Channel ch, const CollectiveArgs& args, int* source);
 
 // Barrier. Where the transport has small-message boxes: one round, every rank raises its flag
 // and waits for every other's (n - 1 flag lines instead of log2 n dependent FIFO steps).

@@ -240,23 +240,30 @@ void bindCommunicator(py::module_& m) {
              return runRequest(c, makeRequest(K::kBroadcast, ptr, ptr, count, dtype, 0, root, 0),
                                asyncOp);
            })
+      // `tag`: torch's point-to-point tag (TaggedReceiver matches receives by it).
       .def("send",
-           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int peer, bool asyncOp) {
+           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int peer, bool asyncOp,
+              int32_t tag) {
              Request r = makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, peer, 0);
              r.isSend = true;
+             r.tag = tag;
              return runRequest(c, r, asyncOp);
            })
       .def("recv",
-           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int peer, bool asyncOp) {
-             return runRequest(c, makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, peer, 0),
-                               asyncOp);
-           })
-      .def("recv_any",
-           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, bool asyncOp) {
-             Request r = makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, -1, 0);
-             r.source = std::make_shared<int>(-1);
+           [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, int peer, bool asyncOp,
+              int32_t tag) {
+             Request r = makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, peer, 0);
+             r.tag = tag;
              return runRequest(c, r, asyncOp);
            })
+      .def(
+          "recv_any",
+          [](PyCommunicator& c, uintptr_t ptr, size_t count, int dtype, bool asyncOp, int32_t tag) {
+            Request r = makeRequest(K::kSendRecv, ptr, ptr, count, dtype, 0, -1, 0);
+            r.source = std::make_shared<int>(-1);
+            r.tag = tag;
+            return runRequest(c, r, asyncOp);
+          })
       .def("set_timeout",
            [](PyCommunicator& c, double seconds) { c.live("set_timeout")->setTimeout(seconds); })
       .def("dead_peers", [](PyCommunicator& c) { return c.live("dead_peers")->deadPeers(); })

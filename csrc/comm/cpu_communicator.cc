@@ -23,7 +23,8 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<shm::ShmTransport> transport, O
     : transport_(std::move(transport)),
       options_(options),
       timeoutSec_(options.timeoutSec),
-      scratch_(transport_->maxMessageBytes()) {}
+      scratch_(transport_->maxMessageBytes()),
+      tagged_(transport_->worldSize()) {}
 
 Status CpuCommunicator::create(std::shared_ptr<shm::Segment> segment, int rank, Options options,
                                std::unique_ptr<CpuCommunicator>* out) {
@@ -199,6 +200,7 @@ shm::MessageHeader CpuCommunicator::headerOf(const Request& r) const {
   const bool reduces =
       r.kind == CollectiveKind::kAllReduce || r.kind == CollectiveKind::kReduceScatter;
   h.op = reduces ? static_cast<uint32_t>(r.args.op) : 0;
+  if (r.kind == CollectiveKind::kSendRecv) h.op = static_cast<uint32_t>(r.tag);
   h.root = r.kind == CollectiveKind::kBroadcast ? r.args.root : -1;
   // All-to-all blocks differ in size between pairs: each message's byte count is checked
   // against its receiver's instead.
@@ -347,7 +349,8 @@ Status CpuCommunicator::dispatch(const Request& r) {
           ch, args, args.count * dtypeSize(args.dtype) > transport_->maxMessageBytes());
     case CollectiveKind::kSendRecv:
       if (r.isSend) return algo::sendTo(ch, args);
-      return r.source ? algo::recvFromAny(ch, args, r.source.get()) : algo::recvFrom(ch, args);
+      if (r.source) return tagged_.receiveAny(ch, *transport_, headerOf(r), args, r.source.get());
+      return tagged_.receive(ch, *transport_, headerOf(r), args);
     case CollectiveKind::kBarrier:
       return algo::barrier(ch);
     case CollectiveKind::kAllToAll:

@@ -39,6 +39,7 @@
 #include "comm/flight_recorder.h"
 #include "comm/op_queue.h"
 #include "comm/request.h"
+#include "comm/tagged_receive.h"
 #include "comm/work.h"
 #include "transport/shm_transport.h"
 
@@ -113,6 +114,7 @@ class CpuCommunicator {
   Options options_;
   std::atomic<double> timeoutSec_;  // options_.timeoutSec until setTimeout()
   std::vector<char> scratch_;
+  TaggedReceiver tagged_;       // messages received ahead of their tag's receive; receive lane only
   uint64_t collectiveSeq_ = 0;  // collectives started; changed with both lanes held
 
   OpQueue queue_;

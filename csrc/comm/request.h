@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -16,6 +17,9 @@ struct Request {
   algo::Algorithm algorithm = algo::Algorithm::kAuto;
   algo::CollectiveArgs args;
   bool isSend = false;  // kSendRecv: send (else receive)
+  // kSendRecv: torch's tag, carried in the message header (MessageHeader::op); a receive takes
+  // the oldest message from its source with its tag (TaggedReceiver).
+  int32_t tag = 0;
   // A receive from any source: the sender's rank is written here before the request
   // completes (null: a receive from args.root).
   std::shared_ptr<int> source;

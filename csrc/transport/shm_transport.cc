@@ -29,10 +29,16 @@ std::string awaited(int peer) { return peer < 0 ? "any rank" : "rank " + std::to
 std::string describeHeader(const MessageHeader& h) {
   const auto dtype = static_cast<DType>(h.dtype);
   char buf[160];
-  std::snprintf(
-      buf, sizeof(buf), "%s(count=%llu, %s, %s, root=%d, algorithm %u)", kindName(h.collective),
-      static_cast<unsigned long long>(h.count), isValidDType(h.dtype) ? dtypeName(dtype) : "?",
-      isValidRedOp(h.op) ? redOpName(static_cast<RedOp>(h.op)) : "?", h.root, h.collective >> 8);
+  const char* dtypeText = isValidDType(h.dtype) ? dtypeName(dtype) : "?";
+  if (isPointToPoint(h)) {  // op carries the tag
+    std::snprintf(buf, sizeof(buf), "send/recv(count=%llu, %s, tag=%d)",
+                  static_cast<unsigned long long>(h.count), dtypeText, static_cast<int32_t>(h.op));
+    return buf;
+  }
+  std::snprintf(buf, sizeof(buf), "%s(count=%llu, %s, %s, root=%d, algorithm %u)",
+                kindName(h.collective), static_cast<unsigned long long>(h.count), dtypeText,
+                isValidRedOp(h.op) ? redOpName(static_cast<RedOp>(h.op)) : "?", h.root,
+                h.collective >> 8);
   std::string out = buf;
   if (h.seq != 0) out += " as collective #" + std::to_string(h.seq);
   return out;
@@ -454,6 +460,16 @@ Status ShmTransport::completeRecv(RecvOp& recv) {
   return Status::Ok();
 }
 
+Status ShmTransport::peekMessage(int peer, MessageHeader* next) {
+  if (peer < 0 || peer >= worldSize() || peer == rank_) return Internal("peek at a bad peer");
+  FifoControl* f = fifo(peer, rank_);
+  const uint64_t seq = received_[peer];
+  DK_RETURN_IF_ERROR(waitFor(recvLane(), peer, "waiting for a message", f->head, f->headSleepers,
+                             [&](uint64_t head) { return head > seq; }));
+  *next = f->slots[seq % geometry_.slotsPerFifo].header;
+  return Status::Ok();
+}
+
 Status ShmTransport::exchange(const SendOp* sends, int nsends, RecvOp* recvs, int nrecvs) {
   for (int i = 0; i < nsends; ++i) DK_RETURN_IF_ERROR(postSend(sends[i]));
   for (int i = 0; i < nrecvs; ++i) DK_RETURN_IF_ERROR(completeRecv(recvs[i]));
@@ -497,8 +513,7 @@ bool ShmTransport::pendingFrom(int peer) const {
   if (f->head.load(std::memory_order_seq_cst) <= seq) return false;
   // A collective's message (the peer has started one) is not for a receive.
   const MessageHeader& h = f->slots[seq % geometry_.slotsPerFifo].header;
-  return static_cast<CollectiveKind>(h.collective & 0xff) == CollectiveKind::kSendRecv &&
-         h.seq == 0;
+  return isPointToPoint(h);
 }
 
 bool ShmTransport::pendingSource(int* source) const {

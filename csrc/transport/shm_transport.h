@@ -30,8 +30,15 @@
 
 namespace dk::shm {
 
-// e.g. "all_reduce(count=100, float32, sum, root=-1, algorithm 1)"
+// e.g. "all_reduce(count=100, float32, sum, root=-1, algorithm 1)", "send/recv(count=8,
+// uint8, tag=3)"
 std::string describeHeader(const MessageHeader& header);
+
+// A send / receive's message (its header's op is the tag), not a collective's.
+inline bool isPointToPoint(const MessageHeader& h) {
+  return static_cast<CollectiveKind>(h.collective & 0xff) == CollectiveKind::kSendRecv &&
+         h.seq == 0;
+}
 
 // Which side of the FIFOs a call uses (see the file comment); kBoth for collectives.
 enum class Lane : int { kSend = 0, kRecv = 1, kBoth = 2 };
@@ -65,6 +72,13 @@ class ShmTransport : public Transport {
   Status waitAnySource(int* source) override;
   // True once some rank found `peer`'s process dead (it exited holding the communicator).
   bool peerDied(int peer) const;
+  // Receive lane: waits until `peer` has a message for this rank that this rank has not
+  // received, and sets *next to its header without taking it (a tagged receive looks before
+  // it takes: CpuCommunicator::receive).
+  Status peekMessage(int peer, MessageHeader* next);
+  // Receive lane: the header incoming messages must match from now on, in place of the one
+  // begin() set (a message of another tag received to be set aside, then the call's own).
+  void expect(const MessageHeader& header) { recvLane().header = header; }
 
   // Starts one collective (or one send / receive, on its lane): later messages carry `header`,
   // incoming ones must match it, and every wait gives up at `deadline`. Calls on different

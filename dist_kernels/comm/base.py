@@ -56,19 +56,19 @@ class BaseCommunicator(abc.ABC):
         """Copies ``tensor`` of rank ``src`` into ``tensor`` on every rank."""
 
     @abc.abstractmethod
-    def send(self, tensor, dst: int) -> None:
-        """Sends ``tensor`` to rank ``dst``."""
+    def send(self, tensor, dst: int, tag: int = 0) -> None:
+        """Sends ``tensor`` to rank ``dst`` (``tag``: torch's; CUDA ignores it, as NCCL)."""
 
     @abc.abstractmethod
-    def recv(self, tensor, src: int) -> None:
-        """Receives into ``tensor`` what rank ``src`` sends."""
+    def recv(self, tensor, src: int, tag: int = 0) -> None:
+        """Receives into ``tensor`` what rank ``src`` sends with ``tag``."""
 
     @abc.abstractmethod
-    def isend(self, tensor, dst: int):
+    def isend(self, tensor, dst: int, tag: int = 0):
         """Asynchronous :meth:`send`; returns a Work."""
 
     @abc.abstractmethod
-    def irecv(self, tensor, src: int):
+    def irecv(self, tensor, src: int, tag: int = 0):
         """Asynchronous :meth:`recv`; returns a Work."""
 
     @abc.abstractmethod
@@ -122,6 +122,17 @@ class BaseCommunicator(abc.ABC):
                 + ("" if allow_self else " (and must not be this rank)")
             )
         return peer
+
+    def _check_tag(self, tag: Any, what: str) -> int:
+        """torch's point-to-point tag: an int that fits the message header's 32 bits."""
+        if not isinstance(tag, int) or isinstance(tag, bool):
+            raise TypeError(f"[rank {self.rank}] {what}: tag must be an int, got {tag!r}")
+        if not -(2**31) <= tag < 2**31:
+            raise ValueError(
+                f"[rank {self.rank}] {what}: tag={tag} does not fit in 32 bits "
+                f"(-2**31 <= tag < 2**31)"
+            )
+        return tag
 
     def _op(self, op: ReduceOpLike, what: str) -> ReduceOp:
         if type(op) is ReduceOp:

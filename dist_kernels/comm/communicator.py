@@ -440,65 +440,73 @@ class Communicator(BaseCommunicator):
         handle = self._backend.broadcast(tensor, code, src, async_op)
         return self._finish(handle, (tensor,), async_op)
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Sends ``tensor`` to rank ``dst`` (which calls :meth:`recv` with the same shape).
 
         Returns once ``tensor`` may be reused: small messages are copied into shared memory
         at once, larger ones wait for the receiver. A send and a receive may run at the same
-        time on two threads of one rank.
+        time on two threads of one rank. ``tag`` as in ``torch.distributed.send``: the
+        receive that names it takes the message (see :meth:`recv`).
         """
-        self._p2p("send", tensor, dst, async_op=False)
+        self._p2p("send", tensor, dst, async_op=False, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, src: Optional[int] = None) -> int:
+    def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
         """Receives into ``tensor`` what rank ``src`` sends; returns the sender's rank.
 
         ``src=None`` receives from whichever rank sends first, as ``torch.distributed.recv``
         without ``src`` does (ranks are taken in turn when several have sent). A peer that
         died before sending raises :class:`CommError` for this call only: the communicator
         stays usable with the others, and :meth:`dead_peers` names it. One host only.
+
+        ``tag``: the oldest message from ``src`` sent with this tag, as gloo and MPI match
+        (NCCL ignores tags). Messages of other tags sent before it are received into memory
+        of the communicator's own and kept for the receives that name their tags; messages
+        received in the order they were sent are never copied twice.
         """
         if src is None:
-            return self._recv_any(tensor, async_op=False)
-        self._p2p("recv", tensor, src, async_op=False)
+            return self._recv_any(tensor, async_op=False, tag=tag)
+        self._p2p("recv", tensor, src, async_op=False, tag=tag)
         return src
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Starts sending ``tensor`` to rank ``dst``; do not modify it before ``wait()``.
 
         Like ``torch.distributed.isend``: sends and receives started with :meth:`isend` and
         :meth:`irecv` may be issued in any order on the two ranks (a pending receive never
-        holds up a send). Operations on one peer pair are matched in issue order; collectives
-        issued after them run after them.
+        holds up a send). Operations on one peer pair with one tag are matched in issue
+        order; collectives issued after them run after them.
         """
-        return self._p2p("send", tensor, dst, async_op=True)
+        return self._p2p("send", tensor, dst, async_op=True, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, src: Optional[int] = None) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Work:
         """Starts receiving into ``tensor`` from rank ``src``; read it after ``wait()``.
 
         ``src=None``: from any rank, as :meth:`recv`; ``Work.source_rank()`` then names the
-        sender once the receive has completed.
+        sender once the receive has completed. ``tag``: as :meth:`recv`.
         """
         if src is None:
-            return self._recv_any(tensor, async_op=True)
-        return self._p2p("recv", tensor, src, async_op=True)
+            return self._recv_any(tensor, async_op=True, tag=tag)
+        return self._p2p("recv", tensor, src, async_op=True, tag=tag)
 
-    def _recv_any(self, tensor: torch.Tensor, async_op: bool):
+    def _recv_any(self, tensor: torch.Tensor, async_op: bool, tag: int = 0):
         self._check_open("recv")
         code = self._check_tensor(tensor, "tensor", "recv")
+        tag = self._check_tag(tag, "recv")
         recv_any = getattr(self._backend, "recv_any", None)
         if recv_any is None:
             raise NotImplementedError(
                 f"[rank {self.rank}] recv: receiving from any source works among the ranks of "
                 f"one host; this communicator spans several: name the source rank"
             )
-        handle = recv_any(tensor, code, async_op)
+        handle = recv_any(tensor, code, async_op, tag)
         return self._finish(handle, (tensor,), async_op) if async_op else handle
 
-    def _p2p(self, what: str, tensor: torch.Tensor, peer: int, async_op: bool):
+    def _p2p(self, what: str, tensor: torch.Tensor, peer: int, async_op: bool, tag: int = 0):
         self._check_open(what)
         code = self._check_tensor(tensor, "tensor", what)
         self._check_peer(peer, "dst" if what == "send" else "src", what, allow_self=False)
-        handle = getattr(self._backend, what)(tensor, code, peer, async_op)
+        tag = self._check_tag(tag, what)
+        handle = getattr(self._backend, what)(tensor, code, peer, async_op, tag)
         return self._finish(handle, (tensor,), async_op)
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:

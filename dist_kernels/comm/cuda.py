@@ -628,19 +628,22 @@ class CudaCommunicator(BaseCommunicator):
         trace = [("broadcast", args[2], -1, src, t.numel(), t.numel())]
         return self._run("broadcast", [t], launch, async_op, _foreign(tensor), trace)
 
-    def send(self, tensor: Any, dst: int) -> None:
+    # ``tag`` is accepted and ignored, as torch's NCCL backend ignores it: NCCL matches the
+    # messages between two ranks in the order they are issued.
+
+    def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
         """Sends ``tensor`` to rank ``dst`` (which calls :meth:`recv` with the same size)."""
         self._send_recv("send", (tensor, dst, False), None, False)
 
-    def recv(self, tensor: Any, src: int) -> None:
+    def recv(self, tensor: Any, src: int, tag: int = 0) -> None:
         """Receives into ``tensor`` what rank ``src`` sends."""
         self._send_recv("recv", None, (tensor, src, False), False)
 
-    def isend(self, tensor: Any, dst: int) -> Any:
+    def isend(self, tensor: Any, dst: int, tag: int = 0) -> Any:
         """Asynchronous :meth:`send` (ordered on the communicator's stream); returns a Work."""
         return self._send_recv("isend", (tensor, dst, False), None, True)
 
-    def irecv(self, tensor: Any, src: int) -> Any:
+    def irecv(self, tensor: Any, src: int, tag: int = 0) -> Any:
         """Asynchronous :meth:`recv` (ordered on the communicator's stream); returns a Work."""
         return self._send_recv("irecv", None, (tensor, src, False), True)
 

@@ -613,19 +613,29 @@ class HierarchicalBackend:
 
     # -- point-to-point, barrier, memory -------------------------------------------------------
 
-    def _post(self, what: str, t: torch.Tensor, peer: int):
-        """Starts a send or receive: shared memory on this host, Gloo across hosts."""
+    def _post(self, what: str, t: torch.Tensor, peer: int, tag: int):
+        """Starts a send or receive: shared memory on this host, Gloo across hosts (both
+        match receives by tag)."""
         layout = self.layout
         if layout.host_index(peer) == layout.my_host:
             code = DTYPE_CODES[t.dtype]
-            return getattr(self.local, what)(t, code, layout.local_rank_of(peer), True)
-        return self._flat(what, t, peer)
+            return getattr(self.local, what)(t, code, layout.local_rank_of(peer), True, tag)
+        return self._flat(what, t, peer, tag)
 
-    def send(self, t, code: int, dst: int, async_op: bool):
-        return self._run("send", lambda: self._post("send", t, dst), async_op)
+    def _check_cross_host_tag(self, what: str, peer: int, tag: int) -> None:
+        if tag < 0 and self.layout.host_index(peer) != self.layout.my_host:
+            raise ValueError(
+                f"[rank {self.rank}] {what}: tag={tag} to rank {peer} on another host: gloo "
+                f"carries messages between hosts and takes nonnegative tags only"
+            )
 
-    def recv(self, t, code: int, src: int, async_op: bool):
-        return self._run("recv", lambda: self._post("recv", t, src), async_op)
+    def send(self, t, code: int, dst: int, async_op: bool, tag: int = 0):
+        self._check_cross_host_tag("send", dst, tag)
+        return self._run("send", lambda: self._post("send", t, dst, tag), async_op)
+
+    def recv(self, t, code: int, src: int, async_op: bool, tag: int = 0):
+        self._check_cross_host_tag("recv", src, tag)
+        return self._run("recv", lambda: self._post("recv", t, src, tag), async_op)
 
     def barrier(self, async_op: bool):
         def barrier():

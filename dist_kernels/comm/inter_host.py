@@ -82,11 +82,11 @@ class GlooLeg:
         opts = dist.AllToAllOptions()
         return _GlooHandle(self.pg.alltoall_base(out, inp, out_splits, in_splits, opts))
 
-    def send(self, t: torch.Tensor, dst: int) -> _GlooHandle:
-        return _GlooHandle(self.pg.send([t], dst, 0))
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> _GlooHandle:
+        return _GlooHandle(self.pg.send([t], dst, tag))
 
-    def recv(self, t: torch.Tensor, src: int) -> _GlooHandle:
-        return _GlooHandle(self.pg.recv([t], src, 0))
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> _GlooHandle:
+        return _GlooHandle(self.pg.recv([t], src, tag))
 
     def barrier(self) -> _GlooHandle:
         return _GlooHandle(self.pg.barrier(dist.BarrierOptions()))

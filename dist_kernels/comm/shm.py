@@ -194,16 +194,16 @@ class ShmBackend:
         impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
         return impl.broadcast(t.data_ptr(), t.numel(), code, src, async_op)
 
-    def send(self, t, code: int, dst: int, async_op: bool):
+    def send(self, t, code: int, dst: int, async_op: bool, tag: int = 0):
         impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
-        return impl.send(t.data_ptr(), t.numel(), code, dst, async_op)
+        return impl.send(t.data_ptr(), t.numel(), code, dst, async_op, tag)
 
-    def recv(self, t, code: int, src: int, async_op: bool):
+    def recv(self, t, code: int, src: int, async_op: bool, tag: int = 0):
         impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl
-        return impl.recv(t.data_ptr(), t.numel(), code, src, async_op)
+        return impl.recv(t.data_ptr(), t.numel(), code, src, async_op, tag)
 
-    def recv_any(self, t, code: int, async_op: bool):
-        return self.impl.recv_any(t.data_ptr(), t.numel(), code, async_op)
+    def recv_any(self, t, code: int, async_op: bool, tag: int = 0):
+        return self.impl.recv_any(t.data_ptr(), t.numel(), code, async_op, tag)
 
     def barrier(self, async_op: bool):
         impl = self._profiled if _torch_profiler._is_profiler_enabled else self.impl

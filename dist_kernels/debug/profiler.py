@@ -170,13 +170,13 @@ class ProfiledCalls:
         event = self._event("broadcast", count, count, code, -1, async_op)
         return self._run(event, self._impl.broadcast, ptr, count, code, src, async_op)
 
-    def send(self, ptr, count, code, dst, async_op):
+    def send(self, ptr, count, code, dst, async_op, tag=0):
         event = self._event("send", count, count, code, dst, async_op)
-        return self._run(event, self._impl.send, ptr, count, code, dst, async_op)
+        return self._run(event, self._impl.send, ptr, count, code, dst, async_op, tag)
 
-    def recv(self, ptr, count, code, src, async_op):
+    def recv(self, ptr, count, code, src, async_op, tag=0):
         event = self._event("recv", count, count, code, src, async_op)
-        return self._run(event, self._impl.recv, ptr, count, code, src, async_op)
+        return self._run(event, self._impl.recv, ptr, count, code, src, async_op, tag)
 
     def barrier(self, async_op):
         event = self._event("barrier", 0, 0, 0, -1, async_op)

@@ -176,6 +176,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+# gather and scatter travel as point-to-point messages under this tag, so a user's pending
+# send or receive of another tag (0 by default) between the same ranks is never paired with
+# them (gloo runs them as collectives of their own). Nonnegative: gloo carries it across hosts.
+_GATHER_SCATTER_TAG = 2**31 - 1
+
+
 class _Staged:
     """A contiguous tensor standing for ``t``, and the copy back when it is not ``t`` itself."""
 
@@ -787,13 +793,13 @@ class ProcessGroupDK(dist.ProcessGroup):
         finish = staged.copy_back if self._rank == root else None
         return self._work([handle], tensors, finish)
 
-    def _p2p(self, what: str, comm, t: torch.Tensor, peer: int):
+    def _p2p(self, what: str, comm, t: torch.Tensor, peer: int, tag: int):
         """isend / irecv of ``t``'s bytes (any dtype); returns (handle, finish)."""
         staged = _Staged(t)
         flat = _flat(staged.buf)
         if what == "send":
-            return comm.isend(flat, peer), None
-        return comm.irecv(flat, peer), staged.copy_back
+            return comm.isend(flat, peer, tag=tag), None
+        return comm.irecv(flat, peer, tag=tag), staged.copy_back
 
     @_routed("gather")
     def gather(self, output_lists, input_tensors, opts=None) -> DkWork:
@@ -804,12 +810,16 @@ class ProcessGroupDK(dist.ProcessGroup):
         if self._rank != root:
             if output_lists and any(len(o) for o in output_lists):
                 raise ValueError(f"{self._what('gather')}: only the root passes output tensors")
-            handle, _ = self._p2p("send", comm, t, root)
+            handle, _ = self._p2p("send", comm, t, root, _GATHER_SCATTER_TAG)
             return self._work([handle], [])
         outputs = self._one(output_lists, "gather")
         self._list_of_world(outputs, t, "gather_list", "gather", even=False)
         outputs[root].copy_(t)
-        parts = [self._p2p("recv", comm, o, r) for r, o in enumerate(outputs) if r != root]
+        parts = [
+            self._p2p("recv", comm, o, r, _GATHER_SCATTER_TAG)
+            for r, o in enumerate(outputs)
+            if r != root
+        ]
         return self._work([h for h, _ in parts], output_lists, _run_all([f for _, f in parts]))
 
     @_routed("scatter")
@@ -821,12 +831,16 @@ class ProcessGroupDK(dist.ProcessGroup):
         if self._rank != root:
             if input_lists and any(len(i) for i in input_lists):
                 raise ValueError(f"{self._what('scatter')}: only the root passes input tensors")
-            handle, finish = self._p2p("recv", comm, t, root)
+            handle, finish = self._p2p("recv", comm, t, root, _GATHER_SCATTER_TAG)
             return self._work([handle], outputs, finish)
         inputs = self._one(input_lists, "scatter")
         self._list_of_world(inputs, t, "scatter_list", "scatter", even=False)
         t.copy_(inputs[root])
-        handles = [self._p2p("send", comm, i, r)[0] for r, i in enumerate(inputs) if r != root]
+        handles = [
+            self._p2p("send", comm, i, r, _GATHER_SCATTER_TAG)[0]
+            for r, i in enumerate(inputs)
+            if r != root
+        ]
         return self._work(handles, outputs)
 
     # -- all-to-all ------------------------------------------------------------------------
@@ -911,16 +925,18 @@ class ProcessGroupDK(dist.ProcessGroup):
 
     @_routed("send")
     def send(self, tensors, dst: int, tag: int = 0) -> DkWork:
-        """Always asynchronous (``dist.send`` waits on the Work). ``tag`` is ignored, as NCCL
-        does: messages between two ranks match in the order they are issued."""
+        """Always asynchronous (``dist.send`` waits on the Work). ``tag`` as gloo's: the
+        receive that names it takes the message (on CUDA tensors NCCL ignores it)."""
         t = self._one(tensors, "send")
-        handle, _ = self._p2p("send", self._comm(t, "send"), t, self._check_peer(dst, "send"))
+        peer = self._check_peer(dst, "send")
+        handle, _ = self._p2p("send", self._comm(t, "send"), t, peer, tag)
         return self._work([handle], tensors)
 
     @_routed("recv")
     def recv(self, tensors, src: int, tag: int = 0) -> DkWork:
         t = self._one(tensors, "recv")
-        handle, finish = self._p2p("recv", self._comm(t, "recv"), t, self._check_peer(src, "recv"))
+        peer = self._check_peer(src, "recv")
+        handle, finish = self._p2p("recv", self._comm(t, "recv"), t, peer, tag)
         return self._work([handle], tensors, finish)
 
     @_routed("recv_anysource")
@@ -934,7 +950,7 @@ class ProcessGroupDK(dist.ProcessGroup):
                 f"(got {t.device}); name the source rank"
             )
         staged = _Staged(t)
-        handle = self._comm(t, "recv").irecv(_flat(staged.buf))
+        handle = self._comm(t, "recv").irecv(_flat(staged.buf), tag=tag)
         return DkWork(
             [handle], tensors, staged.copy_back, self._completions, source=handle.source_rank
         )
