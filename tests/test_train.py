@@ -271,12 +271,28 @@ def _assert_layout_matches(ranks, reference, tp: int = 1) -> None:
     assert set().union(*(r["params"] for r in ranks)) == set(ref_params)
 
 
-def test_pp2_matches_single_process(reference):
-    cfg = _cfg(pp=2, global_batch=8, micro_batch=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pp2_matches_single_process(reference, schedule):
+    cfg = _cfg(pp=2, global_batch=8, micro_batch=2, schedule=schedule)
     ranks = run_ranks(2, _on_ranks, cfg, timeout=180)
     assert ranks[0]["records"][-1]["forward_ms"] is None  # inside the schedule: not split out
     _assert_layout_matches(ranks, reference)
     _assert_metrics(ranks, cfg)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
+def test_pp2_v_schedules_match_single_process(schedule):
+    """Two stages per rank in a V (rank 0 holds the first and the last): a two-block model,
+    so that the four stages have a layer each, against its own single-process run."""
+    cfg = _cfg(pp=2, global_batch=8, micro_batch=2, schedule=schedule,
+               model=dataclasses.replace(TINY, n_layers=2))  # fmt: skip
+    single = _single(cfg)
+    reference = ([rec["loss"] for rec in single.records], single.params, _key_bias_bound(cfg))
+    ranks = run_ranks(2, _on_ranks, cfg, timeout=180)
+    _assert_layout_matches(ranks, reference)
+    # rank 0 holds the first stage and the last (the V's way back), rank 1 the two blocks
+    assert {k.split(".")[0] for k in ranks[0]["params"]} == {"0", "3"}, sorted(ranks[0]["params"])
+    assert {k.split(".")[0] for k in ranks[1]["params"]} == {"1", "2"}, sorted(ranks[1]["params"])
 
 
 def test_dp2_x_tp1_x_pp2_matches_single_process(reference):
@@ -443,6 +459,22 @@ def test_batch_arithmetic_errors():
         TrainConfig(cp=2, engine="torch", model=TINY).with_layout(2)
     ok = TrainConfig(dp=2, micro_batch=4, global_batch=32).with_layout(2)
     assert ok.grad_accum == 4
+
+
+def test_pipeline_schedule_errors_before_any_rank_starts(capsys):
+    with pytest.raises(ConfigError, match=r"dualpipe-v needs n_microbatches \(1\) >= 2 x"):
+        TrainConfig(pp=2, schedule="dualpipe-v", micro_batch=4, global_batch=4).with_layout(2)
+    with pytest.raises(
+        ConfigError, match=r"zb-v runs 4 stages on pp\(2\) ranks .* n_layers\(1\) \+ 2 = 3"
+    ):
+        TrainConfig(pp=2, schedule="zb-v", micro_batch=2, global_batch=8, model=TINY).with_layout(2)
+    with pytest.raises(ConfigError, match=r"pp\(4\) ranks \(1 per rank\) .* = 3 layers"):
+        TrainConfig(pp=4, micro_batch=2, global_batch=8, model=TINY).with_layout(4)
+    with pytest.raises(SystemExit) as exited:  # argparse's choices
+        cli_main(["--pp", "2", "--schedule", "zb-x"])
+    assert exited.value.code == 2 and "invalid choice: 'zb-x'" in capsys.readouterr().err
+    assert cli_main(["--pp", "2", "--schedule", "dualpipe-v", "--global-batch", "4"]) == 2
+    assert "dualpipe-v needs n_microbatches (1)" in capsys.readouterr().err
 
 
 def test_cli_errors_before_any_rank_starts(tmp_path, capsys):

@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ..pipeline.schedules import SCHEDULES
 from .config import ConfigError, TrainConfig
 
 _STRATEGY_HELP = "0 = DDP; 1 / 2 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
@@ -55,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-every", type=int, default=2, help="every n-th block is an MoE block")
     add("--pp", type=int, default=1, help="pipeline stages")
     add("--zero", type=int, default=0, choices=(0, 1, 2), help=_STRATEGY_HELP)
-    add("--schedule", default=d.schedule, help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b")
+    add(
+        "--schedule",
+        default=d.schedule,
+        choices=SCHEDULES,
+        help="pipeline schedule (interleaved-1f1b, zb-v and dualpipe-v: 2 stages per rank)",
+    )
     add("--micro-batch", type=int, default=d.micro_batch, help="samples per forward per rank")
     add("--grad-accum", type=int, default=0, help="micro-batches per step (0: derived)")
     add("--global-batch", type=int, default=0, help="samples per step (0: derived)")

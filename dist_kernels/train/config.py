@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
 from ..models import GPTConfig
+from ..pipeline.schedules import SCHEDULES, build_schedule
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 Engine = Literal["dk", "torch", "both"]
@@ -52,7 +53,9 @@ class TrainConfig:
     zero: int = 0
     """ZeRO stage of ``dk.ShardedOptimizer`` over the data-parallel ranks: 0 = DDP, 1 or 2."""
     schedule: str = "1f1b"
-    """Pipeline schedule (``gpipe``, ``1f1b``, ``interleaved-1f1b``)."""
+    """Pipeline schedule, one of ``dk.pipeline.SCHEDULES``: ``gpipe``, ``1f1b``,
+    ``interleaved-1f1b`` (2 stages per rank), ``zb-h1``, ``zb-h2``, ``zb-v`` and
+    ``dualpipe-v`` (2 stages per rank, in a V)."""
     micro_batch: int = 4
     """Samples per forward on one rank."""
     grad_accum: int = 0
@@ -173,6 +176,7 @@ class TrainConfig:
         for name in ("dp", "grad_accum", "global_batch", "warmup", "checkpoint_every"):
             _at_least(name, getattr(self, name), 0)
         _choice("zero", self.zero, (0, 1, 2))
+        _choice("schedule", self.schedule, SCHEDULES)
         _choice("dtype", self.dtype, ("fp32", "bf16", "fp16"))
         _choice("engine", self.engine, ("dk", "torch", "both"))
         _choice("lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
@@ -204,10 +208,8 @@ class TrainConfig:
             raise ConfigError(f"zero({self.zero}) with pp({self.pp}) > 1 is not supported yet")
         if self.pp > 1 and self.engine != "dk":
             raise ConfigError(f"engine={self.engine!r} supports pp=1 only (pp={self.pp})")
-        if self.pp > self.model.n_layers + 2:
-            raise ConfigError(
-                f"pp({self.pp}) > n_layers({self.model.n_layers}) + 2: a stage would be empty"
-            )
+        if self.pp > 1:
+            self._check_schedule()
         if self.tp > 1 and self.model.n_heads % self.tp:
             raise ConfigError(f"n_heads({self.model.n_heads}) is not a multiple of tp({self.tp})")
         if self.cp > 1 and self.model.block_size % (2 * self.cp):
@@ -224,6 +226,26 @@ class TrainConfig:
                 raise ConfigError(
                     f"simulate_straggler: rank {rank} not in [0, world_size({world}))"
                 )
+
+    def _check_schedule(self) -> None:
+        """The pipeline schedule's own rules (micro-batches per step, stages per rank) and
+        a layer for every stage, before any rank starts: dk.Pipeline would raise them on
+        every rank after the model is built."""
+        try:
+            plan = build_schedule(self.schedule, self.pp, self.grad_accum)
+        except ValueError as e:
+            raise ConfigError(
+                f"schedule={self.schedule!r} with pp({self.pp}) and grad_accum({self.grad_accum}) "
+                f"micro-batches per step: {e}"
+            ) from None
+        layers = self.model.n_layers + 2  # the embedding, the blocks, the head
+        if plan.n_stages > layers:
+            per_rank = plan.n_stages // self.pp
+            raise ConfigError(
+                f"{self.schedule} runs {plan.n_stages} stages on pp({self.pp}) ranks "
+                f"({per_rank} per rank) but the model has n_layers({self.model.n_layers}) + 2 "
+                f"= {layers} layers: a stage would be empty"
+            )
 
     def _check_experts(self) -> None:
         """MoE blocks: where they can run (the others need work not done yet, named)."""
