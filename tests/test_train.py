@@ -312,8 +312,8 @@ def test_tensor_parallel_matches_single_process(reference, layout):
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(cp=2), dict(dp=2, cp=2), dict(cp=2, pp=2), dict(cp=2, zero=2)],
-    ids=["cp2", "dp2xcp2", "cp2xpp2", "cp2-zero2"],
+    [dict(cp=2), dict(dp=2, cp=2), dict(cp=2, pp=2), dict(cp=2, zero=2), dict(cp=2, zero=3)],
+    ids=["cp2", "dp2xcp2", "cp2xpp2", "cp2-zero2", "cp2-zero3"],
 )
 def test_context_parallel_matches_single_process(reference, layout):
     """The sequence split over cp ranks (ring attention), gradients averaged over dp x cp."""
@@ -324,11 +324,34 @@ def test_context_parallel_matches_single_process(reference, layout):
     _assert_metrics(ranks, cfg)
 
 
-def test_dp2_zero2_matches_single_process(reference):
+@pytest.mark.parametrize("zero", [2, 3])
+def test_dp2_zero_matches_single_process(reference, zero):
+    """ZeRO 2, and 3 (parameters sharded: the result gathers them, a collective)."""
     ref_losses, ref_params, key_bound = reference
-    ranks = run_ranks(2, _on_ranks, _cfg(dp=2, zero=2, global_batch=8), timeout=180)
+    ranks = run_ranks(2, _on_ranks, _cfg(dp=2, zero=zero, global_batch=8), timeout=180)
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-5, atol=0)
-    _assert_params_close(ranks[1]["params"], ref_params, key_bound)
+    for r in ranks:
+        _assert_params_close(r["params"], ref_params, key_bound)
+
+
+def test_dp2_x_tp2_zero3_matches_single_process(reference):
+    """4 ranks: ZeRO 3 over the data-parallel pairs of tensor-parallel shards."""
+    cfg = _cfg(dp=2, tp=2, zero=3, global_batch=8)
+    _assert_layout_matches(run_ranks(4, _on_ranks, cfg, timeout=240), reference, tp=2)
+
+
+def test_zero3_resume_is_exact(tmp_path):
+    """ZeRO 3 on 2 ranks: 6 steps straight == 3 steps, stop, resume to 6, bitwise (the
+    checkpoint holds each rank's shard of parameters and optimizer state)."""
+    cfg = _cfg(dp=2, zero=3, steps=6, global_batch=4, warmup=2, log_every=3)
+    straight = run_ranks(2, _on_ranks, cfg, timeout=180)
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, stop_after=3, **ckpt), timeout=180)
+    resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=180)
+    assert resumed[0]["start"] == 3
+    for r in range(2):
+        for k, v in straight[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][k], v), (r, k)
 
 
 def test_matmul_peak_is_the_flops_it_ran_over_the_time_it_took(monkeypatch):

@@ -12,12 +12,12 @@ MOE = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
 
 
 def test_driver_zero_over_expert_groups_matches_ddp():
-    """--dp 2 --ep 2 --zero 1 / 2: the experts sharded over their replicas (one rank each at
-    dp 2 x ep 2: nothing to shard; the dense weights over both) train as DDP does, to FP32
+    """--dp 2 --ep 2 --zero 1 / 2 / 3: the experts sharded over their replicas (one rank each
+    at dp 2 x ep 2: nothing to shard; the dense weights over both) train as DDP does, to FP32
     rounding (reduce-scatter + all-gather against all-reduce)."""
     cfg = _cfg(dp=2, ep=2, steps=4, global_batch=4, log_every=1, model=MOE)
     ddp = run_ranks(2, _on_ranks, cfg, timeout=300)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         zero = run_ranks(2, _on_ranks, dataclasses.replace(cfg, zero=stage), timeout=300)
         assert zero[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-5, abs=0), stage
 

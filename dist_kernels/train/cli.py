@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from ..pipeline.schedules import SCHEDULES
 from .config import ConfigError, TrainConfig
 
-_STRATEGY_HELP = "0 = DDP; 1 / 2 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
+_STRATEGY_HELP = "0 = DDP; 1 / 2 / 3 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
 
 
 def _pair(kind):
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--top-k", type=int, default=2, help="experts per token in MoE blocks")
     add("--moe-every", type=int, default=2, help="every n-th block is an MoE block")
     add("--pp", type=int, default=1, help="pipeline stages")
-    add("--zero", type=int, default=0, choices=(0, 1, 2), help=_STRATEGY_HELP)
+    add("--zero", type=int, default=0, choices=(0, 1, 2, 3), help=_STRATEGY_HELP)
     add(
         "--schedule",
         default=d.schedule,

@@ -51,7 +51,8 @@ class TrainConfig:
     """Expert-parallel ranks, carved out of dp: the MoE blocks' experts (``model.n_experts``,
     set by ``--experts``) are sharded over ep and replicated over dp / ep."""
     zero: int = 0
-    """ZeRO stage of ``dk.ShardedOptimizer`` over the data-parallel ranks: 0 = DDP, 1 or 2."""
+    """ZeRO stage of ``dk.ShardedOptimizer`` over the data-parallel ranks: 0 = DDP, 1, 2 or 3
+    (3: parameters sharded too, gathered per block in forward and backward)."""
     schedule: str = "1f1b"
     """Pipeline schedule, one of ``dk.pipeline.SCHEDULES``: ``gpipe``, ``1f1b``,
     ``interleaved-1f1b`` (2 stages per rank), ``zb-h1``, ``zb-h2``, ``zb-v`` and
@@ -175,7 +176,7 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 1)
         for name in ("dp", "grad_accum", "global_batch", "warmup", "checkpoint_every"):
             _at_least(name, getattr(self, name), 0)
-        _choice("zero", self.zero, (0, 1, 2))
+        _choice("zero", self.zero, (0, 1, 2, 3))
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("dtype", self.dtype, ("fp32", "bf16", "fp16"))
         _choice("engine", self.engine, ("dk", "torch", "both"))

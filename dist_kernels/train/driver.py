@@ -173,12 +173,12 @@ class _Run:
     def run(self) -> RunResult:
         try:
             self._loop()
+            self.result.params = self.engine.final_params()
         finally:
             self.progress.close()
             self.json.close()
             self.tensorboard.close()
             self.engine.close()
-        self.result.params = {k: v.detach().clone() for k, v in _stage_state(self.engine.module)}
         self.result.summary = _summary(self.result.records, self.start_step)
         return self.result
 
@@ -319,13 +319,3 @@ def _summary(records: List[Dict[str, Any]], start_step: int) -> Dict[str, Any]:
 
 def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-def _stage_state(module: torch.nn.Module):
-    """This rank's state under the whole model's names. A pipeline rank that holds several
-    stages (interleaved 1F1B, ZB-V, DualPipeV) has them in an ``nn.ModuleList``, whose index
-    would prefix every name ("0.0.wte.weight"); each stage keeps the model's own layer names,
-    so their entries are taken as they are ("0.wte.weight", "3.lm_head.weight")."""
-    if isinstance(module, torch.nn.ModuleList):
-        return [item for stage in module for item in stage.state_dict().items()]
-    return list(module.state_dict().items())

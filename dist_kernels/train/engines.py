@@ -135,6 +135,7 @@ class DataParallel:
                 stage=cfg.zero,
                 bucket_cap_mb=cfg.bucket_cap_mb,
                 expert_comm=expert_comm,
+                module=model if cfg.zero == 3 else None,  # stage 3 gathers per block
                 **kwargs,
             )
             return model, opt, lambda last: contextlib.nullcontext() if last else opt.no_sync()
@@ -195,6 +196,13 @@ class DataParallel:
         times.add("backward", _ms(last_grad - t1))
         times.add("comm", _ms(t2 - last_grad) if self.measures_comm else None)
         return float(loss.detach())
+
+    def final_params(self) -> Dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the model's names (collective at ZeRO
+        stage 3, whose parameters have no storage between steps)."""
+        full = getattr(self.optimizer, "full_parameters", None)
+        with full() if full is not None else contextlib.nullcontext():
+            return stage_state(self.module)
 
     def close(self) -> None:
         self.clock.close()
@@ -261,6 +269,9 @@ class Pipelined:
         self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin)
         return loss, times
 
+    def final_params(self) -> Dict[str, torch.Tensor]:
+        return stage_state(self.module)
+
     def close(self) -> None:
         for ddp in self.pipe.ddp.values():
             ddp.close()
@@ -270,6 +281,15 @@ def _autocast(dtype: str):
     if dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast("cpu", dtype=_AUTOCAST[dtype])
+
+
+def stage_state(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """A copy of ``module``'s state under the whole model's names. A pipeline rank that holds
+    several stages (interleaved 1F1B, ZB-V, DualPipeV) has them in an ``nn.ModuleList``, whose
+    index would prefix every name ("0.0.wte.weight"); each stage keeps the model's own layer
+    names, so their entries are taken as they are ("0.wte.weight", "3.lm_head.weight")."""
+    stages = module if isinstance(module, nn.ModuleList) else [module]
+    return {k: v.detach().clone() for stage in stages for k, v in stage.state_dict().items()}
 
 
 def build_engine(
