@@ -424,10 +424,11 @@ def test_resume_is_exact(tmp_path):
     assert not all(torch.equal(first[0]["params"][k], v) for k, v in straight[0]["params"].items())
 
 
-def test_resume_on_fewer_ranks_reshards(tmp_path):
-    """ZeRO-2 on 4 ranks for 4 steps, resumed on 2 ranks to 8 (global batch kept, accumulation
-    doubled): equal to 8 steps on 2 ranks within FP32 rounding."""
-    cfg = _cfg(zero=2, steps=8, global_batch=8, micro_batch=2, log_every=4)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_resume_on_fewer_ranks_reshards(tmp_path, zero):
+    """ZeRO-2 (and 3) on 4 ranks for 4 steps, resumed on 2 ranks to 8 (global batch kept,
+    accumulation doubled): equal to 8 steps on 2 ranks within FP32 rounding."""
+    cfg = _cfg(zero=zero, steps=8, global_batch=8, micro_batch=2, log_every=4)
     ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
     run_ranks(4, _on_ranks, dataclasses.replace(cfg, stop_after=4, **ckpt), timeout=240)
     resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=180)
