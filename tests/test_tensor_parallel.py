@@ -265,6 +265,21 @@ def _error_cases(comm):
     return messages
 
 
+def _shard_marks(comm):
+    """The reference GPT sharded over ``comm``: which parameters ``is_tensor_parallel_shard``
+    names, against their shapes (a shard is smaller than the unsharded parameter)."""
+    from dist_kernels.models import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layers=1, n_heads=12, dim=24, block_size=8, vocab_size=24)  # tp 1-4 divide
+    full = dict(GPT(cfg).named_parameters())
+    model = GPT(cfg).parallelize(comm)
+    wrong = []
+    for name, p in model.named_parameters():
+        if tp.is_tensor_parallel_shard(p) != (p.shape != full[name].shape):
+            wrong.append((name, tuple(p.shape), tp.is_tensor_parallel_shard(p)))
+    return wrong
+
+
 def _rank_all(what):
     results = {}
     for n, comm in _tp_comms().items():
@@ -285,6 +300,11 @@ def test_layers_equal_unsharded_float64(what):
         assert sorted(per_tp) == [n for n in TP_SIZES if rank < n]
         for n, diff in per_tp.items():
             print(f"{what} tp={n} rank {rank}: max difference {diff}")
+
+
+def test_is_tensor_parallel_shard_names_exactly_the_split_parameters():
+    for per_tp in run_ranks(4, _rank_all, "_shard_marks", timeout=60):
+        assert all(wrong == [] for wrong in per_tp.values()), per_tp
 
 
 def test_shapes_that_do_not_divide_raise_with_the_arithmetic():

@@ -49,3 +49,16 @@ def test_driver_resumes_an_ep2_run_at_ep1(tmp_path):
     assert resumed[0]["start"] == 4
     # logged every 3 steps: the resumed run's one record is step 6
     assert resumed[0]["losses"][-1] == pytest.approx(straight[0]["losses"][-1], rel=1e-5, abs=0)
+
+
+def test_clip_grad_norm_over_expert_shards_equals_every_expert_local():
+    """--clip-grad at dp 2 x ep 2 (each rank its own experts; DDP and ZeRO 2): every step's norm
+    equals dp 2 with every expert on both ranks, so each expert counts once."""
+    cfg = _cfg(dp=2, steps=3, global_batch=4, log_every=1, clip_grad=0.5, model=MOE)
+    local = run_ranks(2, _on_ranks, cfg, timeout=300)
+    want = [rec["grad_norm"] for rec in local[0]["records"]]
+    assert min(want) > 1.0  # clipped every step
+    for zero in (0, 2):
+        ep = run_ranks(2, _on_ranks, dataclasses.replace(cfg, ep=2, zero=zero), timeout=300)
+        got = [rec["grad_norm"] for rec in ep[0]["records"]]
+        assert got == pytest.approx(want, rel=1e-5, abs=0), zero

@@ -14,7 +14,12 @@ See docs/tensor_parallel.md.
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .desync import TensorParallelDesyncError
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    is_tensor_parallel_shard,
+)
 from .mappings import (
     copy_to_parallel_region,
     gather_from_sequence_parallel_region,
@@ -38,6 +43,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "is_tensor_parallel_shard",
     "vocab_parallel_cross_entropy",
     "copy_to_parallel_region",
     "reduce_from_parallel_region",

@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lr-base-batch", type=int, default=d.lr_base_batch)
     add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
     add("--decay", default=d.decay, choices=("cosine", "constant"))
+    add(
+        "--clip-grad",
+        type=float,
+        default=d.clip_grad,
+        help="clip the whole model's gradient norm to this before each step (0: off)",
+    )
     add("--seed", type=int, default=d.seed)
     add("--data", default=None, help="text file (default: the package's own Python sources)")
     add("--n-layer", type=int, default=m.n_layers, help="transformer blocks")
@@ -138,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         dtype=args.dtype, steps=args.steps, stop_after=args.stop_after, lr=args.lr,
         lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,
+        clip_grad=args.clip_grad,
         data=args.data, model=model, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, log_every=args.log_every,
         json=args.json, plot=args.plot, engine=args.engine,

@@ -90,6 +90,10 @@ class TrainConfig:
     """Final rate of the cosine decay, as a fraction of the peak."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    clip_grad: float = 0.0
+    """Largest norm of the whole model's gradient before the optimizer step (torch's
+    ``clip_grad_norm_``, Megatron's ``--clip-grad``); 0: no clipping and no norm computed.
+    The records then carry ``grad_norm``, the norm before clipping."""
     seed: int = 0
     """Seeds the model's initialisation and the data order (both independent of layout)."""
     data: Optional[str] = None
@@ -184,6 +188,8 @@ class TrainConfig:
         _choice("decay", self.decay, ("cosine", "constant"))
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not self.clip_grad >= 0:
+            raise ConfigError(f"clip_grad must be >= 0 (0: off), got {self.clip_grad}")
         if self.resume is not None and self.resume == "auto" and self.checkpoint_dir is None:
             raise ConfigError("resume=auto needs checkpoint_dir")
         if self.model.tie_embeddings or self.model.dropout:
@@ -204,6 +210,12 @@ class TrainConfig:
         if self.zero and self.dp * self.cp == 1:
             raise ConfigError(
                 f"zero({self.zero}) shards over data-parallel ranks (dp x cp): needs dp x cp > 1"
+            )
+        if self.clip_grad and self.zero and self.tp > 1 and self.engine != "torch":
+            raise ConfigError(
+                f"clip_grad with zero({self.zero}) and tp({self.tp}) > 1: the sharded "
+                "optimizer sums its gradient shards over dp x cp only, and a parameter every "
+                "tp rank holds whole would count tp times"
             )
         if self.pp > 1 and self.zero:
             raise ConfigError(f"zero({self.zero}) with pp({self.pp}) > 1 is not supported yet")

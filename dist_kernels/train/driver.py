@@ -140,7 +140,9 @@ class _Run:
             if sharded
             else (full, _)
         )
-        self.engine = build_engine(cfg, model, loss, engine, world.mesh, world.rank)
+        self.engine = build_engine(
+            cfg, model, loss, engine, world.mesh, world.rank, world.comm if engine == "dk" else None
+        )
         self.start_step = 0
         if resume is not None:
             self.start_step = checkpoints.load(
@@ -229,6 +231,8 @@ class _Run:
         if not self.is_rank0:
             return
         record = self._record(done, rows, len(interval), seconds)
+        if self.cfg.clip_grad:  # the interval's last step; the same norm on every rank
+            record["grad_norm"] = interval[-1].grad_norm
         self.result.records.append(record)
         self.json.write(record)
         self.tensorboard.write(record)

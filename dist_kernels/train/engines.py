@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from .. import lr as dk_lr
+from .clipping import make_clipper
 from .config import TrainConfig
 from .data import Sampler
 from .metrics import LastGradClock, StepTimes
@@ -61,11 +62,15 @@ def _adamw_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
     return {"lr": peak_lr(cfg), "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
 
 
-def _optimizer_step(optimizer: Any, scheduler: Any, times: StepTimes, begin: float) -> float:
-    """Steps, zeroes and schedules; records the optimizer phase and the whole step's time
-    (from ``begin``). Returns the rate this step used (read before the scheduler moves it)."""
+def _optimizer_step(
+    optimizer: Any, scheduler: Any, times: StepTimes, begin: float, clip: Optional[Callable]
+) -> float:
+    """Clips (``--clip-grad``), steps, zeroes and schedules; records the optimizer phase (the
+    clipping in it) and the whole step's time (from ``begin``). Returns the rate this step
+    used (read before the scheduler moves it)."""
     t0 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]
+    times.grad_norm = clip() if clip is not None else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
@@ -98,6 +103,7 @@ class DataParallel:
         engine: str,
         mesh: Any,
         rank: int,
+        world_comm: Any = None,
     ) -> None:
         self.cfg, self.engine, self.module, self.loss_fn = cfg, engine, model, loss_fn
         # torch's engine (no mesh) runs pp = tp = cp = 1: its data-parallel group is the world
@@ -112,6 +118,9 @@ class DataParallel:
         world_size = cfg.dp * cfg.cp
         self.forward, self.optimizer, self._no_sync = self._wrap(
             cfg, model, engine, dp_comm, world_size, expert_comm
+        )
+        self.clip = make_clipper(
+            cfg.clip_grad, engine, self.optimizer, list(model.parameters()), mesh, world_comm
         )
         # FSDP2 hands reduced gradients to its sharded parameters after its reduce-scatter, so
         # a gradient hook there does not mark the end of compute: its comm is not measured.
@@ -176,7 +185,7 @@ class DataParallel:
             part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
             with self._no_sync(k == cfg.grad_accum - 1):
                 loss_sum += self._micro_step(inputs[part], targets[part], times, k == 0)
-        self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin)
+        self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin, self.clip)
         return loss_sum, times
 
     def _micro_step(self, x, y, times: StepTimes, first: bool) -> float:
@@ -233,7 +242,13 @@ class Pipelined:
     """dk.Pipeline over ``mesh`` (dp x pp); grad_accum micro-batches per step."""
 
     def __init__(
-        self, cfg: TrainConfig, model: nn.Sequential, loss_fn: Callable, mesh: Any, rank: int
+        self,
+        cfg: TrainConfig,
+        model: nn.Sequential,
+        loss_fn: Callable,
+        mesh: Any,
+        rank: int,
+        world_comm: Any = None,
     ) -> None:
         from ..pipeline import Pipeline
 
@@ -250,6 +265,9 @@ class Pipelined:
         )
         self.module = self.pipe.stage_module
         self.optimizer = torch.optim.AdamW(self.pipe.parameters(), **_adamw_kwargs(cfg))
+        self.clip = make_clipper(
+            cfg.clip_grad, "dk", self.optimizer, list(self.pipe.parameters()), mesh, world_comm
+        )
         self.scheduler = None
 
     start = DataParallel.start
@@ -266,7 +284,7 @@ class Pipelined:
         self.delay()
         with _autocast(cfg.dtype):
             loss = float(self.pipe.step(inputs, targets))
-        self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin)
+        self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin, self.clip)
         return loss, times
 
     def final_params(self) -> Dict[str, torch.Tensor]:
@@ -299,8 +317,10 @@ def build_engine(
     engine: str,
     mesh: Optional[Any],
     rank: int,
+    world_comm: Any = None,
 ):
-    """The engine of ``cfg``'s layout; ``mesh`` is None for the torch engine and one process."""
+    """The engine of ``cfg``'s layout; ``mesh`` is None for the torch engine and one process;
+    ``world_comm`` (our Communicator over every rank) sums the gradient norm of --clip-grad."""
     if cfg.pp > 1:
-        return Pipelined(cfg, model, loss_fn, mesh, rank)
-    return DataParallel(cfg, model, loss_fn, engine, mesh, rank)
+        return Pipelined(cfg, model, loss_fn, mesh, rank, world_comm)
+    return DataParallel(cfg, model, loss_fn, engine, mesh, rank, world_comm)

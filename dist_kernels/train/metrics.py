@@ -35,6 +35,7 @@ class StepTimes:
 
     step_ms: float = 0.0
     phases: Dict[str, Optional[float]] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    grad_norm: Optional[float] = None  # the model's gradient norm before --clip-grad clipped it
 
     def add(self, phase: str, ms: Optional[float]) -> None:
         if ms is None or self.phases[phase] is None:
