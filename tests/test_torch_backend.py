@@ -633,7 +633,6 @@ def _fsdp2_vs_single(steps):
     from torch.distributed.fsdp import fully_shard
 
     group = _dk_group()
-    rank, n = dist.get_rank(), dist.get_world_size()
     mesh = DeviceMesh.from_group(group, "cpu")
     assert mesh.get_group() is group and dist.get_backend(group) == "dk"
     torch.manual_seed(SEED)
@@ -644,18 +643,7 @@ def _fsdp2_vs_single(steps):
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(SEED)
-    for _ in range(steps):
-        batches = [torch.randn(4, 8, generator=gen) for _ in range(n)]
-        model(batches[rank]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        # single process: the mean over every rank's batch (FSDP2 averages gradients)
-        reference_model(torch.cat(batches)).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _sgd_beside_one_process(model, reference_model, steps)
     for p, ref in zip(model.parameters(), reference_model.parameters()):
         torch.testing.assert_close(p.full_tensor(), ref, rtol=1e-5, atol=1e-6)
     return True
@@ -667,17 +655,32 @@ def _copy(module):
     return copy.deepcopy(module)
 
 
+def _sgd_beside_one_process(model, reference, steps):
+    """``steps`` SGD steps of ``model`` on this rank's batch, and of ``reference`` on every
+    rank's batches at once: the mean a data-parallel engine's averaged gradients give."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(SEED)
+    for _ in range(steps):
+        batches = [torch.randn(4, 8, generator=gen) for _ in range(n)]
+        for o, m, x in ((opt, model, batches[rank]), (ref_opt, reference, torch.cat(batches))):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+
+
 def test_fsdp2_over_dk_matches_single_process():
     assert run_ranks(2, _fsdp2_vs_single, 3, timeout=180) == [True, True]
 
 
 def _fsdp1_run(strategy, group, steps):
     """torch's FSDP (the first one, what accelerate's FSDP plugin wraps) over ``group``."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
-    rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(SEED)
     reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     model = FSDP(
@@ -687,17 +690,7 @@ def _fsdp1_run(strategy, group, steps):
         device_id=torch.device("cpu"),
         use_orig_params=True,
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(SEED)
-    for _ in range(steps):
-        batches = [torch.randn(4, 8, generator=gen) for _ in range(n)]
-        model(batches[rank]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        reference(torch.cat(batches)).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _sgd_beside_one_process(model, reference, steps)
     with FSDP.summon_full_params(model):
         params = [p.detach().clone() for p in model.parameters()]
     return params, list(reference.parameters())
