@@ -160,6 +160,10 @@ def _rank_errors():
     with pytest.raises(tp.TensorParallelDesyncError) as info:
         model(ids, targets)
     messages.append(str(info.value))
+    # recomputation with dropout: the tracker's masks would not be drawn again alike
+    with pytest.raises(ValueError) as info:
+        _model(dropout=0.1).parallelize(comm).recompute_blocks()
+    messages.append(str(info.value))
     comm.close()
     return messages
 
@@ -177,3 +181,4 @@ def test_gpt_sharding_errors_show_the_arithmetic_and_desync_names_the_layer():
             in (messages[2])
         )
         assert "tp ranks [3] differ" in messages[2]
+        assert "GPT.recompute_blocks: dropout(0.1) > 0 on a tensor-parallel model" in messages[3]

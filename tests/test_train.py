@@ -399,6 +399,58 @@ def test_clip_grad_norm_is_the_whole_models_in_every_layout(clipped_reference, l
         _assert_layout_matches(ranks, (ref_losses, ref_params, key_bound), tp=layout.get("tp", 1))
 
 
+@pytest.mark.parametrize(
+    "layout,world",
+    [(dict(dp=2), 2), (dict(dp=2, zero=3), 2), (dict(dp=2, tp=2), 4), (dict(cp=2), 2),
+     (dict(pp=2, micro_batch=2), 2)],
+    ids=["dp2", "dp2-zero3", "dp2xtp2", "cp2", "pp2"],
+)  # fmt: skip
+def test_recompute_trains_as_without_it(reference, layout, world):
+    """--recompute (every block's forward run again in backward) trains to the same bits as
+    the same layout without it, and so to the single process's parameters."""
+    cfg = _cfg(global_batch=8, **layout)
+    plain = run_ranks(world, _on_ranks, cfg, timeout=240)
+    again = run_ranks(world, _on_ranks, dataclasses.replace(cfg, recompute=True), timeout=240)
+    assert again[0]["losses"] == plain[0]["losses"]
+    for r, (a, b) in enumerate(zip(again, plain)):
+        assert a["params"].keys() == b["params"].keys()
+        for k, v in b["params"].items():
+            assert torch.equal(a["params"][k], v), (r, k)
+    _assert_layout_matches(again, reference, tp=layout.get("tp", 1))
+
+
+def test_recompute_runs_each_block_again_in_backward_and_saves_less():
+    """What --recompute switches on, seen from outside: every block's forward runs twice per
+    step (forward, then again in backward), and autograd keeps fewer bytes for backward."""
+    from dist_kernels.models.gpt import Block
+
+    cfg = dataclasses.replace(TINY, n_layers=2, vocab_size=32)
+    ids = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(SEED))
+    seen = {}
+    for recompute in (False, True):
+        model, loss_fn = build_model(cfg, SEED, recompute=recompute)
+        calls, saved = [0], [0]
+        real = Block._forward
+
+        def counting(self, x, real=real, calls=calls):
+            calls[0] += 1
+            return real(self, x)
+
+        def pack(t, saved=saved):
+            saved[0] += t.numel() * t.element_size()
+            return t
+
+        with mock.patch.object(Block, "_forward", counting):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = loss_fn(model(ids[:, :-1]), ids[:, 1:])
+            loss.backward()
+        seen[recompute] = (calls[0], saved[0], loss.item())
+    print(seen)
+    assert seen[False][0] == 2 and seen[True][0] == 4  # 2 blocks; each again in backward
+    assert seen[True][1] < seen[False][1]
+    assert seen[True][2] == seen[False][2]
+
+
 def test_clip_grad_errors():
     with pytest.raises(ConfigError, match=r"clip_grad must be >= 0"):
         TrainConfig(clip_grad=-1.0).check()

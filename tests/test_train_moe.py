@@ -5,6 +5,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 from mp_pool import run_ranks
 from test_train import TINY, _cfg, _on_ranks
 
@@ -62,3 +63,14 @@ def test_clip_grad_norm_over_expert_shards_equals_every_expert_local():
         ep = run_ranks(2, _on_ranks, dataclasses.replace(cfg, ep=2, zero=zero), timeout=300)
         got = [rec["grad_norm"] for rec in ep[0]["records"]]
         assert got == pytest.approx(want, rel=1e-5, abs=0), zero
+
+
+def test_recompute_with_expert_parallel_trains_as_without_it():
+    """--recompute at dp 2 x ep 2: the MoE blocks run again in backward (the token all-to-all
+    and the aux loss included) and training ends on the same bits."""
+    cfg = _cfg(dp=2, ep=2, steps=3, global_batch=4, log_every=1, model=MOE)
+    plain = run_ranks(2, _on_ranks, cfg, timeout=300)
+    again = run_ranks(2, _on_ranks, dataclasses.replace(cfg, recompute=True), timeout=300)
+    assert again[0]["losses"] == plain[0]["losses"]
+    for a, b in zip(again, plain):
+        assert all(torch.equal(a["params"][k], v) for k, v in b["params"].items())

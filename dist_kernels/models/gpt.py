@@ -32,6 +32,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .. import context_parallel as cp
 from .. import moe as moe_lib
@@ -164,8 +165,18 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = _moe(cfg) if moe else MLP(cfg)
+        self.recompute = False  # GPT.recompute_blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            # Activation checkpointing: keep the block's input only and run the block again in
+            # backward. Non-reentrant: the MoE aux loss, an output besides the return value,
+            # gets its gradient too; the block's collectives (tensor-parallel all-reduces, ring
+            # attention, the token all-to-all) run again on every rank in the same order.
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -279,6 +290,24 @@ class GPT(nn.Module):
         blocks' aux losses of that forward."""
         loss = self.head.loss(logits, targets)
         return loss + self.aux_loss() if self.moe_layers() else loss
+
+    def recompute_blocks(self, on: bool = True) -> GPT:
+        """Activation checkpointing of every block (Megatron's full recompute): a block keeps
+        only its input for backward and runs its forward again there. Returns the model.
+
+        torch's checkpoint replays the default generators' state, so dropout draws the same
+        masks again; the tensor-parallel tracker's stream it does not replay: dropout with a
+        tensor-parallel model is refused (docs/tensor_parallel.md, Random numbers)."""
+        sharded = any(getattr(m, "tp_size", 1) > 1 for m in self.modules())
+        if on and sharded and self.config.dropout > 0:
+            raise ValueError(
+                f"GPT.recompute_blocks: dropout({self.config.dropout}) > 0 on a tensor-parallel "
+                "model: the recomputed forward would draw other dropout masks from the "
+                "tracker's stream than the first one did"
+            )
+        for block in self.blocks:
+            block.recompute = bool(on)
+        return self
 
     def as_sequential(self) -> nn.Sequential:
         """``embedding, *blocks, head`` (the same modules) as an ``nn.Sequential``."""

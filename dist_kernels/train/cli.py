@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
     add("--decay", default=d.decay, choices=("cosine", "constant"))
     add(
+        "--recompute",
+        action="store_true",
+        help="activation checkpointing: every block's forward run again in backward",
+    )
+    add(
         "--clip-grad",
         type=float,
         default=d.clip_grad,
@@ -144,7 +149,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         dtype=args.dtype, steps=args.steps, stop_after=args.stop_after, lr=args.lr,
         lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,
-        clip_grad=args.clip_grad,
+        clip_grad=args.clip_grad, recompute=args.recompute,
         data=args.data, model=model, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, log_every=args.log_every,
         json=args.json, plot=args.plot, engine=args.engine,

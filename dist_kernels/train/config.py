@@ -90,6 +90,10 @@ class TrainConfig:
     """Final rate of the cosine decay, as a fraction of the peak."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    recompute: bool = False
+    """Activation checkpointing of every transformer block (``GPT.recompute_blocks``): less
+    activation memory for one more forward of each block in backward. Not part of a
+    checkpoint's identity: a run may resume with or without it."""
     clip_grad: float = 0.0
     """Largest norm of the whole model's gradient before the optimizer step (torch's
     ``clip_grad_norm_``, Megatron's ``--clip-grad``); 0: no clipping and no norm computed.

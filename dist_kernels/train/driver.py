@@ -132,11 +132,13 @@ class _Run:
         self.sampler = Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed)
         self.ident = checkpoints.identity(cfg, describe(cfg.model), corpus.fingerprint())
         resume = checkpoints.resolve_resume(cfg, self.ident)
-        full, _ = build_model(cfg.model, cfg.seed)
+        full, _ = build_model(cfg.model, cfg.seed, recompute=cfg.recompute)
         self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
         sharded = any(c is not None for c in (world.tp_comm, world.cp_comm, world.ep_comm))
         model, loss = (
-            build_model(cfg.model, cfg.seed, world.tp_comm, world.cp_comm, world.ep_comm)
+            build_model(
+                cfg.model, cfg.seed, world.tp_comm, world.cp_comm, world.ep_comm, cfg.recompute
+            )
             if sharded
             else (full, _)
         )

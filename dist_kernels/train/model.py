@@ -21,12 +21,18 @@ from ..models import GPT, GPTConfig
 
 
 def build_model(
-    cfg: GPTConfig, seed: int, tp_comm: Any = None, cp_comm: Any = None, ep_comm: Any = None
+    cfg: GPTConfig,
+    seed: int,
+    tp_comm: Any = None,
+    cp_comm: Any = None,
+    ep_comm: Any = None,
+    recompute: bool = False,
 ) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
     layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel), on
     sequence shards over ``cp_comm`` when given (then the loss is the whole sequences' mean),
-    MoE experts sharded over ``ep_comm`` when given (the loss adds the MoE aux losses)."""
+    MoE experts sharded over ``ep_comm`` when given (the loss adds the MoE aux losses), every
+    block's activations recomputed in backward with ``recompute``."""
     if cfg.vocab_size < 1:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
@@ -38,6 +44,7 @@ def build_model(
         gpt.context_parallel(cp_comm)
     if ep_comm is not None and ep_comm.world_size > 1:
         gpt.expert_parallel(ep_comm)
+    gpt.recompute_blocks(recompute)
     return gpt.as_sequential(), gpt.loss
 
 
