@@ -15,6 +15,8 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -216,3 +218,57 @@ def _bad_tags():
 
 def test_bad_tags_raise_before_anything_is_sent():
     assert run_ranks(2, _bad_tags, timeout=120) == [[], []]
+
+
+def _tag_never_sent(kind: str):
+    """Rank 1 sends tag 1 and then dies (``died``) or closes (``closed``); rank 0 waits for
+    tag 2 from it by name: that raises well before the 30 s timeout. A dead peer fails the
+    call alone, so the tag-1 message, set aside meanwhile, is still received; a peer that
+    closed while a call needed it fails the communicator (as without tags), and the later
+    receive says so. Last, a receive of tag 2 from any source: nobody is left to send it."""
+    import torch.distributed as dist
+
+    import dist_kernels as dk
+
+    rank = dist.get_rank()
+    comm = dk.Communicator(timeout=datetime.timedelta(seconds=30))
+    if rank == 1:
+        comm.send(torch.full((3,), 1.0), 0, tag=1)
+        comm.recv(torch.empty(1), 0)  # rank 0 has taken the message aside by then
+        if kind == "died":
+            os._exit(0)
+        comm.close()
+        return None
+    start = time.monotonic()
+    messages = []
+
+    def receive(t, src, tag):
+        try:
+            comm.recv(t, src, tag=tag)
+            messages.append(t.tolist())
+        except dk.CommError as e:
+            messages.append(str(e))
+
+    waiter = threading.Thread(target=lambda: (time.sleep(0.5), comm.send(torch.ones(1), 1)))
+    waiter.start()  # rank 1 goes once this rank is inside the receive for tag 2
+    receive(torch.empty(3), 1, 2)
+    waiter.join()
+    receive(torch.empty(3), 1, 1)
+    receive(torch.empty(3), None, 2)
+    comm.close()
+    return messages, time.monotonic() - start
+
+
+@pytest.mark.parametrize("kind", ["died", "closed"])
+def test_a_tag_its_peer_never_sends_raises_and_what_was_set_aside_stays(kind):
+    results = run_ranks(2, _tag_never_sent, kind, expect_death=kind == "died", timeout=120)
+    (named, kept, anyone), seconds = results[0]
+    print(named, kept, anyone, seconds)
+    assert named.startswith("[rank 0] recv:") and anyone.startswith("[rank 0] recv:")
+    if kind == "died":
+        assert "peer rank 1 died" in named and kept == [1.0] * 3, (named, kept)
+        assert "none is left" in anyone and "tag=2" in anyone, anyone
+    else:
+        assert "peer rank 1 closed" in named and "failed earlier" in kept, (named, kept)
+    assert seconds < 20, seconds
+    assert shm_leaks() == []
