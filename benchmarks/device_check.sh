@@ -74,7 +74,10 @@ for name in "${STEP_ORDER[@]}"; do
   DEADLINE[$name]=$((sum > BUDGET ? BUDGET : sum))
 done
 
-START=$(date +%s)
+# Milliseconds: whole seconds counted from the start's own second would tick as soon as the
+# clock crossed a second boundary, and a step due at its 1 s deadline (a small budget) would
+# find "no time left" 10 ms after the start (seen in CI at a 48 s budget).
+START_MS=$(date +%s%3N)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 REPORT_DIRS=()
@@ -101,7 +104,7 @@ if [ "$DRY" != 1 ]; then
   GPU=${GPU:-unknown-gpu}
 fi
 
-elapsed() { echo $(($(date +%s) - START)); }
+elapsed() { echo $((($(date +%s%3N) - START_MS) / 1000)); }
 log() { echo "$*" | tee -a "$LOG"; }
 
 # report FINAL DIR...: the .md and .json from the steps so far (benchmarks/device_check_report.py).

@@ -35,7 +35,7 @@ def test_tensorboard_scalars_and_profiled_steps(tmp_path):
     board, profile = str(tmp_path / "tb"), str(tmp_path / "prof")
     cfg = TrainConfig(
         model=TINY, steps=4, micro_batch=2, dp=2, seed=7, progress=False,
-        tensorboard=board, profile_steps=(2, 3), profile_dir=profile,
+        tensorboard=board, profile_steps=(2, 3), profile_dir=profile, clip_grad=1.0,
     )  # fmt: skip
     records, _ = run_ranks(2, _train, cfg, timeout=600)
     events = EventAccumulator(board)
@@ -49,8 +49,9 @@ def test_tensorboard_scalars_and_profiled_steps(tmp_path):
         "mfu",
         "time/comm_ms",
         "memory/peak_mb",
+        "grad_norm",
     } <= tags
-    for tag in ("loss", "lr", "throughput/tokens_per_s", "time/backward_ms"):
+    for tag in ("loss", "lr", "throughput/tokens_per_s", "time/backward_ms", "grad_norm"):
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         # TensorBoard stores float32: the record's value rounded once
         want = [(r["step"], float(np.float32(scalars(r)[tag]))) for r in records]

@@ -30,6 +30,8 @@ def scalars(record: Dict[str, Any]) -> Dict[str, float]:
     for phase in PHASES:
         if record.get(f"{phase}_ms") is not None:
             out[f"time/{phase}_ms"] = record[f"{phase}_ms"]
+    if record.get("grad_norm") is not None:  # --clip-grad
+        out["grad_norm"] = record["grad_norm"]
     return {tag: float(value) for tag, value in out.items()}
 
 
