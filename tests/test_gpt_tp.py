@@ -182,3 +182,56 @@ def test_gpt_sharding_errors_show_the_arithmetic_and_desync_names_the_layer():
         )
         assert "tp ranks [3] differ" in messages[2]
         assert "GPT.recompute_blocks: dropout(0.1) > 0 on a tensor-parallel model" in messages[3]
+
+
+def _rank_zero_clip(stage):
+    """dp 2 x tp 2: ZeRO over dp with ``tp_comm``; the norms (2 and inf) of one backward, and
+    the parameters after a clipped SGD step, against the unsharded model on the whole batch."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mesh = dk.ProcessMesh(dp=2, tp=2)
+    batches = _batches(steps=1, batch=4)
+    ids, targets = batches[0]
+    reference = _model(tie_embeddings=False).float()
+    reference(ids, targets).backward()
+    params = list(reference.parameters())
+    want = {
+        norm: torch.nn.utils.get_total_norm([p.grad for p in params], norm).item()
+        for norm in (2.0, float("inf"))
+    }
+    torch.nn.utils.clip_grad_norm_(params, want[2.0] / 2)
+    with torch.no_grad():
+        for p in params:
+            p -= p.grad
+
+    model = _model(tie_embeddings=False).float()
+    tp.shard_module(model, model.tp_plan(2), mesh.tp_comm)
+    opt = dk.ShardedOptimizer(
+        model.parameters(), torch.optim.SGD, mesh.dp_comm, stage=stage, lr=1.0,
+        tp_comm=mesh.tp_comm,
+    )  # fmt: skip
+    mine = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
+    model(ids[mine], targets[mine]).backward()
+    got = {norm: opt.clip_grad_norm_(1e9, norm).item() for norm in want}
+    clipped = opt.clip_grad_norm_(want[2.0] / 2).item()
+    opt.step()
+    diff = max_param_diff(model, reference, mesh.tp_rank)
+    opt.close()
+    mesh.close()
+    return rank, want, got, clipped, diff
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_clip_norm_over_tensor_parallel_shards_is_the_whole_models(stage):
+    """ShardedOptimizer with ``tp_comm`` at dp 2 x tp 2: the 2-norm and the max-norm equal
+    the unsharded model's (a parameter every tp rank holds whole counted once), and a clipped
+    SGD step lands on the unsharded clipped step's parameters."""
+    print("seed", SEED)
+    for rank, want, got, clipped, diff in run_ranks(4, _rank_zero_clip, stage, timeout=120):
+        print(f"rank {rank} stage {stage}: want {want} got {got}, after clipping {clipped}, "
+              f"parameter difference {diff:.1e}")  # fmt: skip
+        for norm in want:
+            assert got[norm] == pytest.approx(want[norm], rel=1e-5), norm
+        assert clipped == pytest.approx(want[2.0], rel=1e-5)
+        assert diff < 1e-5

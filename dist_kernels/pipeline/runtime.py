@@ -168,6 +168,13 @@ class Pipeline:
         find_unused_parameters: with a ProcessMesh of ``dp > 1``, passed to each stage's
             :class:`~dist_kernels.DistributedDataParallel` (parameters of a stage that get no
             gradient in its last micro-batch's backward).
+        reduce_gradients: with a ProcessMesh of ``dp x cp > 1``, whether the pipeline averages
+            each stage's gradients over ``mesh.dp_cp_comm`` (a DDP per stage, overlapped with
+            the last backward). False leaves them local, summed over the micro-batches, for an
+            optimizer that reduces them itself: a :class:`~dist_kernels.ShardedOptimizer` at
+            stage 1 over ``mesh.dp_cp_comm``, whose ``step()`` reduce-scatters them (run
+            ``step()`` inside its ``no_sync()``; DeepSpeed's ZeRO-1 with its pipeline, and
+            Megatron's distributed optimizer, work this way).
     """
 
     def __init__(
@@ -184,6 +191,7 @@ class Pipeline:
         stages_per_rank: Optional[int] = None,
         print_partition: bool = True,
         find_unused_parameters: bool = False,
+        reduce_gradients: bool = True,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -216,7 +224,7 @@ class Pipeline:
         self._timer: Optional[ActionTimer] = None  # set while profile() runs
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
-        self.ddp = self._wrap_data_parallel(find_unused_parameters)
+        self.ddp = self._wrap_data_parallel(find_unused_parameters) if reduce_gradients else {}
         self._parameter_nodes = {
             s: parameter_nodes(list(m.parameters())) for s, m in self.stages.items()
         }

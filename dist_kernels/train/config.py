@@ -215,14 +215,13 @@ class TrainConfig:
             raise ConfigError(
                 f"zero({self.zero}) shards over data-parallel ranks (dp x cp): needs dp x cp > 1"
             )
-        if self.clip_grad and self.zero and self.tp > 1 and self.engine != "torch":
+        if self.pp > 1 and self.zero > 1:
             raise ConfigError(
-                f"clip_grad with zero({self.zero}) and tp({self.tp}) > 1: the sharded "
-                "optimizer sums its gradient shards over dp x cp only, and a parameter every "
-                "tp rank holds whole would count tp times"
+                f"zero({self.zero}) with pp({self.pp}) > 1: a pipeline adds up every "
+                "micro-batch's gradients before they are reduced, so each rank holds its "
+                "stage's full gradients anyway; use zero(1), which shards the optimizer state "
+                "(as DeepSpeed allows ZeRO-1 only with its pipeline)"
             )
-        if self.pp > 1 and self.zero:
-            raise ConfigError(f"zero({self.zero}) with pp({self.pp}) > 1 is not supported yet")
         if self.pp > 1 and self.engine != "dk":
             raise ConfigError(f"engine={self.engine!r} supports pp=1 only (pp={self.pp})")
         if self.pp > 1:

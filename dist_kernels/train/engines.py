@@ -117,7 +117,7 @@ class DataParallel:
         self.delay = _Delay(cfg, rank)
         world_size = cfg.dp * cfg.cp
         self.forward, self.optimizer, self._no_sync = self._wrap(
-            cfg, model, engine, dp_comm, world_size, expert_comm
+            cfg, model, engine, dp_comm, world_size, expert_comm, mesh
         )
         self.clip = make_clipper(
             cfg.clip_grad, engine, self.optimizer, list(model.parameters()), mesh, world_comm
@@ -130,7 +130,7 @@ class DataParallel:
 
     @staticmethod
     def _wrap(
-        cfg, model, engine, dp_comm, world, expert_comm=None
+        cfg, model, engine, dp_comm, world, expert_comm=None, mesh=None
     ) -> Tuple[Callable, Any, Callable[[bool], Any]]:
         """(forward callable, optimizer, no_sync(last micro-batch?) context factory)."""
         kwargs = _adamw_kwargs(cfg)
@@ -145,6 +145,7 @@ class DataParallel:
                 bucket_cap_mb=cfg.bucket_cap_mb,
                 expert_comm=expert_comm,
                 module=model if cfg.zero == 3 else None,  # stage 3 gathers per block
+                **_model_parallel_comms(mesh),
                 **kwargs,
             )
             return model, opt, lambda last: contextlib.nullcontext() if last else opt.no_sync()
@@ -221,6 +222,14 @@ class DataParallel:
                 close()
 
 
+def _model_parallel_comms(mesh: Any) -> Dict[str, Any]:
+    """ShardedOptimizer's ``tp_comm`` / ``pp_comm``: where the rest of the model's gradient
+    norm is (``--clip-grad``)."""
+    if mesh is None:
+        return {}
+    return {f"{k}_comm": getattr(mesh, f"{k}_comm") for k in ("tp", "pp") if getattr(mesh, k) > 1}
+
+
 def _fsdp2(model: nn.Sequential, kwargs: Dict[str, Any]):
     """torch FSDP2 over the default (gloo) group: every child sharded, then the root."""
     from torch.distributed.fsdp import fully_shard
@@ -262,13 +271,30 @@ class Pipelined:
             schedule=cfg.schedule,
             loss_fn=loss_fn,
             print_partition=False,
+            reduce_gradients=not cfg.zero,  # ZeRO-1 reduce-scatters them in its step()
         )
         self.module = self.pipe.stage_module
-        self.optimizer = torch.optim.AdamW(self.pipe.parameters(), **_adamw_kwargs(cfg))
+        self.optimizer = self._optimizer(cfg, mesh)
         self.clip = make_clipper(
             cfg.clip_grad, "dk", self.optimizer, list(self.pipe.parameters()), mesh, world_comm
         )
         self.scheduler = None
+
+    def _optimizer(self, cfg: TrainConfig, mesh: Any) -> Any:
+        """AdamW over this rank's stages; with ``--zero 1`` sharded over dp x cp."""
+        if not cfg.zero:
+            return torch.optim.AdamW(self.pipe.parameters(), **_adamw_kwargs(cfg))
+        from ..zero import ShardedOptimizer
+
+        return ShardedOptimizer(
+            self.pipe.parameters(),
+            torch.optim.AdamW,
+            mesh.dp_cp_comm,
+            stage=cfg.zero,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            **_model_parallel_comms(mesh),
+            **_adamw_kwargs(cfg),
+        )
 
     start = DataParallel.start
     lr = DataParallel.lr
@@ -282,7 +308,9 @@ class Pipelined:
             sampler, step, self.mesh, self.dp_rank, cfg.micro_batch * cfg.grad_accum
         )
         self.delay()
-        with _autocast(cfg.dtype):
+        # ZeRO: the micro-batches' gradients add up locally; the optimizer's step reduces them
+        no_sync = self.optimizer.no_sync() if cfg.zero else contextlib.nullcontext()
+        with _autocast(cfg.dtype), no_sync:
             loss = float(self.pipe.step(inputs, targets))
         self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin, self.clip)
         return loss, times
@@ -293,6 +321,8 @@ class Pipelined:
     def close(self) -> None:
         for ddp in self.pipe.ddp.values():
             ddp.close()
+        if self.cfg.zero:
+            self.optimizer.close()
 
 
 def _autocast(dtype: str):

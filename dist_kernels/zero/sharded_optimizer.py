@@ -45,6 +45,10 @@ gradient already sums its ep group's tokens (the all-to-all's backward), so its 
 division by dp that the dense average makes. Every element is still owned by one rank of
 ``comm`` (an expert shard by one replica, the ep ranks holding different experts), so the
 gradient norm and the inf/NaN flag all-reduced over ``comm`` stay global.
+
+Model parallelism: with tensor or pipeline parallelism ``comm`` is one of many data-parallel
+groups, each sharding its own part of the model. ``clip_grad_norm_`` then needs the rest of
+the model's norm: ``tp_comm`` and ``pp_comm`` add it (see the constructor).
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ import torch
 from ..buckets.reduce_scatter import STAGING_SLOTS, ReduceScatter, ShardTarget
 from ..buckets.reducer import BucketReducer
 from ..dtypes import ReduceOp
+from ..tensor_parallel.layers import is_tensor_parallel_shard
 from . import memory
-from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, plan_flat_group
+from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, Segment, plan_flat_group
 
 __all__ = ["ShardedOptimizer"]
 
@@ -135,6 +140,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (``dk.moe`` experts sharded over ep) are sharded and reduced: their replicas, a
             subgroup of ``comm`` (``mesh.expert_dp_comm`` with ``comm=mesh.dp_comm``), as for
             ``dk.DDP``. Without it such parameters are refused.
+        tp_comm: the tensor-parallel ranks of this replica (``mesh.tp_comm``), for
+            :meth:`clip_grad_norm_`: the norm sums over them, counting a parameter they all
+            hold whole (one not marked ``tensor_parallel_shard``) on tp rank 0 only, as
+            Megatron's distributed optimizer does.
+        pp_comm: the pipeline stages of this replica (``mesh.pp_comm``), for
+            :meth:`clip_grad_norm_`: each holds other parameters, so the norm sums over them.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, betas, momentum, ...).
     """
 
@@ -151,6 +162,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         module: Optional[torch.nn.Module] = None,
         units: Optional[Iterable[torch.nn.Module]] = None,
         expert_comm: Any = None,
+        tp_comm: Any = None,
+        pp_comm: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         _check_arguments(stage, grad_dtype, bucket_cap_mb, module, units)
@@ -158,6 +171,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         _check_expert_comm(self.comm, expert_comm)
         self.expert_comm = expert_comm
+        self.tp_comm, self.pp_comm = tp_comm, pp_comm
         self.stage, self.grad_dtype, self.overlap = stage, grad_dtype, overlap
         self.bucket_cap_bytes = int(bucket_cap_mb * _MB)
         groups = _param_groups(params)
@@ -457,23 +471,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return found.to(torch.float32)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scales the gradients so that their global norm is at most ``max_norm``; returns the
-        norm before clipping. Each rank sums over its shard (every element owned once), one
-        all-reduce gives every rank the same norm."""
+        """Scales the gradients so that the model's norm is at most ``max_norm``; returns the
+        norm before clipping, the same on every rank. Each rank sums over its shard (every
+        element owned by one rank of ``comm``), then one all-reduce over ``comm`` and, when
+        given, one over ``tp_comm`` and one over ``pp_comm`` (the rest of the model)."""
         self._reduced()
         norm_type = float(norm_type)
-        factors = [
-            (g, 1.0 if fg.master is None else self._grad_factor) for fg, g in self._shard_grads()
-        ]
+        pieces = list(self._counted_grads())
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max().double() * f for g, f in factors]).max()
+            local = torch.zeros((), dtype=torch.float64)
+            for g, f in pieces:
+                local = torch.maximum(local, g.abs().max().double() * f)
             op = ReduceOp.MAX
         else:
-            local = sum(g.double().abs().pow(norm_type).sum() * f**norm_type for g, f in factors)
+            local = torch.zeros((), dtype=torch.float64)
+            for g, f in pieces:
+                local += g.double().abs().pow(norm_type).sum() * f**norm_type
             op = ReduceOp.SUM
-        local = local.reshape(1).to(torch.float64)
-        if self.world_size > 1:
-            self.comm.all_reduce(local, op=op)
+        local = local.reshape(1)
+        for comm in (self.comm, self.tp_comm, self.pp_comm):
+            if comm is not None and comm.world_size > 1:
+                comm.all_reduce(local, op=op)
         total = local[0] if math.isinf(norm_type) else local[0] ** (1.0 / norm_type)
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1.0:
@@ -482,6 +500,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     g.mul_(coef)
             self._grad_factor *= coef
         return total.to(torch.float32)
+
+    def _counted_grads(self) -> Iterator[Tuple[torch.Tensor, float]]:
+        """(gradient piece, pending factor) of what this rank counts in the model's norm: its
+        whole shard, except that a tp rank other than 0 skips the parameters every tp rank
+        holds whole (their copies are equal; only tp rank 0 counts them)."""
+        skip_copies = self.tp_comm is not None and self.tp_comm.rank != 0
+        for fg in self.flat_groups:
+            factor = 1.0 if fg.master is None else self._grad_factor
+            if not skip_copies:
+                for b in range(len(fg.plan.buckets)):
+                    yield self._shard_grad(fg, b), factor
+                continue
+            for seg in fg.plan.segments(fg.rank):
+                if is_tensor_parallel_shard(fg.params[seg.slot]):
+                    yield self._segment_grad(fg, seg), factor
+
+    def _segment_grad(self, fg: _FlatGroup, seg: Segment) -> torch.Tensor:
+        """The reduced gradient of one parameter piece of this rank's shard."""
+        if fg.grad_flat is not None:
+            return fg.grad_flat[seg.flat_offset : seg.flat_offset + seg.length]
+        return fg.grad_shard[seg.shard_offset : seg.shard_offset + seg.length]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
