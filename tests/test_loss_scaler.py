@@ -208,6 +208,28 @@ def test_overflow_on_another_rank_skips_the_step(peer_flag):
     )
 
 
+@pytest.mark.parametrize("peer_flag", [0.0, 1.0])
+def test_a_rank_that_scales_nothing_decides_with_the_others(peer_flag):
+    """A pipeline stage before the last never calls scale(): its gradients carry the scale
+    through the ones it received. With a comm it unscales, steps and updates all the same,
+    from the initial scale, and skips when a peer overflowed."""
+    comm = FakeComm(peer_flag)
+    scaler, param = LossScaler(init_scale=8.0, comm=comm), _param()
+    opt = torch.optim.SGD([param], lr=0.1)
+    param.grad = torch.full_like(param, 0.25 * 8.0)  # as if backward came from a scaled loss
+    scaler.unscale_(opt)
+    assert torch.equal(param.grad, torch.full_like(param, 0.25))
+    scaler.step(opt)
+    scaler.update()
+    assert comm.calls == [dk.ReduceOp.MAX]
+    assert (param.sum().item() != 8.0) == (peer_flag == 0.0)
+    assert scaler.get_scale() == 8.0 * (0.5 if peer_flag else 1.0)
+    # without a comm there is no one to decide with: the missing scale() is an error, as in
+    # torch's GradScaler
+    with pytest.raises(AssertionError, match="scale is not initialised"):
+        LossScaler(init_scale=8.0).unscale_(opt)
+
+
 def test_disabled_is_a_pass_through():
     scaler, param = LossScaler(enabled=False), _param()
     opt = torch.optim.SGD([param], lr=1.0)

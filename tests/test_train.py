@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Dict
 from unittest import mock
 
 import pytest
@@ -53,6 +54,10 @@ ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which the driver keeps
 # sources, which every change to the package changes, and with them the samples: a layout
 # test's Adam-amplified rounding then passed or failed with the edit of an unrelated file.
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+# fp16 with a first loss scale far too large for FP16 and a short growth window: the first
+# steps overflow (skipped, the scale halved each time), then the scale grows and overflows
+# again, so the run exercises every decision of the loss scaler.
+FP16 = dict(dtype="fp16", initial_loss_scale=2.0**20, loss_scale_window=2, steps=10)
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -113,6 +118,13 @@ def _one_process(cfg: TrainConfig) -> TrainConfig:
 def _single(cfg: TrainConfig):
     """The reference: one process, the same global batch."""
     return train(_one_process(cfg))
+
+
+def _initial_params(cfg: TrainConfig) -> Dict[str, torch.Tensor]:
+    """The parameters every run of ``cfg`` starts from (the driver's model and seed)."""
+    corpus = data.CharCorpus.build(cfg.data, cfg.model.block_size)
+    model, _ = build_model(driver.model_config(cfg, corpus), cfg.seed)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _key_bias_mask(numel: int) -> torch.Tensor:
@@ -355,19 +367,30 @@ def test_dp2_x_tp2_zero3_matches_single_process(reference):
 
 
 @pytest.mark.parametrize(
-    "layout", [dict(dp=2, zero=3), dict(dp=2, pp=2, zero=1)], ids=["dp2-zero3", "dp2xpp2-zero1"]
+    "layout",
+    [dict(dp=2, zero=3), dict(dp=2, pp=2, zero=1), dict(dp=2, zero=2, **FP16), dict(pp=2, **FP16)],
+    ids=["dp2-zero3", "dp2xpp2-zero1", "dp2-zero2-fp16", "pp2-fp16"],
 )
 def test_zero_resume_is_exact(tmp_path, layout):
-    """ZeRO 3 on 2 ranks, ZeRO 1 on two pipelines of two stages: 6 steps straight == 3 steps,
-    stop, resume to 6, bitwise (the checkpoint holds each rank's shard of the optimizer state,
-    and at stage 3 of the parameters; one directory per pipeline stage)."""
-    world = 2 * layout.get("pp", 1)
-    cfg = _cfg(steps=6, global_batch=4, warmup=2, log_every=3, **layout)
+    """ZeRO 3 on 2 ranks, ZeRO 1 on two pipelines of two stages, and fp16 (ZeRO 2; a
+    pipeline): N steps straight == N / 2 steps, stop, resume to N, bitwise (the checkpoint
+    holds each rank's shard of the optimizer state, at stage 3 of the parameters, and the
+    loss scaler's state; one directory per pipeline stage)."""
+    world = layout.get("dp", 1) * layout.get("pp", 1)
+    cfg = _cfg(**{**dict(steps=6, global_batch=4, warmup=2, log_every=1), **layout})
     straight = run_ranks(world, _on_ranks, cfg, timeout=180)
     ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
-    run_ranks(world, _on_ranks, dataclasses.replace(cfg, stop_after=3, **ckpt), timeout=180)
+    stop = cfg.steps // 2
+    run_ranks(world, _on_ranks, dataclasses.replace(cfg, stop_after=stop, **ckpt), timeout=180)
     resumed = run_ranks(world, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=180)
-    assert resumed[0]["start"] == 3
+    assert resumed[0]["start"] == stop
+    if cfg.dtype == "fp16":  # the loss scaler resumed too: the same scales and skips
+        scales = [(r["loss_scale"], r["skipped_steps"]) for r in straight[0]["records"]]
+        print(f"(scale, skipped) per step {scales}")
+        assert len({s for s, _ in scales[stop - 1 :]}) > 1  # the scale moves after the resume
+        assert [(r["loss_scale"], r["skipped_steps"]) for r in resumed[0]["records"]] == scales[
+            stop:
+        ]
     for r in range(world):
         for k, v in straight[r]["params"].items():
             assert torch.equal(resumed[r]["params"][k], v), (r, k)
@@ -419,6 +442,69 @@ def test_clip_grad_norm_is_the_whole_models_in_every_layout(clipped_reference, l
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
     if engine == "dk":  # torch's FSDP2 returns DTensors: checked against dk by the norms
         _assert_layout_matches(ranks, (ref_losses, ref_params, key_bound), tp=layout.get("tp", 1))
+
+
+@pytest.fixture(scope="module")
+def fp16_references():
+    """torch's GradScaler on one process and under torch DDP at dp 2: per replica batch (8 or
+    4), the losses, the parameters, and each step's loss scale and skip.
+
+    A micro-batch's loss is divided by the accumulation count, not by dp (as in torch, Megatron
+    and DeepSpeed), so the gradients a rank scales are larger the smaller its share of the
+    batch: at dp 2 they are twice one process's, which moves the overflow threshold by exactly
+    one halving of the scale. Each layout is held to the reference with its replica batch."""
+    refs = {}
+    for dp in (1, 2):
+        cfg = _cfg(global_batch=8, log_every=1, dp=dp, **FP16)
+        if dp == 1:
+            single = _single(dataclasses.replace(cfg, engine="torch"))
+            losses, params, records = (
+                [r["loss"] for r in single.records],
+                single.params,
+                single.records,
+            )
+        else:
+            rank0 = run_ranks(2, _on_ranks, cfg, "torch", timeout=180)[0]
+            losses, params, records = rank0["losses"], rank0["params"], rank0["records"]
+        scales = [(rec["loss_scale"], rec["skipped_steps"]) for rec in records]
+        print(f"dp {dp}, torch GradScaler: (scale, skipped) per step {scales}")
+        skipped = [s for _, s in scales]
+        assert skipped[0] == 1 and 0 in skipped and skipped.count(1) >= 2  # skips, then steps
+        refs[8 // dp] = (losses, params, scales)
+    assert refs[8][2] != refs[4][2]  # the replica batch matters: the references differ
+    return refs
+
+
+@pytest.mark.parametrize(
+    "layout,world",
+    [(dict(dp=2), 2), (dict(dp=2, zero=2), 2), (dict(dp=2, zero=2, engine="torch"), 2),
+     (dict(pp=2, micro_batch=2), 2), (dict(tp=2), 2), (dict(dp=2, tp=2), 4),
+     (dict(dp=2, pp=2, zero=1, micro_batch=2), 4)],
+    ids=["dp2", "dp2-zero2", "fsdp2", "pp2", "tp2", "dp2xtp2", "dp2xpp2-zero1"],
+)  # fmt: skip
+def test_fp16_loss_scaling_matches_torch_grad_scaler(fp16_references, layout, world):
+    """--dtype fp16: every layout takes the decisions of torch's GradScaler at its replica
+    batch (the same scale each step, the same steps skipped: an overflow on any rank, shard or
+    stage skips the step on all), and trains to its losses and parameters."""
+    engine = layout.pop("engine", "dk")
+    cfg = _cfg(global_batch=8, log_every=1, **FP16, **layout)
+    ref_losses, ref_params, ref_scales = fp16_references[8 // layout.get("dp", 1)]
+    ranks = run_ranks(world, _on_ranks, cfg, engine, timeout=240)
+    scales = [(rec["loss_scale"], rec["skipped_steps"]) for rec in ranks[0]["records"]]
+    assert scales == ref_scales
+    torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-3, atol=0)
+    if engine == "dk":  # FSDP2's parameters are DTensors: checked by the losses
+        init = _initial_params(cfg)
+        for rank, r in enumerate(ranks):
+            tp_rank = rank % layout.get("tp", 1)
+            moved, off = 0.0, 0.0
+            for k, x in r["params"].items():
+                moved += (shard_of(ref_params[k] - init[k], x, tp_rank)).square().sum().item()
+                off += (x - shard_of(ref_params[k], x, tp_rank)).square().sum().item()
+            print(f"rank {rank}: parameters off by {off**0.5:.2e}, moved {moved**0.5:.2e}")
+            # FP16 rounding, which Adam amplifies where a gradient is near zero, leaves a few
+            # elements up to ~lr apart; a step taken or skipped differently moves them all
+            assert off**0.5 < 0.05 * moved**0.5
 
 
 @pytest.mark.parametrize(
@@ -476,6 +562,18 @@ def test_recompute_runs_each_block_again_in_backward_and_saves_less():
 def test_clip_grad_errors():
     with pytest.raises(ConfigError, match=r"clip_grad must be >= 0"):
         TrainConfig(clip_grad=-1.0).check()
+
+
+def test_loss_scaling_errors():
+    with pytest.raises(ConfigError, match=r"hysteresis, min_loss_scale: loss scaling is for "):
+        TrainConfig(hysteresis=2, min_loss_scale=2.0).check()
+    with pytest.raises(ConfigError, match=r"hysteresis: engine='torch' scales with torch's"):
+        TrainConfig(dtype="fp16", hysteresis=2, engine="torch").check()
+    with pytest.raises(ConfigError, match=r"min_loss_scale\(8.0\) must lie in \[0, "):
+        TrainConfig(dtype="fp16", initial_loss_scale=4.0, min_loss_scale=8.0).check()
+    with pytest.raises(ConfigError, match=r"loss_scale_window must be an int >= 1, got 0"):
+        TrainConfig(dtype="fp16", loss_scale_window=0).check()
+    TrainConfig(dtype="fp16", hysteresis=2, min_loss_scale=2.0).check()  # ours has both
 
 
 @pytest.mark.parametrize("zero", [2, 3])

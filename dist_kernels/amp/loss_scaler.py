@@ -77,6 +77,9 @@ class LossScaler:
         min_scale: floor of the scale (>= 0).
         on_min_scale: what :meth:`step` does on an overflow with the scale at ``min_scale``.
         comm: optional dist_kernels Communicator; found infs are all-reduced with MAX on it.
+            A rank of ``comm`` may then unscale, step and update without having scaled
+            anything itself (a pipeline stage before the last: its gradients carry the scale
+            through the gradients it received).
     """
 
     def __init__(
@@ -404,6 +407,12 @@ class LossScaler:
         )
 
     def _require_scale(self, funcname: str) -> None:
+        if self._scale is None and self._comm is not None:
+            # A rank that scales nothing (a pipeline stage before the last, whose gradients
+            # carry the scale through the received ones) still unscales and decides with
+            # the others: the scale starts on the communicator's device.
+            self._lazy_init(torch.device(self._comm.device))
+            return
         if self._scale is None:
             raise AssertionError(
                 f"Attempted {funcname} but the scale is not initialised. This may indicate your "

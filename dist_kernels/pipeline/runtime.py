@@ -225,6 +225,7 @@ class Pipeline:
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
         self.ddp = self._wrap_data_parallel(find_unused_parameters) if reduce_gradients else {}
+        self._scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # step()'s
         self._parameter_nodes = {
             s: parameter_nodes(list(m.parameters())) for s, m in self.stages.items()
         }
@@ -324,7 +325,13 @@ class Pipeline:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+    def step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """Forward and backward of one batch over all micro-batches; returns the batch loss.
 
         ``inputs`` are needed on the rank of the first stage and ``targets`` on the rank of the
@@ -332,9 +339,18 @@ class Pipeline:
         ``loss.backward()``; with a ProcessMesh they are then averaged over the data-parallel
         replicas. The returned loss, a float64 scalar on every rank of the pipeline, is the mean of
         the micro-batch losses (this replica's, with data parallelism).
+
+        ``scale_loss``: applied to each micro-batch's loss before its backward (the last
+        stage's), as Megatron's ``grad_scale_func``: ``scale_loss=scaler.scale`` for a
+        ``torch.amp.GradScaler`` or a :class:`dist_kernels.LossScaler`. Every stage's gradients
+        then carry the scale; unscale them through the scaler before the optimizer steps. The
+        returned loss is unscaled.
         """
         if self._failed:
             raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
+        if scale_loss is not None and not callable(scale_loss):
+            raise TypeError(f"scale_loss must be callable, got {type(scale_loss).__name__}")
+        self._scale_loss = scale_loss
         started = time.perf_counter()
         try:
             self._begin(inputs, targets)
@@ -473,7 +489,8 @@ class Pipeline:
         if a.stage == self.n_stages - 1:
             loss = self.loss_fn(out, self.targets[a.microbatch])
             self.losses.append(loss.detach())
-            outs = (loss / self.n_microbatches,)
+            loss = loss / self.n_microbatches
+            outs = (loss if self._scale_loss is None else self._scale_loss(loss),)
         self._count_saved(counter, +1)
         self.saved[(a.stage, a.microbatch)] = (leaves, outs, counter.bytes)
         if a.stage < self.n_stages - 1:

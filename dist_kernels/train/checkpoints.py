@@ -104,6 +104,8 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
     root = step_dir(cfg, step)
     stage = os.path.join(root, shard)
     extra = {"step": step, "samples": step * cfg.global_batch, "identity": ident}
+    if engine.scaler is not None:  # fp16: the same state on every rank
+        extra["loss_scaler"] = engine.scaler.state_dict()
     if cfg.zero:
         dk_checkpoint.save(stage, model=engine.module, optimizer=engine.optimizer, extra=extra)
     elif engine.replica_rank == 0:  # one of the dp x cp ranks that hold these weights
@@ -118,9 +120,10 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
     return root
 
 
-def _load_resharded(engine, path: str, shard: str, saved_ep: int) -> None:
+def _load_resharded(engine, path: str, shard: str, saved_ep: int) -> Dict[str, Any]:
     """Model and optimizer of a run saved at ``saved_ep`` (not this run's ep): each saved ep
-    rank's directory is the shard name with its ep rank (none at ep 1)."""
+    rank's directory is the shard name with its ep rank (none at ep 1). Returns the first
+    one's ``extra``."""
     base = re.sub(r"-ep-\d+$", "", shard)
 
     def read(r: int):
@@ -148,6 +151,7 @@ def _load_resharded(engine, path: str, shard: str, saved_ep: int) -> None:
         lambda r: (saved(r)[1]["optimizer"], saved(r)[1]["param_names"]),
     )
     engine.optimizer.load_state_dict(optimizer_state)
+    return saved(0)[1]
 
 
 def _write_json_atomic(path: str, record: Dict[str, Any]) -> None:
@@ -169,10 +173,13 @@ def load(cfg, engine, resume: Dict[str, Any], shard: str) -> int:
     stage = os.path.join(resume["path"], shard)
     saved_ep = resume["identity"].get("ep", cfg.ep)  # older records: resumed at their own ep
     if cfg.zero:  # at any ep: the shards name experts by global id
-        dk_checkpoint.load(stage, model=engine.module, optimizer=engine.optimizer)
+        extra = dk_checkpoint.load(stage, model=engine.module, optimizer=engine.optimizer)
     elif saved_ep != cfg.ep:
-        _load_resharded(engine, resume["path"], shard, saved_ep)
+        extra = _load_resharded(engine, resume["path"], shard, saved_ep)
     else:
         extra = dk_checkpoint.load(stage, model=engine.module)
         engine.optimizer.load_state_dict(extra["optimizer"])
+    # fp16 resumes its loss scale (a run saved at another dtype starts the scaler afresh)
+    if engine.scaler is not None and "loss_scaler" in extra:
+        engine.scaler.load_state_dict(extra["loss_scaler"])
     return int(resume["step"])

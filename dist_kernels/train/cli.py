@@ -73,6 +73,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--first-bucket-mb", type=float, default=d.first_bucket_mb, help="first bucket MiB (ours)")
     add("--dtype", default=d.dtype, choices=("fp32", "bf16", "fp16"))
+    add(
+        "--initial-loss-scale",
+        type=float,
+        default=d.initial_loss_scale,
+        help="fp16: the first dynamic loss scale",
+    )
+    add(
+        "--loss-scale-window",
+        type=int,
+        default=d.loss_scale_window,
+        help="fp16: clean steps before the loss scale doubles",
+    )
+    add(
+        "--hysteresis",
+        type=int,
+        default=d.hysteresis,
+        help="fp16: overflowing steps in a row before the loss scale halves",
+    )
+    add(
+        "--min-loss-scale",
+        type=float,
+        default=d.min_loss_scale,
+        help="fp16: floor of the loss scale (an overflow there stops the run)",
+    )
     add("--steps", type=int, default=d.steps)
     add("--stop-after", type=int, default=None, help="stop after this step (resume later)")
     add("--lr", type=float, default=d.lr, help="peak learning rate at --lr-base-batch")
@@ -146,7 +170,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         schedule=args.schedule,
         micro_batch=args.micro_batch, grad_accum=args.grad_accum, global_batch=args.global_batch,
         bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
-        dtype=args.dtype, steps=args.steps, stop_after=args.stop_after, lr=args.lr,
+        dtype=args.dtype, initial_loss_scale=args.initial_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        min_loss_scale=args.min_loss_scale, steps=args.steps, stop_after=args.stop_after,
+        lr=args.lr,
         lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,
         clip_grad=args.clip_grad, recompute=args.recompute,

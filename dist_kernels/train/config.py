@@ -34,6 +34,15 @@ def driver_model() -> GPTConfig:
     return GPTConfig(block_size=64, n_layers=2, n_heads=4, dim=128, tie_embeddings=False)
 
 
+# The loss-scaling options and their defaults (torch's GradScaler's behaviour)
+_LOSS_SCALING = {
+    "initial_loss_scale": 2.0**16,
+    "loss_scale_window": 2000,
+    "hysteresis": 1,
+    "min_loss_scale": 1.0,
+}
+
+
 @dataclass
 class TrainConfig:
     """One training run. Build it with :func:`from_args` or directly; call :meth:`check`."""
@@ -69,8 +78,18 @@ class TrainConfig:
     first_bucket_mb: float = 1.0
     """Cap of the first bucket (ours; torch DDP's is fixed at 1 MiB)."""
     dtype: Dtype = "fp32"
-    """Compute dtype: fp32, or bf16 / fp16 autocast over FP32 weights (fp16 runs without a
-    loss scaler: a short run's gradients stay in range, a long one needs bf16)."""
+    """Compute dtype: fp32, or bf16 / fp16 autocast over FP32 weights. fp16 runs with dynamic
+    loss scaling (the four ``*loss_scale*`` / ``hysteresis`` options below)."""
+    initial_loss_scale: float = 2.0**16
+    """fp16: the first loss scale (torch's ``GradScaler`` default; Megatron's is 2**32)."""
+    loss_scale_window: int = 2000
+    """fp16: steps without an inf or NaN gradient before the scale doubles (torch's
+    ``growth_interval``; Megatron's and DeepSpeed's ``loss_scale_window``, 1000 there)."""
+    hysteresis: int = 1
+    """fp16: overflowing steps in a row before the scale halves; every one is skipped
+    (Megatron's and DeepSpeed's ``hysteresis``, 2 there; torch's behaviour is 1)."""
+    min_loss_scale: float = 1.0
+    """fp16: the scale never halves below this; an overflow at it stops the run."""
     steps: int = 20
     """Optimizer steps to take (in total, counting those before a resume)."""
     stop_after: Optional[int] = None
@@ -194,6 +213,7 @@ class TrainConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not self.clip_grad >= 0:
             raise ConfigError(f"clip_grad must be >= 0 (0: off), got {self.clip_grad}")
+        self._check_loss_scaling()
         if self.resume is not None and self.resume == "auto" and self.checkpoint_dir is None:
             raise ConfigError("resume=auto needs checkpoint_dir")
         if self.model.tie_embeddings or self.model.dropout:
@@ -261,6 +281,29 @@ class TrainConfig:
                 f"{self.schedule} runs {plan.n_stages} stages on pp({self.pp}) ranks "
                 f"({per_rank} per rank) but the model has n_layers({self.model.n_layers}) + 2 "
                 f"= {layers} layers: a stage would be empty"
+            )
+
+    def _check_loss_scaling(self) -> None:
+        if not self.initial_loss_scale > 0:
+            raise ConfigError(f"initial_loss_scale must be > 0, got {self.initial_loss_scale}")
+        _at_least("loss_scale_window", self.loss_scale_window, 1)
+        _at_least("hysteresis", self.hysteresis, 1)
+        if not 0 <= self.min_loss_scale <= self.initial_loss_scale:
+            raise ConfigError(
+                f"min_loss_scale({self.min_loss_scale}) must lie in [0, "
+                f"initial_loss_scale({self.initial_loss_scale})]"
+            )
+        scaling = [k for k, v in _LOSS_SCALING.items() if getattr(self, k) != v]
+        if scaling and self.dtype != "fp16":
+            raise ConfigError(
+                f"{', '.join(scaling)}: loss scaling is for dtype fp16, got dtype {self.dtype} "
+                "(bf16 has fp32's range and needs none)"
+            )
+        torch_lacks = [k for k in ("hysteresis", "min_loss_scale") if k in scaling]
+        if torch_lacks and self.dtype == "fp16" and self.engine != "dk":
+            raise ConfigError(
+                f"{', '.join(torch_lacks)}: engine={self.engine!r} scales with torch's "
+                "GradScaler, which has neither (our engines' dk.LossScaler has both)"
             )
 
     def _check_experts(self) -> None:

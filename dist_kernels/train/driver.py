@@ -233,8 +233,13 @@ class _Run:
         if not self.is_rank0:
             return
         record = self._record(done, rows, len(interval), seconds)
+        last = interval[-1]
         if self.cfg.clip_grad:  # the interval's last step; the same norm on every rank
-            record["grad_norm"] = interval[-1].grad_norm
+            finite = last.grad_norm is not None and math.isfinite(last.grad_norm)
+            record["grad_norm"] = last.grad_norm if finite else None  # None: an overflow
+        if self.cfg.dtype == "fp16":  # the same decisions on every rank
+            record["loss_scale"] = last.loss_scale
+            record["skipped_steps"] = sum(t.skipped for t in interval)
         self.result.records.append(record)
         self.json.write(record)
         self.tensorboard.write(record)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -26,6 +27,7 @@ from .. import lr as dk_lr
 from .clipping import make_clipper
 from .config import TrainConfig
 from .data import Sampler
+from .loss_scaling import make_scaler, scaled_step
 from .metrics import LastGradClock, StepTimes
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,17 +65,31 @@ def _adamw_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
 
 
 def _optimizer_step(
-    optimizer: Any, scheduler: Any, times: StepTimes, begin: float, clip: Optional[Callable]
+    optimizer: Any,
+    scheduler: Any,
+    times: StepTimes,
+    begin: float,
+    clip: Optional[Callable],
+    scaler: Any = None,
 ) -> float:
-    """Clips (``--clip-grad``), steps, zeroes and schedules; records the optimizer phase (the
-    clipping in it) and the whole step's time (from ``begin``). Returns the rate this step
-    used (read before the scheduler moves it)."""
+    """Unscales (fp16), clips (``--clip-grad``), steps, zeroes and schedules; records the
+    optimizer phase (the clipping in it) and the whole step's time (from ``begin``). Returns
+    the rate this step used (read before the scheduler moves it)."""
     t0 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     times.grad_norm = clip() if clip is not None else None
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:  # skipped on every rank at once when any gradient overflowed
+        times.loss_scale, times.skipped = scaled_step(scaler, optimizer)
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    with warnings.catch_warnings():
+        # A skipped first step (fp16 overflow) makes torch warn that the scheduler stepped
+        # before the optimizer: deliberate here, the schedule counts iterations.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+        scheduler.step()
     end = time.perf_counter()
     times.add("optimizer", _ms(end - t0))
     times.step_ms = _ms(end - begin)
@@ -122,6 +138,7 @@ class DataParallel:
         self.clip = make_clipper(
             cfg.clip_grad, engine, self.optimizer, list(model.parameters()), mesh, world_comm
         )
+        self.scaler = make_scaler(cfg, engine, world_comm)
         # FSDP2 hands reduced gradients to its sharded parameters after its reduce-scatter, so
         # a gradient hook there does not mark the end of compute: its comm is not measured.
         self.measures_comm = not (engine == "torch" and cfg.zero and world_size > 1)
@@ -186,7 +203,9 @@ class DataParallel:
             part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
             with self._no_sync(k == cfg.grad_accum - 1):
                 loss_sum += self._micro_step(inputs[part], targets[part], times, k == 0)
-        self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin, self.clip)
+        self._last_lr = _optimizer_step(
+            self.optimizer, self.scheduler, times, begin, self.clip, self.scaler
+        )
         return loss_sum, times
 
     def _micro_step(self, x, y, times: StepTimes, first: bool) -> float:
@@ -197,7 +216,7 @@ class DataParallel:
             loss = self.loss_fn(self.forward(x), y) / self.cfg.grad_accum
         t1 = time.perf_counter()
         self.clock.stamp = None
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         t2 = time.perf_counter()
         last_grad = self.clock.stamp if self.clock.stamp is not None else t2
         if not self.measures_comm:
@@ -278,6 +297,7 @@ class Pipelined:
         self.clip = make_clipper(
             cfg.clip_grad, "dk", self.optimizer, list(self.pipe.parameters()), mesh, world_comm
         )
+        self.scaler = make_scaler(cfg, "dk", world_comm)
         self.scheduler = None
 
     def _optimizer(self, cfg: TrainConfig, mesh: Any) -> Any:
@@ -311,8 +331,11 @@ class Pipelined:
         # ZeRO: the micro-batches' gradients add up locally; the optimizer's step reduces them
         no_sync = self.optimizer.no_sync() if cfg.zero else contextlib.nullcontext()
         with _autocast(cfg.dtype), no_sync:
-            loss = float(self.pipe.step(inputs, targets))
-        self._last_lr = _optimizer_step(self.optimizer, self.scheduler, times, begin, self.clip)
+            scale_loss = None if self.scaler is None else self.scaler.scale
+            loss = float(self.pipe.step(inputs, targets, scale_loss=scale_loss))
+        self._last_lr = _optimizer_step(
+            self.optimizer, self.scheduler, times, begin, self.clip, self.scaler
+        )
         return loss, times
 
     def final_params(self) -> Dict[str, torch.Tensor]:

@@ -36,6 +36,8 @@ class StepTimes:
     step_ms: float = 0.0
     phases: Dict[str, Optional[float]] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     grad_norm: Optional[float] = None  # the model's gradient norm before --clip-grad clipped it
+    loss_scale: Optional[float] = None  # fp16: the scale this step's gradients carried
+    skipped: bool = False  # fp16: the step was skipped (an inf or NaN gradient somewhere)
 
     def add(self, phase: str, ms: Optional[float]) -> None:
         if ms is None or self.phases[phase] is None:

@@ -32,6 +32,9 @@ def scalars(record: Dict[str, Any]) -> Dict[str, float]:
             out[f"time/{phase}_ms"] = record[f"{phase}_ms"]
     if record.get("grad_norm") is not None:  # --clip-grad
         out["grad_norm"] = record["grad_norm"]
+    if record.get("loss_scale") is not None:  # fp16
+        out["loss_scale"] = record["loss_scale"]
+        out["skipped_steps"] = record["skipped_steps"]
     return {tag: float(value) for tag, value in out.items()}
 
 
