@@ -78,6 +78,79 @@ def test_one_rank_equals_plain_training(schedule):
     assert losses == pytest.approx(ref_losses, abs=1e-12)
 
 
+class _Penalized(nn.Module):
+    """A Linear that keeps a penalty on its output, as an MoE layer keeps its aux loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.penalty = None
+
+    def forward(self, x):
+        y = self.linear(x)
+        self.penalty = 0.1 * y.square().mean()
+        return torch.tanh(y)
+
+
+def _penalty_of(stage: nn.Module):
+    found = [m.penalty for m in stage.modules() if isinstance(m, _Penalized)]
+    return torch.stack(found).sum() if found else None
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_stage_loss_is_backpropagated_from_its_stage(schedule):
+    """stage_loss: each stage's penalties join the micro-batch's loss where they arise (on one
+    rank, interleaved 1F1B runs two stages: the first backpropagates its own as a second
+    root). Against plain autograd of mean over micro-batches of (mse + every penalty)."""
+    print("seed", SEED)
+    torch.manual_seed(SEED)
+    reference = nn.Sequential(*(_Penalized() for _ in range(4))).double()
+    piped, plain = copy.deepcopy(reference), copy.deepcopy(reference)
+    batches = _batches(STEPS, BATCH)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_losses = []
+    for x, y in batches:
+        ref_opt.zero_grad()
+        total = 0.0
+        for xm, ym in zip(x.chunk(4), y.chunk(4)):
+            loss = nn.functional.mse_loss(reference(xm), ym) + _penalty_of(reference)
+            (loss / 4).backward()
+            total += loss.item() / 4
+        ref_opt.step()
+        ref_losses.append(total)
+    pipe = dk.Pipeline(
+        piped,
+        n_microbatches=4,
+        schedule=schedule,
+        loss_fn=nn.functional.mse_loss,
+        stage_loss=_penalty_of,
+    )
+    assert pipe.n_stages == (2 if schedule == "interleaved-1f1b" else 1)
+    losses = _train_pipeline(pipe, piped, batches)
+    diff = _max_param_diff(reference, piped)
+    print(schedule, "max parameter difference", diff)
+    assert diff < 1e-12
+    assert losses == pytest.approx(ref_losses, abs=1e-12)
+    # without the stage losses the run is another one: the check can fail
+    _train_pipeline(dk.Pipeline(plain, n_microbatches=4, loss_fn=nn.functional.mse_loss), plain,
+                    batches)  # fmt: skip
+    assert _max_param_diff(plain, piped) > 1e-6
+
+
+def test_stage_loss_must_be_a_scalar():
+    torch.manual_seed(SEED)
+    model = nn.Sequential(_Penalized()).double()
+    pipe = dk.Pipeline(
+        model, n_microbatches=2, loss_fn=nn.functional.mse_loss,
+        stage_loss=lambda stage: torch.ones(2, dtype=torch.float64),
+    )  # fmt: skip
+    x, y = _batches(1, 4)[0]
+    with pytest.raises(dk.pipeline.PipelineError, match=r"stage_loss of stage 0 must return a "):
+        pipe.step(x, y)
+    with pytest.raises(TypeError, match=r"stage_loss must be callable, got int"):
+        dk.Pipeline(model, n_microbatches=2, loss_fn=nn.functional.mse_loss, stage_loss=3)
+
+
 def test_one_rank_checkpointing_stores_less():
     batches = _batches(1, BATCH)
     saved = {}

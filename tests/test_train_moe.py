@@ -7,9 +7,17 @@ import os
 import pytest
 import torch
 from mp_pool import run_ranks
-from test_train import TINY, _cfg, _on_ranks
+from test_train import (
+    TINY,
+    _assert_params_close,
+    _cfg,
+    _key_bias_bound,
+    _on_ranks,
+    _single,
+)
 
 MOE = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
+MOE2 = dataclasses.replace(MOE, n_layers=2)  # a MoE block on each stage of two
 
 
 def test_driver_zero_over_expert_groups_matches_ddp():
@@ -74,3 +82,52 @@ def test_recompute_with_expert_parallel_trains_as_without_it():
     assert again[0]["losses"] == plain[0]["losses"]
     for a, b in zip(again, plain):
         assert all(torch.equal(a["params"][k], v) for k, v in b["params"].items())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_moe_pipeline_matches_single_process(schedule):
+    """--pp 2 with a MoE block on each stage: each stage backpropagates its own MoE layers'
+    aux losses (the first stage's as a root of its own, the last's with the loss), and the
+    run equals one process accumulating the same four micro-batches: losses (the aux losses
+    included) and every rank's updated parameters. zb-h1 splits each backward in two."""
+    cfg = _cfg(pp=2, global_batch=8, micro_batch=2, model=MOE2, log_every=1, schedule=schedule)
+    single = _single(cfg)
+    ranks = run_ranks(2, _on_ranks, cfg, timeout=300)
+    losses = [rec["loss"] for rec in single.records]
+    torch.testing.assert_close(ranks[0]["losses"], losses, rtol=1e-5, atol=0)
+    for r in ranks:
+        _assert_params_close(r["params"], single.params, _key_bias_bound(cfg))
+    assert set().union(*(r["params"] for r in ranks)) == set(single.params)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_moe_pipeline_with_expert_parallel_matches_dp2(zero):
+    """dp 2 x pp 2 x ep 2 (4 ranks; with ZeRO-1 too): experts sharded over the ep pair of each
+    stage, reduced over their replicas (none here: ep = dp), the dense weights over dp; equal
+    to dp 2 with every expert local and no pipeline (the same micro-batches per replica):
+    losses, and every dense parameter."""
+    cfg = _cfg(dp=2, global_batch=8, micro_batch=2, model=MOE2, log_every=1)
+    local = run_ranks(2, _on_ranks, cfg, timeout=300)
+    piped = dataclasses.replace(cfg, pp=2, ep=2, zero=zero)
+    ranks = run_ranks(4, _on_ranks, piped, timeout=300)
+    torch.testing.assert_close(ranks[0]["losses"], local[0]["losses"], rtol=1e-5, atol=0)
+    for r in ranks:
+        dense = {k: v for k, v in r["params"].items() if ".experts." not in k}
+        assert dense
+        _assert_params_close(dense, local[0]["params"], _key_bias_bound(cfg))
+
+
+def test_moe_pipeline_with_expert_parallel_resume_is_exact(tmp_path):
+    """dp 2 x pp 2 x ep 2: each (stage, ep rank) saves its own directory, its experts in it;
+    6 steps straight == 3, stop, resume to 6, bitwise on every rank."""
+    cfg = _cfg(dp=2, pp=2, ep=2, steps=6, global_batch=8, micro_batch=2, model=MOE2, log_every=3)
+    straight = run_ranks(4, _on_ranks, cfg, timeout=300)
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(4, _on_ranks, dataclasses.replace(cfg, stop_after=3, **ckpt), timeout=300)
+    saved = sorted(os.listdir(tmp_path / "step-00000003"))
+    assert saved == ["COMPLETE.json", *(f"stage-{s}-ep-{e}" for s in (0, 1) for e in (0, 1))]
+    resumed = run_ranks(4, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=300)
+    assert resumed[0]["start"] == 3
+    for r in range(4):
+        for k, v in straight[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][k], v), (r, k)

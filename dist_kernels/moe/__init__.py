@@ -1,7 +1,7 @@
 """Mixture of experts with expert parallelism: ``MoE``, ``shard_experts`` (see docs/moe.md)."""
 
 from . import checkpoint
-from .layer import Expert, MoE, shard_experts
+from .layer import Expert, MoE, aux_loss_of, shard_experts
 from .push import RowPlan, push_rows
 from .router import Router, expert_capacity, switch_load_balancing_loss, z_loss
 
@@ -10,6 +10,7 @@ __all__ = [
     "MoE",
     "Router",
     "RowPlan",
+    "aux_loss_of",
     "checkpoint",
     "expert_capacity",
     "push_rows",

@@ -239,6 +239,14 @@ class _ExchangePlan:
         self.ungroup[self.regroup] = torch.arange(self.regroup.numel())
 
 
+def aux_loss_of(module: nn.Module) -> Optional[torch.Tensor]:
+    """The summed load-balancing (and z-) losses of the :class:`MoE` layers inside ``module``
+    from their last forward; None when it holds no MoE layer that ran. A pipeline stage's part
+    of the aux loss: ``dk.Pipeline(..., stage_loss=dk.moe.aux_loss_of)``."""
+    losses = [m.aux_loss for m in module.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
 def shard_experts(dense: MoE, comm: Any) -> MoE:
     """This rank's share of the unsharded layer ``dense``: the router and experts
     ``[rank * E / ep, (rank + 1) * E / ep)`` copied (same parameter order)."""

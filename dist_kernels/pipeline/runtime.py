@@ -168,6 +168,12 @@ class Pipeline:
         find_unused_parameters: with a ProcessMesh of ``dp > 1``, passed to each stage's
             :class:`~dist_kernels.DistributedDataParallel` (parameters of a stage that get no
             gradient in its last micro-batch's backward).
+        stage_loss: ``stage_loss(stage_module)``, called right after each forward of a stage
+            on this rank: a scalar that micro-batch adds to its loss at that stage (None adds
+            nothing). It is backpropagated from its own stage, divided by ``n_microbatches``
+            and scaled as the loss is, so no stage waits for another's: Megatron's way with
+            the MoE layers' load-balancing losses (``stage_loss=dk.moe.aux_loss_of``). The loss
+            :meth:`step` returns includes it, summed over the stages.
         reduce_gradients: with a ProcessMesh of ``dp x cp > 1``, whether the pipeline averages
             each stage's gradients over ``mesh.dp_cp_comm`` (a DDP per stage, overlapped with
             the last backward). False leaves them local, summed over the micro-batches, for an
@@ -191,11 +197,15 @@ class Pipeline:
         stages_per_rank: Optional[int] = None,
         print_partition: bool = True,
         find_unused_parameters: bool = False,
+        stage_loss: Optional[Callable[[nn.Module], Optional[torch.Tensor]]] = None,
         reduce_gradients: bool = True,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        self.comm, self.dp_comm = self._resolve_comm(comm)
+        if stage_loss is not None and not callable(stage_loss):
+            raise TypeError(f"stage_loss must be callable, got {type(stage_loss).__name__}")
+        self.stage_loss = stage_loss
+        self.comm, self.dp_comm, self.expert_comm = self._resolve_comm(comm)
         self.rank, self.n_ranks = self.comm.rank, self.comm.world_size
         self.schedule = build_schedule(schedule, self.n_ranks, n_microbatches, stages_per_rank)
         check_schedule(self.schedule)  # plan first: never run a schedule that fails on paper
@@ -259,13 +269,13 @@ class Pipeline:
     def _resolve_comm(comm: Any):
         from ..mesh import ProcessMesh
 
-        if isinstance(comm, ProcessMesh):
-            return comm.pp_comm, comm.dp_cp_comm
+        if isinstance(comm, ProcessMesh):  # experts sharded over ep: their replicas reduce them
+            return comm.pp_comm, comm.dp_cp_comm, comm.expert_dp_comm if comm.ep > 1 else None
         comm = _default_comm() if comm is None else comm
         for attr in ("rank", "world_size", "send", "recv", "broadcast"):
             if not hasattr(comm, attr):
                 raise TypeError(f"comm: {type(comm).__name__} has no {attr!r}; pass a Communicator")
-        return comm, None
+        return comm, None, None
 
     def _select_stages(self, module_or_stages, split_points, balance) -> Dict[int, nn.Module]:
         mine = self.schedule.stages_of(self.rank)
@@ -307,7 +317,10 @@ class Pipeline:
 
         return {
             s: DistributedDataParallel(
-                module, self.dp_comm, find_unused_parameters=bool(find_unused)
+                module,
+                self.dp_comm,
+                find_unused_parameters=bool(find_unused),
+                expert_comm=self.expert_comm,
             )
             for s, module in sorted(self.stages.items())
             if any(p.requires_grad for p in module.parameters())
@@ -423,6 +436,9 @@ class Pipeline:
         self.weight_halves: Dict[Tuple[int, int], Tuple[Optional[WeightGradient], int]] = {}
         self.recordings: Dict[Tuple[int, int], Recording] = {}  # the Linear path's, per F
         self.losses: List[torch.Tensor] = []
+        # (stage, mb) -> its stage_loss, until its backward; and every one's value, for the loss
+        self.stage_losses: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.stage_loss_values: List[torch.Tensor] = []
         self.stats = {"saved_tensors": 0, "saved_bytes": 0, "peak_saved_bytes": 0}
         self._live_bytes = 0
 
@@ -455,7 +471,7 @@ class Pipeline:
             raise error from exc
 
     def _close_after_failure(self) -> None:
-        for comm in (self.comm, self.dp_comm):
+        for comm in (self.comm, self.dp_comm, self.expert_comm):
             with contextlib.suppress(Exception):
                 if comm is not None:
                     comm.close()
@@ -486,11 +502,15 @@ class Pipeline:
             else:
                 out = module(*leaves)
         outs, out_is_tuple = _as_tuple(out, f"the output of stage {a.stage}")
+        extra = self._take_stage_loss(a)
         if a.stage == self.n_stages - 1:
             loss = self.loss_fn(out, self.targets[a.microbatch])
             self.losses.append(loss.detach())
-            loss = loss / self.n_microbatches
-            outs = (loss if self._scale_loss is None else self._scale_loss(loss),)
+            if extra is not None:  # the last stage's part joins the loss itself
+                loss = loss + extra
+            outs = (self._scaled(loss),)
+        elif extra is not None:  # a root of its own in this stage's backward
+            self.stage_losses[(a.stage, a.microbatch)] = self._scaled(extra)
         self._count_saved(counter, +1)
         self.saved[(a.stage, a.microbatch)] = (leaves, outs, counter.bytes)
         if a.stage < self.n_stages - 1:
@@ -542,7 +562,31 @@ class Pipeline:
         received, _ = self._take((Kind.RECV_GRAD, a.stage, a.microbatch))
         floating = [t for t in outs if t.is_floating_point()]
         pairs = [(t, g) for t, g in zip(floating, received) if t.requires_grad]
+        extra = self.stage_losses.pop((a.stage, a.microbatch), None)
+        if extra is not None and extra.requires_grad:
+            pairs.append((extra, torch.ones_like(extra)))
         return leaves, [t for t, _ in pairs], [g for _, g in pairs], saved_bytes
+
+    def _take_stage_loss(self, a: Action) -> Optional[torch.Tensor]:
+        """``stage_loss`` of the stage ``a`` just ran forward (None without one)."""
+        if self.stage_loss is None:
+            return None
+        extra = self.stage_loss(self.stages[a.stage])
+        if extra is None:
+            return None
+        if not isinstance(extra, torch.Tensor) or extra.numel() != 1:
+            raise TypeError(
+                f"stage_loss of stage {a.stage} must return a scalar tensor or None, got "
+                f"{extra.shape if isinstance(extra, torch.Tensor) else type(extra).__name__}"
+            )
+        extra = extra.reshape(())
+        self.stage_loss_values.append(extra.detach())
+        return extra
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the step's loss, as backward takes it."""
+        loss = loss / self.n_microbatches
+        return loss if self._scale_loss is None else self._scale_loss(loss)
 
     def _send_input_grads(self, a: Action, leaves: Sequence[torch.Tensor]) -> None:
         if a.stage > 0:
@@ -605,13 +649,21 @@ class Pipeline:
     # ------------------------------------------------------------------ after the step
 
     def _finish_loss(self) -> torch.Tensor:
+        """The step's loss on every rank: the last stage's mean, plus each stage's
+        ``stage_loss`` summed over the micro-batches / n (an all-reduce over the stages)."""
         last_rank = self.schedule.rank_of(self.n_stages - 1)
         if self.rank == last_rank:
             value = torch.stack(self.losses).double().mean().reshape(1)
         else:
             value = torch.zeros(1, dtype=torch.float64)
-        if self.n_ranks > 1:
+        if self.stage_loss_values:
+            value += torch.stack(self.stage_loss_values).double().sum() / self.n_microbatches
+        if self.n_ranks == 1:
+            return value[0]
+        if self.stage_loss is None:
             self._guard(None, "loss broadcast", lambda: self.comm.broadcast(value, last_rank))
+        else:
+            self._guard(None, "loss all-reduce", lambda: self.comm.all_reduce(value))
         return value[0]
 
     def _dp_context(self, a: Action):

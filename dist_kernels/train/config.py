@@ -315,8 +315,6 @@ class TrainConfig:
             )
         if self.ep > 1 and (not experts or experts % self.ep):
             raise ConfigError(f"experts({experts}) must be a positive multiple of ep({self.ep})")
-        if experts and self.pp > 1:
-            raise ConfigError(f"MoE blocks with pp({self.pp}) > 1: the aux loss crosses stages")
         if self.ep > 1 and (self.engine != "dk" or self.cp > 1):
             raise ConfigError(
                 f"ep({self.ep}) > 1 runs with --engine dk and cp 1 (got engine="

@@ -29,6 +29,7 @@ from .config import TrainConfig
 from .data import Sampler
 from .loss_scaling import make_scaler, scaled_step
 from .metrics import LastGradClock, StepTimes
+from .model import pipeline_losses
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -282,13 +283,17 @@ class Pipelined:
 
         self.cfg, self.mesh = cfg, mesh
         self.dp_rank, self.replica_rank = mesh.dp_rank, mesh.dp_cp_rank
+        if cfg.ep > 1:  # expert shards: ep ranks differ (each saves its own), their replicas not
+            self.replica_rank = mesh.expert_dp_rank
         self.delay = _Delay(cfg, rank)
+        loss_fn, stage_loss = pipeline_losses(model, loss_fn)  # MoE: aux losses per stage
         self.pipe = Pipeline(
             model,
             mesh,
             n_microbatches=cfg.grad_accum,
             schedule=cfg.schedule,
             loss_fn=loss_fn,
+            stage_loss=stage_loss,
             print_partition=False,
             reduce_gradients=not cfg.zero,  # ZeRO-1 reduce-scatters them in its step()
         )
@@ -310,6 +315,7 @@ class Pipelined:
             self.pipe.parameters(),
             torch.optim.AdamW,
             mesh.dp_cp_comm,
+            expert_comm=mesh.expert_dp_comm if cfg.ep > 1 else None,
             stage=cfg.zero,
             bucket_cap_mb=cfg.bucket_cap_mb,
             **_model_parallel_comms(mesh),

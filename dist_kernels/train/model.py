@@ -11,7 +11,7 @@ one (``GPT.context_parallel``). The driver uses only :func:`build_model`,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -46,6 +46,20 @@ def build_model(
         gpt.expert_parallel(ep_comm)
     gpt.recompute_blocks(recompute)
     return gpt.as_sequential(), gpt.loss
+
+
+def pipeline_losses(
+    model: nn.Sequential, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Optional[Callable]]:
+    """``(loss_fn, stage_loss)`` of a Pipeline over ``model``. With MoE blocks, the head's loss
+    alone, and each stage adds its own MoE layers' aux losses, backpropagated from there
+    (Megatron's way: nothing crosses stages); the sum is :func:`build_model`'s loss. Without
+    them, ``loss`` and nothing."""
+    from ..moe import MoE, aux_loss_of
+
+    if not any(isinstance(m, MoE) for m in model.modules()):
+        return loss, None
+    return model[-1].loss, aux_loss_of
 
 
 def moe_metrics(model: nn.Module) -> Dict[str, Any]:
