@@ -131,3 +131,18 @@ def test_moe_pipeline_with_expert_parallel_resume_is_exact(tmp_path):
     for r in range(4):
         for k, v in straight[r]["params"].items():
             assert torch.equal(resumed[r]["params"][k], v), (r, k)
+
+
+def test_clip_grad_norm_with_pipeline_and_expert_parallel_equals_every_expert_local():
+    """--clip-grad at dp 2 x pp 2 x ep 2 (DDP, and ZeRO-1 with its tp / pp norm): every step's
+    norm equals dp 2 with every expert on both ranks and no pipeline."""
+    cfg = _cfg(dp=2, global_batch=8, micro_batch=2, model=MOE2, log_every=1, clip_grad=0.5)
+    local = run_ranks(2, _on_ranks, cfg, timeout=300)
+    want = [rec["grad_norm"] for rec in local[0]["records"]]
+    assert min(want) > 1.0  # clipped every step
+    for zero in (0, 1):
+        piped = dataclasses.replace(cfg, pp=2, ep=2, zero=zero)
+        got = [
+            rec["grad_norm"] for rec in run_ranks(4, _on_ranks, piped, timeout=300)[0]["records"]
+        ]
+        assert got == pytest.approx(want, rel=1e-5, abs=0), zero
