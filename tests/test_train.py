@@ -564,6 +564,37 @@ def test_clip_grad_errors():
         TrainConfig(clip_grad=-1.0).check()
 
 
+def test_every_option_a_user_sets_has_a_flag():
+    """Each TrainConfig field but the model (its own flags) and the test-only ones reaches the
+    config from the command line: given a value other than its default, the config has it."""
+    from dist_kernels.train.cli import build_parser, config_from_args
+
+    argv = [
+        "--weight-decay", "0.1", "--min-lr-ratio", "0.05", "--straggler-min-ms", "5",
+        "--straggler-patience", "3", "--straggler-threshold", "0.2", "--dtype", "fp16",
+        "--initial-loss-scale", "1024", "--loss-scale-window", "100", "--hysteresis", "2",
+        "--min-loss-scale", "2", "--clip-grad", "1.0", "--recompute",
+    ]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(argv))
+    want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
+                straggler_threshold=0.2, dtype="fp16", initial_loss_scale=1024.0,
+                loss_scale_window=100, hysteresis=2, min_loss_scale=2.0, clip_grad=1.0,
+                recompute=True)  # fmt: skip
+    assert {k: getattr(cfg, k) for k in want} == want
+    default = config_from_args(build_parser().parse_args([]))
+    assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something
+    # and no field is left without a flag (the model has --n-layer etc.; the rest are tests')
+    import inspect
+
+    source = inspect.getsource(config_from_args)
+    unset = [f.name for f in dataclasses.fields(TrainConfig) if f"{f.name}=" not in source]
+    assert unset == [], unset
+    with pytest.raises(ConfigError, match=r"weight_decay must be >= 0, got -0.1"):
+        TrainConfig(weight_decay=-0.1).check()
+    with pytest.raises(ConfigError, match=r"min_lr_ratio must lie in \[0, 1\], got 2.0"):
+        TrainConfig(min_lr_ratio=2.0).check()
+
+
 def test_loss_scaling_errors():
     with pytest.raises(ConfigError, match=r"hysteresis, min_loss_scale: loss scaling is for "):
         TrainConfig(hysteresis=2, min_loss_scale=2.0).check()

@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
     add("--decay", default=d.decay, choices=("cosine", "constant"))
     add(
+        "--min-lr-ratio",
+        type=float,
+        default=d.min_lr_ratio,
+        help="the cosine decay's final rate, a fraction of the peak",
+    )
+    add("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    add(
         "--recompute",
         action="store_true",
         help="activation checkpointing: every block's forward run again in backward",
@@ -130,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine", default=d.engine, choices=("dk", "torch", "both"))
     add("--simulate-straggler", type=_pair(float), default=None, metavar="RANK:MS")
     add("--straggler-threshold", type=float, default=d.straggler_threshold)
+    add("--straggler-min-ms", type=float, default=d.straggler_min_ms)
+    add("--straggler-patience", type=int, default=d.straggler_patience)
     add("--reference-tokens-per-s", type=float, default=None, help="1-rank throughput")
     add(
         "--kill-after-checkpoint",
@@ -181,7 +190,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_every=args.checkpoint_every, resume=args.resume, log_every=args.log_every,
         json=args.json, plot=args.plot, engine=args.engine,
         simulate_straggler=args.simulate_straggler,
-        straggler_threshold=args.straggler_threshold,
+        straggler_threshold=args.straggler_threshold, straggler_min_ms=args.straggler_min_ms,
+        straggler_patience=args.straggler_patience, min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay,
         reference_tokens_per_s=args.reference_tokens_per_s,
         kill_after_checkpoint=args.kill_after_checkpoint, progress=not args.no_progress,
         timeout=args.timeout, profile_steps=args.profile_steps, profile_dir=args.profile_dir,

@@ -214,6 +214,10 @@ class TrainConfig:
         if not self.clip_grad >= 0:
             raise ConfigError(f"clip_grad must be >= 0 (0: off), got {self.clip_grad}")
         self._check_loss_scaling()
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if self.resume is not None and self.resume == "auto" and self.checkpoint_dir is None:
             raise ConfigError("resume=auto needs checkpoint_dir")
         if self.model.tie_embeddings or self.model.dropout:
