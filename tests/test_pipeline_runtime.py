@@ -470,3 +470,56 @@ def test_failing_stage_makes_every_rank_raise():
     assert "injected failure" in message
     for rank in (0, 1, 3):
         assert f"pipeline stage {rank}" in results[rank][1]
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+class _Dropping(nn.Module):
+    """Dropout after a Linear: eval mode must switch it off (and evaluate put train back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.drop = nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(torch.tanh(self.linear(x)))
+
+
+def _rank_evaluate(schedule: str, n_stages_per_rank: int):
+    """evaluate() on this rank's pipeline against the whole model's eval-mode forward; then a
+    training step, which must not see the evaluation (no gradients, train mode back)."""
+    torch.manual_seed(SEED)
+    reference = nn.Sequential(*(_Dropping() for _ in range(4))).double()
+    model = copy.deepcopy(reference)
+    comm = _make_comm()
+    pipe = dk.Pipeline(model, comm, n_microbatches=4, schedule=schedule,
+                       loss_fn=nn.functional.mse_loss, print_partition=False)  # fmt: skip
+    assert pipe.n_stages == n_stages_per_rank * comm.world_size
+    x, y = _batches(1, BATCH)[0]
+    got = pipe.evaluate(x, y).item()
+    l1 = pipe.evaluate(x, y, loss_fn=nn.functional.l1_loss).item()
+    reference.eval()
+    with torch.no_grad():
+        want = nn.functional.mse_loss(reference(x), y).item()
+        want_l1 = nn.functional.l1_loss(reference(x), y).item()
+    untouched = all(p.grad is None for p in pipe.parameters())
+    training = all(m.training for m in pipe.stage_module.modules())
+    comm.close()
+    return got, want, l1, want_l1, untouched, training
+
+
+@pytest.mark.parametrize(
+    "world_size,schedule,per_rank",
+    [(1, "interleaved-1f1b", 2), (2, "1f1b", 1), (2, "zb-v", 2), (4, "1f1b", 1)],
+)
+def test_evaluate_equals_the_whole_models_eval_forward(world_size, schedule, per_rank):
+    """Forward-only evaluation, every stage on its rank (a V: rank 0 holds the first and the
+    last stage): the loss (the pipeline's, or another loss_fn) equals the whole model's in
+    eval mode (dropout off) on every rank; no gradient is left and train mode is restored."""
+    print("seed", SEED)
+    for got, want, l1, want_l1, untouched, training in run_ranks(
+        world_size, _rank_evaluate, schedule, per_rank, timeout=120
+    ):
+        assert got == pytest.approx(want, abs=1e-12) and l1 == pytest.approx(want_l1, abs=1e-12)
+        assert untouched and training

@@ -104,6 +104,7 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
         "records": r.records,
         "stragglers": [(s.rank, s.phase, s.interval) for s in r.stragglers],
         "params": r.params,
+        "evals": r.evals,
         "start": r.start_step,
         "consumed": consumed,
         "wall_s": wall_s,
@@ -662,6 +663,95 @@ def test_straggler_detector_logic():
     calm = StragglerDetector(0.3, 2.0, 2)
     for i in range(5):  # 1 ms over the median: below min_ms
         assert calm.observe(i, [10.0, 11.0, 10.0], phases, ["h"] * 3) == []
+
+
+# ------------------------------------------------------------------ validation
+
+EVAL = dict(eval_interval=2, eval_iters=2, steps=4, log_every=1)
+
+
+def _plain_validation_loss(cfg: TrainConfig, params: Dict[str, torch.Tensor]) -> float:
+    """The validation loss of ``params`` computed here, with nothing of the driver's but the
+    split: the model's forward in plain torch, the mean cross-entropy over the held-out
+    windows of every validation batch."""
+    corpus = data.CharCorpus.build(cfg.data, cfg.model.block_size)
+    model, _ = build_model(driver.model_config(cfg, corpus), cfg.seed)
+    model.load_state_dict(params)
+    _, valid_span = data.split(corpus, cfg.valid_fraction)
+    sampler = data.Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed, valid_span)
+    losses = []
+    with torch.no_grad():
+        for k in range(cfg.eval_iters):
+            x, y = sampler.batch(k, 0, cfg.global_batch)
+            logits = model(x).double()
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    return float(torch.stack(losses).mean())
+
+
+@pytest.fixture(scope="module")
+def valid_reference():
+    """One process with validation every 2 steps: its validation losses, checked against a
+    plain forward of its final parameters."""
+    cfg = _cfg(global_batch=8, **EVAL)
+    single = _single(cfg)
+    losses = [e["valid_loss"] for e in single.evals]
+    assert [e["step"] for e in single.evals] == [2, 4]
+    plain = _plain_validation_loss(_one_process(cfg), single.params)
+    print(f"validation losses {losses}; plain forward of the final parameters {plain}")
+    assert losses[-1] == pytest.approx(plain, rel=1e-6)
+    assert losses[0] != pytest.approx(losses[1], rel=1e-3)  # training moved it
+    return losses
+
+
+@pytest.mark.parametrize(
+    "layout,world",
+    [(dict(dp=2), 2), (dict(dp=2, zero=3), 2), (dict(dp=2, zero=2, engine="torch"), 2),
+     (dict(pp=2, micro_batch=2), 2), (dict(pp=2, micro_batch=2, schedule="zb-v",
+     model=dataclasses.replace(TINY, n_layers=2)), 2), (dict(dp=2, tp=2), 4), (dict(cp=2), 2),
+     (dict(dp=2, pp=2, zero=1, micro_batch=2), 4)],
+    ids=["dp2", "dp2-zero3", "fsdp2", "pp2", "pp2-zb-v", "dp2xtp2", "cp2", "dp2xpp2-zero1"],
+)  # fmt: skip
+def test_validation_loss_in_every_layout_equals_one_process(valid_reference, layout, world):
+    """--eval-interval: every layout's validation losses (forward only, each replica its share
+    of the held-out batches; a pipeline's forward-only pass) equal one process's. The V
+    schedule runs another model: against its own one-process run."""
+    engine = layout.pop("engine", "dk")
+    cfg = _cfg(global_batch=8, **EVAL, **layout)
+    want = valid_reference
+    if "model" in layout:
+        want = [e["valid_loss"] for e in _single(cfg).evals]
+    ranks = run_ranks(world, _on_ranks, cfg, engine, timeout=240)
+    got = [e["valid_loss"] for e in ranks[0]["evals"]]
+    assert [e["step"] for e in ranks[0]["evals"]] == [2, 4]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_validation_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"eval_iters must be an int >= 1, got 0"):
+        TrainConfig(eval_iters=0).check()
+    with pytest.raises(ConfigError, match=r"valid_fraction must lie in \(0, 1\), got 1.0"):
+        TrainConfig(valid_fraction=1.0).check()
+    text = tmp_path / "small.txt"
+    text.write_text("abcdefgh" * 200)  # 1,600 characters: 0.5% is 8, less than a window
+    corpus = data.CharCorpus.build(str(text), 16)
+    _, valid = data.split(corpus, 0.005)
+    assert valid == (1592, 1600)
+    with pytest.raises(data.DataError, match=r"tokens \[1592, 1600\) of .* hold 8 characters; "):
+        data.Sampler(corpus, 16, 4, 0, span=valid)
+
+
+def test_validation_leaves_training_alone():
+    """Validating after every step or only at the end: the same training losses and
+    parameters, bitwise (eval mode and no gradient, put back; the same held-out split)."""
+    often = run_ranks(2, _on_ranks, _cfg(dp=2, global_batch=8, **EVAL), timeout=180)
+    once = run_ranks(
+        2, _on_ranks, _cfg(dp=2, global_batch=8, **{**EVAL, "eval_interval": 100}), timeout=180
+    )
+    assert len(often[0]["evals"]) == 2 and [e["step"] for e in once[0]["evals"]] == [4]
+    assert often[0]["losses"] == once[0]["losses"]
+    assert often[0]["evals"][-1]["valid_loss"] == once[0]["evals"][-1]["valid_loss"]
+    for a, b in zip(often, once):
+        assert all(torch.equal(a["params"][k], v) for k, v in b["params"].items())
 
 
 # ------------------------------------------------------------------ checkpoints

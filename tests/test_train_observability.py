@@ -26,7 +26,8 @@ TINY = GPTConfig(n_layers=1, n_heads=2, dim=32, block_size=16, tie_embeddings=Fa
 def _train(cfg: TrainConfig):
     import torch.distributed as dist
 
-    return train(cfg.with_layout(dist.get_world_size())).records
+    result = train(cfg.with_layout(dist.get_world_size()))
+    return result.records, result.evals
 
 
 def test_tensorboard_scalars_and_profiled_steps(tmp_path):
@@ -36,12 +37,17 @@ def test_tensorboard_scalars_and_profiled_steps(tmp_path):
     cfg = TrainConfig(
         model=TINY, steps=4, micro_batch=2, dp=2, seed=7, progress=False,
         tensorboard=board, profile_steps=(2, 3), profile_dir=profile, clip_grad=1.0,
+        eval_interval=2,
     )  # fmt: skip
-    records, _ = run_ranks(2, _train, cfg, timeout=600)
+    (records, evals), _ = run_ranks(2, _train, cfg, timeout=600)
     events = EventAccumulator(board)
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert tags == set(scalars(records[0]))
+    assert tags == set(scalars(records[0])) | {"valid/loss", "valid/ppl"}
+    for key in ("loss", "ppl"):
+        got = [(e.step, e.value) for e in events.Scalars(f"valid/{key}")]
+        assert got == [(r["step"], float(np.float32(r[f"valid_{key}"]))) for r in evals], key
+    assert [r["step"] for r in evals] == [2, 4]
     assert {
         "loss",
         "lr",

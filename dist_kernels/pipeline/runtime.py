@@ -27,6 +27,7 @@ and close theirs in turn: every rank raises instead of hanging.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -386,6 +387,64 @@ class Pipeline:
             self._timer.step_costs.append((begun - started + sent - ended, finished - sent))
         return loss
 
+    @torch.no_grad()
+    def evaluate(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """Forward only (validation): the mean over the micro-batches of ``loss_fn`` (default
+        the pipeline's), a float64 scalar on every rank of the pipeline. No gradient, no
+        activations kept, no ``stage_loss``; the stages run in eval mode and are put back.
+
+        The micro-batches go through the stages in order, each rank running its own stages
+        and sending on at once (isend), so the ranks work at the same time as a GPipe
+        forward does. Collective over the pipeline, like :meth:`step`; takes ``inputs`` and
+        ``targets`` as it does.
+        """
+        if self._failed:
+            raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
+        loss_fn = self.loss_fn if loss_fn is None else loss_fn
+        self._begin(inputs, targets)
+        modes = {s: m.training for s, m in self.stages.items()}
+        for module in self.stages.values():
+            module.eval()
+        try:
+            local: Dict[Tuple[int, int], Tuple[List[torch.Tensor], bool]] = {}
+            for mb in range(self.n_microbatches):
+                for s in sorted(self.stages):
+                    what = f"evaluation: forward of stage {s}, micro-batch {mb}"
+                    run = functools.partial(self._evaluate_stage, s, mb, local, loss_fn)
+                    self._guard(None, what, run)
+            self._guard(None, "waiting for the evaluation's sends", self._wait_sends)
+            return self._finish_loss(with_stage_losses=False)
+        finally:
+            for s, module in self.stages.items():
+                module.train(modes[s])
+
+    def _evaluate_stage(self, s: int, mb: int, local: Dict, loss_fn: Callable) -> None:
+        """One stage's forward of one micro-batch in :meth:`evaluate`."""
+        if s == 0:
+            tensors, is_tuple = _as_tuple(self.inputs[mb], "inputs")
+        elif (s - 1) in self.stages:
+            tensors, is_tuple = local.pop((s - 1, mb))
+        else:
+            source = self.schedule.rank_of(s - 1)
+            tensors, is_tuple = self.channels.recv(source, (ACTIVATION, s - 1, mb))
+        out = self.stages[s](*tensors)
+        if s == self.n_stages - 1:
+            self.losses.append(loss_fn(out, self.targets[mb]).detach())
+            return
+        outs, out_is_tuple = _as_tuple(out, f"the output of stage {s}")
+        if (s + 1) in self.stages:
+            local[(s, mb)] = (list(outs), out_is_tuple)
+        else:
+            peer = self.schedule.rank_of(s + 1)
+            tag = (ACTIVATION, s, mb)
+            self._send_works += self.channels.send(list(outs), out_is_tuple, peer, tag)
+
     def profile(self, inputs: Any = None, targets: Any = None, *, steps: int = 3) -> Dict:
         """Measures the per-action times of this pipeline on its real model, for the simulator.
 
@@ -648,7 +707,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ after the step
 
-    def _finish_loss(self) -> torch.Tensor:
+    def _finish_loss(self, with_stage_losses: bool = True) -> torch.Tensor:
         """The step's loss on every rank: the last stage's mean, plus each stage's
         ``stage_loss`` summed over the micro-batches / n (an all-reduce over the stages)."""
         last_rank = self.schedule.rank_of(self.n_stages - 1)
@@ -660,7 +719,7 @@ class Pipeline:
             value += torch.stack(self.stage_loss_values).double().sum() / self.n_microbatches
         if self.n_ranks == 1:
             return value[0]
-        if self.stage_loss is None:
+        if self.stage_loss is None or not with_stage_losses:
             self._guard(None, "loss broadcast", lambda: self.comm.broadcast(value, last_rank))
         else:
             self._guard(None, "loss all-reduce", lambda: self.comm.all_reduce(value))

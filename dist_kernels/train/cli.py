@@ -132,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     add("--resume", default=None, help="'auto' (newest complete checkpoint) or a step directory")
     add("--log-every", type=int, default=d.log_every, help="steps per logging interval")
+    add(
+        "--eval-interval",
+        type=int,
+        default=d.eval_interval,
+        help="steps between validation losses on held-out text (0: none)",
+    )
+    add("--eval-iters", type=int, default=d.eval_iters, help="global batches per validation")
+    add(
+        "--valid-fraction",
+        type=float,
+        default=d.valid_fraction,
+        help="share of the corpus held out for validation (with --eval-interval)",
+    )
     add("--json", default=None, help="write one JSON object per logged step here")
     add("--plot", default=None, help="write loss, tokens/s and per-rank step times to a PNG")
     add("--engine", default=d.engine, choices=("dk", "torch", "both"))
@@ -192,7 +205,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         simulate_straggler=args.simulate_straggler,
         straggler_threshold=args.straggler_threshold, straggler_min_ms=args.straggler_min_ms,
         straggler_patience=args.straggler_patience, min_lr_ratio=args.min_lr_ratio,
-        weight_decay=args.weight_decay,
+        weight_decay=args.weight_decay, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, valid_fraction=args.valid_fraction,
         reference_tokens_per_s=args.reference_tokens_per_s,
         kill_after_checkpoint=args.kill_after_checkpoint, progress=not args.no_progress,
         timeout=args.timeout, profile_steps=args.profile_steps, profile_dir=args.profile_dir,

@@ -130,6 +130,13 @@ class TrainConfig:
     """Steps between checkpoints (0 = only at the end, when ``checkpoint_dir`` is set)."""
     resume: Optional[str] = None
     """``auto``: the newest complete checkpoint in ``checkpoint_dir`` (if any); or a path."""
+    eval_interval: int = 0
+    """Steps between validation losses (Megatron's ``--eval-interval``), and one at the end;
+    0 = none. The tail ``valid_fraction`` of the corpus is then held out of training."""
+    eval_iters: int = 2
+    """Global batches of held-out windows per validation (the same ones every time)."""
+    valid_fraction: float = 0.05
+    """With ``eval_interval``: the share of the corpus, at its end, that validation reads."""
     log_every: int = 1
     """Steps per logging interval (metrics, straggler check)."""
     json: Optional[str] = None
@@ -214,6 +221,10 @@ class TrainConfig:
         if not self.clip_grad >= 0:
             raise ConfigError(f"clip_grad must be >= 0 (0: off), got {self.clip_grad}")
         self._check_loss_scaling()
+        _at_least("eval_interval", self.eval_interval, 0)
+        _at_least("eval_iters", self.eval_iters, 1)
+        if not 0 < self.valid_fraction < 1:
+            raise ConfigError(f"valid_fraction must lie in (0, 1), got {self.valid_fraction}")
         if not self.weight_decay >= 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.min_lr_ratio <= 1:

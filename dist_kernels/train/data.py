@@ -91,11 +91,34 @@ class CharCorpus:
         return digest.hexdigest()[:16]
 
 
-class Sampler:
-    """Windows of ``seq_len + 1`` characters, chosen by ``(seed, step)`` only."""
+def split(corpus: CharCorpus, valid_fraction: float) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """``(train span, validation span)`` of token indices: the validation text is the
+    corpus's last ``valid_fraction``, so no training window overlaps it."""
+    n = corpus.tokens.numel()
+    cut = n - max(1, round(n * valid_fraction))
+    return (0, cut), (cut, n)
 
-    def __init__(self, corpus: CharCorpus, seq_len: int, global_batch: int, seed: int) -> None:
-        self.tokens, self.seq_len = corpus.tokens, seq_len
+
+class Sampler:
+    """Windows of ``seq_len + 1`` characters, chosen by ``(seed, step)`` only, from the tokens
+    of ``span`` (default: the whole corpus)."""
+
+    def __init__(
+        self,
+        corpus: CharCorpus,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        span: Optional[Tuple[int, int]] = None,
+    ) -> None:
+        lo, hi = span if span is not None else (0, corpus.tokens.numel())
+        if hi - lo < seq_len + 2:
+            raise DataError(
+                f"data: tokens [{lo}, {hi}) of {corpus.description} hold {hi - lo} "
+                f"characters; a window needs {seq_len + 2} (seq_len {seq_len}): a larger "
+                "corpus or valid_fraction"
+            )
+        self.tokens, self.seq_len = corpus.tokens[lo:hi], seq_len
         self.global_batch, self.seed = global_batch, seed
 
     def step_offsets(self, step: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from . import checkpoints
 from .config import TrainConfig
-from .data import CharCorpus, Sampler
+from .data import CharCorpus, Sampler, split
 from .engines import build_engine
 from .metrics import PHASES, JsonLines, Progress, StepTimes, matmul_peak_flops, peak_memory_mb
 from .model import build_model, describe, flops_per_token, moe_metrics
@@ -42,6 +42,7 @@ class RunResult:
     records: List[Dict[str, Any]] = field(default_factory=list)
     stragglers: List[StragglerReport] = field(default_factory=list)
     params: Dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's stage, at the end
+    evals: List[Dict[str, Any]] = field(default_factory=list)  # validation records (rank 0)
     summary: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -129,8 +130,8 @@ class _Run:
         self, cfg: TrainConfig, engine: str, world: World, corpus: CharCorpus, append_log: bool
     ) -> None:
         self.cfg, self.engine_name, self.world = cfg, engine, world
-        self.sampler = Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed)
-        self.ident = checkpoints.identity(cfg, describe(cfg.model), corpus.fingerprint())
+        self.sampler, self.valid_sampler, data_fp = _samplers(cfg, corpus)
+        self.ident = checkpoints.identity(cfg, describe(cfg.model), data_fp)
         resume = checkpoints.resolve_resume(cfg, self.ident)
         full, _ = build_model(cfg.model, cfg.seed, recompute=cfg.recompute)
         self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
@@ -183,7 +184,8 @@ class _Run:
             self.json.close()
             self.tensorboard.close()
             self.engine.close()
-        self.result.summary = _summary(self.result.records, self.start_step)
+        summary = _summary(self.result.records, self.start_step)
+        self.result.summary = _with_validation(summary, self.result.evals)
         return self.result
 
     def _loop(self) -> None:
@@ -202,6 +204,9 @@ class _Run:
                 self._log(done, loss, interval, time.perf_counter() - wall)
                 interval = []
                 wall = time.perf_counter()
+            if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == end):
+                self._evaluate(done)
+                wall = time.perf_counter()  # validation time is not training throughput
             if self._checkpoint_due(done):
                 checkpoints.save(
                     cfg,
@@ -213,6 +218,24 @@ class _Run:
                 )
                 self._maybe_die(done)
                 wall = time.perf_counter()  # checkpoint time is not training throughput
+
+    def _evaluate(self, done: int) -> None:
+        """The validation loss: ``eval_iters`` held-out global batches (the same each time),
+        every replica its share, averaged over the ranks (a replica's ranks agree)."""
+        cfg = self.cfg
+        mine = sum(self.engine.evaluate(self.valid_sampler, k) for k in range(cfg.eval_iters))
+        rows = self.world.gather(torch.tensor([mine / cfg.eval_iters], dtype=torch.float64))
+        if not self.is_rank0:
+            return
+        loss = float(rows.mean())
+        record = {"step": done, "engine": self.engine_name, "valid_loss": loss}
+        record["valid_ppl"] = math.exp(min(loss, 700.0))
+        self.result.evals.append(record)
+        self.json.write(record)
+        self.tensorboard.write_valid(record)
+        self.progress.write(
+            f"step {done} | validation loss {loss:.4f} | ppl {record['valid_ppl']:.2f}"
+        )
 
     def _checkpoint_due(self, done: int) -> bool:
         cfg = self.cfg
@@ -294,6 +317,19 @@ class _Run:
             self.progress.write(str(report))
 
 
+def _samplers(cfg: TrainConfig, corpus: CharCorpus):
+    """(training sampler, validation sampler or None, the data's fingerprint): with
+    ``eval_interval`` the corpus's tail is held out, which the fingerprint records (a resume
+    must train on the same text)."""
+    seq, batch = cfg.model.block_size, cfg.global_batch
+    if not cfg.eval_interval:
+        return Sampler(corpus, seq, batch, cfg.seed), None, corpus.fingerprint()
+    train_span, valid_span = split(corpus, cfg.valid_fraction)
+    train = Sampler(corpus, seq, batch, cfg.seed, span=train_span)
+    valid = Sampler(corpus, seq, batch, cfg.seed, span=valid_span)
+    return train, valid, f"{corpus.fingerprint()}:train{train_span[1]}"
+
+
 def _minmax(done: int, rows: torch.Tensor) -> str:
     """Megatron's min/max-by-rank line of the interval: step time, busy time, exposed comm."""
     col = {name: i for i, name in enumerate(_ROW)}
@@ -326,6 +362,13 @@ def _summary(records: List[Dict[str, Any]], start_step: int) -> Dict[str, Any]:
         out[key] = sum(values) / len(values) if values else None
     out["peak_mem_mb"] = max(max(r["peak_mem_mb"]) for r in records)
     return out
+
+
+def _with_validation(summary: Dict[str, Any], evals: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The summary with the last validation loss (when there was one)."""
+    if evals:
+        summary["valid_loss"] = evals[-1]["valid_loss"]
+    return summary
 
 
 def _fmt(value: Optional[float]) -> str:

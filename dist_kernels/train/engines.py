@@ -29,7 +29,7 @@ from .config import TrainConfig
 from .data import Sampler
 from .loss_scaling import make_scaler, scaled_step
 from .metrics import LastGradClock, StepTimes
-from .model import pipeline_losses
+from .model import lm_loss, pipeline_losses
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -227,6 +227,25 @@ class DataParallel:
         times.add("comm", _ms(t2 - last_grad) if self.measures_comm else None)
         return float(loss.detach())
 
+    @torch.no_grad()
+    def evaluate(self, sampler: Sampler, index: int) -> float:
+        """The language-model loss of this replica's share of held-out batch ``index``, in
+        micro-batches, in eval mode (collective as a forward is: tp, cp, ep, ZeRO-3)."""
+        cfg = self.cfg
+        inputs, targets = replica_batch(
+            sampler, index, self.mesh, self.dp_rank, cfg.micro_batch * cfg.grad_accum
+        )
+        loss_fn, total = lm_loss(self.module), 0.0
+        self.module.eval()
+        try:
+            for k in range(cfg.grad_accum):
+                part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
+                with _autocast(cfg.dtype):  # the module, not a DDP wrapper: nothing to reduce
+                    total += float(loss_fn(self.module(inputs[part]), targets[part]))
+        finally:
+            self.module.train()
+        return total / cfg.grad_accum
+
     def final_params(self) -> Dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the model's names (collective at ZeRO
         stage 3, whose parameters have no storage between steps)."""
@@ -286,6 +305,7 @@ class Pipelined:
         if cfg.ep > 1:  # expert shards: ep ranks differ (each saves its own), their replicas not
             self.replica_rank = mesh.expert_dp_rank
         self.delay = _Delay(cfg, rank)
+        self.lm_loss = lm_loss(model)
         loss_fn, stage_loss = pipeline_losses(model, loss_fn)  # MoE: aux losses per stage
         self.pipe = Pipeline(
             model,
@@ -343,6 +363,16 @@ class Pipelined:
             self.optimizer, self.scheduler, times, begin, self.clip, self.scaler
         )
         return loss, times
+
+    def evaluate(self, sampler: Sampler, index: int) -> float:
+        """The language-model loss of this replica's share of held-out batch ``index``: the
+        pipeline's forward-only pass (``Pipeline.evaluate``)."""
+        cfg = self.cfg
+        inputs, targets = replica_batch(
+            sampler, index, self.mesh, self.dp_rank, cfg.micro_batch * cfg.grad_accum
+        )
+        with _autocast(cfg.dtype):
+            return float(self.pipe.evaluate(inputs, targets, loss_fn=self.lm_loss))
 
     def final_params(self) -> Dict[str, torch.Tensor]:
         return stage_state(self.module)

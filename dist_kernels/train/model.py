@@ -62,6 +62,13 @@ def pipeline_losses(
     return model[-1].loss, aux_loss_of
 
 
+def lm_loss(model: nn.Sequential) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The language-model loss of :func:`build_model`'s model, without MoE aux losses: the
+    head's (vocabulary-parallel under tp, over whole sequences under cp). Validation
+    reports it."""
+    return model[-1].loss
+
+
 def moe_metrics(model: nn.Module) -> Dict[str, Any]:
     """The MoE layers' last step (of this rank's ep group): tokens per expert, per layer, and
     the drop rate over every layer; empty without MoE layers."""

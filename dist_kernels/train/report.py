@@ -15,6 +15,7 @@ _COLUMNS = (
     ("optimizer", "optimizer_ms", "{:.2f}"),
     ("MFU", "mfu", "{:.2%}"),
     ("final loss", "final_loss", "{:.4f}"),
+    ("valid loss", "valid_loss", "{:.4f}"),
     ("peak MB", "peak_mem_mb", "{:.0f}"),
 )
 

@@ -55,6 +55,14 @@ class TensorBoardLog:
             self._writer.add_scalar(tag, value, global_step=record["step"])
         self._writer.flush()
 
+    def write_valid(self, record: Dict[str, Any]) -> None:
+        """A validation record: ``valid/loss`` and ``valid/ppl`` (Megatron's "validation")."""
+        if self._writer is None:
+            return
+        for key in ("loss", "ppl"):
+            self._writer.add_scalar(f"valid/{key}", record[f"valid_{key}"], record["step"])
+        self._writer.flush()
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
