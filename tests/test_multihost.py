@@ -165,6 +165,8 @@ def _driver_args(steps, out, extra=()):
         "--seed",
         "1234",
         "--no-progress",
+        "--data",  # test_train's frozen corpus, which its one-process reference reads
+        os.path.join(ROOT, "tests", "data", "corpus.txt"),
         "--n-layer",
         "1",
         "--n-head",

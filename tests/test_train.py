@@ -897,7 +897,7 @@ def test_torchrun_restart_after_sigkill_matches_uninterrupted(tmp_path):
         pytest.skip("torchrun is not on PATH")
     steps, model = 6, ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "16"]
     common = ["--steps", str(steps), "--micro-batch", "2", "--lr", "3e-3", "--warmup", "1",
-              "--seed", str(SEED), "--no-progress", *model]  # fmt: skip
+              "--seed", str(SEED), "--no-progress", "--data", CORPUS, *model]  # fmt: skip
     out, png = tmp_path / "log.jsonl", tmp_path / "run.png"
     cmd = ["torchrun", "--standalone", "--max-restarts", "1", "--nproc-per-node", "2",
            "-m", "dist_kernels.train", *common,

@@ -51,7 +51,8 @@ def summary_table(cfg: TrainConfig, results: Sequence[Any]) -> str:
 
 
 def plot(path: str, results: Sequence[Any]) -> None:
-    """Loss and tokens/s against step, and per-rank busy time, in one figure."""
+    """Loss (and validation loss) and tokens/s against step, and per-rank busy time, in one
+    figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,6 +62,13 @@ def plot(path: str, results: Sequence[Any]) -> None:
     for r in results:
         steps = [rec["step"] for rec in r.records]
         ax_loss.plot(steps, [rec["loss"] for rec in r.records], label=r.engine)
+        if r.evals:  # --eval-interval: the held-out loss as markers on the same axes
+            ax_loss.plot(
+                [e["step"] for e in r.evals],
+                [e["valid_loss"] for e in r.evals],
+                "o--",
+                label=f"{r.engine} validation",
+            )
         ax_tok.plot(steps, [rec["tokens_per_s"] for rec in r.records], label=r.engine)
         per_rank: List[List[float]] = list(zip(*(rec["rank_busy_ms"] for rec in r.records)))
         for rank, times in enumerate(per_rank):
