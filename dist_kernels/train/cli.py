@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     m = d.model
     add = p.add_argument
+
+    def field(flag: str, kind: type, help: Optional[str] = None) -> None:
+        """A flag for the TrainConfig field of the same name, its default the field's."""
+        add(flag, type=kind, default=getattr(d, flag[2:].replace("-", "_")), help=help)
+
     add("--dp", type=int, default=0, help="data-parallel replicas (0: world / (tp x cp x pp))")
     add("--tp", type=int, default=1, help="tensor-parallel ranks")
     add("--cp", type=int, default=1, help="context-parallel ranks (sequence split, ring attention)")
@@ -73,30 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--first-bucket-mb", type=float, default=d.first_bucket_mb, help="first bucket MiB (ours)")
     add("--dtype", default=d.dtype, choices=("fp32", "bf16", "fp16"))
-    add(
-        "--initial-loss-scale",
-        type=float,
-        default=d.initial_loss_scale,
-        help="fp16: the first dynamic loss scale",
-    )
-    add(
-        "--loss-scale-window",
-        type=int,
-        default=d.loss_scale_window,
-        help="fp16: clean steps before the loss scale doubles",
-    )
-    add(
-        "--hysteresis",
-        type=int,
-        default=d.hysteresis,
-        help="fp16: overflowing steps in a row before the loss scale halves",
-    )
-    add(
-        "--min-loss-scale",
-        type=float,
-        default=d.min_loss_scale,
-        help="fp16: floor of the loss scale (an overflow there stops the run)",
-    )
+    field("--initial-loss-scale", float, "fp16: the first dynamic loss scale")
+    field("--loss-scale-window", int, "fp16: clean steps before the loss scale doubles")
+    field("--hysteresis", int, "fp16: overflowing steps in a row before the loss scale halves")
+    field("--min-loss-scale", float, "fp16: the loss scale's floor (an overflow there stops)")
     add("--steps", type=int, default=d.steps)
     add("--stop-after", type=int, default=None, help="stop after this step (resume later)")
     add("--lr", type=float, default=d.lr, help="peak learning rate at --lr-base-batch")
@@ -104,13 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lr-base-batch", type=int, default=d.lr_base_batch)
     add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
     add("--decay", default=d.decay, choices=("cosine", "constant"))
-    add(
-        "--min-lr-ratio",
-        type=float,
-        default=d.min_lr_ratio,
-        help="the cosine decay's final rate, a fraction of the peak",
-    )
-    add("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    field("--min-lr-ratio", float, "the cosine decay's final rate, a fraction of the peak")
+    field("--weight-decay", float, "AdamW weight decay")
     add(
         "--recompute",
         action="store_true",
@@ -132,26 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     add("--resume", default=None, help="'auto' (newest complete checkpoint) or a step directory")
     add("--log-every", type=int, default=d.log_every, help="steps per logging interval")
-    add(
-        "--eval-interval",
-        type=int,
-        default=d.eval_interval,
-        help="steps between validation losses on held-out text (0: none)",
-    )
-    add("--eval-iters", type=int, default=d.eval_iters, help="global batches per validation")
-    add(
-        "--valid-fraction",
-        type=float,
-        default=d.valid_fraction,
-        help="share of the corpus held out for validation (with --eval-interval)",
-    )
+    field("--eval-interval", int, "steps between validation losses on held-out text (0: none)")
+    field("--eval-iters", int, "global batches per validation")
+    field("--valid-fraction", float, "share of the corpus held out (with --eval-interval)")
     add("--json", default=None, help="write one JSON object per logged step here")
     add("--plot", default=None, help="write loss, tokens/s and per-rank step times to a PNG")
     add("--engine", default=d.engine, choices=("dk", "torch", "both"))
     add("--simulate-straggler", type=_pair(float), default=None, metavar="RANK:MS")
     add("--straggler-threshold", type=float, default=d.straggler_threshold)
-    add("--straggler-min-ms", type=float, default=d.straggler_min_ms)
-    add("--straggler-patience", type=int, default=d.straggler_patience)
+    field("--straggler-min-ms", float)
+    field("--straggler-patience", int)
     add("--reference-tokens-per-s", type=float, default=None, help="1-rank throughput")
     add(
         "--kill-after-checkpoint",
