@@ -437,7 +437,7 @@ class _FailOn(nn.Module):
         return x
 
 
-def _rank_stage_failure():
+def _rank_stage_failure(evaluate: bool = False):
     import datetime
 
     comm = dk.Communicator(timeout=datetime.timedelta(seconds=10))
@@ -453,20 +453,22 @@ def _rank_stage_failure():
     x, y = _batches(1, BATCH)[0]
     x[2, 0] = 1e6  # micro-batch 1
     try:
-        pipe.step(x, y)
+        pipe.evaluate(x, y) if evaluate else pipe.step(x, y)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return type(exc).__name__, str(exc)
     return None
 
 
-def test_failing_stage_makes_every_rank_raise():
-    results = run_ranks(4, _rank_stage_failure, timeout=90)
+@pytest.mark.parametrize("evaluate", [False, True], ids=["step", "evaluate"])
+def test_failing_stage_makes_every_rank_raise(evaluate):
+    results = run_ranks(4, _rank_stage_failure, evaluate, timeout=90)
     for rank, result in enumerate(results):
         print(f"rank {rank}: {result}")
         assert result is not None, f"rank {rank} did not raise"
     name, message = results[2]
     assert name == "PipelineError"
     assert "stage 2" in message and "forward of stage 2, micro-batch 1" in message
+    assert ("evaluation" in message) == evaluate
     assert "injected failure" in message
     for rank in (0, 1, 3):
         assert f"pipeline stage {rank}" in results[rank][1]
@@ -487,8 +489,8 @@ class _Dropping(nn.Module):
 
 
 def _rank_evaluate(schedule: str, n_stages_per_rank: int):
-    """evaluate() on this rank's pipeline against the whole model's eval-mode forward; then a
-    training step, which must not see the evaluation (no gradients, train mode back)."""
+    """evaluate() on this rank's pipeline against the whole model's eval-mode forward; and
+    what it leaves: no gradient, the stages back in train mode."""
     torch.manual_seed(SEED)
     reference = nn.Sequential(*(_Dropping() for _ in range(4))).double()
     model = copy.deepcopy(reference)

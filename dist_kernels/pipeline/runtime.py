@@ -366,13 +366,7 @@ class Pipeline:
             raise TypeError(f"scale_loss must be callable, got {type(scale_loss).__name__}")
         self._scale_loss = scale_loss
         started = time.perf_counter()
-        try:
-            self._begin(inputs, targets)
-        except (TypeError, ValueError) as exc:
-            # Peers would wait for this rank forever: close, so that they raise too.
-            self._failed = str(exc)
-            self._close_after_failure()
-            raise
+        self._begin_or_close(inputs, targets)
         begun = time.perf_counter()
         for action in self._compute_order:
             self._execute(action)
@@ -407,7 +401,7 @@ class Pipeline:
         if self._failed:
             raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
         loss_fn = self.loss_fn if loss_fn is None else loss_fn
-        self._begin(inputs, targets)
+        self._begin_or_close(inputs, targets)
         modes = {s: m.training for s, m in self.stages.items()}
         for module in self.stages.values():
             module.eval()
@@ -476,6 +470,16 @@ class Pipeline:
         works, self._send_works = self._send_works, []
         for work in works:
             work.wait()
+
+    def _begin_or_close(self, inputs: Any, targets: Any) -> None:
+        """:meth:`_begin`; bad input closes the communicators first: peers would otherwise
+        wait for this rank forever, and now raise too."""
+        try:
+            self._begin(inputs, targets)
+        except (TypeError, ValueError) as exc:
+            self._failed = str(exc)
+            self._close_after_failure()
+            raise
 
     def _begin(self, inputs: Any, targets: Any) -> None:
         m = self.n_microbatches
