@@ -94,8 +94,17 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
             consumed[(step, first + i)] = inputs[i].numel()
         return inputs, targets
 
+    built = []  # the models the driver builds: the whole one, then (sharded) this rank's
+    real_build = driver.build_model
+
+    def recording_build(*args, **kwargs):
+        model, loss = real_build(*args, **kwargs)
+        built.append(model)
+        return model, loss
+
     peak = mock.patch.object(driver, "matmul_peak_flops", lambda **_: (rank + 1) * PEAK_FLOPS)
-    with mock.patch.object(data.Sampler, "batch", counting_batch), peak:
+    build = mock.patch.object(driver, "build_model", recording_build)
+    with mock.patch.object(data.Sampler, "batch", counting_batch), peak, build:
         start = time.perf_counter()
         r = train(cfg.with_layout(dist.get_world_size()), engine)
         wall_s = time.perf_counter() - start
@@ -108,12 +117,17 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
         "start": r.start_step,
         "consumed": consumed,
         "wall_s": wall_s,
+        # whether the model trained had its sequence split over tp (--sequence-parallel)
+        "sequence_parallel": any(
+            getattr(m, "sequence_parallel", False) for m in built[-1].modules()
+        ),
     }
 
 
 def _one_process(cfg: TrainConfig) -> TrainConfig:
     """``cfg``'s model, data and global batch on one process without any engine."""
-    return dataclasses.replace(cfg, dp=1, tp=1, cp=1, pp=1, zero=0, grad_accum=0).with_layout(1)
+    one = dict(dp=1, tp=1, cp=1, pp=1, zero=0, grad_accum=0, sequence_parallel=False)
+    return dataclasses.replace(cfg, **one).with_layout(1)
 
 
 def _single(cfg: TrainConfig):
@@ -328,11 +342,23 @@ def test_dp2_x_pp2_zero1_matches_single_process(reference, schedule):
     _assert_layout_matches(run_ranks(4, _on_ranks, cfg, timeout=240), reference)
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, tp=2)], ids=["tp2", "dp2xtp2"])
+SP = dict(sequence_parallel=True)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2), dict(dp=2, tp=2), dict(dp=2, tp=2, **SP), dict(tp=2, pp=2, micro_batch=2, **SP),
+     dict(tp=2, cp=2, **SP)],
+    ids=["tp2", "dp2xtp2", "dp2xtp2-sp", "tp2xpp2-sp", "tp2xcp2-sp"],
+)  # fmt: skip
 def test_tensor_parallel_matches_single_process(reference, layout):
-    world = layout.get("dp", 1) * layout["tp"]
+    """tp 2 alone and with dp; with sequence parallelism (the sequence split over the tp
+    ranks between the tensor-parallel layers) beside dp, a pipeline (each tp rank's sequence
+    shard sent to the same tp rank of the next stage) and cp."""
+    world = layout.get("dp", 1) * layout["tp"] * layout.get("pp", 1) * layout.get("cp", 1)
     cfg = _cfg(global_batch=8, **layout)
     ranks = run_ranks(world, _on_ranks, cfg, timeout=240)
+    assert all(r["sequence_parallel"] == cfg.sequence_parallel for r in ranks)
     _assert_layout_matches(ranks, reference, tp=layout["tp"])
     _assert_metrics(ranks, cfg)
 
@@ -574,13 +600,13 @@ def test_every_option_a_user_sets_has_a_flag():
         "--weight-decay", "0.1", "--min-lr-ratio", "0.05", "--straggler-min-ms", "5",
         "--straggler-patience", "3", "--straggler-threshold", "0.2", "--dtype", "fp16",
         "--initial-loss-scale", "1024", "--loss-scale-window", "100", "--hysteresis", "2",
-        "--min-loss-scale", "2", "--clip-grad", "1.0", "--recompute",
+        "--min-loss-scale", "2", "--clip-grad", "1.0", "--recompute", "--sequence-parallel",
     ]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
                 straggler_threshold=0.2, dtype="fp16", initial_loss_scale=1024.0,
                 loss_scale_window=100, hysteresis=2, min_loss_scale=2.0, clip_grad=1.0,
-                recompute=True)  # fmt: skip
+                recompute=True, sequence_parallel=True)  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     default = config_from_args(build_parser().parse_args([]))
     assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something
@@ -594,6 +620,19 @@ def test_every_option_a_user_sets_has_a_flag():
         TrainConfig(weight_decay=-0.1).check()
     with pytest.raises(ConfigError, match=r"min_lr_ratio must lie in \[0, 1\], got 2.0"):
         TrainConfig(min_lr_ratio=2.0).check()
+
+
+def test_sequence_parallel_errors():
+    with pytest.raises(ConfigError, match=r"sequence_parallel splits the sequence over tp ranks"):
+        TrainConfig(sequence_parallel=True).with_layout(2)
+    moe = dataclasses.replace(TINY, n_experts=4)
+    with pytest.raises(ConfigError, match=r"sequence_parallel with MoE blocks: each tp rank"):
+        TrainConfig(tp=2, sequence_parallel=True, model=moe).with_layout(2)
+    odd = dataclasses.replace(TINY, block_size=18)
+    with pytest.raises(
+        ConfigError, match=r"block_size\(18\) is not a multiple of tp\(2\) x cp\(2\)"
+    ):
+        TrainConfig(tp=2, cp=2, sequence_parallel=True, model=odd).with_layout(4)
 
 
 def test_loss_scaling_errors():

@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     field("--min-lr-ratio", float, "the cosine decay's final rate, a fraction of the peak")
     field("--weight-decay", float, "AdamW weight decay")
     add(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: the sequence split over tp ranks between the tensor-parallel layers",
+    )
+    add(
         "--recompute",
         action="store_true",
         help="activation checkpointing: every block's forward run again in backward",
@@ -169,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,
         clip_grad=args.clip_grad, recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel,
         data=args.data, model=model, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, log_every=args.log_every,
         json=args.json, plot=args.plot, engine=args.engine,

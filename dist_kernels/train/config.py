@@ -109,6 +109,11 @@ class TrainConfig:
     """Final rate of the cosine decay, as a fraction of the peak."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    sequence_parallel: bool = False
+    """With tp > 1: Megatron's sequence parallelism (``GPT.parallelize(tp_comm,
+    sequence_parallel=True)``): the norms, residuals and dropout between the tensor-parallel
+    layers hold ``seq / tp`` of the sequence on each tp rank (all-gather before, reduce-scatter
+    after, in place of one all-reduce), so each tp rank keeps its part of those activations."""
     recompute: bool = False
     """Activation checkpointing of every transformer block (``GPT.recompute_blocks``): less
     activation memory for one more forward of each block in backward. Not part of a
@@ -261,6 +266,18 @@ class TrainConfig:
             raise ConfigError(f"engine={self.engine!r} supports pp=1 only (pp={self.pp})")
         if self.pp > 1:
             self._check_schedule()
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel splits the sequence over tp ranks: needs tp > 1")
+        if self.sequence_parallel and self.model.n_experts:
+            raise ConfigError(
+                "sequence_parallel with MoE blocks: each tp rank would route its own part of "
+                "the sequence, and the aux loss would need its statistics reduced over tp first"
+            )
+        if self.sequence_parallel and self.model.block_size % (self.tp * self.cp):
+            raise ConfigError(
+                f"sequence_parallel: block_size({self.model.block_size}) is not a multiple of "
+                f"tp({self.tp}) x cp({self.cp})"
+            )
         if self.tp > 1 and self.model.n_heads % self.tp:
             raise ConfigError(f"n_heads({self.model.n_heads}) is not a multiple of tp({self.tp})")
         if self.cp > 1 and self.model.block_size % (2 * self.cp):

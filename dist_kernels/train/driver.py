@@ -138,7 +138,13 @@ class _Run:
         sharded = any(c is not None for c in (world.tp_comm, world.cp_comm, world.ep_comm))
         model, loss = (
             build_model(
-                cfg.model, cfg.seed, world.tp_comm, world.cp_comm, world.ep_comm, cfg.recompute
+                cfg.model,
+                cfg.seed,
+                world.tp_comm,
+                world.cp_comm,
+                world.ep_comm,
+                cfg.recompute,
+                cfg.sequence_parallel,
             )
             if sharded
             else (full, _)

@@ -27,19 +27,22 @@ def build_model(
     cp_comm: Any = None,
     ep_comm: Any = None,
     recompute: bool = False,
+    sequence_parallel: bool = False,
 ) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
     layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel), on
     sequence shards over ``cp_comm`` when given (then the loss is the whole sequences' mean),
     MoE experts sharded over ``ep_comm`` when given (the loss adds the MoE aux losses), every
-    block's activations recomputed in backward with ``recompute``."""
+    block's activations recomputed in backward with ``recompute``, the sequence split over
+    ``tp_comm`` between the tensor-parallel layers with ``sequence_parallel``."""
     if cfg.vocab_size < 1:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         gpt = GPT(cfg)
     if tp_comm is not None and tp_comm.world_size > 1:
-        gpt.parallelize(tp_comm)  # slices the unsharded initialisation: same model as tp=1
+        # slices the unsharded initialisation: the same model as tp=1
+        gpt.parallelize(tp_comm, sequence_parallel=sequence_parallel)
     if cp_comm is not None and cp_comm.world_size > 1:
         gpt.context_parallel(cp_comm)
     if ep_comm is not None and ep_comm.world_size > 1:
