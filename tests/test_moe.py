@@ -98,7 +98,7 @@ def _apply_capacity(chosen, T, k, r):
     for e in range(EXPERTS):
         mine = [c for c in chosen if c[2] == e]  # token order
         if r.drop_policy == "probs":
-            mine = sorted(mine, key=lambda c: -float(c[3]))  # stable: ties keep token order
+            mine = sorted(mine, key=lambda c: -float(c[3].detach()))  # stable: ties keep order
         kept += mine[:capacity]
     return kept
 
@@ -158,7 +158,7 @@ def test_aux_loss_is_megatrons_formula():
     routing_map = torch.zeros(21, EXPERTS).scatter(1, torch.topk(probs, 2).indices, 1.0)
     tpe = routing_map.sum(0).double()
     want = (probs.sum(0) * tpe).sum() * (EXPERTS * 1e-2 / (2 * 21 * 21))
-    assert abs(float(layer.aux_loss.detach() - want)) <= TOL
+    assert abs(float((layer.aux_loss - want).detach())) <= TOL
     logits = x @ layer.router.weight.t()
     want_z = torch.logsumexp(logits, -1).square().mean() * 0.5
     assert abs(float(dk.moe.z_loss(logits, 0.5) - want_z)) <= TOL
