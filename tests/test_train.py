@@ -779,6 +779,20 @@ def test_validation_errors(tmp_path):
         data.Sampler(corpus, 16, 4, 0, span=valid)
 
 
+def test_validation_run_resumes_with_its_split_only(tmp_path):
+    """A run with --eval-interval holds text out of training, and its checkpoint records the
+    cut: the command line's preflight lets the same run resume, and refuses one without
+    validation (it would train on other text), before any rank starts."""
+    cfg = _cfg(dp=2, global_batch=8, checkpoint_dir=str(tmp_path), **EVAL)
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, stop_after=2), timeout=180)
+    again = dataclasses.replace(cfg, resume="auto")
+    assert preflight(again, 2).eval_interval == 2
+    with pytest.raises(ConfigError, match=r"written with data='[0-9a-f]+:train\d+'; this run"):
+        preflight(dataclasses.replace(again, eval_interval=0), 2)
+    resumed = run_ranks(2, _on_ranks, again, timeout=180)
+    assert resumed[0]["start"] == 2 and [e["step"] for e in resumed[0]["evals"]] == [4]
+
+
 def test_validation_leaves_training_alone():
     """Validating after every step or only at the end: the same training losses and
     parameters, bitwise (eval mode and no gradient, put back; the same held-out split)."""

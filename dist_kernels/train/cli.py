@@ -194,7 +194,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Every check that can fail before a rank starts; returns the resolved config."""
     from .checkpoints import identity, resolve_resume
     from .data import CharCorpus
-    from .driver import model_config
+    from .driver import model_config, samplers
     from .model import describe
 
     cfg = cfg.with_layout(world_size)
@@ -204,7 +204,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"checkpoints are written by --engine dk only (engine={cfg.engine!r})")
     corpus = CharCorpus.build(cfg.data, cfg.model.block_size)
     model = model_config(cfg, corpus)
-    resolve_resume(cfg, identity(cfg, describe(model), corpus.fingerprint()))
+    data_fp = samplers(cfg, corpus)[2]  # the samplers' checks too (a held-out span too small)
+    resolve_resume(cfg, identity(cfg, describe(model), data_fp))
     if cfg.plot is not None:
         try:
             import matplotlib  # noqa: F401

@@ -130,7 +130,7 @@ class _Run:
         self, cfg: TrainConfig, engine: str, world: World, corpus: CharCorpus, append_log: bool
     ) -> None:
         self.cfg, self.engine_name, self.world = cfg, engine, world
-        self.sampler, self.valid_sampler, data_fp = _samplers(cfg, corpus)
+        self.sampler, self.valid_sampler, data_fp = samplers(cfg, corpus)
         self.ident = checkpoints.identity(cfg, describe(cfg.model), data_fp)
         resume = checkpoints.resolve_resume(cfg, self.ident)
         full, _ = build_model(cfg.model, cfg.seed, recompute=cfg.recompute)
@@ -323,10 +323,10 @@ class _Run:
             self.progress.write(str(report))
 
 
-def _samplers(cfg: TrainConfig, corpus: CharCorpus):
+def samplers(cfg: TrainConfig, corpus: CharCorpus):
     """(training sampler, validation sampler or None, the data's fingerprint): with
     ``eval_interval`` the corpus's tail is held out, which the fingerprint records (a resume
-    must train on the same text)."""
+    must train on the same text; the command line's preflight checks it with this too)."""
     seq, batch = cfg.model.block_size, cfg.global_batch
     if not cfg.eval_interval:
         return Sampler(corpus, seq, batch, cfg.seed), None, corpus.fingerprint()
