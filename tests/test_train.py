@@ -704,6 +704,44 @@ def test_straggler_detector_logic():
         assert calm.observe(i, [10.0, 11.0, 10.0], phases, ["h"] * 3) == []
 
 
+def _poisoned_run(cfg: TrainConfig, rank_to_poison: int, at_step: int):
+    """Runs on every pool rank: ``rank_to_poison`` writes NaN into a parameter right after
+    its optimizer step ``at_step`` (a divergence, made to order). Returns the error text."""
+    import torch.distributed as dist
+
+    rank, real, calls = dist.get_rank(), torch.optim.AdamW.step, [0]
+
+    def poisoned(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls[0] += 1
+        if rank == rank_to_poison and calls[0] == at_step:
+            with torch.no_grad():
+                self.param_groups[0]["params"][-1].fill_(float("nan"))
+        return out
+
+    with mock.patch.object(torch.optim.AdamW, "step", poisoned):
+        try:
+            train(cfg.with_layout(dist.get_world_size()))
+        except FloatingPointError as exc:
+            return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(pp=2, micro_batch=2)], ids=["dp2", "pp2"])
+def test_a_diverged_run_stops_on_every_rank_naming_the_step(layout):
+    """A NaN in rank 1's parameters after step 2: step 3's loss is NaN there (and on the
+    pipeline's every rank), and every rank raises FloatingPointError at that step's log,
+    naming it and the ranks, instead of training on NaN (or hanging on a rank that stopped)."""
+    cfg = _cfg(global_batch=8, steps=6, log_every=1, **layout)
+    errors = run_ranks(2, _poisoned_run, cfg, 1, 2, timeout=180)
+    print(errors)
+    ranks = "[1]" if "dp" in layout else "[0, 1]"  # a pipeline's loss is every stage's
+    for text in errors:
+        assert text is not None and f"not finite from step 3 on rank(s) {ranks}" in text, text
+    clean = run_ranks(2, _poisoned_run, cfg, 1, 99, timeout=180)  # never poisoned: no error
+    assert clean == [None, None]
+
+
 # ------------------------------------------------------------------ validation
 
 EVAL = dict(eval_interval=2, eval_iters=2, steps=4, log_every=1)

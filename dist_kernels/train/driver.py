@@ -30,7 +30,7 @@ from .profiling import StepProfiler
 from .stragglers import StragglerDetector, StragglerReport, minmax_line
 from .tensorboard import TensorBoardLog
 
-_ROW = ("loss", "step_ms", "busy_ms", *PHASES, "peak_mem_mb", "peak_flops")
+_ROW = ("loss", "step_ms", "busy_ms", *PHASES, "peak_mem_mb", "peak_flops", "nonfinite_step")
 
 
 @dataclass
@@ -203,6 +203,7 @@ class _Run:
         for step in range(self.start_step, end):
             self.profiler.step_begins(step + 1)
             loss, times = self.engine.step(step, self.sampler)
+            times.nonfinite_loss = not math.isfinite(loss)
             interval.append(times)
             done = step + 1
             self.profiler.step_ended(done)
@@ -257,8 +258,9 @@ class _Run:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _log(self, done: int, loss: float, interval: List[StepTimes], seconds: float) -> None:
-        row = _row(loss, interval, self.peak_flops)
+        row = _row(loss, interval, self.peak_flops, done)
         rows = self.world.gather(row)
+        _stop_if_diverged(rows, self.cfg)  # every rank sees the rows: all stop together
         if not self.is_rank0:
             return
         record = self._record(done, rows, len(interval), seconds)
@@ -346,15 +348,32 @@ def _minmax(done: int, rows: torch.Tensor) -> str:
     return minmax_line(done, columns)
 
 
-def _row(loss: float, interval: List[StepTimes], peak_flops: float) -> torch.Tensor:
-    """This rank's metrics row (NaN for a phase its engine does not measure)."""
+def _row(loss: float, interval: List[StepTimes], peak_flops: float, done: int) -> torch.Tensor:
+    """This rank's metrics row (NaN for a phase its engine does not measure); its last column
+    is the interval's first step whose loss was inf or NaN here (0: none)."""
     n = len(interval)
     values = [loss, sum(t.step_ms for t in interval) / n, sum(t.busy_ms for t in interval) / n]
     for phase in PHASES:
         per_step = [t.phases[phase] for t in interval]
         values.append(math.nan if None in per_step else sum(per_step) / n)
-    values += [peak_memory_mb(), peak_flops]
+    bad = [done - n + 1 + i for i, t in enumerate(interval) if t.nonfinite_loss]
+    values += [peak_memory_mb(), peak_flops, bad[0] if bad else 0]
     return torch.tensor(values, dtype=torch.float64)
+
+
+def _stop_if_diverged(rows: torch.Tensor, cfg: TrainConfig) -> None:
+    """Raises ``FloatingPointError`` on every rank when any rank's loss went inf or NaN in the
+    interval (Megatron's NaN check), naming the first such step and the ranks: a diverged run
+    stops at its next log instead of training on NaN."""
+    steps = rows[:, _ROW.index("nonfinite_step")]
+    if not bool((steps > 0).any()):
+        return
+    first = int(steps[steps > 0].min())
+    ranks = [r for r, s in enumerate(steps.tolist()) if s > 0]
+    raise FloatingPointError(
+        f"the loss is not finite from step {first} on rank(s) {ranks} (dtype {cfg.dtype}, "
+        f"lr {cfg.lr}): the run diverged; lower --lr, or add --clip-grad or --warmup steps"
+    )
 
 
 def _summary(records: List[Dict[str, Any]], start_step: int) -> Dict[str, Any]:

@@ -38,6 +38,7 @@ class StepTimes:
     grad_norm: Optional[float] = None  # the model's gradient norm before --clip-grad clipped it
     loss_scale: Optional[float] = None  # fp16: the scale this step's gradients carried
     skipped: bool = False  # fp16: the step was skipped (an inf or NaN gradient somewhere)
+    nonfinite_loss: bool = False  # this rank's loss was inf or NaN: the run diverged
 
     def add(self, phase: str, ms: Optional[float]) -> None:
         if ms is None or self.phases[phase] is None:
