@@ -393,10 +393,11 @@ class Pipeline:
         the pipeline's), a float64 scalar on every rank of the pipeline. No gradient, no
         activations kept, no ``stage_loss``; the stages run in eval mode and are put back.
 
-        The micro-batches go through the stages in order, each rank running its own stages
-        and sending on at once (isend), so the ranks work at the same time as a GPipe
-        forward does. Collective over the pipeline, like :meth:`step`; takes ``inputs`` and
-        ``targets`` as it does.
+        Each rank runs its stages in stage order, every micro-batch of one stage before the
+        next stage, and sends each output on at once (isend): the ranks work at the same time
+        as in a GPipe forward, also when a rank holds two stages (interleaved, or the V of
+        ZB-V, whose first rank holds the first and the last stage). Collective over the
+        pipeline, like :meth:`step`; takes ``inputs`` and ``targets`` as it does.
         """
         if self._failed:
             raise PipelineError(f"the pipeline failed earlier and is closed: {self._failed}")
@@ -407,8 +408,8 @@ class Pipeline:
             module.eval()
         try:
             local: Dict[Tuple[int, int], Tuple[List[torch.Tensor], bool]] = {}
-            for mb in range(self.n_microbatches):
-                for s in sorted(self.stages):
+            for s in sorted(self.stages):  # stage by stage: each rank starts on the first
+                for mb in range(self.n_microbatches):  # micro-batch that reaches it
                     what = f"evaluation: forward of stage {s}, micro-batch {mb}"
                     run = functools.partial(self._evaluate_stage, s, mb, local, loss_fn)
                     self._guard(None, what, run)
