@@ -146,3 +146,16 @@ def test_clip_grad_norm_with_pipeline_and_expert_parallel_equals_every_expert_lo
             rec["grad_norm"] for rec in run_ranks(4, _on_ranks, piped, timeout=300)[0]["records"]
         ]
         assert got == pytest.approx(want, rel=1e-5, abs=0), zero
+
+
+def test_moe_pipeline_resumes_at_another_ep(tmp_path):
+    """dp 2 x pp 2 x ep 2 saved at step 3 (``stage-<s>-ep-<r>``), resumed at ep 1 (every
+    expert on both replicas of each stage, read from both ep directories of its stage) to 6:
+    the losses of 6 straight steps at ep 2, to the float32 rounding of the two layouts."""
+    cfg = _cfg(dp=2, pp=2, ep=2, steps=6, global_batch=8, micro_batch=2, model=MOE2, log_every=1)
+    straight = run_ranks(4, _on_ranks, cfg, timeout=300)
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(4, _on_ranks, dataclasses.replace(cfg, stop_after=3, **ckpt), timeout=300)
+    resumed = run_ranks(4, _on_ranks, dataclasses.replace(cfg, ep=1, **ckpt), timeout=300)
+    assert resumed[0]["start"] == 3
+    torch.testing.assert_close(resumed[0]["losses"], straight[0]["losses"][3:], rtol=1e-5, atol=0)
