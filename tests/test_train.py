@@ -803,6 +803,33 @@ def test_validation_loss_in_every_layout_equals_one_process(valid_reference, lay
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
+def test_evaluate_runs_in_eval_mode_and_puts_train_back():
+    """The engines' validation forward switches dropout off (the driver's own models have none,
+    so the layout tests cannot see it): the same held-out batch twice gives the same loss, that
+    of the model's eval-mode forward, and the model is in train mode afterwards."""
+    from dist_kernels.train.engines import DataParallel
+    from dist_kernels.train.model import lm_loss
+
+    cfg = _one_process(_cfg(global_batch=4, **EVAL))
+    corpus = data.CharCorpus.build(cfg.data, cfg.model.block_size)
+    sized = driver.model_config(cfg, corpus)
+    model, loss = build_model(dataclasses.replace(sized, dropout=0.5), SEED)
+    engine = DataParallel(cfg, model, loss, "dk", None, 0)
+    _, valid_span = data.split(corpus, cfg.valid_fraction)
+    sampler = data.Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed, valid_span)
+    first, second = engine.evaluate(sampler, 0), engine.evaluate(sampler, 0)
+    assert model.training and all(m.training for m in model.modules())
+    x, y = sampler.batch(0, 0, cfg.global_batch)  # two micro-batches of 2
+    model.eval()
+    with torch.no_grad():
+        parts = [float(lm_loss(model)(model(x[i : i + 2]), y[i : i + 2])) for i in (0, 2)]
+    model.train()
+    assert first == second == pytest.approx(sum(parts) / 2, rel=1e-6)
+    with torch.no_grad():  # and dropout is on in train mode: the check can fail
+        noisy = float(lm_loss(model)(model(x[:2]), y[:2]))
+    assert noisy != pytest.approx(parts[0], rel=1e-6)
+
+
 def test_validation_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"eval_iters must be an int >= 1, got 0"):
         TrainConfig(eval_iters=0).check()
