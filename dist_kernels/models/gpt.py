@@ -269,8 +269,8 @@ class GPT(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """The MoE blocks' auxiliary losses of the last forward (0 without MoE blocks)."""
-        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        return torch.stack(losses).sum() if losses else torch.zeros(())
+        aux = moe_lib.aux_loss_of(self)
+        return aux if aux is not None else torch.zeros(())
 
     def moe_layers(self) -> list:
         """The MoE layers, block order."""

@@ -414,7 +414,7 @@ class Pipeline:
                     run = functools.partial(self._evaluate_stage, s, mb, local, loss_fn)
                     self._guard(None, what, run)
             self._guard(None, "waiting for the evaluation's sends", self._wait_sends)
-            return self._finish_loss(with_stage_losses=False)
+            return self._finish_loss()
         finally:
             for s, module in self.stages.items():
                 module.train(modes[s])
@@ -712,7 +712,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ after the step
 
-    def _finish_loss(self, with_stage_losses: bool = True) -> torch.Tensor:
+    def _finish_loss(self) -> torch.Tensor:
         """The step's loss on every rank: the last stage's mean, plus each stage's
         ``stage_loss`` summed over the micro-batches / n (an all-reduce over the stages)."""
         last_rank = self.schedule.rank_of(self.n_stages - 1)
@@ -724,7 +724,7 @@ class Pipeline:
             value += torch.stack(self.stage_loss_values).double().sum() / self.n_microbatches
         if self.n_ranks == 1:
             return value[0]
-        if self.stage_loss is None or not with_stage_losses:
+        if self.stage_loss is None:
             self._guard(None, "loss broadcast", lambda: self.comm.broadcast(value, last_rank))
         else:
             self._guard(None, "loss all-reduce", lambda: self.comm.all_reduce(value))

@@ -34,13 +34,8 @@ def driver_model() -> GPTConfig:
     return GPTConfig(block_size=64, n_layers=2, n_heads=4, dim=128, tie_embeddings=False)
 
 
-# The loss-scaling options and their defaults (torch's GradScaler's behaviour)
-_LOSS_SCALING = {
-    "initial_loss_scale": 2.0**16,
-    "loss_scale_window": 2000,
-    "hysteresis": 1,
-    "min_loss_scale": 1.0,
-}
+# The loss-scaling options (their defaults are torch's GradScaler's behaviour)
+_LOSS_SCALING = ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
 
 
 @dataclass
@@ -325,7 +320,8 @@ class TrainConfig:
                 f"min_loss_scale({self.min_loss_scale}) must lie in [0, "
                 f"initial_loss_scale({self.initial_loss_scale})]"
             )
-        scaling = [k for k, v in _LOSS_SCALING.items() if getattr(self, k) != v]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        scaling = [k for k in _LOSS_SCALING if getattr(self, k) != defaults[k]]
         if scaling and self.dtype != "fp16":
             raise ConfigError(
                 f"{', '.join(scaling)}: loss scaling is for dtype fp16, got dtype {self.dtype} "

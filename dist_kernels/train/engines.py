@@ -38,10 +38,12 @@ def _ms(seconds: float) -> float:
     return seconds * 1e3
 
 
-def replica_batch(sampler: Sampler, step: int, mesh: Any, dp_rank: int, count: int):
-    """The ``count`` samples of replica ``dp_rank``; this rank's sequence shard of them when
-    the mesh has cp > 1."""
-    inputs, targets = sampler.replica_batch(step, dp_rank, count)
+def replica_batch(engine: Any, sampler: Sampler, step: int):
+    """The samples of ``engine``'s replica in batch ``step`` of ``sampler`` (micro_batch x
+    grad_accum of them); this rank's sequence shard of them when the mesh has cp > 1."""
+    cfg, mesh = engine.cfg, engine.mesh
+    count = cfg.micro_batch * cfg.grad_accum
+    inputs, targets = sampler.replica_batch(step, engine.dp_rank, count)
     if mesh is None or mesh.cp == 1:
         return inputs, targets
     from ..context_parallel import shard_sequence
@@ -59,6 +61,17 @@ def make_scheduler(cfg: TrainConfig, optimizer: Any, start_step: int):
             optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last_epoch=start_step - 1
         )
     return dk_lr.warmup_constant(optimizer, cfg.warmup, last_epoch=start_step - 1)
+
+
+def _replicas(cfg: TrainConfig, mesh: Any, rank: int) -> Tuple[int, Any]:
+    """(this rank's index among the ranks that hold its weights, the Communicator over which
+    expert parameters are reduced or None): over dp x cp, but an MoE expert shard's replicas
+    are its expert-dp group when ep > 1 (the ep ranks hold different experts)."""
+    if mesh is None:  # torch's engine and one process: the world holds the same weights
+        return rank, None
+    if cfg.ep > 1:
+        return mesh.expert_dp_rank, mesh.expert_dp_comm
+    return mesh.dp_cp_rank, None
 
 
 def _adamw_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
@@ -126,10 +139,7 @@ class DataParallel:
         # torch's engine (no mesh) runs pp = tp = cp = 1: its data-parallel group is the world
         self.mesh = mesh
         self.dp_rank = mesh.dp_rank if mesh is not None else rank
-        self.replica_rank = mesh.dp_cp_rank if mesh is not None else rank
-        expert_comm = None
-        if mesh is not None and cfg.ep > 1:  # expert shards: ep ranks differ, their replicas not
-            self.replica_rank, expert_comm = mesh.expert_dp_rank, mesh.expert_dp_comm
+        self.replica_rank, expert_comm = _replicas(cfg, mesh, rank)
         dp_comm = mesh.dp_cp_comm if mesh is not None else None  # dp x cp hold the same weights
         self.delay = _Delay(cfg, rank)
         world_size = cfg.dp * cfg.cp
@@ -197,8 +207,7 @@ class DataParallel:
     def step(self, step: int, sampler: Sampler) -> Tuple[float, StepTimes]:
         cfg, times = self.cfg, StepTimes()
         begin = time.perf_counter()
-        per_replica = cfg.micro_batch * cfg.grad_accum
-        inputs, targets = replica_batch(sampler, step, self.mesh, self.dp_rank, per_replica)
+        inputs, targets = replica_batch(self, sampler, step)
         loss_sum = 0.0
         for k in range(cfg.grad_accum):
             part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
@@ -232,9 +241,7 @@ class DataParallel:
         """The language-model loss of this replica's share of held-out batch ``index``, in
         micro-batches, in eval mode (collective as a forward is: tp, cp, ep, ZeRO-3)."""
         cfg = self.cfg
-        inputs, targets = replica_batch(
-            sampler, index, self.mesh, self.dp_rank, cfg.micro_batch * cfg.grad_accum
-        )
+        inputs, targets = replica_batch(self, sampler, index)
         loss_fn, total = lm_loss(self.module), 0.0
         self.module.eval()
         try:
@@ -301,9 +308,8 @@ class Pipelined:
         from ..pipeline import Pipeline
 
         self.cfg, self.mesh = cfg, mesh
-        self.dp_rank, self.replica_rank = mesh.dp_rank, mesh.dp_cp_rank
-        if cfg.ep > 1:  # expert shards: ep ranks differ (each saves its own), their replicas not
-            self.replica_rank = mesh.expert_dp_rank
+        self.dp_rank = mesh.dp_rank
+        self.replica_rank, self.expert_comm = _replicas(cfg, mesh, rank)
         self.delay = _Delay(cfg, rank)
         self.lm_loss = lm_loss(model)
         loss_fn, stage_loss = pipeline_losses(model, loss_fn)  # MoE: aux losses per stage
@@ -335,7 +341,7 @@ class Pipelined:
             self.pipe.parameters(),
             torch.optim.AdamW,
             mesh.dp_cp_comm,
-            expert_comm=mesh.expert_dp_comm if cfg.ep > 1 else None,
+            expert_comm=self.expert_comm,
             stage=cfg.zero,
             bucket_cap_mb=cfg.bucket_cap_mb,
             **_model_parallel_comms(mesh),
@@ -350,9 +356,7 @@ class Pipelined:
         times = StepTimes(phases={"forward": None, "backward": None, "comm": None})
         times.phases["optimizer"] = 0.0
         begin = time.perf_counter()
-        inputs, targets = replica_batch(
-            sampler, step, self.mesh, self.dp_rank, cfg.micro_batch * cfg.grad_accum
-        )
+        inputs, targets = replica_batch(self, sampler, step)
         self.delay()
         # ZeRO: the micro-batches' gradients add up locally; the optimizer's step reduces them
         no_sync = self.optimizer.no_sync() if cfg.zero else contextlib.nullcontext()
@@ -367,11 +371,8 @@ class Pipelined:
     def evaluate(self, sampler: Sampler, index: int) -> float:
         """The language-model loss of this replica's share of held-out batch ``index``: the
         pipeline's forward-only pass (``Pipeline.evaluate``)."""
-        cfg = self.cfg
-        inputs, targets = replica_batch(
-            sampler, index, self.mesh, self.dp_rank, cfg.micro_batch * cfg.grad_accum
-        )
-        with _autocast(cfg.dtype):
+        inputs, targets = replica_batch(self, sampler, index)
+        with _autocast(self.cfg.dtype):
             return float(self.pipe.evaluate(inputs, targets, loss_fn=self.lm_loss))
 
     def final_params(self) -> Dict[str, torch.Tensor]:

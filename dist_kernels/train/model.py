@@ -62,7 +62,7 @@ def pipeline_losses(
 
     if not any(isinstance(m, MoE) for m in model.modules()):
         return loss, None
-    return model[-1].loss, aux_loss_of
+    return lm_loss(model), aux_loss_of
 
 
 def lm_loss(model: nn.Sequential) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

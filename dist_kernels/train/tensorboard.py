@@ -49,18 +49,17 @@ class TensorBoardLog:
             self._writer = SummaryWriter(log_dir=directory)
 
     def write(self, record: Dict[str, Any]) -> None:
-        if self._writer is None:
-            return
-        for tag, value in scalars(record).items():
-            self._writer.add_scalar(tag, value, global_step=record["step"])
-        self._writer.flush()
+        self._add(scalars(record), record["step"])
 
     def write_valid(self, record: Dict[str, Any]) -> None:
         """A validation record: ``valid/loss`` and ``valid/ppl`` (Megatron's "validation")."""
+        self._add({f"valid/{k}": record[f"valid_{k}"] for k in ("loss", "ppl")}, record["step"])
+
+    def _add(self, values: Dict[str, float], step: int) -> None:
         if self._writer is None:
             return
-        for key in ("loss", "ppl"):
-            self._writer.add_scalar(f"valid/{key}", record[f"valid_{key}"], record["step"])
+        for tag, value in values.items():
+            self._writer.add_scalar(tag, value, global_step=step)
         self._writer.flush()
 
     def close(self) -> None:
