@@ -18,7 +18,9 @@ import datetime
 import gc
 import importlib.util
 import os
+import socket
 import sys
+import time
 import traceback
 
 import torch
@@ -707,11 +709,34 @@ def _installed(module: str) -> bool:
         return False
 
 
-def main(out_dir: str, rank: int, world_size: int, port: int, names) -> None:
+def _run_port(out_dir: str, run: str, rank: int) -> int:
+    """A port for one run's env:// rendezvous (Lightning makes its group itself): rank 0 takes
+    a free one from the kernel and publishes it in a file the other ranks wait for. Ports at
+    fixed offsets from one free base were never checked: a test pool's store held one, rank 0
+    failed to listen there, and rank 1 joined that foreign store and waited forever."""
+    path = os.path.join(out_dir, f"{run}.port")
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(f"{path}.tmp", "w") as f:
+            f.write(str(port))
+        os.replace(f"{path}.tmp", path)
+        return port
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 published no port for {run} in {path}")
+        time.sleep(0.05)
+    with open(path) as f:
+        return int(f.read())
+
+
+def main(out_dir: str, rank: int, world_size: int, names) -> None:
     torch.set_num_threads(1)
-    for run_index, name in enumerate(names):
+    for name in names:
         module, fn = FRAMEWORKS[name]
-        for b, backend in enumerate(("gloo", "dk")):
+        for backend in ("gloo", "dk"):
             # torchrun's variables, set anew for each run: a framework may have changed them
             # (one without RANK set sends DeepSpeed to MPI discovery: a world of one)
             os.environ.update(
@@ -720,7 +745,7 @@ def main(out_dir: str, rank: int, world_size: int, port: int, names) -> None:
                 WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port + 2 * run_index + b),
+                MASTER_PORT=str(_run_port(out_dir, f"{name}-{backend}", rank)),
                 OMP_NUM_THREADS="1",
             )
             path = os.path.join(out_dir, f"{name}-{backend}-{rank}.pt")
@@ -737,4 +762,4 @@ def main(out_dir: str, rank: int, world_size: int, port: int, names) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])

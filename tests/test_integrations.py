@@ -13,7 +13,6 @@ installs them).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -40,20 +39,11 @@ WORLD = 2
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _free_port_base() -> int:
-    """A free port from the kernel for Lightning's own env:// rendezvous (it makes the group
-    itself); the next ones serve its later runs."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Runs every framework on both backends in one pair of processes; returns a loader."""
     out = tmp_path_factory.mktemp("frameworks")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(TESTS_DIR), "OMP_NUM_THREADS": "1"}
-    port = _free_port_base()
     procs = [
         subprocess.Popen(
             [
@@ -62,7 +52,6 @@ def runs(tmp_path_factory):
                 str(out),
                 str(r),
                 str(WORLD),
-                str(port),
                 *FRAMEWORKS,
             ],
             env=env,
