@@ -309,6 +309,17 @@ class GPT(nn.Module):
             block.recompute = bool(on)
         return self
 
+    def compile_blocks(self, backend: str = "inductor", **options: Any) -> GPT:
+        """``torch.compile`` of every block, in place (torchtitan's per-block compile);
+        returns the model. Each block's own forward is compiled, so the parameter names, the
+        pipeline's cuts and the engines' per-block hooks (ZeRO-3's gathers) stay as they are.
+        The collectives inside a block (tensor-parallel all-reduces, ring attention, the MoE
+        token exchange) run eagerly between compiled pieces (graph breaks). ``options`` go to
+        ``torch.compile`` (``mode``, ``dynamic``, ...)."""
+        for block in self.blocks:
+            block.compile(backend=backend, **options)
+        return self
+
     def as_sequential(self) -> nn.Sequential:
         """``embedding, *blocks, head`` (the same modules) as an ``nn.Sequential``."""
         return nn.Sequential(self.embedding, *self.blocks, self.head)

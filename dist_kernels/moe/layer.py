@@ -143,6 +143,10 @@ class MoE(nn.Module):
     def _who(self) -> str:
         return f"[rank {0 if self.comm is None else self.comm.rank}] MoE"
 
+    # Eager under torch.compile (a graph break before and after): the token counts decide
+    # every shape from here on, and the exchange writes into shared-memory slabs that dynamo
+    # cannot trace (it raised at the first compiled forward); the router before it compiles.
+    @torch.compiler.disable
     def _dispatch_and_combine(self, x: torch.Tensor, r: Routing) -> torch.Tensor:
         flat_e = r.experts.reshape(-1)
         kept = torch.nonzero(r.keep.reshape(-1)).squeeze(1)
