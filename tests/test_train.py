@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -104,6 +105,9 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
 
     peak = mock.patch.object(driver, "matmul_peak_flops", lambda **_: (rank + 1) * PEAK_FLOPS)
     build = mock.patch.object(driver, "build_model", recording_build)
+    if cfg.compile:
+        torch._dynamo.reset()  # this worker's earlier compiles neither serve nor count
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with mock.patch.object(data.Sampler, "batch", counting_batch), peak, build:
         start = time.perf_counter()
         r = train(cfg.with_layout(dist.get_world_size()), engine)
@@ -121,6 +125,8 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
         "sequence_parallel": any(
             getattr(m, "sequence_parallel", False) for m in built[-1].modules()
         ),
+        # graphs dynamo compiled during the run (0 unless something was torch.compiled)
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
     }
 
 
@@ -502,6 +508,23 @@ def fp16_references():
     return refs
 
 
+def _rates_of_applied_steps(cfg: TrainConfig, skipped) -> list:
+    """Each step's learning rate by the formulas of dist_kernels/lr.py (warm-up, then cosine),
+    at the number of updates applied before it: a skipped step leaves the next one's rate
+    where it was (Megatron's and DeepSpeed's schedules count applied updates)."""
+    warmup, total, low = cfg.warmup, cfg.steps, cfg.min_lr_ratio
+    rates, applied = [], 0
+    for skip in skipped:
+        if applied < warmup:
+            factor = (applied + 1) / warmup
+        else:
+            progress = min(1.0, (applied - warmup) / (total - warmup))
+            factor = low + (1 - low) * (1 + math.cos(math.pi * progress)) / 2
+        rates.append(cfg.lr * factor)
+        applied += 0 if skip else 1
+    return rates
+
+
 @pytest.mark.parametrize(
     "layout,world",
     [(dict(dp=2), 2), (dict(dp=2, zero=2), 2), (dict(dp=2, zero=2, engine="torch"), 2),
@@ -519,6 +542,8 @@ def test_fp16_loss_scaling_matches_torch_grad_scaler(fp16_references, layout, wo
     ranks = run_ranks(world, _on_ranks, cfg, engine, timeout=240)
     scales = [(rec["loss_scale"], rec["skipped_steps"]) for rec in ranks[0]["records"]]
     assert scales == ref_scales
+    rates = [rec["lr"] for rec in ranks[0]["records"]]
+    assert rates == pytest.approx(_rates_of_applied_steps(cfg, [s for _, s in scales]), rel=1e-12)
     torch.testing.assert_close(ranks[0]["losses"], ref_losses, rtol=1e-3, atol=0)
     if engine == "dk":  # FSDP2's parameters are DTensors: checked by the losses
         init = _initial_params(cfg)
@@ -552,6 +577,40 @@ def test_recompute_trains_as_without_it(reference, layout, world):
         for k, v in b["params"].items():
             assert torch.equal(a["params"][k], v), (r, k)
     _assert_layout_matches(again, reference, tp=layout.get("tp", 1))
+
+
+COMPILE = dict(compile=True, compile_backend="aot_eager")
+
+
+@pytest.mark.parametrize(
+    "layout,world,engine",
+    [(dict(dp=2), 2, "dk"), (dict(dp=2), 2, "torch"), (dict(dp=2, zero=3), 2, "dk"),
+     (dict(dp=2, tp=2, sequence_parallel=True), 4, "dk"), (dict(cp=2), 2, "dk"),
+     (dict(pp=2, micro_batch=2), 2, "dk"), (dict(dp=2, compile_backend="inductor"), 2, "dk")],
+    ids=["dp2", "dp2-torch-ddp", "dp2-zero3", "dp2xtp2-sp", "cp2", "pp2", "dp2-inductor"],
+)  # fmt: skip
+def test_compile_trains_as_the_single_process(reference, layout, world, engine):
+    """--compile (every block torch.compiled; aot_eager, and inductor, torch's default, once):
+    dynamo compiled graphs on every rank, and the run trains to the single process's losses
+    and parameters, as the eager layouts do: the engines' hooks, ZeRO-3's per-block gathers,
+    the tensor-parallel and ring-attention collectives (run eagerly between graphs) and the
+    pipeline's stages all work around compiled blocks."""
+    cfg = _cfg(global_batch=8, **{**COMPILE, **layout})
+    ranks = run_ranks(world, _on_ranks, cfg, engine, timeout=300)
+    graphs = [r["compiled_graphs"] for r in ranks]
+    # every rank compiled its blocks; at pp 2 the one block of TINY is on one stage only
+    assert (sum(graphs) > 0) if layout.get("pp", 1) > 1 else all(graphs), graphs
+    _assert_layout_matches(ranks, reference, tp=layout.get("tp", 1))
+
+
+def test_compile_errors():
+    with pytest.raises(ConfigError, match=r"compile with schedule='zb-h1': the schedule splits"):
+        TrainConfig(pp=2, grad_accum=4, schedule="zb-h1", compile=True).with_layout(2)
+    with pytest.raises(ConfigError, match=r"compile_backend='aot_eager' without compile"):
+        TrainConfig(compile_backend="aot_eager").check()
+    with pytest.raises(ConfigError, match=r"compile_backend must be one of \[.*'inductor'"):
+        TrainConfig(compile=True, compile_backend="no-such-backend").check()
+    TrainConfig(pp=2, grad_accum=4, schedule="1f1b", compile=True).with_layout(2)  # allowed
 
 
 def test_recompute_runs_each_block_again_in_backward_and_saves_less():
@@ -601,12 +660,14 @@ def test_every_option_a_user_sets_has_a_flag():
         "--straggler-patience", "3", "--straggler-threshold", "0.2", "--dtype", "fp16",
         "--initial-loss-scale", "1024", "--loss-scale-window", "100", "--hysteresis", "2",
         "--min-loss-scale", "2", "--clip-grad", "1.0", "--recompute", "--sequence-parallel",
+        "--compile", "--compile-backend", "aot_eager",
     ]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
                 straggler_threshold=0.2, dtype="fp16", initial_loss_scale=1024.0,
                 loss_scale_window=100, hysteresis=2, min_loss_scale=2.0, clip_grad=1.0,
-                recompute=True, sequence_parallel=True)  # fmt: skip
+                recompute=True, sequence_parallel=True, compile=True,
+                compile_backend="aot_eager")  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     default = config_from_args(build_parser().parse_args([]))
     assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something
@@ -1048,6 +1109,12 @@ def test_ep2_matches_dp2_with_every_expert_local():
     tokens = 2 * 2 * TINY.block_size * 2  # ep ranks x micro_batch x seq x top_k
     assert [sum(layer) for layer in rec["moe_tokens_per_expert"]] == [tokens] * TINY.n_layers
     assert rec["moe_drop_rate"] == 0.0 and rec["moe_imbalance"] >= 1.0
+    # and compiled (the MoE exchange runs eagerly between the compiled router and the rest)
+    compiled = run_ranks(
+        2, _on_ranks, _cfg(dp=2, ep=2, global_batch=8, model=model, **COMPILE), timeout=300
+    )
+    assert all(r["compiled_graphs"] > 0 for r in compiled)
+    torch.testing.assert_close(compiled[0]["losses"], sharded[0]["losses"], rtol=1e-5, atol=0)
     with pytest.raises(ConfigError, match=r"experts\(3\) must be a positive multiple of ep\(2\)"):
         _cfg(dp=2, ep=2, model=dataclasses.replace(TINY, n_experts=3)).with_layout(2)
 

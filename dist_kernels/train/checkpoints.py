@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .. import checkpoint as dk_checkpoint
 from ..moe import checkpoint as moe_checkpoint
@@ -104,6 +104,7 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
     root = step_dir(cfg, step)
     stage = os.path.join(root, shard)
     extra = {"step": step, "samples": step * cfg.global_batch, "identity": ident}
+    extra["updates"] = engine.updates  # the schedule's position (fp16 skips do not advance it)
     if engine.scaler is not None:  # fp16: the same state on every rank
         extra["loss_scaler"] = engine.scaler.state_dict()
     if cfg.zero:
@@ -168,8 +169,9 @@ def _write_json_atomic(path: str, record: Dict[str, Any]) -> None:
         os.close(fd)
 
 
-def load(cfg, engine, resume: Dict[str, Any], shard: str) -> int:
-    """Restores model and optimizer from ``resume``; returns the step to continue from."""
+def load(cfg, engine, resume: Dict[str, Any], shard: str) -> Tuple[int, int]:
+    """Restores model and optimizer from ``resume``; returns the step to continue from and
+    the optimizer steps applied before it (the learning-rate schedule's position)."""
     stage = os.path.join(resume["path"], shard)
     saved_ep = resume["identity"].get("ep", cfg.ep)  # older records: resumed at their own ep
     if cfg.zero:  # at any ep: the shards name experts by global id
@@ -182,4 +184,5 @@ def load(cfg, engine, resume: Dict[str, Any], shard: str) -> int:
     # fp16 resumes its loss scale (a run saved at another dtype starts the scaler afresh)
     if engine.scaler is not None and "loss_scaler" in extra:
         engine.scaler.load_state_dict(extra["loss_scaler"])
-    return int(resume["step"])
+    step = int(resume["step"])
+    return step, int(extra.get("updates", step))  # older checkpoints: every step applied

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="activation checkpointing: every block's forward run again in backward",
     )
     add(
+        "--compile",
+        action="store_true",
+        help="torch.compile every transformer block (not with zb-h1, zb-h2, zb-v, dualpipe-v)",
+    )
+    field("--compile-backend", str, "torch.compile's backend with --compile")
+    add(
         "--clip-grad",
         type=float,
         default=d.clip_grad,
@@ -173,7 +179,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,
-        clip_grad=args.clip_grad, recompute=args.recompute,
+        clip_grad=args.clip_grad, recompute=args.recompute, compile=args.compile,
+        compile_backend=args.compile_backend,
         sequence_parallel=args.sequence_parallel,
         data=args.data, model=model, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, log_every=args.log_every,

@@ -113,6 +113,14 @@ class TrainConfig:
     """Activation checkpointing of every transformer block (``GPT.recompute_blocks``): less
     activation memory for one more forward of each block in backward. Not part of a
     checkpoint's identity: a run may resume with or without it."""
+    compile: bool = False
+    """``torch.compile`` of every transformer block (``GPT.compile_blocks``: torchtitan's
+    per-block compile) before an engine wraps the model; the collectives inside and between
+    blocks run eagerly. Not with the schedules that split the backward (zb-h1, zb-h2, zb-v,
+    dualpipe-v). Not part of a checkpoint's identity: a run may resume with or without it."""
+    compile_backend: str = "inductor"
+    """With ``compile``: torch.compile's backend (``torch._dynamo.list_backends``; inductor is
+    torch's default, aot_eager compiles much faster and runs torch's own kernels)."""
     clip_grad: float = 0.0
     """Largest norm of the whole model's gradient before the optimizer step (torch's
     ``clip_grad_norm_``, Megatron's ``--clip-grad``); 0: no clipping and no norm computed.
@@ -221,6 +229,7 @@ class TrainConfig:
         if not self.clip_grad >= 0:
             raise ConfigError(f"clip_grad must be >= 0 (0: off), got {self.clip_grad}")
         self._check_loss_scaling()
+        self._check_compile()
         _at_least("eval_interval", self.eval_interval, 0)
         _at_least("eval_iters", self.eval_iters, 1)
         if not 0 < self.valid_fraction < 1:
@@ -301,6 +310,13 @@ class TrainConfig:
                 f"schedule={self.schedule!r} with pp({self.pp}) and grad_accum({self.grad_accum}) "
                 f"micro-batches per step: {e}"
             ) from None
+        if self.compile and plan.splits_backward:
+            raise ConfigError(
+                f"compile with schedule={self.schedule!r}: the schedule splits each backward "
+                "into an input-gradient and a weight-gradient half, and a compiled block's "
+                "backward is one autograd node, which cannot be split (its weight gradients "
+                "would be computed twice); use 1f1b, interleaved-1f1b or gpipe with compile"
+            )
         layers = self.model.n_layers + 2  # the embedding, the blocks, the head
         if plan.n_stages > layers:
             per_rank = plan.n_stages // self.pp
@@ -309,6 +325,19 @@ class TrainConfig:
                 f"({per_rank} per rank) but the model has n_layers({self.model.n_layers}) + 2 "
                 f"= {layers} layers: a stage would be empty"
             )
+
+    def _check_compile(self) -> None:
+        default = TrainConfig.__dataclass_fields__["compile_backend"].default
+        if self.compile_backend != default and not self.compile:
+            raise ConfigError(
+                f"compile_backend={self.compile_backend!r} without compile: the model would "
+                "not be compiled"
+            )
+        if self.compile:
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            _choice("compile_backend", self.compile_backend, backends)
 
     def _check_loss_scaling(self) -> None:
         if not self.initial_loss_scale > 0:

@@ -133,7 +133,10 @@ class _Run:
         self.sampler, self.valid_sampler, data_fp = samplers(cfg, corpus)
         self.ident = checkpoints.identity(cfg, describe(cfg.model), data_fp)
         resume = checkpoints.resolve_resume(cfg, self.ident)
-        full, _ = build_model(cfg.model, cfg.seed, recompute=cfg.recompute)
+        compile_backend = cfg.compile_backend if cfg.compile else None
+        full, _ = build_model(
+            cfg.model, cfg.seed, recompute=cfg.recompute, compile_backend=compile_backend
+        )
         self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
         sharded = any(c is not None for c in (world.tp_comm, world.cp_comm, world.ep_comm))
         model, loss = (
@@ -145,6 +148,7 @@ class _Run:
                 world.ep_comm,
                 cfg.recompute,
                 cfg.sequence_parallel,
+                compile_backend,
             )
             if sharded
             else (full, _)
@@ -152,12 +156,12 @@ class _Run:
         self.engine = build_engine(
             cfg, model, loss, engine, world.mesh, world.rank, world.comm if engine == "dk" else None
         )
-        self.start_step = 0
+        self.start_step = updates = 0
         if resume is not None:
-            self.start_step = checkpoints.load(
+            self.start_step, updates = checkpoints.load(
                 cfg, self.engine, resume, world.shard_name(bool(cfg.zero))
             )
-        self.engine.start(self.start_step)
+        self.engine.start(updates)
         self.is_rank0 = world.rank == 0
         self.detector = StragglerDetector(
             cfg.straggler_threshold, cfg.straggler_min_ms, cfg.straggler_patience

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -55,12 +54,13 @@ def peak_lr(cfg: TrainConfig) -> float:
     return dk_lr.scale_lr(cfg.lr, cfg.global_batch, cfg.lr_base_batch, cfg.lr_scaling)
 
 
-def make_scheduler(cfg: TrainConfig, optimizer: Any, start_step: int):
+def make_scheduler(cfg: TrainConfig, optimizer: Any, updates: int):
+    """The schedule, positioned after ``updates`` applied optimizer steps."""
     if cfg.decay == "cosine":
         return dk_lr.warmup_cosine(
-            optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last_epoch=start_step - 1
+            optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last_epoch=updates - 1
         )
-    return dk_lr.warmup_constant(optimizer, cfg.warmup, last_epoch=start_step - 1)
+    return dk_lr.warmup_constant(optimizer, cfg.warmup, last_epoch=updates - 1)
 
 
 def _replicas(cfg: TrainConfig, mesh: Any, rank: int) -> Tuple[int, Any]:
@@ -99,10 +99,7 @@ def _optimizer_step(
     else:  # skipped on every rank at once when any gradient overflowed
         times.loss_scale, times.skipped = scaled_step(scaler, optimizer)
     optimizer.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():
-        # A skipped first step (fp16 overflow) makes torch warn that the scheduler stepped
-        # before the optimizer: deliberate here, the schedule counts iterations.
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+    if not times.skipped:  # the schedule counts applied updates, as Megatron and DeepSpeed do
         scheduler.step()
     end = time.perf_counter()
     times.add("optimizer", _ms(end - t0))
@@ -196,8 +193,15 @@ class DataParallel:
             ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
         return ddp, opt, lambda last: contextlib.nullcontext() if last else ddp.no_sync()
 
-    def start(self, start_step: int) -> None:
-        self.scheduler = make_scheduler(self.cfg, self.optimizer, start_step)
+    def start(self, updates: int) -> None:
+        """Positions the learning-rate schedule after ``updates`` applied steps (the resumed
+        step less the fp16 steps skipped before it)."""
+        self.scheduler = make_scheduler(self.cfg, self.optimizer, updates)
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps applied so far (fp16's skipped steps do not count)."""
+        return self.scheduler.last_epoch
 
     @property
     def lr(self) -> float:
@@ -349,6 +353,7 @@ class Pipelined:
         )
 
     start = DataParallel.start
+    updates = DataParallel.updates
     lr = DataParallel.lr
 
     def step(self, step: int, sampler: Sampler) -> Tuple[float, StepTimes]:

@@ -12,8 +12,9 @@ shards and pipeline stages hold different gradients; ZeRO ranks different shards
 engines use torch's ``GradScaler``: DDP's replicas hold equal gradients, and FSDP2's DTensor
 gradients have their found-inf flag reduced by DTensor itself.
 
-The learning-rate schedule advances on a skipped step too: steps count iterations, as in
-torch's usual loop and DeepSpeed (Megatron advances it on successful updates only).
+A skipped step does not advance the learning-rate schedule (``engines._optimizer_step``): it
+counts applied updates, as Megatron's (stepped when the update succeeded) and DeepSpeed's
+(stepped when there was no overflow) do.
 """
 
 from __future__ import annotations

@@ -28,13 +28,16 @@ def build_model(
     ep_comm: Any = None,
     recompute: bool = False,
     sequence_parallel: bool = False,
+    compile_backend: Optional[str] = None,
 ) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
     layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel), on
     sequence shards over ``cp_comm`` when given (then the loss is the whole sequences' mean),
     MoE experts sharded over ``ep_comm`` when given (the loss adds the MoE aux losses), every
     block's activations recomputed in backward with ``recompute``, the sequence split over
-    ``tp_comm`` between the tensor-parallel layers with ``sequence_parallel``."""
+    ``tp_comm`` between the tensor-parallel layers with ``sequence_parallel``, every block
+    compiled by ``torch.compile`` with ``compile_backend`` when given (after the sharding,
+    which replaces layers; compiling is lazy, at the first forward)."""
     if cfg.vocab_size < 1:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
@@ -48,6 +51,8 @@ def build_model(
     if ep_comm is not None and ep_comm.world_size > 1:
         gpt.expert_parallel(ep_comm)
     gpt.recompute_blocks(recompute)
+    if compile_backend is not None:
+        gpt.compile_blocks(compile_backend)
     return gpt.as_sequential(), gpt.loss
 
 
