@@ -5,7 +5,7 @@ sequence parallelism), five AdamW steps in float64, every gradient averaged over
 
 import torch
 from mp_pool import run_ranks
-from test_gpt_tp import CONFIG, SEED, max_param_diff
+from test_gpt_tp import CONFIG, LLAMA, SEED, max_param_diff
 
 import dist_kernels as dk
 from dist_kernels import context_parallel as cp
@@ -16,9 +16,9 @@ SEQ = 16  # divisible by 2 x cp: zig-zag chunks of 4 at cp = 2
 PER_REPLICA = 2
 
 
-def _model():
+def _model(**overrides):
     torch.manual_seed(SEED)
-    return GPT(GPTConfig(**{**CONFIG, "block_size": SEQ})).double()
+    return GPT(GPTConfig(**{**CONFIG, "block_size": SEQ, **overrides})).double()
 
 
 def _batches(batch):
@@ -41,15 +41,16 @@ def _train(model, batches, step_fn, grad_comm=None):
     return losses
 
 
-def _rank_gpt_cp(dp, tp, cp_size, sequence_parallel_cases, lose_cp_reduction=False):
+def _rank_gpt_cp(dp, tp, cp_size, sequence_parallel_cases, lose_cp_reduction=False, overrides=None):
     mesh = dk.ProcessMesh(dp=dp, pp=1, tp=tp, cp=cp_size)
     batches = _batches(dp * PER_REPLICA)
-    reference = _model()
+    options = overrides or {}
+    reference = _model(**options)
     ref_losses = _train(reference, batches, reference)
     mine = slice(mesh.dp_rank * PER_REPLICA, (mesh.dp_rank + 1) * PER_REPLICA)
     out = []
     for sp in sequence_parallel_cases:
-        model = _model()
+        model = _model(**options)
         if tp > 1:
             model.parallelize(mesh.tp_comm, sequence_parallel=sp)
         model.context_parallel(mesh.cp_comm)
@@ -62,7 +63,7 @@ def _rank_gpt_cp(dp, tp, cp_size, sequence_parallel_cases, lose_cp_reduction=Fal
 
         losses = _train(model, batches, step, comm)
         diff = max_param_diff(model, reference, mesh.tp_rank)
-        moved = max_param_diff(_model(), reference, 0)
+        moved = max_param_diff(_model(**options), reference, 0)
         out.append((sp, diff, moved, losses, ref_losses))
     mesh.close()
     return out
@@ -90,6 +91,13 @@ def _check(results, dp, lost=False):
 def test_gpt_at_cp2_trains_like_one_process():
     print("seed", SEED)
     _check(run_ranks(2, _rank_gpt_cp, 1, 1, 2, [False], timeout=300), dp=1)
+
+
+def test_llama_style_gpt_at_cp2_trains_like_one_process():
+    """Rotary embeddings on zig-zag shards: each rank turns its queries and keys by their
+    global positions (a rank's shard holds positions 0-3 and 12-15 at cp = 2)."""
+    print("seed", SEED)
+    _check(run_ranks(2, _rank_gpt_cp, 1, 1, 2, [False], False, LLAMA, timeout=300), dp=1)
 
 
 def test_gpt_at_cp2_without_the_cp_reduction_differs():

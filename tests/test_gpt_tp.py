@@ -61,20 +61,26 @@ def max_param_diff(sharded, reference, tp_rank):
     )
 
 
-def _rank_train(tie, drop_norm_styles=False):
+# The Llama-style options (RMSNorm, SwiGLU with its gate column-parallel too, rotary
+# position embedding), untied
+LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
+
+
+def _rank_train(tie, drop_norm_styles=False, overrides=None):
     import torch.distributed as dist
 
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # collective: all ranks, in order
     world = dist.new_group([0, 1, 2, 3])
     runs = [(2, pairs[rank // 2], rank >= 2), (4, world, False), (4, world, True)]
-    reference = _model(tie_embeddings=tie)
+    options = dict(tie_embeddings=tie, **(overrides or {}))
+    reference = _model(**options)
     batches = _batches()
     ref_losses = _train(reference, batches)
     out = []
     for tp_size, group, sp in runs:
         comm = dk.Communicator(group=group, timeout=TIMEOUT)
-        model = _model(tie_embeddings=tie)
+        model = _model(**options)
         plan = model.tp_plan(tp_size, sequence_parallel=sp)
         if drop_norm_styles:  # the bug the test must catch: norm gradients not summed
             plan = {k: v for k, v in plan.items() if not isinstance(v, tp.SequenceParallel)}
@@ -89,10 +95,12 @@ def _rank_train(tie, drop_norm_styles=False):
     return out
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_gpt_tp_trains_like_single_process(tie):
+@pytest.mark.parametrize(
+    "tie,overrides", [(True, None), (False, None), (False, LLAMA)], ids=["tied", "untied", "llama"]
+)
+def test_gpt_tp_trains_like_single_process(tie, overrides):
     print("seed", SEED)
-    results = run_ranks(4, _rank_train, tie, timeout=240)
+    results = run_ranks(4, _rank_train, tie, False, overrides, timeout=240)
     for rank, runs in enumerate(results):
         for tp_size, sp, diff, loss_diff in runs:
             print(

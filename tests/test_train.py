@@ -579,6 +579,37 @@ def test_recompute_trains_as_without_it(reference, layout, world):
     _assert_layout_matches(again, reference, tp=layout.get("tp", 1))
 
 
+# Llama's choices: RMSNorm, SwiGLU, rotary position embedding, no biases (so the key-bias
+# rounding bound of the GPT-2 model does not apply: every parameter is held to the tolerance)
+LLAMA_TINY = dataclasses.replace(
+    TINY, normalization="rmsnorm", swiglu=True, position_embedding="rope", bias=False
+)
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    print(f"seed {SEED}")
+    result = _single(_cfg(global_batch=8, model=LLAMA_TINY))
+    return [rec["loss"] for rec in result.records], result.params, 0.0
+
+
+@pytest.mark.parametrize(
+    "layout,world",
+    [(dict(dp=2), 2), (dict(dp=2, zero=3), 2), (dict(tp=2, sequence_parallel=True), 2),
+     (dict(cp=2), 2), (dict(pp=2, micro_batch=2), 2), (dict(dp=2, tp=2), 4)],
+    ids=["dp2", "dp2-zero3", "tp2-sp", "cp2", "pp2", "dp2xtp2"],
+)  # fmt: skip
+def test_llama_style_model_matches_single_process(llama_reference, layout, world):
+    """--normalization rmsnorm --swiglu --position-embedding-type rope: every layout trains
+    the Llama-style model to the single process's losses and parameters (rotary angles from
+    the global positions under cp; the SwiGLU gate column-parallel beside fc under tp)."""
+    cfg = _cfg(global_batch=8, model=LLAMA_TINY, **layout)
+    ranks = run_ranks(world, _on_ranks, cfg, timeout=240)
+    _assert_layout_matches(ranks, llama_reference, tp=layout.get("tp", 1))
+    assert not any("wpe" in k or k.endswith("bias") for r in ranks for k in r["params"])
+    assert any(k.endswith("mlp.gate.weight") for r in ranks for k in r["params"])
+
+
 COMPILE = dict(compile=True, compile_backend="aot_eager")
 
 
@@ -601,6 +632,24 @@ def test_compile_trains_as_the_single_process(reference, layout, world, engine):
     # every rank compiled its blocks; at pp 2 the one block of TINY is on one stage only
     assert (sum(graphs) > 0) if layout.get("pp", 1) > 1 else all(graphs), graphs
     _assert_layout_matches(ranks, reference, tp=layout.get("tp", 1))
+
+
+def test_llama_style_flags_reach_the_model():
+    from dist_kernels.train.cli import build_parser, config_from_args
+
+    argv = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", "rope",
+            "--rotary-base", "500"]  # fmt: skip
+    model = config_from_args(build_parser().parse_args(argv)).model
+    assert (model.normalization, model.swiglu, model.position_embedding, model.rope_theta) == (
+        "rmsnorm", True, "rope", 500.0
+    )  # fmt: skip
+    default = config_from_args(build_parser().parse_args([])).model
+    assert (default.normalization, default.swiglu, default.position_embedding) == (
+        "layernorm", False, "learned"
+    )  # fmt: skip
+    odd = ["--position-embedding-type", "rope", "--d-model", "36", "--n-head", "4"]
+    with pytest.raises(ValueError, match=r"head size dim\(36\) / n_heads\(4\) = 9 is odd"):
+        config_from_args(build_parser().parse_args(odd))
 
 
 def test_compile_errors():

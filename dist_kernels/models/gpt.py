@@ -14,6 +14,10 @@ parallelism dimension 0 is what is split. The model is three kinds of children, 
     blocks[i]  x -> x + attn(ln_1(x)) -> x + mlp(ln_2(x))
     head       x -> logits [b, s, vocab (/ tp)]  final norm, linear head
 
+Llama's block is three options away: ``GPTConfig(normalization="rmsnorm", swiglu=True,
+position_embedding="rope", bias=False)`` (RMSNorm, SwiGLU MLP, rotary embeddings of queries
+and keys in place of the position table).
+
 The fused ``qkv`` projection orders its output features head by head (``[head][q, k, v][d]``),
 so splitting its rows into ``tp`` contiguous shards gives each rank whole heads.
 
@@ -41,6 +45,10 @@ from .. import tensor_parallel as tp
 __all__ = ["GPTConfig", "GPT"]
 
 
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("learned", "rope")
+
+
 @dataclass
 class GPTConfig:
     """Shape and options of :class:`GPT`; checked when built."""
@@ -64,7 +72,17 @@ class GPTConfig:
     tie_embeddings: bool = True
     """The head reuses the token embedding's weight (not across pipeline stages)."""
     norm_eps: float = 1e-5
-    """LayerNorm epsilon."""
+    """The norms' epsilon."""
+    normalization: str = "layernorm"
+    """``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (Llama; no bias, no mean subtracted)."""
+    swiglu: bool = False
+    """The MLP as Llama's SwiGLU, ``proj(silu(gate(x)) * fc(x))`` (hidden size still
+    ``mlp_ratio * dim``), in place of GPT-2's ``proj(gelu(fc(x)))``."""
+    position_embedding: str = "learned"
+    """``"learned"`` (GPT-2: a table of ``block_size`` rows added to the tokens) or ``"rope"``
+    (rotary embedding of queries and keys, Su et al. 2021, as Llama and Megatron apply it)."""
+    rope_theta: float = 10000.0
+    """The rotary embedding's base: dimension pair ``i`` turns by ``pos / theta^(2i / d)``."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     n_experts: int = 0
@@ -92,6 +110,19 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: dim({self.dim}) % n_heads({self.n_heads}) != 0")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout}")
+        for name, choices in (
+            ("normalization", NORMALIZATIONS),
+            ("position_embedding", POSITION_EMBEDDINGS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"GPTConfig: {name} must be one of {choices}, got {getattr(self, name)!r}"
+                )
+        if self.position_embedding == "rope" and (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"GPTConfig: rope turns pairs of dimensions, but the head size dim({self.dim}) "
+                f"/ n_heads({self.n_heads}) = {self.dim // self.n_heads} is odd"
+            )
         if self.n_experts and (not isinstance(self.moe_every, int) or self.moe_every < 1):
             raise ValueError(f"GPTConfig: moe_every must be a positive int, got {self.moe_every}")
 
@@ -111,6 +142,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
+        self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
@@ -120,6 +152,10 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, heads * 3 * d] (heads of this rank, whole sequence)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, -1, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        if self.rope_theta is not None:  # [b, heads, s, d], turned by the tokens' positions
+            pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
+            cos, sin = rope_tables(pos.to(q.device), self.head_dim, self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
         if self.sequence is not None:
             y = self.sequence.attention(q, k, v, causal=True)
@@ -130,15 +166,50 @@ class CausalSelfAttention(nn.Module):
         return self.drop(self.proj(y))
 
 
+def rope_tables(pos: torch.Tensor, head_dim: int, theta: float):
+    """``(cos, sin)``, each ``[len(pos), head_dim]`` in FP64: position ``p`` turns dimension
+    ``i`` and ``i + head_dim / 2`` together by ``p / theta^(2i / head_dim)`` (the halves
+    layout of Llama's Hugging Face port and Megatron's default)."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [..., s, d]`` turned by the tables of its ``s`` positions, computed in FP32 (FP64
+    for an FP64 ``x``) and returned in ``x``'s dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    half = x.shape[-1] // 2
+    xf = x.to(dtype)
+    turned = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos.to(dtype) + turned * sin.to(dtype)).to(x.dtype)
+
+
 class MLP(nn.Module):
+    """GPT-2's ``proj(gelu(fc(x)))``, or with ``swiglu`` Llama's ``proj(silu(gate(x)) *
+    fc(x))``; ``fc`` and ``gate`` are column-parallel under tp, ``proj`` row-parallel."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim, bias=cfg.bias)
+        hidden = cfg.mlp_ratio * cfg.dim
+        self.fc = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
+        self.gate = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if cfg.swiglu else None
+        self.proj = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        if self.gate is None:
+            return self.drop(self.proj(F.gelu(self.fc(x))))
+        return self.drop(self.proj(F.silu(self.gate(x)) * self.fc(x)))
+
+
+def _norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.normalization == "rmsnorm":
+        if not hasattr(nn, "RMSNorm"):
+            raise ValueError("GPT: normalization='rmsnorm' needs torch >= 2.4 (nn.RMSNorm)")
+        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 def _moe(cfg: GPTConfig) -> moe_lib.MoE:
@@ -161,9 +232,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln_1 = _norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln_2 = _norm(cfg)
         self.mlp = _moe(cfg) if moe else MLP(cfg)
         self.recompute = False  # GPT.recompute_blocks
 
@@ -189,7 +260,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.block_size = cfg.block_size
         self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.dim)
+        learned = cfg.position_embedding == "learned"  # rope: positions turn q and k instead
+        self.wpe = nn.Embedding(cfg.block_size, cfg.dim) if learned else None
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
 
@@ -199,6 +271,8 @@ class Embedding(nn.Module):
         if seq > self.block_size:
             raise ValueError(f"GPT: sequence length {seq} > block_size({self.block_size})")
         x = self.wte(ids.t())
+        if self.wpe is None:
+            return self.drop(x)
         if self.sequence is None:
             pos = self.wpe.weight[:seq]
         else:  # the rows of this shard's global positions
@@ -214,7 +288,7 @@ class Head(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln_f = _norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
 
@@ -354,10 +428,13 @@ class GPT(nn.Module):
             if cfg.is_moe_block(i):
                 continue
             plan[f"blocks.{i}.mlp.fc"] = tp.ColumnParallel(sequence_parallel=sp)
+            if cfg.swiglu:
+                plan[f"blocks.{i}.mlp.gate"] = tp.ColumnParallel(sequence_parallel=sp)
             plan[f"blocks.{i}.mlp.proj"] = tp.RowParallel(sequence_parallel=sp)
         if sp:  # everything between the pairs runs on sequence shards
+            if cfg.position_embedding == "learned":
+                plan["embedding.wpe"] = tp.SequenceParallel()
             for pattern in (
-                "embedding.wpe",
                 "embedding.drop",
                 "blocks.*.ln_?",
                 "blocks.*.*.drop",

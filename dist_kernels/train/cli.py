@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
 from ..pipeline.schedules import SCHEDULES
 from .config import ConfigError, TrainConfig
 
@@ -119,6 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("--n-head", type=int, default=m.n_heads, help="attention heads per block")
     add("--d-model", type=int, default=m.dim, help="width of the residual stream")
     add("--seq-len", type=int, default=m.block_size, help="characters per sample")
+    add(
+        "--normalization",
+        default=m.normalization,
+        choices=NORMALIZATIONS,
+        help="the blocks' and the head's norm (rmsnorm: Llama's)",
+    )
+    add("--swiglu", action="store_true", help="Llama's SwiGLU MLP in place of GPT-2's GELU MLP")
+    add(
+        "--position-embedding-type",
+        default=m.position_embedding,
+        choices=POSITION_EMBEDDINGS,
+        help="a learned position table (GPT-2) or rotary embeddings of queries and keys",
+    )
+    add("--rotary-base", type=float, default=m.rope_theta, help="rope: the angles' base theta")
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     add("--resume", default=None, help="'auto' (newest complete checkpoint) or a step directory")
@@ -167,6 +182,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         n_experts=args.experts,
         top_k=args.top_k,
         moe_every=args.moe_every,
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        position_embedding=args.position_embedding_type,
+        rope_theta=args.rotary_base,
     )
     return TrainConfig(
         dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
