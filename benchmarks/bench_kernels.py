@@ -1,7 +1,7 @@
 """Element-wise kernel benchmark: dist_kernels.ops against torch, in GB/s, as a table.
 
     python benchmarks/bench_kernels.py [--device cpu|cuda] [--sizes 4MiB 64MiB] [--repeats 20]
-                                       [--torch-threads N]
+                                       [--torch-threads N] [--sections reduce cast adamw ...]
 
 GB/s counts the bytes a kernel must move at least: every input read once plus the output
 written once (``dst += src``: 3 buffers; an FP32 -> BF16 cast of n elements: 4n + 2n bytes),
@@ -165,8 +165,56 @@ def _copy_case(size: int, device: str, repeats: int) -> Row:
     return Row("copy", "device copy_", size, 2 * size, seconds, "-", None)
 
 
+# AdamW: an element's step reads the parameter, gradient and both moments and writes back
+# the parameter and moments (FP32 throughout)
+ADAMW_BYTES_PER_ELEMENT = 4 * 4 + 3 * 4
+ADAMW_TENSORS = (1, 100)
+
+
+def adamw_rows(device: str, sizes: Sequence[int], repeats: int) -> Iterator[Row]:
+    """One AdamW step (``size`` bytes of FP32 parameters in 1 and 100 tensors): FusedAdamW
+    against torch.optim.AdamW's three implementations (``fused=True``, ``foreach=True``, the
+    per-tensor loop), the fastest named. Checked first: one step of each from the same state
+    agrees with ours to FP32 rounding (the update is not bitwise: orders differ)."""
+    for size in sizes:
+        for count in ADAMW_TENSORS:
+            yield _adamw_case(size, count, device, repeats)
+
+
+def _adamw_case(size: int, count: int, device: str, repeats: int) -> Row:
+    from dist_kernels.optim import FusedAdamW
+
+    numel = size // 4
+    gen = torch.Generator().manual_seed(0)
+    shapes = [len(part) for part in torch.arange(numel).tensor_split(count)]
+    start = [torch.randn(n, generator=gen).to(device) for n in shapes]
+    grads = [torch.randn(n, generator=gen).to(device) for n in shapes]
+
+    def make(cls, **kwargs):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        for p, g in zip(params, grads):
+            p.grad = g
+        return params, cls(params, lr=1e-3, weight_decay=0.01, **kwargs)
+
+    ours_params, ours = make(FusedAdamW)
+    ours.step()
+    baselines = {}
+    for name, kwargs in (("AdamW(fused=True)", {"fused": True}),
+                         ("AdamW(foreach=True)", {"foreach": True}),
+                         ("AdamW(foreach=False)", {"foreach": False})):  # fmt: skip
+        params, opt = make(torch.optim.AdamW, **kwargs)
+        opt.step()
+        error = max(((a - b).abs().max() / b.abs().max()).item()
+                    for a, b in zip(ours_params, params))  # fmt: skip
+        _check(error < 1e-5, f"adamw: {name} differs from FusedAdamW by {error:.1e}")
+        baselines[name] = opt.step
+    name, seconds, ours_s = _fastest_baseline(ours.step, baselines, device, repeats)
+    moved = numel * ADAMW_BYTES_PER_ELEMENT
+    return Row("adamw", f"step, {count} tensors", size, moved, ours_s, name, seconds)
+
+
 #: bucket_rows: the fused bucket kernels (pack / unpack / unscale), from bench_bucket.py.
-SECTIONS: List[Section] = [copy_rows, reduce_rows, cast_rows, bucket_rows]
+SECTIONS: List[Section] = [copy_rows, reduce_rows, cast_rows, bucket_rows, adamw_rows]
 
 
 #: Columns and their widths: fixed, so each row can be printed as soon as it is measured.
@@ -209,6 +257,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[4 << 20, 64 << 20])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median)")
+    names = {section.__name__.removesuffix("_rows"): section for section in SECTIONS}
+    parser.add_argument(
+        "--sections", nargs="+", choices=list(names), default=list(names), help="what to run"
+    )
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -224,7 +276,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"device {args.device}, CPU kernel build {ops.cpu_isa()}{threads}")
     print("GB/s = (bytes read + bytes written, each buffer once) / median time\n")
     print(format_header(), flush=True)
-    for row in run_sections(SECTIONS, args.device, args.sizes, args.repeats):
+    sections = [names[name] for name in args.sections]
+    for row in run_sections(sections, args.device, args.sizes, args.repeats):
         print(format_row(row), flush=True)
 
 

@@ -142,6 +142,57 @@ def test_16bit_params_round_every_step(dtype):
         assert ((p.double() - r).abs() <= ulp * r.abs().clamp_min(1e-3)).all()
 
 
+# Sizes around every vector width (4, 8, 16 floats) and their tails, and one large enough that
+# a forced split cuts it inside a tensor
+ISA_SHAPES = [(1,), (3,), (4,), (15,), (16,), (17,), (33, 5), (8, 8), (4099,)]
+ISA_CASES = [
+    (torch.float32, {}),
+    (torch.float32, {"amsgrad": True, "weight_decay": 0.05, "maximize": True}),
+    (torch.bfloat16, {"master_weights": True, "weight_decay": 0.1}),
+    (torch.float16, {}),
+]
+
+
+def _isa_run(dtype, kwargs, isa, split):
+    """Parameters and moments after 5 steps with the CPU kernel of ``isa``, the elements cut
+    into threads' slices (every call split) or not (none)."""
+    from dist_kernels import _C, ops
+
+    previous_isa = ops.cpu_isa()
+    previous_min = _C.kernels_set_cpu_parallel_min_bytes(0 if split else 1 << 62)
+    ops.set_cpu_isa(isa)
+    try:
+        params = _params(ISA_SHAPES, dtype)
+        opt = _run(FusedAdamW, params, steps=5, lr=1e-2, **kwargs)
+    finally:
+        ops.set_cpu_isa(previous_isa)
+        _C.kernels_set_cpu_parallel_min_bytes(previous_min)
+    return params + [t for p in params for _, t in sorted(opt.state[p].items()) if t.dim()]
+
+
+@pytest.mark.parametrize("dtype,kwargs", ISA_CASES, ids=[f"{d}-{k}" for d, k in ISA_CASES])
+def test_every_instruction_set_and_thread_split_gives_the_same_bits(dtype, kwargs):
+    """The SSE, AVX2 and AVX-512 loops, one thread or the elements split over threads
+    (slices cutting tensors anywhere): bitwise the same parameters. Replicas of a DDP run
+    update their parameters on their own, so a bit that depended on the CPU would split them
+    on a cluster of mixed machines (the ISA builds are compiled without FMA contraction)."""
+    from dist_kernels import ops
+
+    print(f"seed {SEED}; instruction sets here: {ops.supported_cpu_isas()}")
+    want = _isa_run(dtype, kwargs, "baseline", split=False)
+    # the reference is right, not only self-consistent: fp32 against torch's AdamW
+    if dtype == torch.float32 and not kwargs:
+        ref = _params(ISA_SHAPES)
+        _run(torch.optim.AdamW, ref, steps=5, lr=1e-2)
+        assert _max_rel(want[: len(ref)], ref) < 1e-5
+    for isa in ops.supported_cpu_isas():
+        for split in (False, True):
+            got = _isa_run(dtype, kwargs, isa, split)
+            assert len(got) == len(want) > len(ISA_SHAPES)  # parameters, then the moments
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (isa, split, a.shape)
+
+
 def test_state_dict_round_trips_with_torch():
     """torch AdamW -> FusedAdamW -> torch AdamW: continuing gives the uninterrupted result."""
     ref, ours = _params(SHAPES), _params(SHAPES)

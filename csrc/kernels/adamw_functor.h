@@ -28,6 +28,18 @@ typedef float Vec4 __attribute__((vector_size(16)));
 inline Vec4 sqrtOf(Vec4 v) { return _mm_sqrt_ps(v); }
 #endif
 
+// The wider vectors of the AVX2 and AVX-512 builds (adamw_cpu_avx2.cc / _avx512.cc, compiled
+// with -mavx2 / -mavx512f); declared before adamwUpdate so that its sqrtOf(V) finds them. Their
+// square roots round correctly too, so every width computes the same bits.
+#if !defined(__CUDACC__) && defined(__AVX2__)
+typedef float Vec8 __attribute__((vector_size(32)));
+inline Vec8 sqrtOf(Vec8 v) { return _mm256_sqrt_ps(v); }
+#endif
+#if !defined(__CUDACC__) && defined(__AVX512F__)
+typedef float Vec16 __attribute__((vector_size(64)));
+inline Vec16 sqrtOf(Vec16 v) { return _mm512_sqrt_ps(v); }
+#endif
+
 DK_HOST_DEVICE DK_INLINE float sqrtOf(float v) { return sqrtf(v); }
 
 // Hyper-parameters of one step, identical for every element. Scalars that torch computes in
