@@ -29,6 +29,7 @@ from mp_pool import run_ranks  # noqa: E402
 from test_gpt_tp import shard_of  # noqa: E402
 
 from dist_kernels.models import GPTConfig  # noqa: E402
+from dist_kernels.optim import FusedAdamW  # noqa: E402
 from dist_kernels.train import (  # noqa: E402
     ConfigError,
     TrainConfig,
@@ -103,12 +104,25 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
         built.append(model)
         return model, loss
 
+    fused_steps = [0]  # calls of a fused AdamW kernel: ours or torch's (--optimizer fused-adamw)
+    real_kernel, real_torch_fused = FusedAdamW._run_kernel, torch._fused_adamw_
+
+    def counting_kernel(*args, **kwargs):
+        fused_steps[0] += 1
+        return real_kernel(*args, **kwargs)
+
+    def counting_torch_fused(*args, **kwargs):
+        fused_steps[0] += 1
+        return real_torch_fused(*args, **kwargs)
+
     peak = mock.patch.object(driver, "matmul_peak_flops", lambda **_: (rank + 1) * PEAK_FLOPS)
     build = mock.patch.object(driver, "build_model", recording_build)
+    kernel = mock.patch.object(FusedAdamW, "_run_kernel", counting_kernel)
+    torch_fused = mock.patch.object(torch, "_fused_adamw_", counting_torch_fused)
     if cfg.compile:
         torch._dynamo.reset()  # this worker's earlier compiles neither serve nor count
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    with mock.patch.object(data.Sampler, "batch", counting_batch), peak, build:
+    with mock.patch.object(data.Sampler, "batch", counting_batch), peak, build, kernel, torch_fused:
         start = time.perf_counter()
         r = train(cfg.with_layout(dist.get_world_size()), engine)
         wall_s = time.perf_counter() - start
@@ -125,6 +139,7 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
         "sequence_parallel": any(
             getattr(m, "sequence_parallel", False) for m in built[-1].modules()
         ),
+        "fused_steps": fused_steps[0],
         # graphs dynamo compiled during the run (0 unless something was torch.compiled)
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
     }
@@ -652,6 +667,29 @@ def test_llama_style_flags_reach_the_model():
         config_from_args(build_parser().parse_args(odd))
 
 
+@pytest.mark.parametrize(
+    "layout,world,engine",
+    [(dict(dp=2), 2, "dk"), (dict(dp=2), 2, "torch"), (dict(dp=2, zero=2), 2, "dk"),
+     (dict(dp=2, zero=2), 2, "torch"), (dict(dp=2, zero=3), 2, "dk"),
+     (dict(pp=2, micro_batch=2), 2, "dk"), (dict(dp=2, pp=2, zero=1, micro_batch=2), 4, "dk")],
+    ids=["dp2", "dp2-torch-ddp", "dp2-zero2", "dp2-fsdp2", "dp2-zero3", "pp2", "dp2xpp2-zero1"],
+)  # fmt: skip
+def test_fused_adamw_trains_as_the_single_process(reference, layout, world, engine):
+    """--optimizer fused-adamw: our engines step with dk.optim.FusedAdamW (ZeRO: on each
+    shard), torch's with AdamW(fused=True) (FSDP2: on DTensors); a fused kernel ran on every
+    rank every step, and the run ends at the single process's losses and parameters (which
+    torch's per-tensor AdamW trained)."""
+    cfg = _cfg(global_batch=8, optimizer="fused-adamw", **layout)
+    ranks = run_ranks(world, _on_ranks, cfg, engine, timeout=240)
+    assert all(r["fused_steps"] >= cfg.steps for r in ranks), [r["fused_steps"] for r in ranks]
+    if engine == "dk":  # FSDP2's parameters are DTensors: checked by the losses
+        _assert_layout_matches(ranks, reference)
+    else:
+        torch.testing.assert_close(ranks[0]["losses"], reference[0], rtol=1e-5, atol=0)
+    plain = run_ranks(world, _on_ranks, _cfg(global_batch=8, **layout), engine, timeout=240)
+    assert all(r["fused_steps"] == 0 for r in plain)  # the default is torch's unfused AdamW
+
+
 def test_compile_errors():
     with pytest.raises(ConfigError, match=r"compile with schedule='zb-h1': the schedule splits"):
         TrainConfig(pp=2, grad_accum=4, schedule="zb-h1", compile=True).with_layout(2)
@@ -709,14 +747,16 @@ def test_every_option_a_user_sets_has_a_flag():
         "--straggler-patience", "3", "--straggler-threshold", "0.2", "--dtype", "fp16",
         "--initial-loss-scale", "1024", "--loss-scale-window", "100", "--hysteresis", "2",
         "--min-loss-scale", "2", "--clip-grad", "1.0", "--recompute", "--sequence-parallel",
-        "--compile", "--compile-backend", "aot_eager",
+        "--compile", "--compile-backend", "aot_eager", "--optimizer", "fused-adamw",
+        "--adam-beta1", "0.8", "--adam-beta2", "0.99", "--adam-eps", "1e-6",
     ]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
                 straggler_threshold=0.2, dtype="fp16", initial_loss_scale=1024.0,
                 loss_scale_window=100, hysteresis=2, min_loss_scale=2.0, clip_grad=1.0,
                 recompute=True, sequence_parallel=True, compile=True,
-                compile_backend="aot_eager")  # fmt: skip
+                compile_backend="aot_eager", optimizer="fused-adamw", adam_beta1=0.8,
+                adam_beta2=0.99, adam_eps=1e-6)  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     default = config_from_args(build_parser().parse_args([]))
     assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something
@@ -730,6 +770,12 @@ def test_every_option_a_user_sets_has_a_flag():
         TrainConfig(weight_decay=-0.1).check()
     with pytest.raises(ConfigError, match=r"min_lr_ratio must lie in \[0, 1\], got 2.0"):
         TrainConfig(min_lr_ratio=2.0).check()
+    with pytest.raises(ConfigError, match=r"optimizer must be one of \['adamw', 'fused-adamw'\]"):
+        TrainConfig(optimizer="lamb").check()
+    with pytest.raises(ConfigError, match=r"adam_beta2 must lie in \[0, 1\), got 1.0"):
+        TrainConfig(adam_beta2=1.0).check()
+    with pytest.raises(ConfigError, match=r"adam_eps must be > 0, got 0.0"):
+        TrainConfig(adam_eps=0.0).check()
 
 
 def test_sequence_parallel_errors():

@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
 from ..pipeline.schedules import SCHEDULES
-from .config import ConfigError, TrainConfig
+from .config import OPTIMIZERS, ConfigError, TrainConfig
 
 _STRATEGY_HELP = "0 = DDP; 1 / 2 / 3 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
 
@@ -92,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--decay", default=d.decay, choices=("cosine", "constant"))
     field("--min-lr-ratio", float, "the cosine decay's final rate, a fraction of the peak")
     field("--weight-decay", float, "AdamW weight decay")
+    add(
+        "--optimizer",
+        default=d.optimizer,
+        choices=OPTIMIZERS,
+        help="fused-adamw: each engine's fused AdamW kernel (ours: dk.optim.FusedAdamW)",
+    )
+    field("--adam-beta1", float, "AdamW's first-moment coefficient")
+    field("--adam-beta2", float, "AdamW's second-moment coefficient")
+    field("--adam-eps", float, "AdamW's epsilon")
     add(
         "--sequence-parallel",
         action="store_true",
@@ -207,7 +216,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         simulate_straggler=args.simulate_straggler,
         straggler_threshold=args.straggler_threshold, straggler_min_ms=args.straggler_min_ms,
         straggler_patience=args.straggler_patience, min_lr_ratio=args.min_lr_ratio,
-        weight_decay=args.weight_decay, eval_interval=args.eval_interval,
+        weight_decay=args.weight_decay, optimizer=args.optimizer, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, valid_fraction=args.valid_fraction,
         reference_tokens_per_s=args.reference_tokens_per_s,
         kill_after_checkpoint=args.kill_after_checkpoint, progress=not args.no_progress,

@@ -19,6 +19,7 @@ from ..models import GPTConfig
 from ..pipeline.schedules import SCHEDULES, build_schedule
 
 Dtype = Literal["fp32", "bf16", "fp16"]
+OPTIMIZERS = ("adamw", "fused-adamw")
 Engine = Literal["dk", "torch", "both"]
 LrScaling = Literal["none", "linear", "sqrt"]
 Decay = Literal["cosine", "constant"]
@@ -104,6 +105,18 @@ class TrainConfig:
     """Final rate of the cosine decay, as a fraction of the peak."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    optimizer: str = "adamw"
+    """``adamw``: ``torch.optim.AdamW`` as torch picks its implementation (a per-tensor loop on
+    CPU, ``foreach`` on CUDA); ``fused-adamw``: each engine's fused kernel, our
+    ``dk.optim.FusedAdamW`` for our engines and ``torch.optim.AdamW(fused=True)`` for torch's
+    (Megatron and DeepSpeed train with a fused Adam: apex's, Transformer Engine's, theirs)."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment coefficient (Megatron's ``--adam-beta1``)."""
+    adam_beta2: float = 0.95
+    """AdamW's second-moment coefficient (``--adam-beta2``; 0.95 as GPT-3 and Megatron's GPT
+    recipes, torch's default is 0.999)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (``--adam-eps``)."""
     sequence_parallel: bool = False
     """With tp > 1: Megatron's sequence parallelism (``GPT.parallelize(tp_comm,
     sequence_parallel=True)``): the norms, residuals and dropout between the tensor-parallel
@@ -234,6 +247,12 @@ class TrainConfig:
         _at_least("eval_iters", self.eval_iters, 1)
         if not 0 < self.valid_fraction < 1:
             raise ConfigError(f"valid_fraction must lie in (0, 1), got {self.valid_fraction}")
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
+        if not self.adam_eps > 0:
+            raise ConfigError(f"adam_eps must be > 0, got {self.adam_eps}")
         if not self.weight_decay >= 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.min_lr_ratio <= 1:

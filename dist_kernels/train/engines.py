@@ -74,8 +74,23 @@ def _replicas(cfg: TrainConfig, mesh: Any, rank: int) -> Tuple[int, Any]:
     return mesh.dp_cp_rank, None
 
 
-def _adamw_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
-    return {"lr": peak_lr(cfg), "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
+def _adamw(cfg: TrainConfig, engine: str) -> Tuple[type, Dict[str, Any]]:
+    """The optimizer class and its arguments. ``--optimizer fused-adamw`` is each engine's
+    fused kernel: ``dk.optim.FusedAdamW`` for ours, ``torch.optim.AdamW(fused=True)`` for
+    torch's; ``adamw`` is ``torch.optim.AdamW`` as torch chooses (its per-tensor loop on CPU)."""
+    kwargs = {
+        "lr": peak_lr(cfg),
+        "betas": (cfg.adam_beta1, cfg.adam_beta2),
+        "eps": cfg.adam_eps,
+        "weight_decay": cfg.weight_decay,
+    }
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW, kwargs
+    if engine == "torch":
+        return torch.optim.AdamW, {**kwargs, "fused": True}
+    from ..optim import FusedAdamW
+
+    return FusedAdamW, kwargs
 
 
 def _optimizer_step(
@@ -158,13 +173,13 @@ class DataParallel:
         cfg, model, engine, dp_comm, world, expert_comm=None, mesh=None
     ) -> Tuple[Callable, Any, Callable[[bool], Any]]:
         """(forward callable, optimizer, no_sync(last micro-batch?) context factory)."""
-        kwargs = _adamw_kwargs(cfg)
+        optimizer, kwargs = _adamw(cfg, engine)
         if engine == "dk" and cfg.zero:
             from ..zero import ShardedOptimizer
 
             opt = ShardedOptimizer(
                 model.parameters(),
-                torch.optim.AdamW,
+                optimizer,
                 dp_comm,
                 stage=cfg.zero,
                 bucket_cap_mb=cfg.bucket_cap_mb,
@@ -175,8 +190,8 @@ class DataParallel:
             )
             return model, opt, lambda last: contextlib.nullcontext() if last else opt.no_sync()
         if engine == "torch" and cfg.zero and world > 1:
-            return _fsdp2(model, kwargs)
-        opt = torch.optim.AdamW(model.parameters(), **kwargs)
+            return _fsdp2(model, optimizer, kwargs)
+        opt = optimizer(model.parameters(), **kwargs)
         if world == 1:
             return model, opt, lambda last: contextlib.nullcontext()
         if engine == "dk":
@@ -280,14 +295,14 @@ def _model_parallel_comms(mesh: Any) -> Dict[str, Any]:
     return {f"{k}_comm": getattr(mesh, f"{k}_comm") for k in ("tp", "pp") if getattr(mesh, k) > 1}
 
 
-def _fsdp2(model: nn.Sequential, kwargs: Dict[str, Any]):
+def _fsdp2(model: nn.Sequential, optimizer: type, kwargs: Dict[str, Any]):
     """torch FSDP2 over the default (gloo) group: every child sharded, then the root."""
     from torch.distributed.fsdp import fully_shard
 
     for child in model:
         fully_shard(child)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), **kwargs)
+    opt = optimizer(model.parameters(), **kwargs)
 
     @contextlib.contextmanager
     def sync(last: bool):
@@ -337,19 +352,20 @@ class Pipelined:
 
     def _optimizer(self, cfg: TrainConfig, mesh: Any) -> Any:
         """AdamW over this rank's stages; with ``--zero 1`` sharded over dp x cp."""
+        optimizer, kwargs = _adamw(cfg, "dk")
         if not cfg.zero:
-            return torch.optim.AdamW(self.pipe.parameters(), **_adamw_kwargs(cfg))
+            return optimizer(self.pipe.parameters(), **kwargs)
         from ..zero import ShardedOptimizer
 
         return ShardedOptimizer(
             self.pipe.parameters(),
-            torch.optim.AdamW,
+            optimizer,
             mesh.dp_cp_comm,
             expert_comm=self.expert_comm,
             stage=cfg.zero,
             bucket_cap_mb=cfg.bucket_cap_mb,
             **_model_parallel_comms(mesh),
-            **_adamw_kwargs(cfg),
+            **kwargs,
         )
 
     start = DataParallel.start
