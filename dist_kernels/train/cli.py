@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     add("--resume", default=None, help="'auto' (newest complete checkpoint) or a step directory")
+    add(
+        "--init-from",
+        default=None,
+        metavar="FILE",
+        help="start from the weights of python -m dist_kernels.train.export (any layout)",
+    )
     add("--log-every", type=int, default=d.log_every, help="steps per logging interval")
     field("--eval-interval", int, "steps between validation losses on held-out text (0: none)")
     field("--eval-iters", int, "global batches per validation")
@@ -211,7 +217,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         compile_backend=args.compile_backend,
         sequence_parallel=args.sequence_parallel,
         data=args.data, model=model, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, init_from=args.init_from,
+        log_every=args.log_every,
         json=args.json, plot=args.plot, engine=args.engine,
         simulate_straggler=args.simulate_straggler,
         straggler_threshold=args.straggler_threshold, straggler_min_ms=args.straggler_min_ms,
@@ -242,6 +249,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
     model = model_config(cfg, corpus)
     data_fp = samplers(cfg, corpus)[2]  # the samplers' checks too (a held-out span too small)
     resolve_resume(cfg, identity(cfg, describe(model), data_fp))
+    if cfg.init_from is not None:
+        from .export import load_exported
+
+        load_exported(cfg.init_from, model)  # a file of another model fails here
     if cfg.plot is not None:
         try:
             import matplotlib  # noqa: F401

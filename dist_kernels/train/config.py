@@ -149,6 +149,11 @@ class TrainConfig:
     """Directory of checkpoints (``step-<N>/`` each); None = no checkpoints."""
     checkpoint_every: int = 0
     """Steps between checkpoints (0 = only at the end, when ``checkpoint_dir`` is set)."""
+    init_from: Optional[str] = None
+    """A file of ``python -m dist_kernels.train.export``: the model starts from its weights
+    (checked to be this model) in place of the seed's initialisation, at any layout; the
+    optimizer, the schedule and the data start afresh (Megatron's ``--finetune``). A run that
+    resumes a checkpoint of its own ignores it."""
     resume: Optional[str] = None
     """``auto``: the newest complete checkpoint in ``checkpoint_dir`` (if any); or a path."""
     eval_interval: int = 0

@@ -134,8 +134,17 @@ class _Run:
         self.ident = checkpoints.identity(cfg, describe(cfg.model), data_fp)
         resume = checkpoints.resolve_resume(cfg, self.ident)
         compile_backend = cfg.compile_backend if cfg.compile else None
+        init_state = None
+        if cfg.init_from is not None and resume is None:  # a resumed run has its own weights
+            from .export import load_exported  # (late: `python -m ...export` imports it first)
+
+            init_state = load_exported(cfg.init_from, cfg.model)
         full, _ = build_model(
-            cfg.model, cfg.seed, recompute=cfg.recompute, compile_backend=compile_backend
+            cfg.model,
+            cfg.seed,
+            recompute=cfg.recompute,
+            compile_backend=compile_backend,
+            init_state=init_state,
         )
         self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
         sharded = any(c is not None for c in (world.tp_comm, world.cp_comm, world.ep_comm))
@@ -149,6 +158,7 @@ class _Run:
                 cfg.recompute,
                 cfg.sequence_parallel,
                 compile_backend,
+                init_state,
             )
             if sharded
             else (full, _)

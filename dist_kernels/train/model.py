@@ -29,6 +29,7 @@ def build_model(
     recompute: bool = False,
     sequence_parallel: bool = False,
     compile_backend: Optional[str] = None,
+    init_state: Optional[Dict[str, torch.Tensor]] = None,
 ) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
     layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel), on
@@ -37,12 +38,16 @@ def build_model(
     block's activations recomputed in backward with ``recompute``, the sequence split over
     ``tp_comm`` between the tensor-parallel layers with ``sequence_parallel``, every block
     compiled by ``torch.compile`` with ``compile_backend`` when given (after the sharding,
-    which replaces layers; compiling is lazy, at the first forward)."""
+    which replaces layers; compiling is lazy, at the first forward). ``init_state`` (the
+    whole model's weights under GPT's names: ``export.load_exported``) replaces the seed's
+    initialisation before any sharding, so every layout slices the same weights."""
     if cfg.vocab_size < 1:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         gpt = GPT(cfg)
+    if init_state is not None:
+        gpt.load_state_dict(init_state)
     if tp_comm is not None and tp_comm.world_size > 1:
         # slices the unsharded initialisation: the same model as tp=1
         gpt.parallelize(tp_comm, sequence_parallel=sequence_parallel)

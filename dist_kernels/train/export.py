@@ -1,0 +1,213 @@
+"""One file of unsharded weights from a training checkpoint, whatever its layout:
+
+    python -m dist_kernels.train.export ckpt/step-00000100 model.pt
+    python -m dist_kernels.train ... --init-from model.pt    # any layout, any world size
+
+A checkpoint of the driver (``checkpoints.py``) is one directory per pipeline stage, tensor
+shard and (without ZeRO) ep rank, each holding its part of the model under the model's own
+layer names; ZeRO's directories hold every data-parallel shard, which ``dk.checkpoint`` puts
+together. Exporting reads every directory on one process, takes MoE experts from the ep ranks
+that held them (``dk.moe.checkpoint``, global ids), joins the tensor-parallel shards along the
+dimension they were split (the one where a shard's shape differs from the whole model's,
+shards in tp-rank order; a weight every tp rank holds whole must be equal on all of them),
+and writes ``{"format", "config", "step", "model"}``: the state dict of
+``dist_kernels.models.GPT(GPTConfig(**config))`` under the GPT's names, ready for
+``GPT.load_state_dict`` or for ``--init-from`` (Megatron's checkpoint converter and
+torchtitan's DCP consolidation do this job for theirs). The optimizer state is not exported: a
+run started from the file begins a new optimizer, as Megatron's ``--finetune`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from .. import checkpoint as dk_checkpoint
+from ..models import GPT, GPTConfig
+from ..moe import checkpoint as moe_checkpoint
+from .checkpoints import COMPLETE
+from .config import ConfigError
+
+FORMAT = "dist_kernels.models.GPT"
+_SHARD = re.compile(r"^stage-(\d+)(?:-tp-(\d+))?(?:-ep-(\d+))?$")
+
+__all__ = ["FORMAT", "consolidate", "export", "load_exported"]
+
+
+def _config(record: Dict[str, Any], path: str) -> GPTConfig:
+    desc = dict(record["identity"]["model"])
+    if desc.pop("kind", None) != FORMAT:
+        raise ConfigError(f"export: {path} holds no {FORMAT} (its model is {desc})")
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in desc.items() if k in known})
+
+
+def _shard_dirs(path: str) -> Dict[Tuple[int, int, int], str]:
+    """``(stage, tp rank, ep rank) -> directory`` of a step directory."""
+    found = {}
+    for name in sorted(os.listdir(path)):
+        match = _SHARD.match(name)
+        if match and os.path.isdir(os.path.join(path, name)):
+            stage, tp, ep = (int(g) if g is not None else 0 for g in match.groups())
+            found[(stage, tp, ep)] = os.path.join(path, name)
+    if not found:
+        raise ConfigError(f"export: {path} has no stage-* directories")
+    return found
+
+
+def _per_tp_rank(
+    path: str, sequential: torch.nn.Module, identity: Dict[str, Any]
+) -> List[Dict[str, torch.Tensor]]:
+    """For each tp rank, the whole model's state as that rank holds it (every stage, every
+    expert), under the nn.Sequential's names."""
+    dirs = _shard_dirs(path)
+    tp, pp = int(identity["tp"]), int(identity["pp"])
+    ep = 1 if identity.get("sharded") else int(identity.get("ep", 1))
+    stages = sorted({s for s, _, _ in dirs})
+    if len(stages) != pp or {t for _, t, _ in dirs} != set(range(tp)):
+        raise ConfigError(
+            f"export: {path} has stages {stages} and tp ranks "
+            f"{sorted({t for _, t, _ in dirs})}; its record says pp({pp}), tp({tp})"
+        )
+    cache: Dict[str, Dict[str, torch.Tensor]] = {}
+    known = set(sequential.state_dict())
+
+    def read(key: Tuple[int, int, int]) -> Dict[str, torch.Tensor]:
+        if key not in dirs:
+            raise ConfigError(f"export: {path} lacks stage {key[0]}, tp rank {key[1]}, ep {key[2]}")
+        if dirs[key] not in cache:
+            state = dk_checkpoint.read_model(dirs[key])[0]
+            cache[dirs[key]] = {_model_key(k, known): v for k, v in state.items()}
+        return cache[dirs[key]]
+
+    ranks = []
+    for t in range(tp):
+
+        def ep_rank_state(e: int, t: int = t) -> Dict[str, torch.Tensor]:
+            merged: Dict[str, torch.Tensor] = {}
+            for s in stages:
+                merged.update(read((s, t, e)))
+            return merged
+
+        ranks.append(moe_checkpoint.reshard_state(sequential, ep, ep_rank_state))
+    return ranks
+
+
+def _model_key(key: str, known: Set[str]) -> str:
+    """A saved key under the model's names: a rank holding several stages (interleaved 1F1B,
+    ZB-V, DualPipeV) saved an nn.ModuleList of them, whose index leads each key
+    ("1.3.lm_head.weight"); each stage keeps the model's layer names after it."""
+    if key in known:
+        return key
+    tail = key.split(".", 1)[-1]
+    return tail if tail in known else key
+
+
+def _join(name: str, shards: Sequence[torch.Tensor], whole: torch.Size) -> torch.Tensor:
+    """The tensor-parallel shards of one tensor, joined where they were split."""
+    first = shards[0]
+    if first.shape == whole:  # held whole by every tp rank: they must agree
+        for t, other in enumerate(shards[1:], 1):
+            if not torch.equal(other, first):
+                raise ConfigError(
+                    f"export: {name} is held whole by every tp rank but tp rank {t}'s copy "
+                    "differs from tp rank 0's"
+                )
+        return first
+    split = [d for d, (a, b) in enumerate(zip(first.shape, whole)) if a != b]
+    joined = torch.cat(list(shards), dim=split[0]) if len(split) == 1 else None
+    if joined is None or joined.shape != whole:
+        raise ConfigError(
+            f"export: {name}: {len(shards)} tp shards of shape {tuple(first.shape)} do not "
+            f"make the model's {tuple(whole)}"
+        )
+    return joined
+
+
+def _gpt_names(config: GPTConfig) -> Dict[str, str]:
+    """nn.Sequential name -> GPT name ("0.wte.weight" -> "embedding.wte.weight")."""
+    with torch.random.fork_rng(devices=[]):
+        gpt = GPT(config)
+    module_names = {id(m): n for n, m in gpt.named_modules()}
+    out = {}
+    for index, child in enumerate(gpt.as_sequential()):
+        for key in child.state_dict():
+            out[f"{index}.{key}"] = f"{module_names[id(child)]}.{key}"
+    return out
+
+
+def consolidate(path: str) -> Tuple[GPTConfig, int, Dict[str, torch.Tensor]]:
+    """``(config, step, state dict under GPT's names)`` of a complete step directory."""
+    record_path = os.path.join(path, COMPLETE)
+    try:
+        with open(record_path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"export: {record_path} is not a complete checkpoint: {e}") from None
+    config = _config(record, path)
+    with torch.random.fork_rng(devices=[]):
+        sequential = GPT(config).as_sequential()
+    whole = {k: v.shape for k, v in sequential.state_dict().items()}
+    ranks = _per_tp_rank(path, sequential, record["identity"])
+    names = _gpt_names(config)
+    state = {names[k]: _join(k, [r[k] for r in ranks], shape) for k, shape in whole.items()}
+    return config, int(record["step"]), state
+
+
+def export(path: str, out: str) -> Dict[str, Any]:
+    """Writes :func:`consolidate`'s result to ``out`` (atomically); returns what it wrote."""
+    config, step, state = consolidate(path)
+    payload = {"format": FORMAT, "config": dataclasses.asdict(config), "step": step}
+    payload["model"] = state
+    tmp = f"{out}.tmp{os.getpid()}"
+    torch.save(payload, tmp)
+    os.replace(tmp, out)
+    return payload
+
+
+def load_exported(path: str, config: Optional[GPTConfig] = None) -> Dict[str, torch.Tensor]:
+    """The state dict of an exported file; with ``config``, checked to be that model's."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise ConfigError(f"init_from: cannot read {path}: {e}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ConfigError(f"init_from: {path} is not a file of python -m dist_kernels.train.export")
+    if config is not None:
+        mine = dataclasses.asdict(config)
+        differ = {k: (v, mine.get(k)) for k, v in payload["config"].items() if mine.get(k) != v}
+        if differ:
+            detail = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in differ.items())
+            raise ConfigError(f"init_from: {path} holds another model: {detail}")
+    return payload["model"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dist_kernels.train.export",
+        description="Write one file of unsharded GPT weights from a training checkpoint "
+        "(any pp, tp, ep, ZeRO), for GPT.load_state_dict or --init-from.",
+    )
+    parser.add_argument("step_dir", help="a complete step directory: <checkpoint-dir>/step-N")
+    parser.add_argument("out", help="the file to write")
+    args = parser.parse_args(argv)
+    try:
+        payload = export(args.step_dir, args.out)
+    except (ConfigError, dk_checkpoint.CheckpointError, KeyError) as e:
+        print(f"dist_kernels.train.export: error: {e}", file=sys.stderr)
+        return 2
+    numel = sum(t.numel() for t in payload["model"].values())
+    print(f"wrote {args.out}: step {payload['step']}, {len(payload['model'])} tensors, "
+          f"{numel} values")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
