@@ -65,11 +65,13 @@ def test_export_of_a_sharded_run_is_the_single_process_model(tmp_path, layout, w
     assert payload["step"] == cfg.steps
 
 
-def test_export_gathers_experts_from_every_ep_rank(tmp_path):
-    """dp 2 x ep 2 (each rank saved its own two experts): the file holds all four, equal to
-    the run with every expert on every rank."""
+@pytest.mark.parametrize("zero", [0, 1], ids=["ddp", "zero1"])
+def test_export_gathers_experts_from_every_ep_rank(tmp_path, zero):
+    """dp 2 x ep 2 (each rank saved its own two experts; with ZeRO one directory whose shards
+    name them by global id): the file holds all four, equal to the run with every expert on
+    every rank."""
     cfg = _cfg(dp=2, global_batch=8, model=MOE)
-    out = _run_and_export(tmp_path, dataclasses.replace(cfg, ep=2), 2)
+    out = _run_and_export(tmp_path, dataclasses.replace(cfg, ep=2, zero=zero), 2)
     local = run_ranks(2, _on_ranks, cfg, timeout=300)[0]["params"]
     exported = _exported_as_sequential(out)
     assert set(exported) == set(local) and any(".experts.3." in k for k in exported)
