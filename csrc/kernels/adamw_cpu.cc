@@ -85,8 +85,9 @@ Status adamwCpu(const AdamWTensor* tensors, int ntensors, DType param_dtype, DTy
       cpuWorthSplitting(total * bytesPerElement(param_dtype, grad_dtype, tensors[0], hyper));
   return cpuParallelSlices(total, sizeof(float), split, [&](size_t begin, size_t end) {
     // the first tensor that ends after `begin`, then each one the slice overlaps
-    int i = static_cast<int>(std::upper_bound(starts.begin(), starts.end(), begin) -
-                             starts.begin()) - 1;
+    int i =
+        static_cast<int>(std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin()) -
+        1;
     for (; i < ntensors && starts[i] < end; ++i) {
       const size_t lo = std::max(begin, starts[i]) - starts[i];
       const size_t hi = std::min(end, starts[i + 1]) - starts[i];

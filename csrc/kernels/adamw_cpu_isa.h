@@ -8,10 +8,10 @@
 #include "common/status.h"
 #include "kernels/adamw.h"
 
-#define DK_DECLARE_ADAMW_KERNEL(isa)                                                    \
-  namespace dk::kernels::isa {                                                          \
+#define DK_DECLARE_ADAMW_KERNEL(isa)                                                   \
+  namespace dk::kernels::isa {                                                         \
   Status adamwPiece(const AdamWTensor& t, size_t begin, size_t end, DType param_dtype, \
-                    DType grad_dtype, const AdamWHyper& hyper);                         \
+                    DType grad_dtype, const AdamWHyper& hyper);                        \
   }
 
 DK_DECLARE_ADAMW_KERNEL(baseline)
