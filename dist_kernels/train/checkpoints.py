@@ -64,6 +64,17 @@ def newest_complete(directory: str) -> Optional[str]:
     return os.path.join(directory, max(steps)[1]) if steps else None
 
 
+def read_record(path: str, what: str) -> Dict[str, Any]:
+    """The ``COMPLETE.json`` of step directory ``path``; ConfigError (``what``: the option
+    asking) when it is missing or unreadable: the checkpoint is not complete."""
+    record_path = os.path.join(path, COMPLETE)
+    try:
+        with open(record_path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what}: {record_path} is not a complete checkpoint: {e}") from None
+
+
 def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The checkpoint this run resumes from (its COMPLETE record plus ``path``), checked
     against ``ident``; None when there is nothing to resume. Raises ConfigError on a mismatch."""
@@ -72,12 +83,7 @@ def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str
     path = newest_complete(cfg.checkpoint_dir) if cfg.resume == "auto" else cfg.resume
     if path is None:
         return None
-    record_path = os.path.join(path, COMPLETE)
-    try:
-        with open(record_path) as f:
-            record = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"resume: {record_path} is not a complete checkpoint: {e}") from None
+    record = read_record(path, "resume")
     for key in (*_MUST_MATCH, "sharded"):
         saved = record["identity"].get(key)
         if saved != ident[key]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import sys
@@ -32,7 +31,7 @@ import torch
 from .. import checkpoint as dk_checkpoint
 from ..models import GPT, GPTConfig
 from ..moe import checkpoint as moe_checkpoint
-from .checkpoints import COMPLETE
+from .checkpoints import read_record
 from .config import ConfigError
 
 FORMAT = "dist_kernels.models.GPT"
@@ -145,12 +144,7 @@ def _gpt_names(config: GPTConfig) -> Dict[str, str]:
 
 def consolidate(path: str) -> Tuple[GPTConfig, int, Dict[str, torch.Tensor]]:
     """``(config, step, state dict under GPT's names)`` of a complete step directory."""
-    record_path = os.path.join(path, COMPLETE)
-    try:
-        with open(record_path) as f:
-            record = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"export: {record_path} is not a complete checkpoint: {e}") from None
+    record = read_record(path, "export")
     config = _config(record, path)
     with torch.random.fork_rng(devices=[]):
         sequential = GPT(config).as_sequential()
