@@ -64,16 +64,22 @@ def _block_reference(block, x, cfg):
     """One pre-norm Llama block on ``x [s, b, h]`` in float64 from its definition, with the
     block's weights: causal softmax attention on rotated q and k, SwiGLU MLP, RMSNorm."""
     s, b, h = x.shape
-    heads, d = cfg.n_heads, cfg.dim // cfg.n_heads
+    heads, groups, d = cfg.n_heads, cfg.kv_heads, cfg.dim // cfg.n_heads
+    r = heads // groups  # query heads per key / value head
     a = _rmsnorm(x, block.ln_1.weight, cfg.norm_eps)
-    qkv = a @ block.attn.qkv.weight.t() + block.attn.qkv.bias  # [s, b, heads * 3 * d]
-    qkv = qkv.view(s, b, heads, 3, d)  # head by head: [q, k, v] of each head
-    q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, heads, s, d]
+    qkv = a @ block.attn.qkv.weight.t() + block.attn.qkv.bias
+    qkv = qkv.view(s, b, groups, r + 2, d)  # group by group: its r queries, its key, its value
     pos = torch.arange(s, dtype=torch.float64)
-    q, k = _rope_reference(q, pos, cfg.rope_theta), _rope_reference(k, pos, cfg.rope_theta)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    y = (scores.softmax(-1) @ v).permute(2, 0, 1, 3).reshape(s, b, h)
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    outs = []
+    for head in range(heads):  # query head `head` attends with its group's key and value
+        g = head // r
+        q = _rope_reference(qkv[:, :, g, head % r].transpose(0, 1), pos, cfg.rope_theta)
+        k = _rope_reference(qkv[:, :, g, r].transpose(0, 1), pos, cfg.rope_theta)  # [b, s, d]
+        v = qkv[:, :, g, r + 1].transpose(0, 1)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(mask, float("-inf"))
+        outs.append(scores.softmax(-1) @ v)  # [b, s, d]
+    y = torch.stack(outs, dim=2).permute(1, 0, 2, 3).reshape(s, b, h)  # heads in order
     x = x + y @ block.attn.proj.weight.t() + block.attn.proj.bias
     m = _rmsnorm(x, block.ln_2.weight, cfg.norm_eps)
     mlp = block.mlp
@@ -83,16 +89,28 @@ def _block_reference(block, x, cfg):
     return x + hidden @ mlp.proj.weight.t() + mlp.proj.bias
 
 
-def test_llama_block_equals_its_definition():
+@pytest.mark.parametrize("kv_heads", [None, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_llama_block_equals_its_definition(kv_heads):
+    """Multi-head, grouped-query (2 query heads per key / value head) and multi-query
+    attention."""
     print("seed", SEED)
     torch.manual_seed(SEED)
-    cfg = GPTConfig(dim=32, n_heads=4, block_size=16, rope_theta=1000.0, **LLAMA)
+    cfg = GPTConfig(
+        dim=32, n_heads=4, n_kv_heads=kv_heads, block_size=16, rope_theta=1000.0, **LLAMA
+    )
     block = Block(cfg).double()
     for p in block.parameters():  # non-trivial norm weights and biases too
         torch.nn.init.normal_(p, std=0.3)
     assert isinstance(block.ln_1, torch.nn.RMSNorm) and block.mlp.gate is not None
     x = torch.randn(9, 2, 32, dtype=torch.float64)
     torch.testing.assert_close(block(x), _block_reference(block, x, cfg), rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_heads_shrink_qkv_and_tp_needs_whole_groups():
+    cfg = GPTConfig(dim=32, n_heads=4, n_kv_heads=2)
+    assert GPT(cfg).blocks[0].attn.qkv.weight.shape == ((4 + 2 * 2) * 8, 32)
+    with pytest.raises(ValueError, match=r"GPT: n_kv_heads\(2\) % tp\(4\) != 0"):
+        GPT(cfg).tp_plan(4)
 
 
 def test_rope_model_has_no_position_table_and_gpt2_model_is_unchanged():
@@ -117,6 +135,8 @@ def test_rope_model_has_no_position_table_and_gpt2_model_is_unchanged():
          r"position_embedding must be one of \('learned', 'rope'\)"),
         (dict(position_embedding="rope", dim=36, n_heads=4),
          r"head size dim\(36\) / n_heads\(4\) = 9 is odd"),
+        (dict(n_heads=4, n_kv_heads=3),
+         r"n_kv_heads\(3\) must be a positive divisor of n_heads\(4\)"),
     ],
 )  # fmt: skip
 def test_bad_options_raise(kwargs, message):

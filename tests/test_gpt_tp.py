@@ -62,8 +62,10 @@ def max_param_diff(sharded, reference, tp_rank):
 
 
 # The Llama-style options (RMSNorm, SwiGLU with its gate column-parallel too, rotary
-# position embedding), untied
-LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
+# position embedding, 8 query heads in 4 key / value groups: each tp rank of 4 holds one)
+LLAMA = dict(
+    normalization="rmsnorm", swiglu=True, position_embedding="rope", n_heads=8, n_kv_heads=4
+)
 
 
 def _rank_train(tie, drop_norm_styles=False, overrides=None):

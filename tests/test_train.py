@@ -597,7 +597,13 @@ def test_recompute_trains_as_without_it(reference, layout, world):
 # Llama's choices: RMSNorm, SwiGLU, rotary position embedding, no biases (so the key-bias
 # rounding bound of the GPT-2 model does not apply: every parameter is held to the tolerance)
 LLAMA_TINY = dataclasses.replace(
-    TINY, normalization="rmsnorm", swiglu=True, position_embedding="rope", bias=False
+    TINY,
+    normalization="rmsnorm",
+    swiglu=True,
+    position_embedding="rope",
+    bias=False,
+    n_heads=4,
+    n_kv_heads=2,  # grouped-query attention: one group per tp rank at tp 2
 )
 
 
@@ -653,11 +659,12 @@ def test_llama_style_flags_reach_the_model():
     from dist_kernels.train.cli import build_parser, config_from_args
 
     argv = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", "rope",
-            "--rotary-base", "500"]  # fmt: skip
+            "--rotary-base", "500", "--num-query-groups", "2"]  # fmt: skip
     model = config_from_args(build_parser().parse_args(argv)).model
-    assert (model.normalization, model.swiglu, model.position_embedding, model.rope_theta) == (
-        "rmsnorm", True, "rope", 500.0
-    )  # fmt: skip
+    assert (model.normalization, model.swiglu, model.position_embedding, model.rope_theta,
+            model.n_kv_heads) == ("rmsnorm", True, "rope", 500.0, 2)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"n_kv_heads\(2\) is not a multiple of tp\(4\)"):
+        _cfg(tp=4, model=dataclasses.replace(TINY, n_heads=4, n_kv_heads=2)).with_layout(4)
     default = config_from_args(build_parser().parse_args([])).model
     assert (default.normalization, default.swiglu, default.position_embedding) == (
         "layernorm", False, "learned"

@@ -19,7 +19,9 @@ position_embedding="rope", bias=False)`` (RMSNorm, SwiGLU MLP, rotary embeddings
 and keys in place of the position table).
 
 The fused ``qkv`` projection orders its output features head by head (``[head][q, k, v][d]``),
-so splitting its rows into ``tp`` contiguous shards gives each rank whole heads.
+so splitting its rows into ``tp`` contiguous shards gives each rank whole heads. With grouped
+key / value heads (``n_kv_heads``) it goes group by group (``[group][q_1 .. q_r, k, v][d]``,
+``r = n_heads / n_kv_heads``; ``r = 1`` is the layout above), and a shard holds whole groups.
 
 Under context parallelism (:meth:`GPT.context_parallel`) every rank holds ``seq / cp`` tokens
 of each sample (``cp.shard_sequence``): attention is ring attention over the cp ranks, the
@@ -61,6 +63,10 @@ class GPTConfig:
     """Transformer blocks."""
     n_heads: int = 4
     """Attention heads per block (a multiple of tp when sharded)."""
+    n_kv_heads: Optional[int] = None
+    """Key / value heads (grouped-query attention, Ainslie et al. 2023: each serves
+    ``n_heads / n_kv_heads`` query heads; 1 is multi-query attention); None: ``n_heads``.
+    A multiple of tp when sharded (Megatron's ``--num-query-groups``)."""
     dim: int = 64
     """Hidden size; a multiple of ``n_heads``."""
     mlp_ratio: int = 4
@@ -118,6 +124,12 @@ class GPTConfig:
                 raise ValueError(
                     f"GPTConfig: {name} must be one of {choices}, got {getattr(self, name)!r}"
                 )
+        kv = self.kv_heads
+        if not isinstance(kv, int) or kv < 1 or self.n_heads % kv:
+            raise ValueError(
+                f"GPTConfig: n_kv_heads({self.n_kv_heads}) must be a positive divisor of "
+                f"n_heads({self.n_heads})"
+            )
         if self.position_embedding == "rope" and (self.dim // self.n_heads) % 2:
             raise ValueError(
                 f"GPTConfig: rope turns pairs of dimensions, but the head size dim({self.dim}) "
@@ -134,28 +146,42 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """Key / value heads: ``n_kv_heads``, or ``n_heads`` without grouping."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention; a sharded ``qkv`` holds whole heads, so nothing here
-    depends on how many heads this rank has."""
+    """Multi-head causal attention, with grouped key / value heads when ``n_kv_heads`` <
+    ``n_heads``. The fused ``qkv`` lays its outputs out group by group (the query heads of a
+    group, then its key and its value head), so a sharded ``qkv`` holds whole groups and
+    nothing here depends on how many this rank has."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
+        self.group = cfg.n_heads // cfg.kv_heads  # query heads per key / value head
         self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
+        qkv_heads = cfg.n_heads + 2 * cfg.kv_heads
+        self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, heads * 3 * d] (heads of this rank, whole sequence)
+        qkv = self.qkv(x)  # [s, b, groups * (group + 2) * d] (this rank's, whole sequence)
         s, b = qkv.shape[:2]
-        q, k, v = qkv.view(s, b, -1, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        r = self.group
+        qkv = qkv.view(s, b, -1, r + 2, self.head_dim).permute(1, 2, 3, 0, 4)  # [b,g,r+2,s,d]
+        q = qkv[:, :, :r].flatten(1, 2)  # [b, heads, s, d]: group by group
+        k, v = qkv[:, :, r], qkv[:, :, r + 1]  # [b, groups, s, d]
         if self.rope_theta is not None:  # [b, heads, s, d], turned by the tokens' positions
             pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
             cos, sin = rope_tables(pos.to(q.device), self.head_dim, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if r > 1:  # each key / value head serves the r query heads of its group
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         p = self.dropout if self.training else 0.0
         if self.sequence is not None:
             y = self.sequence.attention(q, k, v, causal=True)
@@ -406,6 +432,7 @@ class GPT(nn.Module):
         cfg = self.config
         for name, value in (
             ("n_heads", cfg.n_heads),
+            ("n_kv_heads", cfg.kv_heads),
             ("vocab_size", cfg.vocab_size),
             ("mlp hidden (mlp_ratio * dim)", cfg.mlp_ratio * cfg.dim),
         ):

@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--data", default=None, help="text file (default: the package's own Python sources)")
     add("--n-layer", type=int, default=m.n_layers, help="transformer blocks")
     add("--n-head", type=int, default=m.n_heads, help="attention heads per block")
+    add(
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="grouped-query attention: key / value heads (default: --n-head)",
+    )
     add("--d-model", type=int, default=m.dim, help="width of the residual stream")
     add("--seq-len", type=int, default=m.block_size, help="characters per sample")
     add(
@@ -192,6 +198,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         TrainConfig().model,
         n_layers=args.n_layer,
         n_heads=args.n_head,
+        n_kv_heads=args.num_query_groups,
         dim=args.d_model,
         block_size=args.seq_len,
         n_experts=args.experts,

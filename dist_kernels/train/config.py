@@ -308,6 +308,11 @@ class TrainConfig:
             )
         if self.tp > 1 and self.model.n_heads % self.tp:
             raise ConfigError(f"n_heads({self.model.n_heads}) is not a multiple of tp({self.tp})")
+        if self.tp > 1 and self.model.kv_heads % self.tp:
+            raise ConfigError(
+                f"n_kv_heads({self.model.kv_heads}) is not a multiple of tp({self.tp}): a "
+                "tensor-parallel rank holds whole key / value groups"
+            )
         if self.cp > 1 and self.model.block_size % (2 * self.cp):
             raise ConfigError(
                 f"block_size({self.model.block_size}) is not a multiple of 2 x cp({self.cp}) = "
