@@ -19,6 +19,7 @@ import time
 from typing import Dict
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -697,6 +698,61 @@ def test_fused_adamw_trains_as_the_single_process(reference, layout, world, engi
     assert all(r["fused_steps"] == 0 for r in plain)  # the default is torch's unfused AdamW
 
 
+def _token_twin(tmp_path, suffix: str) -> str:
+    """The test corpus's characters as token ids (the ids CharCorpus gives them) in a token
+    file: ``.bin`` (uint16) or ``.npy`` (int32)."""
+    corpus = data.CharCorpus.build(CORPUS, TINY.block_size)
+    ids = corpus.tokens.numpy()
+    path = str(tmp_path / f"corpus{suffix}")
+    if suffix == ".bin":
+        ids.astype("<u2").tofile(path)
+    else:
+        np.save(path, ids.astype(np.int32))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".npy"])
+def test_token_file_trains_as_its_text(tmp_path, suffix):
+    """A file of token ids holding the test corpus's character ids trains bit for bit as the
+    text does (same ids, same vocabulary, same windows), at dp 2 with validation; the size of
+    the vocabulary is the largest id + 1 unless given."""
+    corpus = data.CharCorpus.build(CORPUS, TINY.block_size)
+    tokens = _token_twin(tmp_path, suffix)
+    assert data.build_corpus(tokens, 16).vocab_size == corpus.vocab_size
+    cfg = _cfg(dp=2, global_batch=8, eval_interval=3)
+    text = run_ranks(2, _on_ranks, cfg, timeout=180)
+    given = dataclasses.replace(cfg, data=tokens, vocab_size=corpus.vocab_size)
+    ids = run_ranks(2, _on_ranks, given, timeout=180)
+    assert ids[0]["losses"] == text[0]["losses"]
+    assert ids[0]["evals"] == text[0]["evals"]
+    for k, v in text[0]["params"].items():
+        assert torch.equal(ids[0]["params"][k], v), k
+
+
+def test_token_file_errors_and_identity(tmp_path):
+    tokens = _token_twin(tmp_path, ".bin")
+    with pytest.raises(
+        data.DataError, match=r"token ids in \[0, \d+\], outside \[0, vocab_size\(10\)\)"
+    ):
+        data.build_corpus(tokens, 16, vocab_size=10)
+    with pytest.raises(data.DataError, match=r"vocab_size\(300\) is for files of token ids"):
+        data.build_corpus(CORPUS, 16, vocab_size=300)
+    square = str(tmp_path / "square.npy")
+    np.save(square, np.zeros((4, 4), dtype=np.int64))
+    with pytest.raises(data.DataError, match=r"token ids are a 1-D integer array"):
+        data.build_corpus(square, 16)
+    short = str(tmp_path / "short.bin")
+    np.arange(10, dtype="<u2").tofile(short)
+    with pytest.raises(data.DataError, match=r"has 10 tokens; need at least 18"):
+        data.build_corpus(short, 16)
+    # a checkpoint of one token file does not resume on another (one id changed at the end)
+    before = data.build_corpus(tokens, 16).fingerprint()
+    ids = np.fromfile(tokens, dtype="<u2")
+    ids[-1] = (ids[-1] + 1) % 5
+    ids.tofile(tokens)
+    assert data.build_corpus(tokens, 16).fingerprint() != before
+
+
 def test_compile_errors():
     with pytest.raises(ConfigError, match=r"compile with schedule='zb-h1': the schedule splits"):
         TrainConfig(pp=2, grad_accum=4, schedule="zb-h1", compile=True).with_layout(2)
@@ -756,6 +812,7 @@ def test_every_option_a_user_sets_has_a_flag():
         "--min-loss-scale", "2", "--clip-grad", "1.0", "--recompute", "--sequence-parallel",
         "--compile", "--compile-backend", "aot_eager", "--optimizer", "fused-adamw",
         "--adam-beta1", "0.8", "--adam-beta2", "0.99", "--adam-eps", "1e-6",
+        "--vocab-size", "300",
     ]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
@@ -763,7 +820,7 @@ def test_every_option_a_user_sets_has_a_flag():
                 loss_scale_window=100, hysteresis=2, min_loss_scale=2.0, clip_grad=1.0,
                 recompute=True, sequence_parallel=True, compile=True,
                 compile_backend="aot_eager", optimizer="fused-adamw", adam_beta1=0.8,
-                adam_beta2=0.99, adam_eps=1e-6)  # fmt: skip
+                adam_beta2=0.99, adam_eps=1e-6, vocab_size=300)  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     default = config_from_args(build_parser().parse_args([]))
     assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something

@@ -124,7 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="clip the whole model's gradient norm to this before each step (0: off)",
     )
     add("--seed", type=int, default=d.seed)
-    add("--data", default=None, help="text file (default: the package's own Python sources)")
+    add(
+        "--data",
+        default=None,
+        help="text file, or token ids (.bin: uint16, nanoGPT's; .npy) (default: the package's "
+        "own Python sources)",
+    )
+    field("--vocab-size", int, "with a token file: the vocabulary size (0: largest id + 1)")
     add("--n-layer", type=int, default=m.n_layers, help="transformer blocks")
     add("--n-head", type=int, default=m.n_heads, help="attention heads per block")
     add(
@@ -223,7 +229,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         clip_grad=args.clip_grad, recompute=args.recompute, compile=args.compile,
         compile_backend=args.compile_backend,
         sequence_parallel=args.sequence_parallel,
-        data=args.data, model=model, checkpoint_dir=args.checkpoint_dir,
+        data=args.data, vocab_size=args.vocab_size, model=model,
+        checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, init_from=args.init_from,
         log_every=args.log_every,
         json=args.json, plot=args.plot, engine=args.engine,
@@ -243,7 +250,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Every check that can fail before a rank starts; returns the resolved config."""
     from .checkpoints import identity, resolve_resume
-    from .data import CharCorpus
+    from .data import build_corpus
     from .driver import model_config, samplers
     from .model import describe
 
@@ -252,7 +259,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"engine={cfg.engine!r} supports tp=1 only (tp={cfg.tp})")
     if cfg.engine != "dk" and cfg.checkpoint_dir is not None:
         raise ConfigError(f"checkpoints are written by --engine dk only (engine={cfg.engine!r})")
-    corpus = CharCorpus.build(cfg.data, cfg.model.block_size)
+    corpus = build_corpus(cfg.data, cfg.model.block_size, cfg.vocab_size)
     model = model_config(cfg, corpus)
     data_fp = samplers(cfg, corpus)[2]  # the samplers' checks too (a held-out span too small)
     resolve_resume(cfg, identity(cfg, describe(model), data_fp))

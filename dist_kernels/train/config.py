@@ -141,7 +141,12 @@ class TrainConfig:
     seed: int = 0
     """Seeds the model's initialisation and the data order (both independent of layout)."""
     data: Optional[str] = None
-    """A text file to train on; None = the package's own Python sources."""
+    """A text file to train on (its characters are the tokens), or a file of token ids
+    (``.bin``: uint16, nanoGPT's format; ``.npy``: any integer array); None = the package's
+    own Python sources."""
+    vocab_size: int = 0
+    """With a token file: the vocabulary's size (every id must be below it); 0 = the largest
+    id + 1. A text corpus's vocabulary is its characters."""
     model: GPTConfig = field(default_factory=driver_model)
     """The character-level GPT; ``block_size`` is the characters per sample, and
     ``vocab_size`` is replaced by the corpus's (padded: ``driver.model_config``)."""
@@ -234,7 +239,14 @@ class TrainConfig:
         """Ranges and choices of single options."""
         for name in ("tp", "cp", "pp", "ep", "micro_batch", "steps", "log_every", "lr_base_batch"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("dp", "grad_accum", "global_batch", "warmup", "checkpoint_every"):
+        for name in (
+            "dp",
+            "grad_accum",
+            "global_batch",
+            "warmup",
+            "checkpoint_every",
+            "vocab_size",
+        ):
             _at_least(name, getattr(self, name), 0)
         _choice("zero", self.zero, (0, 1, 2, 3))
         _choice("schedule", self.schedule, SCHEDULES)

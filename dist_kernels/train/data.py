@@ -1,8 +1,11 @@
-"""A character-level corpus built locally (no downloads) and a layout-independent sampler.
+"""A corpus built locally (no downloads) and a layout-independent sampler.
 
-The corpus is a text file the user names, or else this package's own Python sources and, in a
-source checkout, its ``docs/`` and README: a few hundred kilobytes of English and code, enough
-for a small model's loss to fall visibly in a few hundred steps.
+The corpus is a text file the user names (characters are the tokens), or else this package's
+own Python sources and, in a source checkout, its ``docs/`` and README: a few hundred
+kilobytes of English and code, enough for a small model's loss to fall visibly in a few
+hundred steps. Or it is a file of token ids a tokenizer wrote beforehand (:class:`TokenCorpus`):
+``.bin``, raw little-endian uint16 (nanoGPT's ``prepare.py`` format), or ``.npy``, any integer
+array; it is memory-mapped, so its size is the disk's business, not the ranks' memory.
 
 Sampling is a pure function of ``(seed, step)``: step ``t`` draws ``global_batch`` window
 offsets from a generator seeded with ``seed`` and ``t``, and replica ``d`` takes the slice
@@ -22,8 +25,9 @@ import glob
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,10 +95,75 @@ class CharCorpus:
         return digest.hexdigest()[:16]
 
 
-def split(corpus: CharCorpus, valid_fraction: float) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+TOKEN_SUFFIXES = (".bin", ".npy")
+_FINGERPRINT_EDGE = 1 << 16  # tokens hashed at each end of a token file
+
+
+@dataclass
+class TokenCorpus:
+    """A file of token ids (``TOKEN_SUFFIXES``), memory-mapped, and its vocabulary size."""
+
+    tokens: np.ndarray  # [n], any integer dtype, memory-mapped
+    vocab_size: int
+    description: str
+
+    @classmethod
+    def build(cls, path: str, seq_len: int, vocab_size: int = 0) -> TokenCorpus:
+        """``vocab_size`` 0: the largest id + 1 (read once); else every id must be below it."""
+        if not os.path.isfile(path):
+            raise DataError(f"data: {path!r} does not exist or is not a file")
+        try:
+            if path.endswith(".npy"):
+                tokens = np.load(path, mmap_mode="r")
+            else:
+                tokens = np.memmap(path, dtype="<u2", mode="r")
+        except (OSError, ValueError) as e:
+            raise DataError(f"data: cannot read tokens from {path}: {e}") from None
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise DataError(
+                f"data: {path} holds {tokens.dtype} of shape {tokens.shape}; token ids are a "
+                "1-D integer array"
+            )
+        if len(tokens) < seq_len + 2:
+            raise DataError(
+                f"data: {path} has {len(tokens)} tokens; need at least {seq_len + 2} for "
+                f"seq_len({seq_len})"
+            )
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or (vocab_size and high >= vocab_size):
+            raise DataError(
+                f"data: {path} holds token ids in [{low}, {high}], outside [0, "
+                f"vocab_size({vocab_size or high + 1}))"
+            )
+        return cls(tokens, vocab_size or high + 1, f"{path} ({len(tokens)} tokens)")
+
+    def fingerprint(self) -> str:
+        """Identifies the corpus in checkpoints: its size, vocabulary and both ends."""
+        digest = hashlib.sha256(f"{len(self.tokens)}:{self.vocab_size}".encode())
+        for part in (self.tokens[:_FINGERPRINT_EDGE], self.tokens[-_FINGERPRINT_EDGE:]):
+            digest.update(np.ascontiguousarray(part, dtype=np.int64).tobytes())
+        return digest.hexdigest()[:16]
+
+
+def build_corpus(path: Optional[str], seq_len: int, vocab_size: int = 0) -> Corpus:
+    """A :class:`TokenCorpus` for a token file (by its suffix), else a :class:`CharCorpus`."""
+    if path is not None and path.endswith(TOKEN_SUFFIXES):
+        return TokenCorpus.build(path, seq_len, vocab_size)
+    if vocab_size:
+        raise DataError(
+            f"data: vocab_size({vocab_size}) is for files of token ids "
+            f"({', '.join(TOKEN_SUFFIXES)}); a text corpus's vocabulary is its characters"
+        )
+    return CharCorpus.build(path, seq_len)
+
+
+Corpus = Union[CharCorpus, TokenCorpus]
+
+
+def split(corpus: Corpus, valid_fraction: float) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     """``(train span, validation span)`` of token indices: the validation text is the
     corpus's last ``valid_fraction``, so no training window overlaps it."""
-    n = corpus.tokens.numel()
+    n = len(corpus.tokens)
     cut = n - max(1, round(n * valid_fraction))
     return (0, cut), (cut, n)
 
@@ -105,13 +174,13 @@ class Sampler:
 
     def __init__(
         self,
-        corpus: CharCorpus,
+        corpus: Corpus,
         seq_len: int,
         global_batch: int,
         seed: int,
         span: Optional[Tuple[int, int]] = None,
     ) -> None:
-        lo, hi = span if span is not None else (0, corpus.tokens.numel())
+        lo, hi = span if span is not None else (0, len(corpus.tokens))
         if hi - lo < seq_len + 2:
             raise DataError(
                 f"data: tokens [{lo}, {hi}) of {corpus.description} hold {hi - lo} "
@@ -124,7 +193,7 @@ class Sampler:
     def step_offsets(self, step: int) -> torch.Tensor:
         """The ``global_batch`` window offsets of optimizer step ``step``."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        high = self.tokens.numel() - self.seq_len - 1
+        high = len(self.tokens) - self.seq_len - 1
         return torch.randint(0, high, (self.global_batch,), generator=gen)
 
     def batch(self, step: int, first: int, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +201,10 @@ class Sampler:
         ``first .. first + count`` of step ``step``."""
         offsets = self.step_offsets(step)[first : first + count]
         index = offsets[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        windows = self.tokens[index]
+        if isinstance(self.tokens, torch.Tensor):
+            windows = self.tokens[index]
+        else:  # a token file: only these windows are read from the mapping
+            windows = torch.from_numpy(self.tokens[index.numpy()].astype(np.int64))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def replica_batch(

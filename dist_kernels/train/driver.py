@@ -22,7 +22,7 @@ import torch
 
 from . import checkpoints
 from .config import TrainConfig
-from .data import CharCorpus, Sampler, split
+from .data import Corpus, Sampler, build_corpus, split
 from .engines import build_engine
 from .metrics import PHASES, JsonLines, Progress, StepTimes, matmul_peak_flops, peak_memory_mb
 from .model import build_model, describe, flops_per_token, moe_metrics
@@ -101,7 +101,7 @@ class World:
 VOCAB_MULTIPLE = 64  # as Megatron's make-vocab-size-divisible-by: fixed, not tp's
 
 
-def model_config(cfg: TrainConfig, corpus: CharCorpus):
+def model_config(cfg: TrainConfig, corpus: Corpus):
     """The model size with the corpus's vocabulary padded to a multiple of ``VOCAB_MULTIPLE``
     (and of tp, when tp does not divide it): the head and embedding are split by vocabulary,
     and padding by a constant rather than by tp builds the same model, the same initialisation
@@ -116,7 +116,7 @@ def train(cfg: TrainConfig, engine: Optional[str] = None, append_log: bool = Fal
     ("dk" or "torch"; default ``cfg.engine``). Collective: every rank calls it. The JSON log
     is appended to when ``append_log`` or when the run resumes a checkpoint."""
     engine = engine or cfg.engine
-    corpus = CharCorpus.build(cfg.data, cfg.model.block_size)
+    corpus = build_corpus(cfg.data, cfg.model.block_size, cfg.vocab_size)
     cfg = dataclasses.replace(cfg, model=model_config(cfg, corpus))
     world = World(cfg, need_mesh=engine == "dk")
     try:
@@ -127,7 +127,7 @@ def train(cfg: TrainConfig, engine: Optional[str] = None, append_log: bool = Fal
 
 class _Run:
     def __init__(
-        self, cfg: TrainConfig, engine: str, world: World, corpus: CharCorpus, append_log: bool
+        self, cfg: TrainConfig, engine: str, world: World, corpus: Corpus, append_log: bool
     ) -> None:
         self.cfg, self.engine_name, self.world = cfg, engine, world
         self.sampler, self.valid_sampler, data_fp = samplers(cfg, corpus)
@@ -339,7 +339,7 @@ class _Run:
             self.progress.write(str(report))
 
 
-def samplers(cfg: TrainConfig, corpus: CharCorpus):
+def samplers(cfg: TrainConfig, corpus: Corpus):
     """(training sampler, validation sampler or None, the data's fingerprint): with
     ``eval_interval`` the corpus's tail is held out, which the fingerprint records (a resume
     must train on the same text; the command line's preflight checks it with this too)."""
