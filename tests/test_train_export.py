@@ -19,6 +19,7 @@ from test_train import (
 
 from dist_kernels.models import GPT, GPTConfig
 from dist_kernels.train import ConfigError, data, driver
+from dist_kernels.train.cli import preflight
 from dist_kernels.train.export import _gpt_names, consolidate, export, load_exported
 from dist_kernels.train.export import main as export_main
 from dist_kernels.train.model import build_model
@@ -114,10 +115,11 @@ def test_export_and_init_from_errors(tmp_path):
     cfg = _cfg(global_batch=8, dp=2)
     out = _run_and_export(tmp_path, cfg, 2)
     wider = _cfg(global_batch=8, init_from=out, model=dataclasses.replace(TINY, dim=64))
-    with pytest.raises(
-        ConfigError, match=r"init_from: .* holds another model: dim=32 \(this run: 64\)"
-    ):
+    another = r"init_from: .* holds another model: dim=32 \(this run: 64\)"
+    with pytest.raises(ConfigError, match=another):
         _single(wider)
+    with pytest.raises(ConfigError, match=another):
+        preflight(dataclasses.replace(wider, dp=2), 2)  # the command line, before any rank
     junk = tmp_path / "junk.pt"
     torch.save({"weights": 1}, junk)
     with pytest.raises(ConfigError, match=r"is not a file of python -m dist_kernels.train.export"):

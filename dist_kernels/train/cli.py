@@ -262,8 +262,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
     corpus = build_corpus(cfg.data, cfg.model.block_size, cfg.vocab_size)
     model = model_config(cfg, corpus)
     data_fp = samplers(cfg, corpus)[2]  # the samplers' checks too (a held-out span too small)
-    resolve_resume(cfg, identity(cfg, describe(model), data_fp))
-    if cfg.init_from is not None:
+    resume = resolve_resume(cfg, identity(cfg, describe(model), data_fp))
+    if cfg.init_from is not None and resume is None:  # (a resumed run ignores it)
         from .export import load_exported
 
         load_exported(cfg.init_from, model)  # a file of another model fails here
