@@ -31,7 +31,7 @@ LAYERS2 = dataclasses.replace(TINY, n_layers=2)
 def _exported_as_sequential(path):
     """An exported file's weights under the driver's nn.Sequential names (as runs report)."""
     payload = torch.load(path, weights_only=True)
-    names = {g: s for s, g in _gpt_names(GPTConfig(**payload["config"])).items()}
+    names = {g: s for s, g in _gpt_names(GPT(GPTConfig(**payload["config"]))).items()}
     return {names[k]: v for k, v in payload["model"].items()}
 
 

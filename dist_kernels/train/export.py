@@ -130,10 +130,8 @@ def _join(name: str, shards: Sequence[torch.Tensor], whole: torch.Size) -> torch
     return joined
 
 
-def _gpt_names(config: GPTConfig) -> Dict[str, str]:
+def _gpt_names(gpt: GPT) -> Dict[str, str]:
     """nn.Sequential name -> GPT name ("0.wte.weight" -> "embedding.wte.weight")."""
-    with torch.random.fork_rng(devices=[]):
-        gpt = GPT(config)
     module_names = {id(m): n for n, m in gpt.named_modules()}
     out = {}
     for index, child in enumerate(gpt.as_sequential()):
@@ -146,11 +144,12 @@ def consolidate(path: str) -> Tuple[GPTConfig, int, Dict[str, torch.Tensor]]:
     """``(config, step, state dict under GPT's names)`` of a complete step directory."""
     record = read_record(path, "export")
     config = _config(record, path)
-    with torch.random.fork_rng(devices=[]):
-        sequential = GPT(config).as_sequential()
+    with torch.random.fork_rng(devices=[]):  # only its shapes and names are used
+        gpt = GPT(config)
+    sequential = gpt.as_sequential()
     whole = {k: v.shape for k, v in sequential.state_dict().items()}
     ranks = _per_tp_rank(path, sequential, record["identity"])
-    names = _gpt_names(config)
+    names = _gpt_names(gpt)
     state = {names[k]: _join(k, [r[k] for r in ranks], shape) for k, shape in whole.items()}
     return config, int(record["step"]), state
 
