@@ -33,11 +33,11 @@ import math
 import os
 import secrets
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["CheckpointError", "save", "load", "read_model"]
+__all__ = ["CheckpointError", "save", "load", "load_whole", "read_model", "read_whole"]
 
 FORMAT = "dist_kernels.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -487,16 +487,89 @@ def read_model(path: str) -> Tuple[Dict[str, torch.Tensor], Any]:
     """``(state dict, extra)`` of a checkpoint's model, read and verified, applied to nothing:
     the parameters a ShardedOptimizer saved assembled from every shard, beside the rest. For
     a caller that maps the keys first (``dk.moe.checkpoint``: experts across ep sizes)."""
+    state, _, _, extra = read_whole(path, optimizer=False)
+    return state, extra
+
+
+def read_whole(
+    path: str, optimizer: bool = True
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]], Dict[str, Any], Any]:
+    """``(model state dict, optimizer state by parameter name, hyper-parameters, extra)`` of a
+    checkpoint, read and verified, assembled from every shard and applied to nothing: what a
+    caller needs to load it into another layout than the saving one's (another tensor or
+    pipeline split: ``dist_kernels.train``'s resume). Each parameter's optimizer state holds
+    its element-wise tensors (``exp_avg``...) in the parameter's shape and the replicated
+    values (``step``...) of the flat group that held it; the hyper-parameters are the first
+    param group's. A checkpoint of a model alone has no optimizer state (empty dicts)."""
     manifest, meta, layout = _read_header(path)
     state = dict(meta["model_rest"])
+    per_param: Dict[str, Dict[str, Any]] = {}
     pieces, reader = _saved_pieces(layout), _ShardReader(path, manifest)
+    keys = ["master", *(layout["state_keys"] if optimizer and layout is not None else ())]
     for name, (shape, dtype) in _saved_params(layout).items():
         numel = math.prod(shape)
-        dst = {"master": torch.zeros(numel, dtype=torch.float32)}
-        if _fill(dst, 0, name, 0, numel, pieces, reader, ["master"]) != numel:
+        dst = {k: torch.zeros(numel, dtype=torch.float32) for k in keys}
+        if _fill(dst, 0, name, 0, numel, pieces, reader, keys) != numel:
             raise CheckpointError(f"{path}: parameter {name} is not fully covered by the shards")
-        state[name] = dst["master"].view(shape).to(getattr(torch, dtype))
-    return state, meta["extra"]
+        state[name] = dst.pop("master").view(shape).to(getattr(torch, dtype))
+        if optimizer:
+            replicated, _ = _replicated_for(name, pieces, reader, meta, layout)
+            replicated = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in replicated.items()
+            }  # the group's values, each parameter its own copy (optimizers step them in place)
+            per_param[name] = {**replicated, **{k: v.view(shape) for k, v in dst.items()}}
+    groups = meta["param_groups"] if optimizer else []
+    options = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
+    return state, per_param, options, meta["extra"]
+
+
+def load_whole(
+    optimizer: Any,
+    model: Optional[torch.nn.Module],
+    state_of: Callable[[torch.Tensor], Dict[str, Any]],
+    options: Dict[str, Any],
+) -> None:
+    """Loads a ShardedOptimizer from whole per-parameter state, as :func:`read_whole` returns
+    it after the caller mapped it onto this layout: ``state_of(param)`` gives the parameter's
+    value (``"master"``), its element-wise optimizer state in its shape and its replicated
+    state (``step``); ``options`` the hyper-parameters. Each rank copies its own shard's
+    elements out of them. Collective; raises on every rank, changing nothing, if any rank
+    lacks something."""
+    names = _param_names(model, optimizer)
+
+    def prepare():
+        shards = []
+        for fg in optimizer.flat_groups:
+            segments = list(fg.plan.segments(fg.comm.rank))  # experts: the rank in expert_comm
+            whole = [state_of(fg.params[s.slot]) for s in segments]
+            first = whole[0] if whole else {}
+            elementwise = sorted(
+                k for k, v in first.items() if k != "master" and _is_full(v, first)
+            )
+            dst = {
+                k: torch.zeros(fg.plan.shard_numel, dtype=torch.float32)
+                for k in ("master", *elementwise)
+            }
+            for seg, state in zip(segments, whole):
+                for key in dst:
+                    if key not in state:
+                        raise CheckpointError(
+                            f"[rank {optimizer.rank}] load: {names[id(fg.params[seg.slot])]} has "
+                            f"no {key!r} (flat group {fg.plan.key} needs it for every parameter)"
+                        )
+                    src = state[key].reshape(-1)[seg.param_start : seg.param_start + seg.length]
+                    dst[key][seg.shard_offset : seg.shard_offset + seg.length].copy_(src)
+            replicated = {k: v for k, v in first.items() if k != "master" and k not in dst}
+            shards.append((dst.pop("master"), dst, replicated, options))
+        return shards
+
+    optimizer.load_shard_tensors(_agreed(optimizer, prepare))
+
+
+def _is_full(value: Any, state: Dict[str, Any]) -> bool:
+    """Whether ``value`` is element-wise state: a tensor shaped like the parameter."""
+    master = state.get("master")
+    return isinstance(value, torch.Tensor) and master is not None and value.shape == master.shape
 
 
 def _agreed(optimizer: Any, prepare):

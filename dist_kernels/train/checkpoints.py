@@ -16,7 +16,8 @@ state: replica 0 of each stage saves its model and, in ``extra``, the torch opti
 dict with its parameters' names (MoE experts by global id). With ep > 1 each ep rank saves its
 own experts (``stage-0-ep-<r>``); a run at another ep resumes through ``dk.moe.checkpoint``:
 each rank reads the ep ranks that held its experts and reshards model and optimizer state by
-name.
+name. A run at another pp, tp, stage placement (schedule) or with ZeRO switched on or off reads
+the whole checkpoint on every rank and cuts it for its own layout (``reshard.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .config import ConfigError, TrainConfig
 
 COMPLETE = "COMPLETE.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_MUST_MATCH = ("model", "data", "pp", "tp")
+_MUST_MATCH = ("model", "data")
 
 
 def step_dir(cfg: TrainConfig, step: int) -> str:
@@ -40,16 +41,35 @@ def step_dir(cfg: TrainConfig, step: int) -> str:
 
 
 def identity(cfg: TrainConfig, model_desc: Dict[str, Any], data_fp: str) -> Dict[str, Any]:
-    """What a checkpoint must agree with to be resumed by this run."""
+    """What the run was: the checkpoint must agree with this run on ``_MUST_MATCH`` and the
+    global batch; :data:`LAYOUT_KEYS` decide how it is loaded."""
     return {
         "model": model_desc,
         "data": data_fp,
         "pp": cfg.pp,
         "tp": cfg.tp,
+        "schedule": cfg.schedule if cfg.pp > 1 else None,  # how the stages are placed
         "ep": cfg.ep,
         "sharded": bool(cfg.zero),
         "global_batch": cfg.global_batch,
     }
+
+
+# what a step directory's layout is cut by: a change in any of these needs the whole state
+LAYOUT_KEYS = ("pp", "tp", "schedule", "sharded")
+
+
+def layout_change(saved: Dict[str, Any], ident: Dict[str, Any]) -> Optional[str]:
+    """``"pp 2 -> 1, tp 1 -> 2"``: how this run's layout differs from the checkpoint's in
+    :data:`LAYOUT_KEYS` (a record without a key was written at this run's value), or None."""
+    changes = [
+        f"{key} {saved[key]} -> {ident[key]}"
+        for key in LAYOUT_KEYS
+        if key in saved
+        and saved[key] != ident[key]
+        and not (key == "schedule" and None in (saved[key], ident[key]))  # pp says it
+    ]
+    return ", ".join(changes) or None
 
 
 def newest_complete(directory: str) -> Optional[str]:
@@ -84,7 +104,7 @@ def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str
     if path is None:
         return None
     record = read_record(path, "resume")
-    for key in (*_MUST_MATCH, "sharded"):
+    for key in _MUST_MATCH:
         saved = record["identity"].get(key)
         if saved != ident[key]:
             raise ConfigError(
@@ -101,7 +121,8 @@ def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str
         raise ConfigError(
             f"resume: checkpoint {path} is at step {record['step']} >= steps({cfg.steps})"
         )
-    return {**record, "path": path}
+    # another pp, tp, schedule or ZeRO: every rank reads the whole checkpoint (reshard.py)
+    return {**record, "path": path, "reshard": layout_change(record["identity"], ident)}
 
 
 def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
@@ -175,12 +196,17 @@ def _write_json_atomic(path: str, record: Dict[str, Any]) -> None:
         os.close(fd)
 
 
-def load(cfg, engine, resume: Dict[str, Any], shard: str) -> Tuple[int, int]:
+def load(cfg, engine, resume: Dict[str, Any], shard: str, resharded=None) -> Tuple[int, int]:
     """Restores model and optimizer from ``resume``; returns the step to continue from and
-    the optimizer steps applied before it (the learning-rate schedule's position)."""
+    the optimizer steps applied before it (the learning-rate schedule's position).
+    ``resharded``: the whole checkpoint (``reshard.Resharded``) when this run's layout is not
+    the checkpoint's; the model was built from its weights, its optimizer state loads here."""
     stage = os.path.join(resume["path"], shard)
     saved_ep = resume["identity"].get("ep", cfg.ep)  # older records: resumed at their own ep
-    if cfg.zero:  # at any ep: the shards name experts by global id
+    if resharded is not None:
+        resharded.load(engine.optimizer, engine.module)
+        extra = resharded.extra
+    elif cfg.zero:  # at any ep: the shards name experts by global id
         extra = dk_checkpoint.load(stage, model=engine.module, optimizer=engine.optimizer)
     elif saved_ep != cfg.ep:
         extra = _load_resharded(engine, resume["path"], shard, saved_ep)

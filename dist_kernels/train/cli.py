@@ -157,7 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rotary-base", type=float, default=m.rope_theta, help="rope: the angles' base theta")
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
-    add("--resume", default=None, help="'auto' (newest complete checkpoint) or a step directory")
+    add(
+        "--resume",
+        default=None,
+        help="'auto' (newest complete checkpoint) or a step directory; at any layout (pp, "
+        "tp, schedule, ZeRO may differ from the saving run's)",
+    )
     add(
         "--init-from",
         default=None,

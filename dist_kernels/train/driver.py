@@ -134,11 +134,16 @@ class _Run:
         self.ident = checkpoints.identity(cfg, describe(cfg.model), data_fp)
         resume = checkpoints.resolve_resume(cfg, self.ident)
         compile_backend = cfg.compile_backend if cfg.compile else None
-        init_state = None
+        init_state = resharded = None
         if cfg.init_from is not None and resume is None:  # a resumed run has its own weights
             from .export import load_exported  # (late: `python -m ...export` imports it first)
 
             init_state = load_exported(cfg.init_from, cfg.model)
+        if resume is not None and resume["reshard"]:  # another layout: the whole checkpoint
+            from .reshard import Resharded
+
+            resharded = Resharded(resume["path"])
+            init_state = resharded.init_state
         full, _ = build_model(
             cfg.model,
             cfg.seed,
@@ -163,13 +168,15 @@ class _Run:
             if sharded
             else (full, _)
         )
+        if resharded is not None:  # before the engine: ZeRO-3 frees the parameters' storage
+            resharded.attach(model, world.tp_rank, cfg.tp)
         self.engine = build_engine(
             cfg, model, loss, engine, world.mesh, world.rank, world.comm if engine == "dk" else None
         )
         self.start_step = updates = 0
         if resume is not None:
             self.start_step, updates = checkpoints.load(
-                cfg, self.engine, resume, world.shard_name(bool(cfg.zero))
+                cfg, self.engine, resume, world.shard_name(bool(cfg.zero)), resharded
             )
         self.engine.start(updates)
         self.is_rank0 = world.rank == 0
@@ -193,7 +200,8 @@ class _Run:
             cfg.profile_steps, profile_dir, world.rank, world.world_size, world
         )
         if self.is_rank0 and resume is not None:
-            self.progress.write(f"resumed from {resume['path']} at step {self.start_step}")
+            how = f" (resharded: {resume['reshard']})" if resume["reshard"] else ""
+            self.progress.write(f"resumed from {resume['path']} at step {self.start_step}{how}")
 
     def run(self) -> RunResult:
         try:

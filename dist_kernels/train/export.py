@@ -24,7 +24,7 @@ import dataclasses
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -37,7 +37,14 @@ from .config import ConfigError
 FORMAT = "dist_kernels.models.GPT"
 _SHARD = re.compile(r"^stage-(\d+)(?:-tp-(\d+))?(?:-ep-(\d+))?$")
 
-__all__ = ["FORMAT", "consolidate", "export", "load_exported"]
+__all__ = [
+    "FORMAT",
+    "Consolidated",
+    "consolidate",
+    "consolidate_training",
+    "export",
+    "load_exported",
+]
 
 
 def _config(record: Dict[str, Any], path: str) -> GPTConfig:
@@ -61,29 +68,68 @@ def _shard_dirs(path: str) -> Dict[Tuple[int, int, int], str]:
     return found
 
 
+class _Part(NamedTuple):
+    """One checkpoint directory's contents under the model's nn.Sequential names."""
+
+    model: Dict[str, torch.Tensor]  # experts by local index unless the run was sharded
+    optimizer: Dict[str, Dict[str, Any]]  # per parameter, experts by global id
+    options: Dict[str, Any]  # the optimizer's hyper-parameters
+    extra: Dict[str, Any]
+
+
+def _read_part(directory: str, sharded: bool, known: Set[str], optimizer: bool) -> _Part:
+    """A directory of ZeRO's shards (``sharded``) or of one replica's model and torch
+    optimizer state dict (``checkpoints.save``)."""
+    if sharded:
+        state, per_param, options, extra = dk_checkpoint.read_whole(directory, optimizer)
+    else:
+        state, extra = dk_checkpoint.read_model(directory)
+        per_param, options = _torch_optimizer_state(directory, extra) if optimizer else ({}, {})
+    return _Part(
+        {_model_key(k, known): v for k, v in state.items()},
+        {_model_key(k, known): v for k, v in per_param.items()},
+        options,
+        extra,
+    )
+
+
+def _torch_optimizer_state(directory: str, extra: Dict[str, Any]):
+    """``(state by parameter name, hyper-parameters)`` of the torch optimizer state dict a
+    replica saved beside its model, named by the saved ``param_names``."""
+    if "param_names" not in extra or "optimizer" not in extra:
+        raise ConfigError(f"{directory} records no optimizer state by parameter name")
+    saved, names = extra["optimizer"], extra["param_names"]
+    if len(saved["param_groups"]) != 1:
+        raise ConfigError(f"{directory}: {len(saved['param_groups'])} param groups; one is read")
+    group = saved["param_groups"][0]
+    state = {names[i]: saved["state"][i] for i in group["params"] if i in saved["state"]}
+    return state, {k: v for k, v in group.items() if k != "params"}
+
+
 def _per_tp_rank(
-    path: str, sequential: torch.nn.Module, identity: Dict[str, Any]
-) -> List[Dict[str, torch.Tensor]]:
-    """For each tp rank, the whole model's state as that rank holds it (every stage, every
-    expert), under the nn.Sequential's names."""
+    path: str, sequential: torch.nn.Module, identity: Dict[str, Any], optimizer: bool = False
+) -> Tuple[List[_Part], _Part]:
+    """For each tp rank, the whole model's state (and optimizer state) as that rank holds it
+    (every stage, every expert), under the nn.Sequential's names; and the first directory
+    read (its hyper-parameters and ``extra``)."""
     dirs = _shard_dirs(path)
     tp, pp = int(identity["tp"]), int(identity["pp"])
-    ep = 1 if identity.get("sharded") else int(identity.get("ep", 1))
+    sharded = bool(identity.get("sharded"))
+    ep = 1 if sharded else int(identity.get("ep", 1))
     stages = sorted({s for s, _, _ in dirs})
     if len(stages) != pp or {t for _, t, _ in dirs} != set(range(tp)):
         raise ConfigError(
             f"export: {path} has stages {stages} and tp ranks "
             f"{sorted({t for _, t, _ in dirs})}; its record says pp({pp}), tp({tp})"
         )
-    cache: Dict[str, Dict[str, torch.Tensor]] = {}
+    cache: Dict[str, _Part] = {}
     known = set(sequential.state_dict())
 
-    def read(key: Tuple[int, int, int]) -> Dict[str, torch.Tensor]:
+    def read(key: Tuple[int, int, int]) -> _Part:
         if key not in dirs:
             raise ConfigError(f"export: {path} lacks stage {key[0]}, tp rank {key[1]}, ep {key[2]}")
         if dirs[key] not in cache:
-            state = dk_checkpoint.read_model(dirs[key])[0]
-            cache[dirs[key]] = {_model_key(k, known): v for k, v in state.items()}
+            cache[dirs[key]] = _read_part(dirs[key], sharded, known, optimizer)
         return cache[dirs[key]]
 
     ranks = []
@@ -92,11 +138,17 @@ def _per_tp_rank(
         def ep_rank_state(e: int, t: int = t) -> Dict[str, torch.Tensor]:
             merged: Dict[str, torch.Tensor] = {}
             for s in stages:
-                merged.update(read((s, t, e)))
+                merged.update(read((s, t, e)).model)
             return merged
 
-        ranks.append(moe_checkpoint.reshard_state(sequential, ep, ep_rank_state))
-    return ranks
+        model = moe_checkpoint.reshard_state(sequential, ep, ep_rank_state)
+        per_param: Dict[str, Dict[str, Any]] = {}
+        for e in range(ep):  # names by global expert id: each expert from the rank holding it
+            for s in stages:
+                for name, state in read((s, t, e)).optimizer.items():
+                    per_param.setdefault(name, state)
+        ranks.append(_Part(model, per_param, {}, {}))
+    return ranks, read(min(dirs))
 
 
 def _model_key(key: str, known: Set[str]) -> str:
@@ -140,18 +192,62 @@ def _gpt_names(gpt: GPT) -> Dict[str, str]:
     return out
 
 
-def consolidate(path: str) -> Tuple[GPTConfig, int, Dict[str, torch.Tensor]]:
-    """``(config, step, state dict under GPT's names)`` of a complete step directory."""
+def _join_state(name: str, shards: Sequence[Dict[str, Any]], whole: torch.Size) -> Dict[str, Any]:
+    """One parameter's optimizer state from its tp shards: element-wise tensors joined as the
+    parameter is; the rest (``step``) equal on every tp rank."""
+    out = {}
+    for key, value in shards[0].items():
+        values = [s.get(key) for s in shards]
+        if any(v is None for v in values):
+            raise ConfigError(f"export: the optimizer state of {name} lacks {key!r} on a tp rank")
+        if isinstance(value, torch.Tensor):
+            out[key] = _join(f"{name} ({key})", values, whole if value.dim() else value.shape)
+        elif any(v != value for v in values):
+            raise ConfigError(f"export: {name}'s optimizer {key!r} differs between tp ranks")
+        else:
+            out[key] = value
+    return out
+
+
+@dataclasses.dataclass
+class Consolidated:
+    """A checkpoint of any layout as one process sees it: the whole model and, per parameter,
+    the whole optimizer state (GPT names, experts by global id)."""
+
+    config: GPTConfig
+    step: int
+    model: Dict[str, torch.Tensor]
+    optimizer: Dict[str, Dict[str, Any]]  # exp_avg, exp_avg_sq in the parameter's shape; step
+    options: Dict[str, Any]  # the saving optimizer's hyper-parameters
+    extra: Dict[str, Any]  # the saving run's: "updates", "loss_scaler"
+
+
+def consolidate_training(path: str, optimizer: bool = True) -> Consolidated:
+    """:class:`Consolidated` of a complete step directory (every rank's files are read)."""
     record = read_record(path, "export")
     config = _config(record, path)
     with torch.random.fork_rng(devices=[]):  # only its shapes and names are used
         gpt = GPT(config)
     sequential = gpt.as_sequential()
     whole = {k: v.shape for k, v in sequential.state_dict().items()}
-    ranks = _per_tp_rank(path, sequential, record["identity"])
+    ranks, first = _per_tp_rank(path, sequential, record["identity"], optimizer)
     names = _gpt_names(gpt)
-    state = {names[k]: _join(k, [r[k] for r in ranks], shape) for k, shape in whole.items()}
-    return config, int(record["step"]), state
+    state = {names[k]: _join(k, [r.model[k] for r in ranks], shape) for k, shape in whole.items()}
+    per_param = {}
+    for k, _ in sequential.named_parameters():
+        held = [r.optimizer.get(k) for r in ranks]
+        if all(h is None for h in held):
+            continue  # no step has touched it (torch keeps no state for it)
+        if any(h is None for h in held):
+            raise ConfigError(f"export: {path}: only some tp ranks hold optimizer state of {k}")
+        per_param[names[k]] = _join_state(k, held, whole[k])
+    return Consolidated(config, int(record["step"]), state, per_param, first.options, first.extra)
+
+
+def consolidate(path: str) -> Tuple[GPTConfig, int, Dict[str, torch.Tensor]]:
+    """``(config, step, state dict under GPT's names)`` of a complete step directory."""
+    whole = consolidate_training(path, optimizer=False)
+    return whole.config, whole.step, whole.model
 
 
 def export(path: str, out: str) -> Dict[str, Any]:
