@@ -140,3 +140,22 @@ def test_preflight_accepts_another_layout_and_still_refuses_another_model(tmp_pa
     preflight(dataclasses.replace(cfg, dp=2, zero=3), 2)
     with pytest.raises(ConfigError, match="was written with model="):
         preflight(dataclasses.replace(cfg, tp=2, model=dataclasses.replace(TINY, dim=64)), 2)
+
+
+def test_a_checkpoint_older_than_a_model_field_still_resumes(tmp_path):
+    """A record written before a GPTConfig field existed lacks it; the model that wrote it had
+    the field's default, so a run at the default resumes it and a run off the default does
+    not (the missing field is compared as its default)."""
+    import json
+
+    cfg = _cfg(steps=4, global_batch=4, checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(1, _on_ranks, dataclasses.replace(cfg, stop_after=2), timeout=300)
+    record_path = tmp_path / "step-00000002" / "COMPLETE.json"
+    record = json.loads(record_path.read_text())
+    for field in ("ffn_hidden_size", "gelu_approximate"):
+        del record["identity"]["model"][field]
+    record_path.write_text(json.dumps(record))
+    preflight(cfg, 1)
+    tanh = dataclasses.replace(cfg, model=dataclasses.replace(TINY, gelu_approximate="tanh"))
+    with pytest.raises(ConfigError, match="was written with model="):
+        preflight(tanh, 1)

@@ -49,6 +49,7 @@ __all__ = ["GPTConfig", "GPT"]
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned", "rope")
+GELU_APPROXIMATIONS = ("none", "tanh")  # F.gelu's approximate
 
 
 @dataclass
@@ -70,7 +71,13 @@ class GPTConfig:
     dim: int = 64
     """Hidden size; a multiple of ``n_heads``."""
     mlp_ratio: int = 4
-    """The MLP's hidden size is ``mlp_ratio * dim``."""
+    """The MLP's hidden size is ``mlp_ratio * dim`` unless ``ffn_hidden_size`` is set."""
+    ffn_hidden_size: Optional[int] = None
+    """The MLP's (and each expert's) hidden size when set (Megatron's ``--ffn-hidden-size``;
+    Llama's ``intermediate_size``, often no multiple of ``dim``)."""
+    gelu_approximate: str = "none"
+    """GPT-2 MLP's GELU as ``F.gelu``'s ``approximate``: ``"none"`` (exact) or ``"tanh"``
+    (OpenAI GPT-2's; Megatron's ``--openai-gelu``)."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and residual branches."""
     bias: bool = True
@@ -112,6 +119,17 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
+        if self.ffn_hidden_size is not None and (
+            not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 1
+        ):
+            raise ValueError(
+                f"GPTConfig: ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}"
+            )
+        if self.gelu_approximate not in GELU_APPROXIMATIONS:
+            raise ValueError(
+                f"GPTConfig: gelu_approximate must be one of {GELU_APPROXIMATIONS}, got "
+                f"{self.gelu_approximate!r}"
+            )
         if self.dim % self.n_heads:
             raise ValueError(f"GPTConfig: dim({self.dim}) % n_heads({self.n_heads}) != 0")
         if not 0.0 <= self.dropout < 1.0:
@@ -141,6 +159,11 @@ class GPTConfig:
     def is_moe_block(self, i: int) -> bool:
         """Whether block ``i`` has an MoE in place of its MLP."""
         return self.n_experts > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def ffn_dim(self) -> int:
+        """The MLP's hidden size."""
+        return self.ffn_hidden_size or self.mlp_ratio * self.dim
 
     @property
     def head_dim(self) -> int:
@@ -218,7 +241,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        hidden = cfg.mlp_ratio * cfg.dim
+        hidden = cfg.ffn_dim
+        self.approximate = cfg.gelu_approximate
         self.fc = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.gate = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if cfg.swiglu else None
         self.proj = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
@@ -226,7 +250,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is None:
-            return self.drop(self.proj(F.gelu(self.fc(x))))
+            return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
         return self.drop(self.proj(F.silu(self.gate(x)) * self.fc(x)))
 
 
@@ -242,7 +266,7 @@ def _moe(cfg: GPTConfig) -> moe_lib.MoE:
     """An unsharded MoE whose experts have the MLP's hidden size (``shard_experts`` later)."""
     return moe_lib.MoE(
         cfg.dim,
-        cfg.mlp_ratio * cfg.dim,
+        cfg.ffn_dim,
         cfg.n_experts,
         cfg.top_k,
         None,
@@ -434,7 +458,7 @@ class GPT(nn.Module):
             ("n_heads", cfg.n_heads),
             ("n_kv_heads", cfg.kv_heads),
             ("vocab_size", cfg.vocab_size),
-            ("mlp hidden (mlp_ratio * dim)", cfg.mlp_ratio * cfg.dim),
+            ("mlp hidden (ffn_hidden_size or mlp_ratio * dim)", cfg.ffn_dim),
         ):
             if value % tp_size:
                 raise ValueError(f"GPT: {name}({value}) % tp({tp_size}) != 0")

@@ -22,9 +22,11 @@ the whole checkpoint on every rank and cuts it for its own layout (``reshard.py`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+from dataclasses import MISSING
 from typing import Any, Dict, Optional, Tuple
 
 from .. import checkpoint as dk_checkpoint
@@ -84,6 +86,17 @@ def newest_complete(directory: str) -> Optional[str]:
     return os.path.join(directory, max(steps)[1]) if steps else None
 
 
+def _model_with_defaults(desc: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved model description with the GPTConfig fields it predates at their defaults
+    (which is what the model that saved it had), so a field added since does not refuse it."""
+    from ..models import GPTConfig
+
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not MISSING
+    }
+    return {**{k: v for k, v in defaults.items() if k not in desc}, **desc}
+
+
 def read_record(path: str, what: str) -> Dict[str, Any]:
     """The ``COMPLETE.json`` of step directory ``path``; ConfigError (``what``: the option
     asking) when it is missing or unreadable: the checkpoint is not complete."""
@@ -106,6 +119,8 @@ def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str
     record = read_record(path, "resume")
     for key in _MUST_MATCH:
         saved = record["identity"].get(key)
+        if key == "model" and isinstance(saved, dict):
+            saved = _model_with_defaults(saved)
         if saved != ident[key]:
             raise ConfigError(
                 f"resume: checkpoint {path} was written with {key}={saved!r}; "

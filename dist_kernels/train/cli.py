@@ -149,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--swiglu", action="store_true", help="Llama's SwiGLU MLP in place of GPT-2's GELU MLP")
     add(
+        "--ffn-hidden-size",
+        type=int,
+        default=m.ffn_hidden_size,
+        help="the MLP's hidden size (default: 4 x --d-model)",
+    )
+    add("--openai-gelu", action="store_true", help="GPT-2's tanh approximation of GELU")
+    add("--norm-epsilon", type=float, default=m.norm_eps, help="the norms' epsilon")
+    add(
         "--position-embedding-type",
         default=m.position_embedding,
         choices=POSITION_EMBEDDINGS,
@@ -167,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-from",
         default=None,
         metavar="FILE",
-        help="start from the weights of python -m dist_kernels.train.export (any layout)",
+        help="start from the weights of python -m dist_kernels.train.export (any layout) or "
+        "of a local Hugging Face GPT-2 / Llama model directory",
     )
     add("--log-every", type=int, default=d.log_every, help="steps per logging interval")
     field("--eval-interval", int, "steps between validation losses on held-out text (0: none)")
@@ -217,6 +226,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         moe_every=args.moe_every,
         normalization=args.normalization,
         swiglu=args.swiglu,
+        ffn_hidden_size=args.ffn_hidden_size,
+        gelu_approximate="tanh" if args.openai_gelu else "none",
+        norm_eps=args.norm_epsilon,
         position_embedding=args.position_embedding_type,
         rope_theta=args.rotary_base,
     )

@@ -155,10 +155,12 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Steps between checkpoints (0 = only at the end, when ``checkpoint_dir`` is set)."""
     init_from: Optional[str] = None
-    """A file of ``python -m dist_kernels.train.export``: the model starts from its weights
-    (checked to be this model) in place of the seed's initialisation, at any layout; the
-    optimizer, the schedule and the data start afresh (Megatron's ``--finetune``). A run that
-    resumes a checkpoint of its own ignores it."""
+    """A file of ``python -m dist_kernels.train.export``, or a local Hugging Face GPT-2 or
+    Llama model directory (its vocabulary padded to this run's, its position table cut to
+    ``--seq-len``): the model starts from its weights (checked to be this model) in place of
+    the seed's initialisation, at any layout; the optimizer, the schedule and the data start
+    afresh (Megatron's ``--finetune``). A run that resumes a checkpoint of its own ignores
+    it."""
     resume: Optional[str] = None
     """``auto``: the newest complete checkpoint in ``checkpoint_dir`` (if any); or a path."""
     eval_interval: int = 0

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 import sys
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
@@ -262,7 +263,11 @@ def export(path: str, out: str) -> Dict[str, Any]:
 
 
 def load_exported(path: str, config: Optional[GPTConfig] = None) -> Dict[str, torch.Tensor]:
-    """The state dict of an exported file; with ``config``, checked to be that model's."""
+    """The state dict of an exported file, or of a local Hugging Face model directory (GPT-2
+    or Llama, :mod:`dist_kernels.models.hf`); with ``config``, checked to be that model's
+    (a Hugging Face model's vocabulary padded and position table cut to ``config``'s)."""
+    if os.path.isdir(path):
+        return _load_hf(path, config)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, ValueError) as e:
@@ -270,24 +275,114 @@ def load_exported(path: str, config: Optional[GPTConfig] = None) -> Dict[str, to
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ConfigError(f"init_from: {path} is not a file of python -m dist_kernels.train.export")
     if config is not None:
-        mine = dataclasses.asdict(config)
-        differ = {k: (v, mine.get(k)) for k, v in payload["config"].items() if mine.get(k) != v}
-        if differ:
-            detail = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in differ.items())
-            raise ConfigError(f"init_from: {path} holds another model: {detail}")
+        _check_same_model(path, payload["config"], config)
     return payload["model"]
+
+
+def _check_same_model(path: str, saved: Dict[str, Any], config: GPTConfig) -> None:
+    mine = dataclasses.asdict(config)
+    differ = {k: (v, mine.get(k)) for k, v in saved.items() if mine.get(k) != v}
+    if differ:
+        detail = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in differ.items())
+        raise ConfigError(f"init_from: {path} holds another model: {detail}")
+
+
+# what only training uses, or what _fit_hf adapts: not compared with a Hugging Face model
+_HF_FREE = ("dropout", "init_std", "vocab_size", "block_size", "tie_embeddings")
+
+
+def _architecture(config: GPTConfig) -> Dict[str, Any]:
+    """What must agree between a Hugging Face model and the run's, equivalent spellings made
+    one (the MLP's hidden size; key / value heads)."""
+    out = {k: v for k, v in dataclasses.asdict(config).items() if k not in _HF_FREE}
+    for k in ("mlp_ratio", "ffn_hidden_size", "n_kv_heads"):
+        del out[k]
+    return {**out, "ffn_dim": config.ffn_dim, "kv_heads": config.kv_heads}
+
+
+def _load_hf(path: str, config: Optional[GPTConfig]) -> Dict[str, torch.Tensor]:
+    """A Hugging Face model directory as GPT's state dict, fitted to ``config``."""
+    from ..models import hf
+
+    try:
+        hf_config, state = hf.load_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"init_from: {path}: {e}") from None
+    if config is None:
+        return state
+    mine, theirs = _architecture(config), _architecture(hf_config)
+    differ = {k: (v, mine[k]) for k, v in theirs.items() if mine[k] != v}
+    if differ:
+        detail = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in differ.items())
+        raise ConfigError(f"init_from: {path} holds another model: {detail}")
+    return _fit_hf(path, hf_config, state, config)
+
+
+def _fit_hf(path: str, hf_config: GPTConfig, state, config: GPTConfig):
+    """The run's vocabulary is padded to a multiple of 64 (``driver.model_config``): the
+    embedding and head get zero rows for the padding ids (which never occur; their logits are
+    0, as Megatron's converters pad). A learned position table longer than the run's
+    sequence keeps its first rows (nanoGPT's ``crop_block_size``). A model whose head is its
+    embedding (GPT-2) starts untied, as the driver trains: the head a copy of the embedding."""
+    vocab, rows = hf_config.vocab_size, config.vocab_size
+    if vocab > rows:
+        raise ConfigError(
+            f"init_from: {path} has a vocabulary of {vocab} and this run {rows}: give "
+            f"--vocab-size {vocab} (a token file's ids must be the model's tokenizer's)"
+        )
+    if config.position_embedding == "learned" and hf_config.block_size < config.block_size:
+        raise ConfigError(
+            f"init_from: {path} has {hf_config.block_size} positions and this run "
+            f"--seq-len {config.block_size}"
+        )
+    out = dict(state)
+    for key in ("embedding.wte.weight", "head.lm_head.weight"):
+        out[key] = torch.cat([state[key], state[key].new_zeros(rows - vocab, config.dim)])
+        # (cat copies: a tied model's head and embedding are one tensor no longer)
+    if "embedding.wpe.weight" in out:
+        out["embedding.wpe.weight"] = state["embedding.wpe.weight"][: config.block_size].clone()
+    return out
+
+
+def export_hf(path: str, out: str) -> GPTConfig:
+    """Writes a Hugging Face model directory (``config.json``, ``model.safetensors``) of a
+    complete step directory, atomically (a temporary directory renamed); returns the config."""
+    from ..models import hf
+
+    config, _, state = consolidate(path)
+    tmp = f"{out.rstrip(os.sep)}.tmp{os.getpid()}"
+    try:
+        hf.save_pretrained(tmp, config, state)
+    except ValueError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"export: {e}") from None
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return config
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dist_kernels.train.export",
-        description="Write one file of unsharded GPT weights from a training checkpoint "
-        "(any pp, tp, ep, ZeRO), for GPT.load_state_dict or --init-from.",
+        description="Write the unsharded GPT weights of a training checkpoint (any pp, tp, ep, "
+        "ZeRO): one file for GPT.load_state_dict or --init-from, or a Hugging Face model.",
     )
     parser.add_argument("step_dir", help="a complete step directory: <checkpoint-dir>/step-N")
-    parser.add_argument("out", help="the file to write")
+    parser.add_argument("out", help="the file (--format dk) or directory (--format hf) to write")
+    parser.add_argument(
+        "--format",
+        choices=("dk", "hf"),
+        default="dk",
+        help="dk: one file for --init-from / GPT.load_state_dict; hf: a Hugging Face model "
+        "directory (GPT2LMHeadModel or LlamaForCausalLM) for from_pretrained",
+    )
     args = parser.parse_args(argv)
     try:
+        if args.format == "hf":
+            config = export_hf(args.step_dir, args.out)
+            print(f"wrote {args.out}: a Hugging Face model of {dataclasses.asdict(config)}")
+            return 0
         payload = export(args.step_dir, args.out)
     except (ConfigError, dk_checkpoint.CheckpointError, KeyError) as e:
         print(f"dist_kernels.train.export: error: {e}", file=sys.stderr)

@@ -1,0 +1,341 @@
+"""Hugging Face ``transformers`` checkpoints of :class:`~dist_kernels.models.GPT`, both ways.
+
+    hf_config, hf_state = to_hf(config, state)       # GPT -> GPT2LMHeadModel / LlamaForCausalLM
+    config, state = from_hf(hf_config, hf_state)     # and back
+    save_pretrained(directory, config, state)        # config.json + model.safetensors
+    config, state = load_pretrained(directory)       # any local Hugging Face directory
+
+Two families map one to one:
+
+==================  ===========================================  ===========================
+GPT option          GPT-2 (``GPT2LMHeadModel``)                  Llama (``LlamaForCausalLM``)
+==================  ===========================================  ===========================
+normalization       layernorm (biases zero when ``bias=False``)  rmsnorm
+MLP                 ``proj(gelu(fc(x)))``: ``gelu`` /            swiglu: gate_proj, up_proj
+                    ``gelu_pytorch_tanh`` (``gelu_approximate``)  (= fc), down_proj (= proj)
+positions           learned (``wpe``, ``n_positions`` rows)      rope (``rope_theta``)
+attention           every head its key and value                 grouped (``n_kv_heads``)
+==================  ===========================================  ===========================
+
+What differs is the layout of the attention's fused projection. Ours is one ``qkv`` laid out
+group by group (``[group][q_1 .. q_r, k, v]``, one head each, so a tensor-parallel shard holds
+whole groups); GPT-2's ``c_attn`` is ``[q heads | k heads | v heads]`` and a ``Conv1D`` (its
+weights stored transposed, ``[in, out]``); Llama has separate ``q_proj``, ``k_proj``,
+``v_proj`` whose query head ``h`` uses key / value head ``h // r`` (``repeat_kv``), which is
+our group order. Rotary embeddings use the same halves layout (``rotate_half``) and
+frequencies. MoE blocks and mixed families (say rope with a GELU MLP) have no counterpart here
+and are refused, naming the options. ``transformers`` is needed only by :func:`save_pretrained`
+and :func:`load_pretrained` (it writes and reads the configuration; ``safetensors``, which it
+depends on, the weights).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .gpt import GPTConfig
+
+__all__ = ["from_hf", "load_pretrained", "save_pretrained", "to_hf"]
+
+_GELU = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
+# Hugging Face activation names -> F.gelu's approximate (gelu_new is the tanh formula too)
+_GELU_FROM_HF = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
+
+State = Dict[str, torch.Tensor]
+
+
+def _family(config: GPTConfig) -> str:
+    """``"gpt2"`` or ``"llama"``; ValueError naming what matches neither."""
+    if config.n_experts:
+        raise ValueError("hf: MoE blocks have no Hugging Face counterpart here (n_experts > 0)")
+    gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
+    llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
+    mine = {k: getattr(config, k) for k in gpt2}
+    if mine == gpt2 and config.kv_heads == config.n_heads:
+        return "gpt2"
+    if mine == llama:
+        return "llama"
+    raise ValueError(
+        f"hf: {mine} (n_kv_heads {config.kv_heads} of {config.n_heads}) is neither GPT-2's "
+        f"{gpt2} with every head its own key and value nor Llama's {llama}"
+    )
+
+
+def _split_qkv(config: GPTConfig, qkv: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Our ``qkv`` weight (or bias) -> ``(q, k, v)``, each with its heads in order."""
+    g, r, d = config.kv_heads, config.n_heads // config.kv_heads, config.head_dim
+    grouped = qkv.reshape(g, r + 2, d, *qkv.shape[1:])
+    q = grouped[:, :r].reshape(g * r * d, *qkv.shape[1:])
+    k = grouped[:, r].reshape(g * d, *qkv.shape[1:])
+    v = grouped[:, r + 1].reshape(g * d, *qkv.shape[1:])
+    return q, k, v
+
+
+def _join_qkv(config: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The inverse of :func:`_split_qkv`."""
+    g, r, d = config.kv_heads, config.n_heads // config.kv_heads, config.head_dim
+    rest = q.shape[1:]
+    parts = [q.reshape(g, r, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(g * (r + 2) * d, *rest)
+
+
+def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    """``(configuration, state dict)`` of the Hugging Face model equal to ``GPT(config)``
+    holding ``state`` (GPT's names): a ``GPT2Config`` or ``LlamaConfig``'s keyword arguments
+    (with ``model_type``) and the model's weights under its names."""
+    family = _family(config)
+    return (_to_gpt2 if family == "gpt2" else _to_llama)(config, state)
+
+
+def _common(config: GPTConfig) -> Dict[str, Any]:
+    # no token ids: the model knows none (a tokenizer's are set with it, by its user)
+    return {
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+
+
+def _to_gpt2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    dim, hidden = config.dim, config.ffn_dim
+    hf = {
+        "model_type": "gpt2",
+        **_common(config),
+        "n_positions": config.block_size,
+        "n_embd": dim,
+        "n_layer": config.n_layers,
+        "n_head": config.n_heads,
+        "n_inner": hidden,
+        "activation_function": _GELU[config.gelu_approximate],
+        "layer_norm_epsilon": config.norm_eps,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "initializer_range": config.init_std,
+    }
+    weight = state["embedding.wte.weight"]
+    out = {
+        "transformer.wte.weight": weight,
+        "transformer.wpe.weight": state["embedding.wpe.weight"],
+    }
+
+    def norm(ours: str, theirs: str) -> None:  # GPT-2's LayerNorm always has a bias
+        out[f"{theirs}.weight"] = w = state[f"{ours}.weight"]
+        out[f"{theirs}.bias"] = state.get(f"{ours}.bias", torch.zeros_like(w))
+
+    def conv1d(theirs: str, w: torch.Tensor, b: Optional[torch.Tensor]) -> None:
+        out[f"{theirs}.weight"] = w.t().contiguous()  # Conv1D: [in, out]
+        out[f"{theirs}.bias"] = b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
+
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}", f"transformer.h.{i}"
+        norm(f"{ours}.ln_1", f"{theirs}.ln_1")
+        norm(f"{ours}.ln_2", f"{theirs}.ln_2")
+        qkv_bias = state.get(f"{ours}.attn.qkv.bias")
+        conv1d(
+            f"{theirs}.attn.c_attn",
+            torch.cat(_split_qkv(config, state[f"{ours}.attn.qkv.weight"])),
+            None if qkv_bias is None else torch.cat(_split_qkv(config, qkv_bias)),
+        )
+        for mine, name in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
+                           ("mlp.proj", "mlp.c_proj")):  # fmt: skip
+            w, b = state[f"{ours}.{mine}.weight"], state.get(f"{ours}.{mine}.bias")
+            conv1d(f"{theirs}.{name}", w, b)
+    norm("head.ln_f", "transformer.ln_f")
+    out["lm_head.weight"] = state["head.lm_head.weight"]
+    return hf, out
+
+
+def _llama_pairs(i: int, bias: bool) -> List[Tuple[str, str]]:
+    """Block ``i``'s tensors that Llama names otherwise, ``(ours, theirs)`` (the fused
+    ``qkv`` apart)."""
+    ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+    pairs = [
+        (f"{ours}.ln_1.weight", f"{theirs}.input_layernorm.weight"),
+        (f"{ours}.ln_2.weight", f"{theirs}.post_attention_layernorm.weight"),
+    ]
+    renamed = {"attn.proj": "self_attn.o_proj", "mlp.fc": "mlp.up_proj",
+               "mlp.gate": "mlp.gate_proj", "mlp.proj": "mlp.down_proj"}  # fmt: skip
+    for kind in ("weight", "bias") if bias else ("weight",):
+        pairs += [(f"{ours}.{a}.{kind}", f"{theirs}.{b}.{kind}") for a, b in renamed.items()]
+    return pairs
+
+
+def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf = {
+        "model_type": "llama",
+        **_common(config),
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.block_size,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "attention_bias": config.bias,
+        "mlp_bias": config.bias,
+        "attention_dropout": config.dropout,
+        "initializer_range": config.init_std,
+    }
+    out = {"model.embed_tokens.weight": state["embedding.wte.weight"]}
+    for i in range(config.n_layers):
+        for ours, theirs in _llama_pairs(i, config.bias):
+            out[theirs] = state[ours]
+        for kind in ("weight", "bias") if config.bias else ("weight",):
+            q, k, v = _split_qkv(config, state[f"blocks.{i}.attn.qkv.{kind}"])
+            for name, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[f"model.layers.{i}.self_attn.{name}.{kind}"] = value
+    out["model.norm.weight"] = state["head.ln_f.weight"]
+    out["lm_head.weight"] = state["head.lm_head.weight"]
+    return hf, out
+
+
+def _get(hf: Dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if hf.get(key) is not None:
+            return hf[key]
+    return default
+
+
+def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    """``(GPTConfig, state dict under GPT's names)`` of a Hugging Face GPT-2 or Llama model:
+    ``hf`` its configuration as a dict (``config.to_dict()``), ``state`` its weights."""
+    model_type = hf.get("model_type")
+    if model_type == "gpt2":
+        return _from_gpt2(hf, state)
+    if model_type == "llama":
+        return _from_llama(hf, state)
+    raise ValueError(f"hf: model_type {model_type!r}: only 'gpt2' and 'llama' are mapped")
+
+
+def _int_ratio(hidden: int, dim: int) -> Dict[str, Any]:
+    """GPTConfig's MLP size: ``mlp_ratio`` when it is a whole multiple, else ``ffn_hidden_size``."""
+    if hidden % dim == 0:
+        return {"mlp_ratio": hidden // dim}
+    return {"ffn_hidden_size": hidden}
+
+
+def _from_gpt2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GELU_FROM_HF:
+        raise ValueError(f"hf: GPT-2 activation {act!r}: one of {sorted(_GELU_FROM_HF)}")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(flag):
+            raise ValueError(f"hf: GPT-2 with {flag}=True has no counterpart here")
+    dim = hf["n_embd"]
+    hidden = hf.get("n_inner") or 4 * dim
+    config = GPTConfig(
+        vocab_size=hf["vocab_size"],
+        block_size=hf["n_positions"],
+        n_layers=hf["n_layer"],
+        n_heads=hf["n_head"],
+        dim=dim,
+        **_int_ratio(hidden, dim),
+        gelu_approximate=_GELU_FROM_HF[act],
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        bias=True,
+    )
+    s = {k.removeprefix("transformer."): v for k, v in state.items()}
+    out = {"embedding.wte.weight": s["wte.weight"], "embedding.wpe.weight": s["wpe.weight"]}
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}", f"h.{i}"
+        for norm in ("ln_1", "ln_2"):
+            for kind in ("weight", "bias"):
+                out[f"{ours}.{norm}.{kind}"] = s[f"{theirs}.{norm}.{kind}"]
+        w, b = s[f"{theirs}.attn.c_attn.weight"].t(), s[f"{theirs}.attn.c_attn.bias"]
+        out[f"{ours}.attn.qkv.weight"] = _join_qkv(config, *w.contiguous().chunk(3))
+        out[f"{ours}.attn.qkv.bias"] = _join_qkv(config, *b.chunk(3))
+        for mine, theirs_name in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
+                                  ("mlp.proj", "mlp.c_proj")):  # fmt: skip
+            out[f"{ours}.{mine}.weight"] = s[f"{theirs}.{theirs_name}.weight"].t().contiguous()
+            out[f"{ours}.{mine}.bias"] = s[f"{theirs}.{theirs_name}.bias"]
+    out["head.ln_f.weight"], out["head.ln_f.bias"] = s["ln_f.weight"], s["ln_f.bias"]
+    out["head.lm_head.weight"] = state.get("lm_head.weight", s["wte.weight"])
+    return config, out
+
+
+def _rope_theta(hf: Dict[str, Any]) -> float:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"hf: Llama rope_type {kind!r}: only the default rotary embedding")
+    return float(_get(rope, "rope_theta", default=_get(hf, "rope_theta", default=10000.0)))
+
+
+def _from_llama(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hf: Llama hidden_act {hf['hidden_act']!r}: only 'silu' (SwiGLU)")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise ValueError("hf: Llama with attention_bias != mlp_bias has no counterpart here")
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, dim // heads):
+        raise ValueError(f"hf: Llama head_dim {hf['head_dim']} != hidden_size / heads")
+    bias, theta = bool(hf.get("attention_bias", False)), _rope_theta(hf)
+    config = GPTConfig(
+        vocab_size=hf["vocab_size"],
+        block_size=hf["max_position_embeddings"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=_get(hf, "num_key_value_heads", default=heads),
+        dim=dim,
+        **_int_ratio(hf["intermediate_size"], dim),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        normalization="rmsnorm",
+        swiglu=True,
+        position_embedding="rope",
+        rope_theta=theta,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=bias,
+    )
+    out = {"embedding.wte.weight": state["model.embed_tokens.weight"]}
+    for i in range(config.n_layers):
+        for ours, theirs in _llama_pairs(i, bias):
+            out[ours] = state[theirs]
+        for kind in ("weight", "bias") if bias else ("weight",):
+            names = (f"model.layers.{i}.self_attn.{n}_proj.{kind}" for n in "qkv")
+            out[f"blocks.{i}.attn.qkv.{kind}"] = _join_qkv(config, *(state[n] for n in names))
+    out["head.ln_f.weight"] = state["model.norm.weight"]
+    out["head.lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    return config, out
+
+
+def save_pretrained(directory: str, config: GPTConfig, state: State) -> None:
+    """Writes ``directory`` as ``transformers.AutoModelForCausalLM.from_pretrained`` reads it:
+    the model is built by ``transformers`` from the mapped configuration and loaded strictly
+    (so every weight has its place), then saved by it (``config.json``,
+    ``model.safetensors``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf, weights = to_hf(config, state)
+    kind = hf.pop("model_type")
+    hf_config = AutoConfig.for_model(kind, **hf)
+    with torch.random.fork_rng(devices=[]):  # its initialisation is overwritten
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if config.tie_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"hf: the mapping left out {missing} and added {unexpected}")
+    model.save_pretrained(directory)
+
+
+def load_pretrained(directory: str) -> Tuple[GPTConfig, State]:
+    """``(GPTConfig, state dict)`` of a local Hugging Face model directory (nothing is
+    downloaded), in FP32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ValueError(f"hf: {directory} has no config.json (not a Hugging Face model)")
+    hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, local_files_only=True, dtype=torch.float32
+    )
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return from_hf(hf_config.to_dict(), state)

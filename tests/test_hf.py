@@ -1,0 +1,234 @@
+"""Hugging Face ``transformers`` models as the reference for our GPT, both ways
+(``dist_kernels.models.hf``): our weights written for ``from_pretrained`` give
+``GPT2LMHeadModel`` / ``LlamaForCausalLM`` our logits; their weights read back give our GPT
+their logits; a trained checkpoint exports to them (``export --format hf``), and the driver
+starts from them (``--init-from DIR``). Every model is built here from a configuration with
+random weights: nothing is downloaded."""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+from mp_pool import run_ranks
+from test_train import SEED, _cfg, _on_ranks
+
+from dist_kernels.models import GPT, GPTConfig
+from dist_kernels.models import hf as dk_hf
+from dist_kernels.train import ConfigError, data, driver
+from dist_kernels.train.export import consolidate, load_exported
+from dist_kernels.train.export import main as export_main
+from dist_kernels.train.model import build_model
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(n_layers=2, n_heads=4, dim=32, block_size=16, vocab_size=64)
+LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope", bias=False)
+MODELS = {
+    "gpt2": GPTConfig(**SMALL, tie_embeddings=False),
+    "gpt2-tied-tanh-ffn72-nobias": GPTConfig(
+        **SMALL, tie_embeddings=True, gelu_approximate="tanh", ffn_hidden_size=72, bias=False
+    ),
+    "llama-gqa": GPTConfig(**SMALL, **LLAMA, n_kv_heads=2, rope_theta=500.0, tie_embeddings=False),
+    "llama-mqa-bias-ffn72": GPTConfig(
+        **{**SMALL, **LLAMA, "bias": True}, n_kv_heads=1, ffn_hidden_size=72, norm_eps=1e-6
+    ),
+}
+# HF's Llama computes its rotary tables in FP32 whatever the model's dtype (its
+# LlamaRotaryEmbedding), so a float64 comparison ends at FP32's rounding of the angles; a
+# wrong head order or layout is off by O(1)
+TOLERANCE = {"gpt2": 1e-12, "llama": 1e-6}
+
+
+def _family(config):
+    return "llama" if config.swiglu else "gpt2"
+
+
+def _perturbed_gpt(config, seed):
+    """GPT(config) with every weight moved off its initialisation (norm weights not 1, biases
+    not 0), rounded to FP32 (what the files hold), in float64."""
+    torch.manual_seed(seed)
+    gpt = GPT(config)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return gpt.double().eval()
+
+
+def _hf_logits(directory, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, local_files_only=True, dtype=torch.float32
+    )
+    with torch.no_grad():
+        return model.double().eval()(ids).logits
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_our_weights_give_the_hf_model_our_logits(tmp_path, name):
+    """GPT -> save_pretrained -> transformers' from_pretrained: the same logits; and
+    load_pretrained reads the same config and weights back."""
+    config = MODELS[name]
+    print(f"seed {SEED}")
+    gpt = _perturbed_gpt(config, SEED)
+    state = {k: v.float() for k, v in gpt.state_dict().items()}
+    dk_hf.save_pretrained(str(tmp_path), config, state)
+    ids = torch.randint(0, config.vocab_size, (2, config.block_size))
+    with torch.no_grad():
+        ours = gpt(ids)
+    theirs = _hf_logits(str(tmp_path), ids)
+    print(f"{name}: largest logit difference {(ours - theirs).abs().max().item():.2e}")
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=TOLERANCE[_family(config)])
+    back_config, back = dk_hf.load_pretrained(str(tmp_path))
+    assert back_config.ffn_dim == config.ffn_dim and back_config.kv_heads == config.kv_heads
+    for k, v in state.items():
+        if k.endswith("bias") and not config.bias:
+            continue
+        assert torch.equal(back[k], v), k
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hf_weights_give_our_gpt_their_logits(tmp_path, family):
+    """A model transformers built and initialised itself (its own layout, its own init) ->
+    load_pretrained -> our GPT: the same logits (the import direction on its own)."""
+    torch.manual_seed(SEED)
+    if family == "gpt2":
+        hf_config = transformers.GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+            activation_function="gelu_new", tie_word_embeddings=True,
+        )  # fmt: skip
+    else:
+        hf_config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():  # norms and biases off their initial 1 and 0
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(tmp_path))
+    config, state = dk_hf.load_pretrained(str(tmp_path))
+    gpt = GPT(config)
+    gpt.load_state_dict(state)
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        ours = gpt.double().eval()(ids)
+    torch.testing.assert_close(_hf_logits(str(tmp_path), ids), ours, rtol=0, atol=1e-6)
+
+
+def test_mappings_refuse_what_has_no_counterpart(tmp_path):
+    moe = GPTConfig(**SMALL, n_experts=4)
+    with pytest.raises(ValueError, match=r"MoE blocks have no Hugging Face counterpart"):
+        dk_hf.to_hf(moe, GPT(moe).state_dict())
+    mixed = GPTConfig(**SMALL, position_embedding="rope")  # rope with GPT-2's GELU MLP
+    with pytest.raises(ValueError, match=r"neither GPT-2's .* nor Llama's"):
+        dk_hf.to_hf(mixed, GPT(mixed).state_dict())
+    with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2' and 'llama'"):
+        dk_hf.from_hf({"model_type": "bert"}, {})
+    scaled = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}
+    with pytest.raises(ValueError, match=r"rope_type 'llama3': only the default"):
+        dk_hf.from_hf({**scaled, "hidden_size": 32, "num_attention_heads": 4}, {})
+    with pytest.raises(ValueError, match=r"has no config.json"):
+        dk_hf.load_pretrained(str(tmp_path))
+    assert export_main([str(tmp_path), str(tmp_path / "x"), "--format", "hf"]) == 2
+
+
+LLAMA_TRAIN = dataclasses.replace(
+    GPTConfig(**{**SMALL, **LLAMA}, n_kv_heads=2, tie_embeddings=False), n_layers=2
+)
+
+
+def test_a_trained_checkpoint_exports_to_hf(tmp_path):
+    """A Llama-style model trained at tp 2 x pp 2, exported with --format hf: transformers'
+    LlamaForCausalLM gives the logits our GPT gives with the consolidated weights."""
+    model = dataclasses.replace(LLAMA_TRAIN, block_size=16, vocab_size=256)
+    cfg = _cfg(global_batch=8, tp=2, pp=2, micro_batch=2, model=model)
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(4, _on_ranks, dataclasses.replace(cfg, checkpoint_dir=ckpt), timeout=300)
+    step = os.path.join(ckpt, f"step-{cfg.steps:08d}")
+    out = str(tmp_path / "hf")
+    assert export_main([step, out, "--format", "hf"]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    config, _, state = consolidate(step)
+    gpt = GPT(config)
+    gpt.load_state_dict(state)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    with torch.no_grad():
+        ours = gpt.double().eval()(ids)
+    torch.testing.assert_close(_hf_logits(out, ids), ours, rtol=0, atol=1e-6)
+
+
+def _hf_gpt2(directory, vocab, positions):
+    """A GPT-2 transformers builds and initialises (tied head), saved to ``directory``."""
+    torch.manual_seed(SEED)
+    hf_config = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=1, n_head=2,
+        activation_function="gelu_new", tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    model.save_pretrained(directory)
+    return model
+
+
+def test_init_from_a_hf_model_directory(tmp_path):
+    """--init-from a GPT-2 directory (vocabulary 100, padded to the run's 128 with zero rows;
+    32 positions, cut to --seq-len 16; its tied head untied): the run's first loss is the
+    GPT-2's own on that batch, with the padding ids' logits 0; at dp 2 as on one process."""
+    hf_dir = str(tmp_path / "gpt2")
+    hf_model = _hf_gpt2(hf_dir, vocab=100, positions=32).double().eval()
+    tokens = str(tmp_path / "tokens.npy")
+    rng = np.random.default_rng(SEED)
+    np.save(tokens, rng.integers(0, 100, size=4000).astype(np.int64))
+    model = GPTConfig(
+        n_layers=1, n_heads=2, dim=32, block_size=16, tie_embeddings=False,
+        gelu_approximate="tanh",
+    )  # fmt: skip
+    cfg = _cfg(global_batch=8, model=model, data=tokens, vocab_size=100, init_from=hf_dir)
+    one = dataclasses.replace(cfg, grad_accum=0).with_layout(1)
+    corpus = data.build_corpus(tokens, 16, 100)
+    sampler = driver.samplers(one, corpus)[0]
+    inputs, targets = sampler.replica_batch(0, 0, one.global_batch)
+    with torch.no_grad():
+        logits = hf_model(inputs).logits  # [b, s, 100]: pad to 128 with the zeros' logits
+        padded = torch.cat([logits, logits.new_zeros(*logits.shape[:2], 28)], dim=-1)
+    want = torch.nn.functional.cross_entropy(padded.flatten(0, 1), targets.flatten()).item()
+    ranks = run_ranks(2, _on_ranks, dataclasses.replace(cfg, dp=2), timeout=300)
+    single = run_ranks(1, _on_ranks, cfg, timeout=300)[0]
+    assert single["losses"][0] == pytest.approx(want, rel=1e-5)
+    torch.testing.assert_close(ranks[0]["losses"], single["losses"], rtol=1e-5, atol=0)
+    state = load_exported(hf_dir, driver.model_config(one, corpus))
+    assert state["head.lm_head.weight"].data_ptr() != state["embedding.wte.weight"].data_ptr()
+    built, _ = build_model(driver.model_config(one, corpus), cfg.seed, init_state=state)
+    assert built[0].wte.weight.shape[0] == 128 and built[0].wpe.weight.shape[0] == 16
+
+
+def test_init_from_a_hf_model_of_another_shape_is_refused(tmp_path):
+    hf_dir = str(tmp_path / "gpt2")
+    _hf_gpt2(hf_dir, vocab=100, positions=32)
+    model = GPTConfig(n_layers=1, n_heads=2, dim=32, block_size=16, tie_embeddings=False)
+    with pytest.raises(ConfigError, match=r"holds another model: gelu_approximate='tanh' "):
+        load_exported(hf_dir, dataclasses.replace(model, vocab_size=128))
+    tanh = dataclasses.replace(model, gelu_approximate="tanh")
+    with pytest.raises(ConfigError, match=r"vocabulary of 100 and this run 64: give "):
+        load_exported(hf_dir, dataclasses.replace(tanh, vocab_size=64))
+    with pytest.raises(ConfigError, match=r"has 32 positions and this run --seq-len 64"):
+        load_exported(hf_dir, dataclasses.replace(tanh, vocab_size=128, block_size=64))
+
+
+def test_the_flags_that_describe_hf_shapes():
+    """--ffn-hidden-size, --openai-gelu, --norm-epsilon reach the model (Megatron's names),
+    and a hidden size tp does not divide is refused with the arithmetic."""
+    from dist_kernels.train.cli import build_parser, config_from_args
+
+    argv = ["--ffn-hidden-size", "72", "--openai-gelu", "--norm-epsilon", "1e-6"]
+    model = config_from_args(build_parser().parse_args(argv)).model
+    assert (model.ffn_dim, model.gelu_approximate, model.norm_eps) == (72, "tanh", 1e-6)
+    default = config_from_args(build_parser().parse_args([])).model
+    assert (default.ffn_dim, default.gelu_approximate, default.norm_eps) == (512, "none", 1e-5)
+    odd = GPTConfig(**SMALL, ffn_hidden_size=75)
+    with pytest.raises(ValueError, match=r"mlp hidden \(ffn_hidden_size or mlp_ratio \* dim\)"
+                       r"\(75\) % tp\(2\) != 0"):  # fmt: skip
+        GPT(odd).tp_plan(2)
+    with pytest.raises(ValueError, match=r"gelu_approximate must be one of \('none', 'tanh'\)"):
+        GPTConfig(**SMALL, gelu_approximate="erf")
