@@ -50,6 +50,9 @@ __all__ = ["GPTConfig", "GPT"]
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned", "rope")
 GELU_APPROXIMATIONS = ("none", "tanh")  # F.gelu's approximate
+# F.scaled_dot_product_attention's enable_gqa (torch >= 2.5): query head h on key / value head
+# h // r, our group order, without materialising r copies of each key and value head
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 @dataclass
@@ -203,14 +206,17 @@ class CausalSelfAttention(nn.Module):
             pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
             cos, sin = rope_tables(pos.to(q.device), self.head_dim, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if r > 1:  # each key / value head serves the r query heads of its group
-            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         p = self.dropout if self.training else 0.0
+        if r > 1 and (self.sequence is not None or not _SDPA_GQA):
+            # each key / value head serves the r query heads of its group (ring attention
+            # moves whole heads; SDPA before torch 2.5 has no groups)
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         if self.sequence is not None:
             y = self.sequence.attention(q, k, v, causal=True)
         else:  # heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn)
+            gqa = {"enable_gqa": True} if r > 1 else {}  # no repeated copies of k and v
             with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * d]
         return self.drop(self.proj(y))
 
