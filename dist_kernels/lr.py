@@ -1,4 +1,4 @@
-"""Learning-rate helpers: scaling with the global batch, warm-up then cosine or constant.
+"""Learning-rate helpers: scaling with the global batch, warm-up then a decay.
 
     lr = dk.lr.scale_lr(3e-4, global_batch=512, base_batch=64, rule="sqrt")
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -14,7 +14,16 @@ Formulas (``s`` = steps taken, ``W`` = warm-up steps, ``T`` = total steps, ``m``
 
     warm-up   s < W:   (s + 1) / W                      reaches 1 on the W-th step
     cosine    s >= W:  m + (1 - m) * (1 + cos(pi * p)) / 2,  p = min(1, (s - W) / (T - W))
+    linear    s >= W:  m + (1 - m) * (1 - p)
     constant  s >= W:  1
+    wsd       s >= W:  1 until T - D, then m + (1 - m) * c(q),  q = min(1, (s - T + D) / D)
+                       c: linear 1 - q, cosine (1 + cos(pi q)) / 2, minus_sqrt 1 - sqrt(q),
+                       exponential 2 * 0.5^q - 1
+
+``wsd`` is warm-up, stable, decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024 for
+``minus_sqrt``): the rate holds at its peak and decays over the last ``D`` steps only, so a run
+can be extended from any checkpoint before its decay. Its tails are Megatron's
+``--lr-wsd-decay-style`` formulas.
 
 Scaling rules for a batch ``B`` against a reference ``B0`` tuned at ``lr0``: ``linear``
 (Goyal et al. 2017, SGD) ``lr0 * B / B0``; ``sqrt`` (Krizhevsky 2014; Adam-type optimizers)
@@ -24,18 +33,32 @@ Scaling rules for a batch ``B`` against a reference ``B0`` tuned at ``lr0``: ``l
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from typing import Callable, Dict, Literal
 
 import torch
 
 __all__ = [
     "SCALING_RULES",
     "scale_lr",
+    "WSD_STYLES",
     "warmup_cosine_factor",
     "warmup_constant_factor",
+    "warmup_linear_factor",
+    "warmup_stable_decay_factor",
     "warmup_cosine",
     "warmup_constant",
+    "warmup_linear",
+    "warmup_stable_decay",
 ]
+
+# the shapes of warmup_stable_decay's tail: 1 at q = 0, 0 at q = 1
+_WSD_TAILS: Dict[str, Callable[[float], float]] = {
+    "linear": lambda q: 1.0 - q,
+    "cosine": lambda q: 0.5 * (1.0 + math.cos(math.pi * q)),
+    "minus_sqrt": lambda q: 1.0 - math.sqrt(q),
+    "exponential": lambda q: 2.0 * 0.5**q - 1.0,
+}
+WSD_STYLES = tuple(_WSD_TAILS)
 
 ScalingRule = Literal["none", "linear", "sqrt"]
 SCALING_RULES = ("none", "linear", "sqrt")
@@ -80,8 +103,7 @@ def warmup_cosine_factor(
     """Multiplier of step ``s``: linear warm-up, then cosine decay to ``min_ratio`` at
     ``total_steps`` (held there after)."""
     _check_steps(warmup_steps, total_steps)
-    if not 0.0 <= min_ratio <= 1.0:
-        raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio}")
+    _check_ratio(min_ratio)
     decay_steps = max(1, total_steps - warmup_steps)
 
     def factor(step: int) -> float:
@@ -91,6 +113,88 @@ def warmup_cosine_factor(
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def _check_ratio(min_ratio: float) -> None:
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio}")
+
+
+def warmup_linear_factor(
+    warmup_steps: int, total_steps: int, min_ratio: float = 0.0
+) -> Callable[[int], float]:
+    """Multiplier of step ``s``: linear warm-up, then linear decay to ``min_ratio`` at
+    ``total_steps`` (held there after)."""
+    _check_steps(warmup_steps, total_steps)
+    _check_ratio(min_ratio)
+    decay_steps = max(1, total_steps - warmup_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
+
+    return factor
+
+
+def warmup_stable_decay_factor(
+    warmup_steps: int,
+    total_steps: int,
+    decay_steps: int,
+    min_ratio: float = 0.0,
+    style: str = "linear",
+) -> Callable[[int], float]:
+    """Multiplier of step ``s``: linear warm-up, the peak until ``total_steps -
+    decay_steps``, then a decay of shape ``style`` (:data:`WSD_STYLES`) to ``min_ratio`` at
+    ``total_steps`` (held there after)."""
+    _check_steps(warmup_steps, total_steps)
+    _check_ratio(min_ratio)
+    if style not in _WSD_TAILS:
+        raise ValueError(f"style must be one of {WSD_STYLES}, got {style!r}")
+    if not 1 <= decay_steps <= total_steps - warmup_steps:
+        raise ValueError(
+            f"decay_steps({decay_steps}) must be in [1, total_steps({total_steps}) - "
+            f"warmup_steps({warmup_steps})]"
+        )
+    tail, start = _WSD_TAILS[style], total_steps - decay_steps
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if step < start:
+            return 1.0
+        progress = min(1.0, (step - start) / decay_steps)
+        return min_ratio + (1.0 - min_ratio) * tail(progress)
+
+    return factor
+
+
+def warmup_linear(
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    min_ratio: float = 0.0,
+    last_epoch: int = -1,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` of :func:`warmup_linear_factor`."""
+    return _lambda_lr(
+        optimizer, warmup_linear_factor(warmup_steps, total_steps, min_ratio), last_epoch
+    )
+
+
+def warmup_stable_decay(
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    decay_steps: int,
+    min_ratio: float = 0.0,
+    style: str = "linear",
+    last_epoch: int = -1,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` of :func:`warmup_stable_decay_factor`."""
+    factor = warmup_stable_decay_factor(warmup_steps, total_steps, decay_steps, min_ratio, style)
+    return _lambda_lr(optimizer, factor, last_epoch)
 
 
 def warmup_cosine(

@@ -72,3 +72,56 @@ def test_schedules_reject_bad_input():
         dk.lr.warmup_cosine_factor(-1, 10)
     with pytest.raises(ValueError, match="min_ratio"):
         dk.lr.warmup_cosine_factor(1, 10, min_ratio=2.0)
+
+
+def _torch_warmup_then_linear(opt, warmup, total, m):
+    """torch's own schedulers: LinearLR warm-up from 1 / W to 1 over W - 1 steps, then
+    LinearLR from 1 to m over T - W steps (SequentialLR, torch's chained arithmetic)."""
+    warm = torch.optim.lr_scheduler.LinearLR(opt, 1 / warmup, 1.0, total_iters=warmup - 1)
+    down = torch.optim.lr_scheduler.LinearLR(opt, 1.0, m, total_iters=total - warmup)
+    return torch.optim.lr_scheduler.SequentialLR(opt, [warm, down], milestones=[warmup])
+
+
+def test_warmup_linear_matches_torchs_linear_schedulers():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
+    reference = _lrs(_torch_warmup_then_linear(opt, 4, 20, 0.1), opt, 26)
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
+    ours = _lrs(dk.lr.warmup_linear(opt2, 4, 20, min_ratio=0.1), opt2, 26)
+    assert ours == pytest.approx(reference, rel=1e-12)
+    assert ours[20] == pytest.approx(0.05) and ours[25] == pytest.approx(0.05)  # held at m
+
+
+def _closed_form_wsd(s, warmup, total, decay, m, style):
+    """Warm-up, stable, decay as Hu et al. (2024) define it, the tail's shapes Megatron's."""
+    if s < warmup:
+        return (s + 1) / warmup
+    if s < total - decay:
+        return 1.0
+    q = min(1.0, (s - (total - decay)) / decay)
+    shape = {"linear": 1 - q, "cosine": (1 + math.cos(math.pi * q)) / 2,
+             "minus_sqrt": 1 - math.sqrt(q), "exponential": 2 * 0.5**q - 1}[style]  # fmt: skip
+    return m + (1 - m) * shape
+
+
+@pytest.mark.parametrize("style", dk.lr.WSD_STYLES)
+def test_warmup_stable_decay_matches_its_definition(style):
+    f = dk.lr.warmup_stable_decay_factor(3, 20, 5, min_ratio=0.1, style=style)
+    for s in range(25):
+        want = _closed_form_wsd(s, 3, 20, 5, 0.1, style)
+        assert f(s) == pytest.approx(want, abs=1e-15), (style, s)
+    assert [f(s) for s in range(3, 16)] == [1.0] * 13  # stable until the last 5 steps
+    assert f(15) == 1.0 and f(16) < 1.0 and f(20) == pytest.approx(0.1)
+    if style == "cosine":  # the tail is torch's cosine annealing over the decay steps
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=0.1)
+        torch_tail = _lrs(cos, opt, 6)
+        assert [f(s) for s in range(15, 21)] == pytest.approx(torch_tail, rel=1e-12)
+
+
+def test_warmup_stable_decay_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"style must be one of"):
+        dk.lr.warmup_stable_decay_factor(1, 10, 2, style="step")
+    with pytest.raises(ValueError, match=r"decay_steps\(10\) must be in \[1, total_steps\(10\) - "):
+        dk.lr.warmup_stable_decay_factor(1, 10, 10)
+    with pytest.raises(ValueError, match="min_ratio"):
+        dk.lr.warmup_linear_factor(1, 10, min_ratio=-0.5)

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mp_pool import run_ranks  # noqa: E402
 from test_gpt_tp import shard_of  # noqa: E402
 
+from dist_kernels import lr as dk_lr  # noqa: E402
 from dist_kernels.models import GPTConfig  # noqa: E402
 from dist_kernels.optim import FusedAdamW  # noqa: E402
 from dist_kernels.train import (  # noqa: E402
@@ -524,6 +525,28 @@ def fp16_references():
     return refs
 
 
+@pytest.mark.parametrize(
+    "decay,more",
+    [("linear", {}), ("wsd", {}), ("wsd", dict(wsd_decay_steps=4, wsd_decay_style="minus_sqrt"))],
+    ids=["linear", "wsd-default-20pct", "wsd-4-minus-sqrt"],
+)
+def test_each_decay_style_sets_every_steps_rate(decay, more):
+    """--decay linear / wsd: each step's logged rate is the peak times dk.lr's factor of that
+    step (wsd's decay over the last 20% of the steps unless given)."""
+    cfg = _cfg(steps=10, warmup=2, log_every=1, decay=decay, **more)
+    rates = [r["lr"] for r in _single(cfg).records]
+    if decay == "linear":
+        factor = dk_lr.warmup_linear_factor(2, 10, cfg.min_lr_ratio)
+    else:
+        decay_steps = more.get("wsd_decay_steps", 2)  # 20% of 10
+        style = more.get("wsd_decay_style", "linear")
+        factor = dk_lr.warmup_stable_decay_factor(2, 10, decay_steps, cfg.min_lr_ratio, style)
+    assert rates == pytest.approx([cfg.lr * factor(s) for s in range(10)], rel=1e-12)
+    assert len(set(rates)) >= 3  # warm-up, peak, decay
+    with pytest.raises(ConfigError, match=r"wsd_decay_steps\(9\) must be in \[0, steps\(10\)"):
+        _cfg(steps=10, warmup=2, decay="wsd", wsd_decay_steps=9).with_layout(1)
+
+
 def _rates_of_applied_steps(cfg: TrainConfig, skipped) -> list:
     """Each step's learning rate by the formulas of dist_kernels/lr.py (warm-up, then cosine),
     at the number of updates applied before it: a skipped step leaves the next one's rate
@@ -812,7 +835,8 @@ def test_every_option_a_user_sets_has_a_flag():
         "--min-loss-scale", "2", "--clip-grad", "1.0", "--recompute", "--sequence-parallel",
         "--compile", "--compile-backend", "aot_eager", "--optimizer", "fused-adamw",
         "--adam-beta1", "0.8", "--adam-beta2", "0.99", "--adam-eps", "1e-6",
-        "--vocab-size", "300",
+        "--vocab-size", "300", "--lr-decay-style", "wsd", "--lr-wsd-decay-steps", "3",
+        "--lr-wsd-decay-style", "cosine",
     ]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
@@ -820,7 +844,8 @@ def test_every_option_a_user_sets_has_a_flag():
                 loss_scale_window=100, hysteresis=2, min_loss_scale=2.0, clip_grad=1.0,
                 recompute=True, sequence_parallel=True, compile=True,
                 compile_backend="aot_eager", optimizer="fused-adamw", adam_beta1=0.8,
-                adam_beta2=0.99, adam_eps=1e-6, vocab_size=300)  # fmt: skip
+                adam_beta2=0.99, adam_eps=1e-6, vocab_size=300, decay="wsd",
+                wsd_decay_steps=3, wsd_decay_style="cosine")  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     default = config_from_args(build_parser().parse_args([]))
     assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something

@@ -19,9 +19,10 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ..lr import WSD_STYLES
 from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
 from ..pipeline.schedules import SCHEDULES
-from .config import OPTIMIZERS, ConfigError, TrainConfig
+from .config import DECAYS, OPTIMIZERS, ConfigError, TrainConfig
 
 _STRATEGY_HELP = "0 = DDP; 1 / 2 / 3 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
 
@@ -89,8 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lr-scaling", default=d.lr_scaling, choices=("none", "linear", "sqrt"))
     add("--lr-base-batch", type=int, default=d.lr_base_batch)
     add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
-    add("--decay", default=d.decay, choices=("cosine", "constant"))
-    field("--min-lr-ratio", float, "the cosine decay's final rate, a fraction of the peak")
+    add(
+        "--decay",
+        "--lr-decay-style",
+        dest="decay",
+        default=d.decay,
+        choices=DECAYS,
+        help="after warm-up (wsd: warm-up, stable, decay over --lr-wsd-decay-steps)",
+    )
+    field("--min-lr-ratio", float, "the decay's final rate, a fraction of the peak")
+    add(
+        "--lr-wsd-decay-steps",
+        type=int,
+        default=d.wsd_decay_steps,
+        help="wsd: the final decay's steps (0: the last 20%% of --steps)",
+    )
+    add("--lr-wsd-decay-style", default=d.wsd_decay_style, choices=WSD_STYLES)
     field("--weight-decay", float, "AdamW weight decay")
     add(
         "--optimizer",
@@ -242,7 +257,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         min_loss_scale=args.min_loss_scale, steps=args.steps, stop_after=args.stop_after,
         lr=args.lr,
         lr_scaling=args.lr_scaling,
-        lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay, seed=args.seed,
+        lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay,
+        wsd_decay_steps=args.lr_wsd_decay_steps, wsd_decay_style=args.lr_wsd_decay_style,
+        seed=args.seed,
         clip_grad=args.clip_grad, recompute=args.recompute, compile=args.compile,
         compile_backend=args.compile_backend,
         sequence_parallel=args.sequence_parallel,

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
+from ..lr import WSD_STYLES
 from ..models import GPTConfig
 from ..pipeline.schedules import SCHEDULES, build_schedule
 
@@ -22,7 +23,8 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 OPTIMIZERS = ("adamw", "fused-adamw")
 Engine = Literal["dk", "torch", "both"]
 LrScaling = Literal["none", "linear", "sqrt"]
-Decay = Literal["cosine", "constant"]
+Decay = Literal["cosine", "linear", "constant", "wsd"]
+DECAYS = ("cosine", "linear", "constant", "wsd")
 
 
 class ConfigError(ValueError):
@@ -100,9 +102,17 @@ class TrainConfig:
     warmup: int = 2
     """Linear warm-up steps."""
     decay: Decay = "cosine"
-    """After warm-up: cosine decay to ``min_lr_ratio`` at ``steps``, or constant."""
+    """After warm-up: cosine or linear decay to ``min_lr_ratio`` at ``steps``, constant, or
+    ``wsd`` (warm-up, stable, decay: the peak until the last ``wsd_decay_steps``, then a
+    ``wsd_decay_style`` decay to ``min_lr_ratio``); ``dk.lr``'s formulas."""
     min_lr_ratio: float = 0.1
-    """Final rate of the cosine decay, as a fraction of the peak."""
+    """Final rate of the decay, as a fraction of the peak."""
+    wsd_decay_steps: int = 0
+    """``wsd``: the steps of the final decay (Megatron's ``--lr-wsd-decay-steps``); 0: the
+    last 20% of ``steps``."""
+    wsd_decay_style: str = "linear"
+    """``wsd``: the decay's shape, one of ``dk.lr.WSD_STYLES`` (Megatron's
+    ``--lr-wsd-decay-style``)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     optimizer: str = "adamw"
@@ -255,7 +265,13 @@ class TrainConfig:
         _choice("dtype", self.dtype, ("fp32", "bf16", "fp16"))
         _choice("engine", self.engine, ("dk", "torch", "both"))
         _choice("lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
-        _choice("decay", self.decay, ("cosine", "constant"))
+        _choice("decay", self.decay, DECAYS)
+        _choice("wsd_decay_style", self.wsd_decay_style, WSD_STYLES)
+        if self.decay == "wsd" and not 0 <= self.wsd_decay_steps <= self.steps - self.warmup:
+            raise ConfigError(
+                f"wsd_decay_steps({self.wsd_decay_steps}) must be in [0, steps({self.steps}) - "
+                f"warmup({self.warmup})] (0: the last 20% of the steps)"
+            )
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not self.clip_grad >= 0:

@@ -56,11 +56,18 @@ def peak_lr(cfg: TrainConfig) -> float:
 
 def make_scheduler(cfg: TrainConfig, optimizer: Any, updates: int):
     """The schedule, positioned after ``updates`` applied optimizer steps."""
+    last = updates - 1
     if cfg.decay == "cosine":
-        return dk_lr.warmup_cosine(
-            optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last_epoch=updates - 1
-        )
-    return dk_lr.warmup_constant(optimizer, cfg.warmup, last_epoch=updates - 1)
+        return dk_lr.warmup_cosine(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last)
+    if cfg.decay == "linear":
+        return dk_lr.warmup_linear(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last)
+    if cfg.decay == "wsd":
+        decay_steps = cfg.wsd_decay_steps or max(1, round(0.2 * cfg.steps))
+        return dk_lr.warmup_stable_decay(
+            optimizer, cfg.warmup, cfg.steps, decay_steps, cfg.min_lr_ratio,
+            cfg.wsd_decay_style, last,
+        )  # fmt: skip
+    return dk_lr.warmup_constant(optimizer, cfg.warmup, last_epoch=last)
 
 
 def _replicas(cfg: TrainConfig, mesh: Any, rank: int) -> Tuple[int, Any]:
