@@ -836,7 +836,7 @@ def test_every_option_a_user_sets_has_a_flag():
         "--compile", "--compile-backend", "aot_eager", "--optimizer", "fused-adamw",
         "--adam-beta1", "0.8", "--adam-beta2", "0.99", "--adam-eps", "1e-6",
         "--vocab-size", "300", "--lr-decay-style", "wsd", "--lr-wsd-decay-steps", "3",
-        "--lr-wsd-decay-style", "cosine",
+        "--lr-wsd-decay-style", "cosine", "--keep-last", "2",
     ]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
@@ -845,7 +845,7 @@ def test_every_option_a_user_sets_has_a_flag():
                 recompute=True, sequence_parallel=True, compile=True,
                 compile_backend="aot_eager", optimizer="fused-adamw", adam_beta1=0.8,
                 adam_beta2=0.99, adam_eps=1e-6, vocab_size=300, decay="wsd",
-                wsd_decay_steps=3, wsd_decay_style="cosine")  # fmt: skip
+                wsd_decay_steps=3, wsd_decay_style="cosine", keep_last=2)  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     default = config_from_args(build_parser().parse_args([]))
     assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something
@@ -1151,6 +1151,39 @@ def test_resume_on_fewer_ranks_reshards(tmp_path, zero):
     torch.testing.assert_close(
         resumed[0]["losses"][-1], straight[0]["losses"][-1], rtol=1e-5, atol=0
     )
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
+    """--keep-last 2 with a checkpoint every step: after 5 steps (at dp 2) only steps 4 and 5
+    are left, and the run resumes from them to the straight run's parameters."""
+    cfg = _cfg(dp=2, steps=7, global_batch=4, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, stop_after=5, keep_last=2), timeout=180)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000004", "step-00000005"]
+    resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, resume="auto"), timeout=180)
+    straight = run_ranks(2, _on_ranks, dataclasses.replace(cfg, checkpoint_dir=None), timeout=180)
+    assert resumed[0]["start"] == 5
+    for k, v in straight[0]["params"].items():
+        assert torch.equal(resumed[0]["params"][k], v), k
+    # the resumed run keeps all (keep_last 0, the default): 6 and 7 join 4 and 5
+    assert sorted(os.listdir(tmp_path)) == [f"step-{s:08d}" for s in (4, 5, 6, 7)]
+
+
+def test_prune_removes_old_and_torn_checkpoints_only(tmp_path):
+    from dist_kernels.train.checkpoints import COMPLETE, newest_complete, prune
+
+    # complete: 1, 3, 4; torn (no COMPLETE.json): 2 (superseded) and 5 (newer than any complete)
+    for step, complete in ((1, True), (2, False), (3, True), (4, True), (5, False)):
+        os.makedirs(tmp_path / f"step-{step:08d}" / "stage-0")
+        if complete:
+            (tmp_path / f"step-{step:08d}" / COMPLETE).write_text("{}")
+    (tmp_path / "notes").mkdir()  # not a step directory: left alone
+    removed = prune(str(tmp_path), keep=1)
+    assert sorted(os.path.basename(p) for p in removed) == [
+        "step-00000001", "step-00000002", "step-00000003"
+    ]  # fmt: skip
+    assert sorted(os.listdir(tmp_path)) == ["notes", "step-00000004", "step-00000005"]
+    assert newest_complete(str(tmp_path)) == str(tmp_path / "step-00000004")
+    assert prune(str(tmp_path / "notes"), keep=1) == []  # no checkpoints: nothing to do
 
 
 def test_resume_auto_skips_an_incomplete_checkpoint(tmp_path):

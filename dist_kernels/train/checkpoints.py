@@ -26,8 +26,10 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import warnings
 from dataclasses import MISSING
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import checkpoint as dk_checkpoint
 from ..moe import checkpoint as moe_checkpoint
@@ -160,7 +162,40 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
         record = {"step": step, "samples": step * cfg.global_batch, "identity": ident}
         _write_json_atomic(os.path.join(root, COMPLETE), record)
     barrier()
+    if barrier.rank == 0 and cfg.keep_last:
+        prune(cfg.checkpoint_dir, cfg.keep_last)
     return root
+
+
+def prune(directory: str, keep: int) -> List[str]:
+    """Removes every complete step directory but the newest ``keep`` and every incomplete one
+    older than the newest complete (a save torn by a crash, superseded); returns what it
+    removed. Each loses its ``COMPLETE.json`` first, so a removal cut short leaves an
+    incomplete directory (never resumed, removed next time), not a damaged complete one. A
+    removal that fails is reported and skipped: training goes on."""
+    steps = []
+    for name in os.listdir(directory):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isdir(os.path.join(directory, name)):
+            complete = os.path.isfile(os.path.join(directory, name, COMPLETE))
+            steps.append((int(match.group(1)), complete, name))
+    complete = sorted(step for step, done, _ in steps if done)
+    if not complete:
+        return []
+    kept = set(complete[-keep:])
+    removed = []
+    for step, _, name in sorted(steps):
+        if step in kept or step > complete[-1]:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.path.isfile(os.path.join(path, COMPLETE)):
+                os.remove(os.path.join(path, COMPLETE))  # no longer a checkpoint, first
+            shutil.rmtree(path)
+            removed.append(path)
+        except OSError as e:
+            warnings.warn(f"keep_last: could not remove {path}: {e}", stacklevel=2)
+    return removed
 
 
 def _load_resharded(engine, path: str, shard: str, saved_ep: int) -> Dict[str, Any]:

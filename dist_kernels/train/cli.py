@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rotary-base", type=float, default=m.rope_theta, help="rope: the angles' base theta")
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    field("--keep-last", int, "complete checkpoints kept, the newest (0: all)")
     add(
         "--resume",
         default=None,
@@ -265,7 +266,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         sequence_parallel=args.sequence_parallel,
         data=args.data, vocab_size=args.vocab_size, model=model,
         checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, init_from=args.init_from,
+        checkpoint_every=args.checkpoint_every, keep_last=args.keep_last, resume=args.resume,
+        init_from=args.init_from,
         log_every=args.log_every,
         json=args.json, plot=args.plot, engine=args.engine,
         simulate_straggler=args.simulate_straggler,

@@ -164,6 +164,9 @@ class TrainConfig:
     """Directory of checkpoints (``step-<N>/`` each); None = no checkpoints."""
     checkpoint_every: int = 0
     """Steps between checkpoints (0 = only at the end, when ``checkpoint_dir`` is set)."""
+    keep_last: int = 0
+    """Complete checkpoints kept: after each save the older ones (and torn saves older than
+    the newest) are removed (torchtitan's ``keep_latest_k``); 0 = all."""
     init_from: Optional[str] = None
     """A file of ``python -m dist_kernels.train.export``, or a local Hugging Face GPT-2 or
     Llama model directory (its vocabulary padded to this run's, its position table cut to
@@ -257,6 +260,7 @@ class TrainConfig:
             "global_batch",
             "warmup",
             "checkpoint_every",
+            "keep_last",
             "vocab_size",
         ):
             _at_least(name, getattr(self, name), 0)
