@@ -493,17 +493,19 @@ def read_model(path: str) -> Tuple[Dict[str, torch.Tensor], Any]:
 
 def read_whole(
     path: str, optimizer: bool = True
-) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]], Dict[str, Any], Any]:
-    """``(model state dict, optimizer state by parameter name, hyper-parameters, extra)`` of a
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]], Dict[str, Dict[str, Any]], Any]:
+    """``(model state dict, optimizer state by parameter name, hyper-parameters by parameter
+    name, extra)`` of a
     checkpoint, read and verified, assembled from every shard and applied to nothing: what a
     caller needs to load it into another layout than the saving one's (another tensor or
     pipeline split: ``dist_kernels.train``'s resume). Each parameter's optimizer state holds
     its element-wise tensors (``exp_avg``...) in the parameter's shape and the replicated
-    values (``step``...) of the flat group that held it; the hyper-parameters are the first
-    param group's. A checkpoint of a model alone has no optimizer state (empty dicts)."""
+    values (``step``...) of the flat group that held it; its hyper-parameters are its param
+    group's. A checkpoint of a model alone has no optimizer state (empty dicts)."""
     manifest, meta, layout = _read_header(path)
     state = dict(meta["model_rest"])
     per_param: Dict[str, Dict[str, Any]] = {}
+    options: Dict[str, Dict[str, Any]] = {}
     pieces, reader = _saved_pieces(layout), _ShardReader(path, manifest)
     keys = ["master", *(layout["state_keys"] if optimizer and layout is not None else ())]
     for name, (shape, dtype) in _saved_params(layout).items():
@@ -513,13 +515,11 @@ def read_whole(
             raise CheckpointError(f"{path}: parameter {name} is not fully covered by the shards")
         state[name] = dst.pop("master").view(shape).to(getattr(torch, dtype))
         if optimizer:
-            replicated, _ = _replicated_for(name, pieces, reader, meta, layout)
+            replicated, options[name] = _replicated_for(name, pieces, reader, meta, layout)
             replicated = {
                 k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in replicated.items()
             }  # the group's values, each parameter its own copy (optimizers step them in place)
             per_param[name] = {**replicated, **{k: v.view(shape) for k, v in dst.items()}}
-    groups = meta["param_groups"] if optimizer else []
-    options = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
     return state, per_param, options, meta["extra"]
 
 
@@ -527,12 +527,13 @@ def load_whole(
     optimizer: Any,
     model: Optional[torch.nn.Module],
     state_of: Callable[[torch.Tensor], Dict[str, Any]],
-    options: Dict[str, Any],
+    options_of: Callable[[torch.Tensor], Dict[str, Any]],
 ) -> None:
     """Loads a ShardedOptimizer from whole per-parameter state, as :func:`read_whole` returns
     it after the caller mapped it onto this layout: ``state_of(param)`` gives the parameter's
     value (``"master"``), its element-wise optimizer state in its shape and its replicated
-    state (``step``); ``options`` the hyper-parameters. Each rank copies its own shard's
+    state (``step``); ``options_of(param)`` its param group's hyper-parameters (those of a
+    flat group's first parameter are the group's). Each rank copies its own shard's
     elements out of them. Collective; raises on every rank, changing nothing, if any rank
     lacks something."""
     names = _param_names(model, optimizer)
@@ -560,7 +561,7 @@ def load_whole(
                     src = state[key].reshape(-1)[seg.param_start : seg.param_start + seg.length]
                     dst[key][seg.shard_offset : seg.shard_offset + seg.length].copy_(src)
             replicated = {k: v for k, v in first.items() if k != "master" and k not in dst}
-            shards.append((dst.pop("master"), dst, replicated, options))
+            shards.append((dst.pop("master"), dst, replicated, options_of(fg.params[0])))
         return shards
 
     optimizer.load_shard_tensors(_agreed(optimizer, prepare))

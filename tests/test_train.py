@@ -142,6 +142,7 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
             getattr(m, "sequence_parallel", False) for m in built[-1].modules()
         ),
         "fused_steps": fused_steps[0],
+        "exit_reason": r.exit_reason,
         # graphs dynamo compiled during the run (0 unless something was torch.compiled)
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
     }
@@ -525,6 +526,62 @@ def fp16_references():
     return refs
 
 
+WD = 0.5  # large enough that decaying a norm's weight (1.0) moves it far beyond rounding
+
+
+def _trained_by_hand(cfg: TrainConfig, decayed) -> Dict[str, torch.Tensor]:
+    """``cfg``'s model trained on one process by a loop written here: torch's AdamW with
+    weight decay on the parameters ``decayed(name, p)`` picks, none on the rest."""
+    from dist_kernels.train.engines import make_scheduler, peak_lr
+
+    cfg = _one_process(cfg)
+    corpus = data.CharCorpus.build(cfg.data, cfg.model.block_size)
+    model, loss_fn = build_model(driver.model_config(cfg, corpus), cfg.seed)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if decayed(n, p)], "weight_decay": WD},
+        {"params": [p for n, p in named if not decayed(n, p)], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=peak_lr(cfg), betas=(0.9, 0.95), eps=ADAM_EPS)
+    sched = make_scheduler(cfg, opt, 0)
+    sampler = data.Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed)
+    for step in range(cfg.steps):
+        inputs, targets = sampler.replica_batch(step, 0, cfg.global_batch)
+        for x, y in zip(inputs.split(cfg.micro_batch), targets.split(cfg.micro_batch)):
+            (loss_fn(model(x), y) / cfg.grad_accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_weight_decay_spares_biases_and_norms(reference):
+    """--weight-decay decays matrices and embeddings only (nanoGPT's rule, Megatron's
+    default): one process equals a loop written here with torch's AdamW in those two groups,
+    not one that decays everything; and dp 2 with ZeRO-2, pp 2, torch's DDP and FSDP2 train as
+    that process."""
+    cfg = _cfg(global_batch=8, weight_decay=WD)
+    ran = _single(cfg).params
+    rule = _trained_by_hand(cfg, lambda name, p: p.dim() >= 2)
+    everything = _trained_by_hand(cfg, lambda name, p: True)
+    for k, v in rule.items():
+        torch.testing.assert_close(ran[k], v, rtol=1e-6, atol=1e-7, msg=k)
+    norm = "1.ln_1.weight"
+    print(f"{norm}: {ran[norm].mean():.6f} spared, {everything[norm].mean():.6f} decayed")
+    # decayed, every element shrinks by ~sum_t(lr_t) x WD x 1.0 (~3.7e-3 here), far above rounding
+    assert (ran[norm] - everything[norm]).abs().min() > cfg.lr * WD
+    key_bound = _key_bias_bound(cfg)
+    losses = [rec["loss"] for rec in _single(cfg).records]
+    for layout, engine in ((dict(dp=2, zero=2), "dk"), (dict(pp=2), "dk"),
+                           (dict(dp=2), "torch"), (dict(dp=2, zero=2), "torch")):  # fmt: skip
+        run = dataclasses.replace(cfg, **layout)
+        ranks = run_ranks(2, _on_ranks, run, engine, timeout=240)
+        torch.testing.assert_close(ranks[0]["losses"], losses, rtol=1e-5, atol=0)
+        if not (engine == "torch" and run.zero):  # FSDP2's are DTensors: checked by the losses
+            for r in ranks:
+                _assert_params_close(r["params"], ran, key_bound)
+
+
 @pytest.mark.parametrize(
     "decay,more",
     [("linear", {}), ("wsd", {}), ("wsd", dict(wsd_decay_steps=4, wsd_decay_style="minus_sqrt"))],
@@ -836,7 +893,8 @@ def test_every_option_a_user_sets_has_a_flag():
         "--compile", "--compile-backend", "aot_eager", "--optimizer", "fused-adamw",
         "--adam-beta1", "0.8", "--adam-beta2", "0.99", "--adam-eps", "1e-6",
         "--vocab-size", "300", "--lr-decay-style", "wsd", "--lr-wsd-decay-steps", "3",
-        "--lr-wsd-decay-style", "cosine", "--keep-last", "2",
+        "--lr-wsd-decay-style", "cosine", "--keep-last", "2", "--exit-signal-handler",
+        "--exit-duration-in-mins", "30",
     ]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
@@ -845,7 +903,8 @@ def test_every_option_a_user_sets_has_a_flag():
                 recompute=True, sequence_parallel=True, compile=True,
                 compile_backend="aot_eager", optimizer="fused-adamw", adam_beta1=0.8,
                 adam_beta2=0.99, adam_eps=1e-6, vocab_size=300, decay="wsd",
-                wsd_decay_steps=3, wsd_decay_style="cosine", keep_last=2)  # fmt: skip
+                wsd_decay_steps=3, wsd_decay_style="cosine", keep_last=2,
+                exit_signal_handler=True, exit_duration_in_mins=30.0)  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     default = config_from_args(build_parser().parse_args([]))
     assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something

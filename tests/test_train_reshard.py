@@ -31,6 +31,7 @@ from dist_kernels.train.reshard import _cut
 LAYERS2 = dataclasses.replace(TINY, n_layers=2)
 MOE = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
 STOP = 3
+WD = dict(weight_decay=0.5)
 
 
 def _world(layout):
@@ -62,6 +63,10 @@ CASES = {
     # fp16: layouts whose overflow decisions agree (dp 2 skips step 3 where pp 2 does not:
     # FP16's rounding differs between layouts, and an overflow is a yes or no)
     "pp2-fp16->tp2": (dict(pp=2), dict(tp=2), TINY, FP16),
+    # weight decay: two param groups (none on biases and norms), each keeps its own
+    "dp2-zero1-wd->tp2xpp2": (dict(dp=2, zero=1), dict(tp=2, pp=2), TINY, WD),
+    "tp2-wd->dp2-zero3": (dict(tp=2), dict(dp=2, zero=3), TINY, WD),
+    "dp2xep2-wd->dp2": (dict(dp=2, ep=2), dict(dp=2), MOE, WD),  # ep only: by name
 }  # fmt: skip
 
 

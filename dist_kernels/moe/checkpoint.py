@@ -19,7 +19,7 @@ run's parameter names in global form (:func:`global_param_names`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -141,24 +141,26 @@ def reshard_optimizer_state(
     model: nn.Module,
     saved_ep: int,
     read: Callable[[int], Tuple[Mapping[str, Any], Sequence[str]]],
+    groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
 ) -> Dict[str, Any]:
-    """A torch optimizer state dict for ``model.parameters()`` (one param group) from a run
-    saved at ``saved_ep``: ``read(r)`` returns ep rank ``r``'s optimizer state dict and that
-    run's :func:`global_param_names`. The hyper-parameters are the first saved rank's."""
-    names = global_param_names(model)
+    """A torch optimizer state dict for ``model``'s parameters from a run saved at
+    ``saved_ep``: ``read(r)`` returns ep rank ``r``'s optimizer state dict and that run's
+    :func:`global_param_names`. ``groups``: the loading optimizer's param groups (its
+    ``param_groups``' parameters; default one group of ``model.parameters()``); each gets the
+    hyper-parameters the saving run's group of its first parameter had."""
+    names_of = {id(p): n for p, n in zip(model.parameters(), global_param_names(model))}
+    groups = [list(model.parameters())] if groups is None else [list(g) for g in groups]
     by_name: Dict[str, Any] = {}
-    group = None
+    options: Dict[str, Dict[str, Any]] = {}
     for r in saved_ranks(model, saved_ep):
         saved, saved_names = read(r)
-        if len(saved["param_groups"]) != 1:
-            raise ValueError(
-                f"reshard_optimizer_state: saved rank {r} has "
-                f"{len(saved['param_groups'])} param groups; one is supported"
-            )
-        group = group or {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
-        for index in saved["param_groups"][0]["params"]:
-            if index in saved["state"]:
-                by_name.setdefault(saved_names[index], saved["state"][index])
+        for group in saved["param_groups"]:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for index in group["params"]:
+                options.setdefault(saved_names[index], hyper)
+                if index in saved["state"]:
+                    by_name.setdefault(saved_names[index], saved["state"][index])
+    names = [names_of[id(p)] for g in groups for p in g]
     if by_name and not set(names) <= set(by_name):
         missing = sorted(set(names) - set(by_name))
         raise KeyError(
@@ -166,4 +168,9 @@ def reshard_optimizer_state(
             f"{len(missing)} parameters, e.g. {missing[:3]}"
         )
     state = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
-    return {"state": state, "param_groups": [{**group, "params": list(range(len(names)))}]}
+    param_groups, start = [], 0
+    for g in groups:
+        first = options.get(names_of[id(g[0])], {}) if g else {}
+        param_groups.append({**first, "params": list(range(start, start + len(g)))})
+        start += len(g)
+    return {"state": state, "param_groups": param_groups}

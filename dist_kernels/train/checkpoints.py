@@ -155,7 +155,7 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
         dk_checkpoint.save(stage, model=engine.module, optimizer=engine.optimizer, extra=extra)
     elif engine.replica_rank == 0:  # one of the dp x cp ranks that hold these weights
         extra["optimizer"] = engine.optimizer.state_dict()
-        extra["param_names"] = moe_checkpoint.global_param_names(engine.module)
+        extra["param_names"] = _optimizer_order_names(engine)
         dk_checkpoint.save(stage, model=engine.module, extra=extra)
     barrier()
     if barrier.rank == 0:
@@ -198,6 +198,15 @@ def prune(directory: str, keep: int) -> List[str]:
     return removed
 
 
+def _optimizer_order_names(engine) -> list:
+    """The global names (experts by global id) of the optimizer's parameters in its state
+    dict's index order: its param groups one after the other (weight decay's two groups do
+    not follow the module's order)."""
+    module = engine.module
+    by_id = dict(zip(map(id, module.parameters()), moe_checkpoint.global_param_names(module)))
+    return [by_id[id(p)] for group in engine.optimizer.param_groups for p in group["params"]]
+
+
 def _load_resharded(engine, path: str, shard: str, saved_ep: int) -> Dict[str, Any]:
     """Model and optimizer of a run saved at ``saved_ep`` (not this run's ep): each saved ep
     rank's directory is the shard name with its ep rank (none at ep 1). Returns the first
@@ -227,6 +236,7 @@ def _load_resharded(engine, path: str, shard: str, saved_ep: int) -> Dict[str, A
         module,
         saved_ep,
         lambda r: (saved(r)[1]["optimizer"], saved(r)[1]["param_names"]),
+        [group["params"] for group in engine.optimizer.param_groups],
     )
     engine.optimizer.load_state_dict(optimizer_state)
     return saved(0)[1]

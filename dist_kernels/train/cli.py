@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import signal
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -207,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     field("--straggler-patience", int)
     add("--reference-tokens-per-s", type=float, default=None, help="1-rank throughput")
     add(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on SIGTERM: finish the step, save a checkpoint, stop (every rank together)",
+    )
+    field("--exit-duration-in-mins", float, "stop (and save) after this many minutes; 0: never")
+    add("--signal-after", type=_pair(int), default=None, help=argparse.SUPPRESS)  # the tests'
+    add(
         "--kill-after-checkpoint",
         type=_pair(int),
         default=None,
@@ -277,6 +285,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, valid_fraction=args.valid_fraction,
         reference_tokens_per_s=args.reference_tokens_per_s,
+        exit_signal_handler=args.exit_signal_handler,
+        exit_duration_in_mins=args.exit_duration_in_mins, signal_after=args.signal_after,
         kill_after_checkpoint=args.kill_after_checkpoint, progress=not args.no_progress,
         timeout=args.timeout, profile_steps=args.profile_steps, profile_dir=args.profile_dir,
         tensorboard=args.tensorboard,
@@ -349,6 +359,9 @@ def _spawn(cfg: TrainConfig, world_size: int) -> int:
     from .. import launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    previous = None
+    if cfg.exit_signal_handler:  # the ranks act on SIGTERM: pass it on, and wait for them
+        previous = signal.signal(signal.SIGTERM, _forward_to_ranks)
     try:
         launch.run(
             world_size,
@@ -361,7 +374,21 @@ def _spawn(cfg: TrainConfig, world_size: int) -> int:
     except launch.RanksError as e:
         print(f"dist_kernels.train: {e}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _forward_to_ranks(signum: int, frame: Any) -> None:
+    """The launcher's SIGTERM, sent on to its local ranks (its child processes)."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        try:
+            os.kill(child.pid, signum)
+        except ProcessLookupError:  # ended meanwhile
+            pass
 
 
 def _join_torchrun(timeout_s: float) -> None:

@@ -201,6 +201,15 @@ class TrainConfig:
     """(rank, ms): sleep this long in every forward of that rank, to demonstrate detection."""
     reference_tokens_per_s: Optional[float] = None
     """Throughput of a 1-rank run, for scaling efficiency = tokens/s / (world x reference)."""
+    exit_signal_handler: bool = False
+    """On SIGTERM, finish the step, write a checkpoint (with ``checkpoint_dir``) and stop,
+    every rank after the same step (Megatron's ``--exit-signal-handler``)."""
+    exit_duration_in_mins: float = 0.0
+    """Stop the same way once rank 0 has trained this many minutes (0: no limit; Megatron's
+    ``--exit-duration-in-mins``)."""
+    signal_after: Optional[Tuple[int, int]] = None
+    """(rank, step): that rank sends itself SIGTERM right after that step (the tests'
+    scheduler)."""
     kill_after_checkpoint: Optional[Tuple[int, int]] = None
     """(rank, step): SIGKILL that rank right after the checkpoint of that step, on the first
     attempt only (``TORCHELASTIC_RESTART_COUNT`` 0): a fault to test elastic recovery."""
@@ -278,6 +287,11 @@ class TrainConfig:
             )
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not self.exit_duration_in_mins >= 0:
+            raise ConfigError(
+                "exit_duration_in_mins must be >= 0 (0: no limit), got "
+                f"{self.exit_duration_in_mins}"
+            )
         if not self.clip_grad >= 0:
             raise ConfigError(f"clip_grad must be >= 0 (0: off), got {self.clip_grad}")
         self._check_loss_scaling()

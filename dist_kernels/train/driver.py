@@ -24,6 +24,7 @@ from . import checkpoints
 from .config import TrainConfig
 from .data import Corpus, Sampler, build_corpus, split
 from .engines import build_engine
+from .exits import ExitWatch
 from .metrics import PHASES, JsonLines, Progress, StepTimes, matmul_peak_flops, peak_memory_mb
 from .model import build_model, describe, flops_per_token, moe_metrics
 from .profiling import StepProfiler
@@ -44,6 +45,7 @@ class RunResult:
     params: Dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's stage, at the end
     evals: List[Dict[str, Any]] = field(default_factory=list)  # validation records (rank 0)
     summary: Dict[str, Any] = field(default_factory=dict)
+    exit_reason: Optional[str] = None  # why the run stopped before its end (exits.py)
 
 
 class World:
@@ -204,10 +206,12 @@ class _Run:
             self.progress.write(f"resumed from {resume['path']} at step {self.start_step}{how}")
 
     def run(self) -> RunResult:
+        self.exits = ExitWatch(self.cfg, self.world)
         try:
             self._loop()
             self.result.params = self.engine.final_params()
         finally:
+            self.exits.close()
             self.progress.close()
             self.json.close()
             self.tensorboard.close()
@@ -237,16 +241,33 @@ class _Run:
                 self._evaluate(done)
                 wall = time.perf_counter()  # validation time is not training throughput
             if self._checkpoint_due(done):
-                checkpoints.save(
-                    cfg,
-                    self.engine,
-                    self.ident,
-                    done,
-                    self.world.shard_name(bool(cfg.zero)),
-                    self.world,
-                )
+                self._save(done)
                 self._maybe_die(done)
                 wall = time.perf_counter()  # checkpoint time is not training throughput
+            reason = self.exits.after_step(done)
+            if reason is not None:
+                self._exit_early(done, reason, loss, interval, time.perf_counter() - wall)
+                return
+
+    def _save(self, done: int) -> str:
+        cfg = self.cfg
+        shard = self.world.shard_name(bool(cfg.zero))
+        return checkpoints.save(cfg, self.engine, self.ident, done, shard, self.world)
+
+    def _exit_early(self, done: int, reason: str, loss: float, interval, seconds: float) -> None:
+        """Every rank stops after step ``done`` (``exits.py``): the steps not yet logged are,
+        and a checkpoint is written unless this step's was."""
+        if interval:
+            self._log(done, loss, interval, seconds)
+        saved = None
+        if self.cfg.checkpoint_dir is not None and self.engine_name == "dk":
+            saved = checkpoints.step_dir(self.cfg, done)
+            if not self._checkpoint_due(done):
+                self._save(done)
+        self.result.exit_reason = reason
+        if self.is_rank0:
+            where = f"; checkpoint {saved}" if saved else "; no --checkpoint-dir: nothing saved"
+            self.progress.write(f"stopped after step {done} of {self.cfg.steps} ({reason}){where}")
 
     def _evaluate(self, done: int) -> None:
         """The validation loss: ``eval_iters`` held-out global batches (the same each time),

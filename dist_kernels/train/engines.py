@@ -100,6 +100,19 @@ def _adamw(cfg: TrainConfig, engine: str) -> Tuple[type, Dict[str, Any]]:
     return FusedAdamW, kwargs
 
 
+def decay_groups(params, weight_decay: float):
+    """AdamW's parameters: with weight decay, two param groups, the decay on matrices and
+    embeddings (2-D and more) and none on biases and norms' weights (1-D), as nanoGPT and
+    Megatron (its default ``no_weight_decay_cond``) decay; without it, the parameters as
+    they are (one group, as before groups existed)."""
+    params = list(params)
+    if not weight_decay:
+        return params
+    decayed = {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay}
+    flat = {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}
+    return [g for g in (decayed, flat) if g["params"]]
+
+
 def _optimizer_step(
     optimizer: Any,
     scheduler: Any,
@@ -185,7 +198,7 @@ class DataParallel:
             from ..zero import ShardedOptimizer
 
             opt = ShardedOptimizer(
-                model.parameters(),
+                decay_groups(model.parameters(), cfg.weight_decay),
                 optimizer,
                 dp_comm,
                 stage=cfg.zero,
@@ -198,7 +211,7 @@ class DataParallel:
             return model, opt, lambda last: contextlib.nullcontext() if last else opt.no_sync()
         if engine == "torch" and cfg.zero and world > 1:
             return _fsdp2(model, optimizer, kwargs)
-        opt = optimizer(model.parameters(), **kwargs)
+        opt = optimizer(decay_groups(model.parameters(), cfg.weight_decay), **kwargs)
         if world == 1:
             return model, opt, lambda last: contextlib.nullcontext()
         if engine == "dk":
@@ -309,7 +322,7 @@ def _fsdp2(model: nn.Sequential, optimizer: type, kwargs: Dict[str, Any]):
     for child in model:
         fully_shard(child)
     fully_shard(model)
-    opt = optimizer(model.parameters(), **kwargs)
+    opt = optimizer(decay_groups(model.parameters(), kwargs["weight_decay"]), **kwargs)
 
     @contextlib.contextmanager
     def sync(last: bool):
@@ -360,12 +373,13 @@ class Pipelined:
     def _optimizer(self, cfg: TrainConfig, mesh: Any) -> Any:
         """AdamW over this rank's stages; with ``--zero 1`` sharded over dp x cp."""
         optimizer, kwargs = _adamw(cfg, "dk")
+        params = decay_groups(self.pipe.parameters(), cfg.weight_decay)
         if not cfg.zero:
-            return optimizer(self.pipe.parameters(), **kwargs)
+            return optimizer(params, **kwargs)
         from ..zero import ShardedOptimizer
 
         return ShardedOptimizer(
-            self.pipe.parameters(),
+            params,
             optimizer,
             mesh.dp_cp_comm,
             expert_comm=self.expert_comm,

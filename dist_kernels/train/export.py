@@ -74,7 +74,7 @@ class _Part(NamedTuple):
 
     model: Dict[str, torch.Tensor]  # experts by local index unless the run was sharded
     optimizer: Dict[str, Dict[str, Any]]  # per parameter, experts by global id
-    options: Dict[str, Any]  # the optimizer's hyper-parameters
+    options: Dict[str, Dict[str, Any]]  # per parameter: its param group's hyper-parameters
     extra: Dict[str, Any]
 
 
@@ -89,22 +89,26 @@ def _read_part(directory: str, sharded: bool, known: Set[str], optimizer: bool) 
     return _Part(
         {_model_key(k, known): v for k, v in state.items()},
         {_model_key(k, known): v for k, v in per_param.items()},
-        options,
+        {_model_key(k, known): v for k, v in options.items()},
         extra,
     )
 
 
 def _torch_optimizer_state(directory: str, extra: Dict[str, Any]):
-    """``(state by parameter name, hyper-parameters)`` of the torch optimizer state dict a
-    replica saved beside its model, named by the saved ``param_names``."""
+    """``(state by parameter name, hyper-parameters by parameter name)`` of the torch
+    optimizer state dict a replica saved beside its model, named by the saved
+    ``param_names``."""
     if "param_names" not in extra or "optimizer" not in extra:
         raise ConfigError(f"{directory} records no optimizer state by parameter name")
     saved, names = extra["optimizer"], extra["param_names"]
-    if len(saved["param_groups"]) != 1:
-        raise ConfigError(f"{directory}: {len(saved['param_groups'])} param groups; one is read")
-    group = saved["param_groups"][0]
-    state = {names[i]: saved["state"][i] for i in group["params"] if i in saved["state"]}
-    return state, {k: v for k, v in group.items() if k != "params"}
+    state, options = {}, {}
+    for group in saved["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for i in group["params"]:
+            options[names[i]] = hyper
+            if i in saved["state"]:
+                state[names[i]] = saved["state"][i]
+    return state, options
 
 
 def _per_tp_rank(
@@ -144,11 +148,15 @@ def _per_tp_rank(
 
         model = moe_checkpoint.reshard_state(sequential, ep, ep_rank_state)
         per_param: Dict[str, Dict[str, Any]] = {}
+        options: Dict[str, Dict[str, Any]] = {}
         for e in range(ep):  # names by global expert id: each expert from the rank holding it
             for s in stages:
-                for name, state in read((s, t, e)).optimizer.items():
+                part = read((s, t, e))
+                for name, state in part.optimizer.items():
                     per_param.setdefault(name, state)
-        ranks.append(_Part(model, per_param, {}, {}))
+                for name, hyper in part.options.items():
+                    options.setdefault(name, hyper)
+        ranks.append(_Part(model, per_param, options, {}))
     return ranks, read(min(dirs))
 
 
@@ -219,7 +227,7 @@ class Consolidated:
     step: int
     model: Dict[str, torch.Tensor]
     optimizer: Dict[str, Dict[str, Any]]  # exp_avg, exp_avg_sq in the parameter's shape; step
-    options: Dict[str, Any]  # the saving optimizer's hyper-parameters
+    options: Dict[str, Dict[str, Any]]  # per parameter: its param group's hyper-parameters
     extra: Dict[str, Any]  # the saving run's: "updates", "loss_scaler"
 
 
@@ -234,15 +242,17 @@ def consolidate_training(path: str, optimizer: bool = True) -> Consolidated:
     ranks, first = _per_tp_rank(path, sequential, record["identity"], optimizer)
     names = _gpt_names(gpt)
     state = {names[k]: _join(k, [r.model[k] for r in ranks], shape) for k, shape in whole.items()}
-    per_param = {}
+    per_param, options = {}, {}
     for k, _ in sequential.named_parameters():
+        if k in ranks[0].options:  # tp rank 0's (one param group's, like every tp rank's)
+            options[names[k]] = ranks[0].options[k]
         held = [r.optimizer.get(k) for r in ranks]
         if all(h is None for h in held):
             continue  # no step has touched it (torch keeps no state for it)
         if any(h is None for h in held):
             raise ConfigError(f"export: {path}: only some tp ranks hold optimizer state of {k}")
         per_param[names[k]] = _join_state(k, held, whole[k])
-    return Consolidated(config, int(record["step"]), state, per_param, first.options, first.extra)
+    return Consolidated(config, int(record["step"]), state, per_param, options, first.extra)
 
 
 def consolidate(path: str) -> Tuple[GPTConfig, int, Dict[str, torch.Tensor]]:

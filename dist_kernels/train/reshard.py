@@ -64,6 +64,7 @@ class Resharded:
     def __init__(self, path: str) -> None:
         self.whole: Consolidated = consolidate_training(path)
         self.state: Dict[int, Dict[str, Any]] = {}  # id(parameter) -> its optimizer state
+        self.options: Dict[int, Dict[str, Any]] = {}  # id(parameter) -> its saved group's
 
     @property
     def init_state(self) -> Dict[str, torch.Tensor]:
@@ -98,17 +99,24 @@ class Resharded:
                 for k, v in saved.items()
             }
             self.state[id(p)] = {**state, "master": cut.to(torch.float32)}
+            self.options[id(p)] = self.whole.options.get(name, {})
 
     def _attached(self, p: torch.Tensor) -> Dict[str, Any]:
         if id(p) not in self.state:
             raise ConfigError("resume: the optimizer holds a parameter the model did not have")
         return self.state[id(p)]
 
+    def _saved_options(self, p: torch.Tensor) -> Dict[str, Any]:
+        """The saving run's hyper-parameters of ``p``'s param group (its ``initial_lr``,
+        betas, weight decay), applied to the group ``p`` leads in this run."""
+        self._attached(p)  # a parameter the model did not have raises
+        return self.options[id(p)]
+
     def load(self, optimizer: Any, module: nn.Module) -> None:
         """Loads the attached state into the engine's optimizer (collective under ZeRO)."""
         if hasattr(optimizer, "flat_groups"):  # dk.ShardedOptimizer
-            state_of = self._attached
-            dk_checkpoint.load_whole(optimizer, module, state_of, self.whole.options)
+            options_of = self._saved_options
+            dk_checkpoint.load_whole(optimizer, module, self._attached, options_of)
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         state = {}
@@ -120,6 +128,7 @@ class Resharded:
         for group in optimizer.param_groups:
             current = {k: v for k, v in group.items() if k != "params"}
             ids = list(range(index, index + len(group["params"])))
-            groups.append({**current, **self.whole.options, "params": ids})
+            saved = self._saved_options(group["params"][0]) if group["params"] else {}
+            groups.append({**current, **saved, "params": ids})
             index += len(ids)
         optimizer.load_state_dict({"state": state, "param_groups": groups})
