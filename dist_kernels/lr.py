@@ -85,16 +85,33 @@ def _check_steps(warmup_steps: int, total_steps: int) -> None:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
 
 
-def warmup_constant_factor(warmup_steps: int) -> Callable[[int], float]:
-    """Multiplier of step ``s``: linear warm-up over ``warmup_steps``, then 1."""
-    _check_steps(warmup_steps, 1)
+def _check_ratio(min_ratio: float) -> None:
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio}")
+
+
+def _after_warmup(warmup_steps: int, after: Callable[[int], float]) -> Callable[[int], float]:
+    """The multiplier of step ``s``: ``(s + 1) / W`` during the warm-up (the full rate on its
+    last step), then ``after(s)``."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        return 1.0
+        return after(step)
 
     return factor
+
+
+def _decay(min_ratio: float, shape: Callable[[float], float], start: int, steps: int):
+    """``m + (1 - m) shape(p)`` with ``p`` going from 0 at step ``start`` to 1 at ``start +
+    steps`` (held there after)."""
+    return lambda step: min_ratio + (1.0 - min_ratio) * shape(min(1.0, (step - start) / steps))
+
+
+def warmup_constant_factor(warmup_steps: int) -> Callable[[int], float]:
+    """Multiplier of step ``s``: linear warm-up over ``warmup_steps``, then 1."""
+    _check_steps(warmup_steps, 1)
+    return _after_warmup(warmup_steps, lambda step: 1.0)
 
 
 def warmup_cosine_factor(
@@ -104,20 +121,9 @@ def warmup_cosine_factor(
     ``total_steps`` (held there after)."""
     _check_steps(warmup_steps, total_steps)
     _check_ratio(min_ratio)
-    decay_steps = max(1, total_steps - warmup_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / decay_steps)
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _check_ratio(min_ratio: float) -> None:
-    if not 0.0 <= min_ratio <= 1.0:
-        raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio}")
+    steps = max(1, total_steps - warmup_steps)
+    decay = _decay(min_ratio, _WSD_TAILS["cosine"], warmup_steps, steps)
+    return _after_warmup(warmup_steps, decay)
 
 
 def warmup_linear_factor(
@@ -127,15 +133,9 @@ def warmup_linear_factor(
     ``total_steps`` (held there after)."""
     _check_steps(warmup_steps, total_steps)
     _check_ratio(min_ratio)
-    decay_steps = max(1, total_steps - warmup_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / decay_steps)
-        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
-
-    return factor
+    steps = max(1, total_steps - warmup_steps)
+    decay = _decay(min_ratio, _WSD_TAILS["linear"], warmup_steps, steps)
+    return _after_warmup(warmup_steps, decay)
 
 
 def warmup_stable_decay_factor(
@@ -157,17 +157,9 @@ def warmup_stable_decay_factor(
             f"decay_steps({decay_steps}) must be in [1, total_steps({total_steps}) - "
             f"warmup_steps({warmup_steps})]"
         )
-    tail, start = _WSD_TAILS[style], total_steps - decay_steps
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if step < start:
-            return 1.0
-        progress = min(1.0, (step - start) / decay_steps)
-        return min_ratio + (1.0 - min_ratio) * tail(progress)
-
-    return factor
+    start = total_steps - decay_steps
+    decay = _decay(min_ratio, _WSD_TAILS[style], start, decay_steps)
+    return _after_warmup(warmup_steps, lambda step: 1.0 if step < start else decay(step))
 
 
 def warmup_linear(

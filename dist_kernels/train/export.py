@@ -44,6 +44,7 @@ __all__ = [
     "consolidate",
     "consolidate_training",
     "export",
+    "export_hf",
     "load_exported",
 ]
 
