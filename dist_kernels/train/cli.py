@@ -142,9 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=d.seed)
     add(
         "--data",
+        "--data-path",
+        dest="data",
+        nargs="+",
         default=None,
-        help="text file, or token ids (.bin: uint16, nanoGPT's; .npy) (default: the package's "
-        "own Python sources)",
+        metavar="[WEIGHT] FILE",
+        help="text file, or token ids (.bin: uint16, nanoGPT's; .npy), or a blend of token "
+        "files as weight / file pairs (0.3 a.bin 0.7 b.bin) (default: the package's own "
+        "Python sources)",
     )
     field("--vocab-size", int, "with a token file: the vocabulary size (0: largest id + 1)")
     add("--n-layer", type=int, default=m.n_layers, help="transformer blocks")
@@ -237,7 +242,21 @@ def _span(text: str) -> Tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected A:B (steps), got {text!r}") from None
 
 
+def _data(values: Optional[List[str]]) -> Tuple[Optional[str], Tuple[Tuple[float, str], ...]]:
+    """``--data``'s values as TrainConfig's ``(data, data_blend)``: one file, or pairs."""
+    if values is None or len(values) == 1:
+        return (values[0] if values else None), ()
+    if len(values) % 2:
+        raise ConfigError(f"--data: a blend is weight / file pairs, got {len(values)} values")
+    try:
+        blend = tuple((float(w), path) for w, path in zip(values[::2], values[1::2]))
+    except ValueError:
+        raise ConfigError(f"--data: a blend is weight / file pairs, got {values}") from None
+    return None, blend
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    data, blend = _data(args.data)
     model = dataclasses.replace(
         TrainConfig().model,
         n_layers=args.n_layer,
@@ -272,7 +291,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         clip_grad=args.clip_grad, recompute=args.recompute, compile=args.compile,
         compile_backend=args.compile_backend,
         sequence_parallel=args.sequence_parallel,
-        data=args.data, vocab_size=args.vocab_size, model=model,
+        data=data, data_blend=blend, vocab_size=args.vocab_size, model=model,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_last=args.keep_last, resume=args.resume,
         init_from=args.init_from,
@@ -296,7 +315,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Every check that can fail before a rank starts; returns the resolved config."""
     from .checkpoints import identity, resolve_resume
-    from .data import build_corpus
+    from .data import build_blend
     from .driver import model_config, samplers
     from .model import describe
 
@@ -305,7 +324,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"engine={cfg.engine!r} supports tp=1 only (tp={cfg.tp})")
     if cfg.engine != "dk" and cfg.checkpoint_dir is not None:
         raise ConfigError(f"checkpoints are written by --engine dk only (engine={cfg.engine!r})")
-    corpus = build_corpus(cfg.data, cfg.model.block_size, cfg.vocab_size)
+    corpus = build_blend(cfg.data, cfg.data_blend, cfg.model.block_size, cfg.vocab_size)
     model = model_config(cfg, corpus)
     data_fp = samplers(cfg, corpus)[2]  # the samplers' checks too (a held-out span too small)
     resume = resolve_resume(cfg, identity(cfg, describe(model), data_fp))

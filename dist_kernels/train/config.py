@@ -154,6 +154,9 @@ class TrainConfig:
     """A text file to train on (its characters are the tokens), or a file of token ids
     (``.bin``: uint16, nanoGPT's format; ``.npy``: any integer array); None = the package's
     own Python sources."""
+    data_blend: Tuple[Tuple[float, str], ...] = ()
+    """``(weight, token file)`` pairs to sample from in proportion (Megatron's ``--data-path
+    0.3 a 0.7 b``), in place of ``data``; weights are normalised."""
     vocab_size: int = 0
     """With a token file: the vocabulary's size (every id must be below it); 0 = the largest
     id + 1. A text corpus's vocabulary is its characters."""
@@ -287,6 +290,8 @@ class TrainConfig:
             )
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.data_blend and self.data is not None:
+            raise ConfigError(f"data({self.data!r}) and data_blend: give one of them")
         if not self.exit_duration_in_mins >= 0:
             raise ConfigError(
                 "exit_duration_in_mins must be >= 0 (0: no limit), got "

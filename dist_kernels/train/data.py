@@ -17,15 +17,20 @@ offsets from a generator seeded with ``seed`` and ``t``, and replica ``d`` takes
 So the samples of a step do not depend on the layout: a run resumed on another ``dp`` (same
 global batch) sees the same data, and the position in the data is the number of global samples
 already consumed, ``step x global_batch``.
+
+A blend of token files (:class:`BlendedCorpus`, Megatron's ``--data-path 0.3 a 0.7 b``) draws,
+from the same generator, each sample's file with the normalised weights, then its offset in
+that file: still a function of ``(seed, step)``.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import math
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -157,20 +162,72 @@ def build_corpus(path: Optional[str], seq_len: int, vocab_size: int = 0) -> Corp
     return CharCorpus.build(path, seq_len)
 
 
-Corpus = Union[CharCorpus, TokenCorpus]
+@dataclass
+class BlendedCorpus:
+    """Token files sampled in proportion to their weights (normalised to sum to 1)."""
+
+    parts: List[TokenCorpus]
+    weights: List[float]
+    vocab_size: int
+    description: str
+
+    @classmethod
+    def build(cls, blend: Sequence[Tuple[float, str]], seq_len: int, vocab_size: int = 0):
+        """``blend``: ``(weight, token file)`` pairs; ``vocab_size`` 0: the largest id of any
+        file + 1."""
+        if not blend or any(not (w > 0 and math.isfinite(w)) for w, _ in blend):
+            raise DataError(f"data: a blend needs positive weights, got {list(blend)}")
+        for _, path in blend:
+            if not path.endswith(TOKEN_SUFFIXES):
+                raise DataError(
+                    f"data: {path} in a blend is not a file of token ids "
+                    f"({', '.join(TOKEN_SUFFIXES)}): blends are of tokenized files"
+                )
+        parts = [TokenCorpus.build(path, seq_len, vocab_size) for _, path in blend]
+        total = sum(w for w, _ in blend)
+        weights = [w / total for w, _ in blend]
+        vocab = vocab_size or max(p.vocab_size for p in parts)
+        described = ", ".join(f"{w:.3g} x {p.description}" for w, p in zip(weights, parts))
+        return cls(parts, weights, vocab, f"a blend of {described}")
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(f"{self.vocab_size}".encode())
+        for w, part in zip(self.weights, self.parts):
+            digest.update(f"{w!r}:{part.fingerprint()}".encode())
+        return digest.hexdigest()[:16]
 
 
-def split(corpus: Corpus, valid_fraction: float) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-    """``(train span, validation span)`` of token indices: the validation text is the
-    corpus's last ``valid_fraction``, so no training window overlaps it."""
-    n = len(corpus.tokens)
+Corpus = Union[CharCorpus, TokenCorpus, BlendedCorpus]
+Span = Tuple[int, int]
+
+
+def build_blend(
+    path: Optional[str], blend: Sequence[Tuple[float, str]], seq_len: int, vocab_size: int = 0
+) -> Corpus:
+    """The corpus of ``--data``: one file (:func:`build_corpus`) or a weighted blend."""
+    if blend:
+        return BlendedCorpus.build(blend, seq_len, vocab_size)
+    return build_corpus(path, seq_len, vocab_size)
+
+
+def _split_one(n: int, valid_fraction: float) -> Tuple[Span, Span]:
     cut = n - max(1, round(n * valid_fraction))
     return (0, cut), (cut, n)
 
 
+def split(corpus: Corpus, valid_fraction: float):
+    """``(train span, validation span)`` of token indices: the validation text is the
+    corpus's last ``valid_fraction``, so no training window overlaps it. A blend: a list of
+    spans each, every file split so."""
+    if isinstance(corpus, BlendedCorpus):
+        spans = [_split_one(len(p.tokens), valid_fraction) for p in corpus.parts]
+        return [t for t, _ in spans], [v for _, v in spans]
+    return _split_one(len(corpus.tokens), valid_fraction)
+
+
 class Sampler:
     """Windows of ``seq_len + 1`` characters, chosen by ``(seed, step)`` only, from the tokens
-    of ``span`` (default: the whole corpus)."""
+    of ``span`` (default: the whole corpus; a blend: one span per file)."""
 
     def __init__(
         self,
@@ -178,34 +235,62 @@ class Sampler:
         seq_len: int,
         global_batch: int,
         seed: int,
-        span: Optional[Tuple[int, int]] = None,
+        span=None,
     ) -> None:
-        lo, hi = span if span is not None else (0, len(corpus.tokens))
-        if hi - lo < seq_len + 2:
-            raise DataError(
-                f"data: tokens [{lo}, {hi}) of {corpus.description} hold {hi - lo} "
-                f"characters; a window needs {seq_len + 2} (seq_len {seq_len}): a larger "
-                "corpus or valid_fraction"
-            )
-        self.tokens, self.seq_len = corpus.tokens[lo:hi], seq_len
+        parts = corpus.parts if isinstance(corpus, BlendedCorpus) else [corpus]
+        blended = isinstance(corpus, BlendedCorpus)
+        spans = span if blended and span is not None else [span] * len(parts)
+        self.parts = []
+        for part, part_span in zip(parts, spans):
+            lo, hi = part_span if part_span is not None else (0, len(part.tokens))
+            if hi - lo < seq_len + 2:
+                raise DataError(
+                    f"data: tokens [{lo}, {hi}) of {part.description} hold {hi - lo} "
+                    f"characters; a window needs {seq_len + 2} (seq_len {seq_len}): a larger "
+                    "corpus or valid_fraction"
+                )
+            self.parts.append(part.tokens[lo:hi])
+        self.weights = getattr(corpus, "weights", [1.0])
+        self.tokens, self.seq_len = self.parts[0], seq_len
         self.global_batch, self.seed = global_batch, seed
 
-    def step_offsets(self, step: int) -> torch.Tensor:
-        """The ``global_batch`` window offsets of optimizer step ``step``."""
+    def step_windows(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(file, offset)`` of each of the ``global_batch`` windows of step ``step`` (the
+        file is 0 but in a blend, whose draw of files comes first from the same generator)."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        high = len(self.tokens) - self.seq_len - 1
-        return torch.randint(0, high, (self.global_batch,), generator=gen)
+        if len(self.parts) == 1:  # one corpus: the offsets alone, as before blends existed
+            high = len(self.tokens) - self.seq_len - 1
+            offsets = torch.randint(0, high, (self.global_batch,), generator=gen)
+            return torch.zeros_like(offsets), offsets
+        weights = torch.tensor(self.weights, dtype=torch.float64)
+        files = torch.multinomial(weights, self.global_batch, replacement=True, generator=gen)
+        highs = torch.tensor([len(p) - self.seq_len - 1 for p in self.parts], dtype=torch.float64)
+        uniform = torch.rand(self.global_batch, generator=gen, dtype=torch.float64)
+        return files, (uniform * highs[files]).long()
+
+    def step_offsets(self, step: int) -> torch.Tensor:
+        """The ``global_batch`` window offsets of optimizer step ``step`` (in their files)."""
+        return self.step_windows(step)[1]
 
     def batch(self, step: int, first: int, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-character targets ``[count, seq_len]`` of samples
         ``first .. first + count`` of step ``step``."""
-        offsets = self.step_offsets(step)[first : first + count]
-        index = offsets[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        if isinstance(self.tokens, torch.Tensor):
-            windows = self.tokens[index]
-        else:  # a token file: only these windows are read from the mapping
-            windows = torch.from_numpy(self.tokens[index.numpy()].astype(np.int64))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        files, offsets = (t[first : first + count] for t in self.step_windows(step))
+        span = torch.arange(self.seq_len + 1)
+        rows = []
+        for f in files.unique().tolist():  # each file's windows (one file unless a blend)
+            mine = (files == f).nonzero().flatten()
+            index = offsets[mine][:, None] + span[None, :]
+            tokens = self.parts[f]
+            if isinstance(tokens, torch.Tensor):
+                windows = tokens[index]
+            else:  # a token file: only these windows are read from the mapping
+                windows = torch.from_numpy(tokens[index.numpy()].astype(np.int64))
+            rows.append((mine, windows))
+        out = torch.empty(count, self.seq_len + 1, dtype=rows[0][1].dtype)
+        for mine, windows in rows:
+            out[mine] = windows
+        return out[:, :-1].contiguous(), out[:, 1:].contiguous()
 
     def replica_batch(
         self, step: int, dp_rank: int, per_replica: int

@@ -22,7 +22,7 @@ import torch
 
 from . import checkpoints
 from .config import TrainConfig
-from .data import Corpus, Sampler, build_corpus, split
+from .data import Corpus, Sampler, build_blend, split
 from .engines import build_engine
 from .exits import ExitWatch
 from .metrics import PHASES, JsonLines, Progress, StepTimes, matmul_peak_flops, peak_memory_mb
@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, engine: Optional[str] = None, append_log: bool = Fal
     ("dk" or "torch"; default ``cfg.engine``). Collective: every rank calls it. The JSON log
     is appended to when ``append_log`` or when the run resumes a checkpoint."""
     engine = engine or cfg.engine
-    corpus = build_corpus(cfg.data, cfg.model.block_size, cfg.vocab_size)
+    corpus = build_blend(cfg.data, cfg.data_blend, cfg.model.block_size, cfg.vocab_size)
     cfg = dataclasses.replace(cfg, model=model_config(cfg, corpus))
     world = World(cfg, need_mesh=engine == "dk")
     try:
@@ -378,7 +378,8 @@ def samplers(cfg: TrainConfig, corpus: Corpus):
     train_span, valid_span = split(corpus, cfg.valid_fraction)
     train = Sampler(corpus, seq, batch, cfg.seed, span=train_span)
     valid = Sampler(corpus, seq, batch, cfg.seed, span=valid_span)
-    return train, valid, f"{corpus.fingerprint()}:train{train_span[1]}"
+    ends = [s[1] for s in train_span] if isinstance(train_span, list) else train_span[1]
+    return train, valid, f"{corpus.fingerprint()}:train{ends}"
 
 
 def _minmax(done: int, rows: torch.Tensor) -> str:
