@@ -1,7 +1,7 @@
 """Ring attention forward + backward on cp CPU ranks, against one process on the whole sequence.
 
     python benchmarks/bench_cp.py [--seq 2048 4096 8192 16384] [--cp 1 2 4] [--batch 1]
-        [--heads 8] [--head-dim 64] [--no-causal] [--iters 3] [--json f]
+        [--heads 8] [--kv-heads 2] [--head-dim 64] [--no-causal] [--iters 3] [--json f]
 
 For each sequence length the script first runs the baseline, ``F.scaled_dot_product_attention``
 on the whole sequence in one process (torch's CPU flash attention, one thread), then for each
@@ -59,10 +59,12 @@ GRADS = ("q", "k", "v")
 
 
 def _inputs(args, seq: int):
-    """Full q, k, v, grad_out ``[batch, heads, seq, head_dim]`` from a fixed seed (FP32)."""
+    """Full q, k, v, grad_out ``[batch, heads, seq, head_dim]`` from a fixed seed (FP32); k and
+    v with ``--kv-heads`` heads (grouped-query attention)."""
     gen = torch.Generator().manual_seed(1234 + seq)
     shape = (args.batch, args.heads, seq, args.head_dim)
-    return [torch.randn(shape, generator=gen) for _ in range(4)]
+    grouped = (args.batch, args.kv_heads or args.heads, seq, args.head_dim)
+    return [torch.randn(s, generator=gen) for s in (shape, grouped, grouped, shape)]
 
 
 class _Attention:
@@ -75,7 +77,10 @@ class _Attention:
         full = _inputs(args, seq)
         if comm is None:  # the baseline: the whole sequence in one process
             self.tensors = full
-            self.fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            gqa = {"enable_gqa": True} if full[1].shape[1] != full[0].shape[1] else {}
+            self.fn = lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=self.causal, **gqa
+            )
         else:
             self.tensors = [cp.shard_sequence(t, comm, dim=2) for t in full]
             self.fn = lambda q, k, v: cp.ring_attention(q, k, v, comm, causal=self.causal)
@@ -326,6 +331,9 @@ def main() -> None:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument(
+        "--kv-heads", type=int, default=0, help="key / value heads (grouped-query; 0: --heads)"
+    )
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--no-causal", action="store_true")
     parser.add_argument("--iters", type=int, default=3)

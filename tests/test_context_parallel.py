@@ -153,7 +153,11 @@ def _rank_ring(cases):
     comm = dk.Communicator()
     rank, cp = comm.rank, comm.world_size
     report = []
-    for causal, load_balance, dtype, seed in cases:
+    for case in cases:
+        if len(case) == 5:  # grouped key / value heads
+            report += _ring_grouped(comm, *case)
+            continue
+        causal, load_balance, dtype, seed = case
         seq = 2 * cp * 5 if load_balance else cp * 7  # odd chunks: 5 each, or 7 a rank
         gen = torch.Generator().manual_seed(seed)
         qkv = torch.randn(seq, 2, 3, 3, 8, generator=gen).to(dtype)  # exact in dtype
@@ -180,6 +184,35 @@ def _rank_ring(cases):
     return report
 
 
+def _ring_grouped(comm, causal, load_balance, dtype, seed, groups):
+    """Grouped-query attention, ``groups`` key / value heads for 4 query heads, float64:
+    ring attention moving the grouped heads against SDPA on the whole sequence with each key
+    / value head repeated for its query heads (their gradients summed back by autograd)."""
+    from dist_kernels.context_parallel import ring_attention
+
+    rank, cp = comm.rank, comm.world_size
+    seq, r = 2 * cp * 5 if load_balance else cp * 7, 4 // groups
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, seq, 8, generator=gen, dtype=dtype)
+    k, v = (torch.randn(2, groups, seq, 8, generator=gen, dtype=dtype) for _ in range(2))
+    g = torch.randn(2, 4, seq, 8, generator=gen, dtype=dtype)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expanded = [t.repeat_interleave(r, dim=1) for t in whole[1:]]
+    out = F.scaled_dot_product_attention(whole[0], *expanded, is_causal=causal)
+    out.backward(g)
+    truth = dict(zip("qkv", (t.grad for t in whole)), out=out.detach())
+    mine = [_shard(t, rank, cp, load_balance).requires_grad_() for t in (q, k, v)]
+    ours = ring_attention(*mine, comm, causal=causal, load_balance=load_balance)
+    ours.backward(_shard(g, rank, cp, load_balance))
+    got = dict(zip("qkv", (t.grad for t in mine)), out=ours.detach())
+    report = []
+    for name, value in got.items():
+        error = (value - _shard(truth[name], rank, cp, load_balance)).abs().max().item()
+        assert error <= 1e-12, (causal, load_balance, groups, name, error)
+        report.append((causal, load_balance, f"{dtype} {groups} kv heads", name, 0.0, 0.0))
+    return report
+
+
 @pytest.mark.parametrize("cp", CP_SIZES)
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
     print("seed", SEED)
@@ -190,6 +223,11 @@ def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
                 (False, True), (False, True), (torch.float64, torch.float32, torch.bfloat16)
             )
         )
+    ]
+    # grouped-query attention: 2 key / value heads (r = 2) and 1 (multi-query), float64
+    cases += [
+        (True, True, torch.float64, SEED + 20, 2),
+        (False, False, torch.float64, SEED + 21, 1),
     ]
     results = run_ranks(cp, _rank_ring, cases, timeout=300)
     worst = {}

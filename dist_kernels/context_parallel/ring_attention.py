@@ -136,10 +136,13 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _group(t: torch.Tensor, group) -> torch.Tensor:
-    """A view of one group of heads (``layout.head_groups``): ``[1, heads, seq, dim]``."""
+def _group(t: torch.Tensor, group, per_kv: int = 1) -> torch.Tensor:
+    """A view of one group of heads (``layout.head_groups``, over the key / value heads):
+    ``[1, heads, seq, dim]``; ``per_kv``: query heads per key / value head, for a tensor of
+    the queries' heads (grouped-query attention: query head ``h`` uses key / value head
+    ``h // per_kv``, so a group of key / value heads serves a contiguous range of them)."""
     sample, heads = group
-    return t[sample : sample + 1, heads]
+    return t[sample : sample + 1, heads.start * per_kv : heads.stop * per_kv]
 
 
 def _passes(k, v, ring: _Ring, backward: bool):
@@ -171,13 +174,14 @@ def _forward(q, k, v, ring: _Ring, causal: bool, load_balance: bool, scale: floa
     lse = torch.empty(q.shape[:3], dtype=_accumulate_dtype(q.dtype))
     passes = _passes(k, v, ring, backward=False)
     hops = [_first_hop(blocks) for _, blocks in passes[:LOOKAHEAD]]
+    r = q.shape[1] // k.shape[1]
     for i, (group, blocks) in enumerate(passes):
         out_g, lse_g, posted = _forward_group(
-            _group(q, group), blocks, hops[i], _ahead(passes, i), causal, load_balance, scale
+            _group(q, group, r), blocks, hops[i], _ahead(passes, i), causal, load_balance, scale
         )
         hops.append(posted)
-        _group(out, group).copy_(out_g)
-        _group(lse, group).copy_(lse_g)
+        _group(out, group, r).copy_(out_g)
+        _group(lse, group, r).copy_(lse_g)
     return out, lse
 
 
@@ -233,9 +237,10 @@ def _backward(grad_out, q, k, v, out, lse, ring: _Ring, causal, load_balance, sc
     passes = _passes(k, v, ring, backward=True)
     hops = [_first_hop(blocks) for _, blocks in passes[:LOOKAHEAD]]
     finish = None
+    r = q.shape[1] // k.shape[1]
     for i, (group, blocks) in enumerate(passes):
-        saved = [_group(t, group) for t in (grad_out, q, out, lse)]
-        results = [_group(t, group) for t in grads]
+        saved = [_group(t, group, r) for t in (grad_out, q, out, lse)]
+        results = [_group(t, group, per_kv) for t, per_kv in zip(grads, (r, 1, 1))]
         chain = (hops[i], _ahead(passes, i), finish)
         finish, posted = _backward_group(saved, results, blocks, chain, causal, load_balance, scale)
         hops.append(posted)
@@ -327,7 +332,9 @@ def ring_attention(
 
     Args:
         q, k, v: ``[batch, heads, seq / cp, head_dim]``, this rank's shard of the sequence
-            (same shape, dtype and device; CPU; float64, float32, bfloat16 or float16).
+            (same dtype and device; CPU; float64, float32, bfloat16 or float16). k and v may
+            have ``heads / r`` heads (grouped-query attention: query head ``h`` attends with
+            key / value head ``h // r``): the ring then moves ``r`` times fewer bytes.
         comm: the context-parallel Communicator (``mesh.cp_comm``); None = one rank.
         causal: a causal mask over the global positions (``is_causal`` of the whole sequence).
         load_balance: the shards are zig-zag (:func:`shard_sequence`'s ``load_balance=True``:
@@ -344,7 +351,7 @@ def ring_attention(
     ring = _Ring(comm)
     _check_local(q, k, v, ring.rank)
     if ring.size > 1:
-        _check_agree(q, ring, causal, load_balance)
+        _check_agree(q, k, ring, causal, load_balance)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return _RingAttention.apply(q, k, v, ring, bool(causal), bool(load_balance), float(scale))
@@ -357,10 +364,15 @@ def _check_local(q, k, v, rank: int) -> None:
                 f"[rank {rank}] ring_attention: {name} must be a 4-d tensor [batch, heads, "
                 f"seq / cp, head_dim], got {getattr(t, 'shape', type(t).__name__)}"
             )
-    if not q.shape == k.shape == v.shape:
+    grouped = q.shape[1] % k.shape[1] == 0 and (q.shape[0], *q.shape[2:]) == (
+        k.shape[0],
+        *k.shape[2:],
+    )
+    if not k.shape == v.shape or not (q.shape == k.shape or grouped):
         raise ValueError(
             f"[rank {rank}] ring_attention: q, k, v shapes differ: {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)} (one shard of one sequence each)"
+            f"{tuple(k.shape)}, {tuple(v.shape)} (one shard of one sequence each; k and v "
+            "may have fewer heads than q, a divisor of them: grouped-query attention)"
         )
     if not q.dtype == k.dtype == v.dtype or not q.dtype.is_floating_point:
         raise TypeError(
@@ -370,13 +382,16 @@ def _check_local(q, k, v, rank: int) -> None:
     block_attention.check_device(q, "ring_attention", rank)
 
 
-_AGREE = ("batch", "heads", "seq / cp", "head_dim", "dtype", "causal", "load_balance")
+_AGREE = (
+    "batch", "heads", "seq / cp", "head_dim", "key / value heads", "dtype", "causal",
+    "load_balance",
+)  # fmt: skip
 
 
-def _check_agree(q, ring: _Ring, causal: bool, load_balance: bool) -> None:
+def _check_agree(q, k, ring: _Ring, causal: bool, load_balance: bool) -> None:
     """Every rank sees every rank's shape and options, so a mismatch raises everywhere."""
     mine = torch.tensor(
-        [*q.shape, DTYPE_CODES.get(q.dtype, -1), int(causal), int(load_balance)],
+        [*q.shape, k.shape[1], DTYPE_CODES.get(q.dtype, -1), int(causal), int(load_balance)],
         dtype=torch.int64,
     )
     every = torch.empty(ring.size * mine.numel(), dtype=torch.int64)

@@ -50,8 +50,9 @@ __all__ = ["GPTConfig", "GPT"]
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned", "rope")
 GELU_APPROXIMATIONS = ("none", "tanh")  # F.gelu's approximate
-# F.scaled_dot_product_attention's enable_gqa (torch >= 2.5): query head h on key / value head
-# h // r, our group order, without materialising r copies of each key and value head
+# F.scaled_dot_product_attention's enable_gqa (torch >= 2.5), and its CPU flash kernels that
+# ring attention calls, pair query head h with key / value head h // r (our group order)
+# without r copies of each key and value head; ring attention then moves r times fewer bytes
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
@@ -207,9 +208,8 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rope_tables(pos.to(q.device), self.head_dim, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
-        if r > 1 and (self.sequence is not None or not _SDPA_GQA):
-            # each key / value head serves the r query heads of its group (ring attention
-            # moves whole heads; SDPA before torch 2.5 has no groups)
+        if r > 1 and not _SDPA_GQA:  # SDPA before torch 2.5 has no groups: repeat each key
+            # / value head for the r query heads of its group
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         if self.sequence is not None:
             y = self.sequence.attention(q, k, v, causal=True)
