@@ -114,16 +114,23 @@ def warmup_constant_factor(warmup_steps: int) -> Callable[[int], float]:
     return _after_warmup(warmup_steps, lambda step: 1.0)
 
 
+def _warmup_then_decay(
+    warmup_steps: int, total_steps: int, min_ratio: float, shape: str
+) -> Callable[[int], float]:
+    """Linear warm-up, then a decay of ``shape`` from the peak to ``min_ratio`` at
+    ``total_steps`` (held there after)."""
+    _check_steps(warmup_steps, total_steps)
+    _check_ratio(min_ratio)
+    steps = max(1, total_steps - warmup_steps)
+    return _after_warmup(warmup_steps, _decay(min_ratio, _WSD_TAILS[shape], warmup_steps, steps))
+
+
 def warmup_cosine_factor(
     warmup_steps: int, total_steps: int, min_ratio: float = 0.0
 ) -> Callable[[int], float]:
     """Multiplier of step ``s``: linear warm-up, then cosine decay to ``min_ratio`` at
     ``total_steps`` (held there after)."""
-    _check_steps(warmup_steps, total_steps)
-    _check_ratio(min_ratio)
-    steps = max(1, total_steps - warmup_steps)
-    decay = _decay(min_ratio, _WSD_TAILS["cosine"], warmup_steps, steps)
-    return _after_warmup(warmup_steps, decay)
+    return _warmup_then_decay(warmup_steps, total_steps, min_ratio, "cosine")
 
 
 def warmup_linear_factor(
@@ -131,11 +138,7 @@ def warmup_linear_factor(
 ) -> Callable[[int], float]:
     """Multiplier of step ``s``: linear warm-up, then linear decay to ``min_ratio`` at
     ``total_steps`` (held there after)."""
-    _check_steps(warmup_steps, total_steps)
-    _check_ratio(min_ratio)
-    steps = max(1, total_steps - warmup_steps)
-    decay = _decay(min_ratio, _WSD_TAILS["linear"], warmup_steps, steps)
-    return _after_warmup(warmup_steps, decay)
+    return _warmup_then_decay(warmup_steps, total_steps, min_ratio, "linear")
 
 
 def warmup_stable_decay_factor(
