@@ -31,6 +31,7 @@ __all__ = [
     "global_key",
     "global_param_names",
     "global_state",
+    "named_optimizer_state",
     "reshard_optimizer_state",
     "reshard_state",
     "saved_ranks",
@@ -137,6 +138,23 @@ def reshard_state(model: nn.Module, saved_ep: int, read: StateReader) -> Dict[st
     return merged
 
 
+def named_optimizer_state(
+    saved: Mapping[str, Any], names: Sequence[str]
+) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """``(state by parameter name, hyper-parameters by parameter name)`` of a torch optimizer
+    state dict whose parameter indices ``names`` names (in the optimizer's order); a
+    parameter without state (never stepped) has hyper-parameters only."""
+    state: Dict[str, Any] = {}
+    options: Dict[str, Dict[str, Any]] = {}
+    for group in saved["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for index in group["params"]:
+            options[names[index]] = hyper
+            if index in saved["state"]:
+                state[names[index]] = saved["state"][index]
+    return state, options
+
+
 def reshard_optimizer_state(
     model: nn.Module,
     saved_ep: int,
@@ -153,13 +171,11 @@ def reshard_optimizer_state(
     by_name: Dict[str, Any] = {}
     options: Dict[str, Dict[str, Any]] = {}
     for r in saved_ranks(model, saved_ep):
-        saved, saved_names = read(r)
-        for group in saved["param_groups"]:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            for index in group["params"]:
-                options.setdefault(saved_names[index], hyper)
-                if index in saved["state"]:
-                    by_name.setdefault(saved_names[index], saved["state"][index])
+        state, hyper = named_optimizer_state(*read(r))
+        for name, value in state.items():
+            by_name.setdefault(name, value)
+        for name, value in hyper.items():
+            options.setdefault(name, value)
     names = [names_of[id(p)] for g in groups for p in g]
     if by_name and not set(names) <= set(by_name):
         missing = sorted(set(names) - set(by_name))

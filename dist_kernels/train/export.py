@@ -101,15 +101,7 @@ def _torch_optimizer_state(directory: str, extra: Dict[str, Any]):
     ``param_names``."""
     if "param_names" not in extra or "optimizer" not in extra:
         raise ConfigError(f"{directory} records no optimizer state by parameter name")
-    saved, names = extra["optimizer"], extra["param_names"]
-    state, options = {}, {}
-    for group in saved["param_groups"]:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        for i in group["params"]:
-            options[names[i]] = hyper
-            if i in saved["state"]:
-                state[names[i]] = saved["state"][i]
-    return state, options
+    return moe_checkpoint.named_optimizer_state(extra["optimizer"], extra["param_names"])
 
 
 def _per_tp_rank(
@@ -230,6 +222,7 @@ class Consolidated:
     optimizer: Dict[str, Dict[str, Any]]  # exp_avg, exp_avg_sq in the parameter's shape; step
     options: Dict[str, Dict[str, Any]]  # per parameter: its param group's hyper-parameters
     extra: Dict[str, Any]  # the saving run's: "updates", "loss_scaler"
+    names: Dict[str, str]  # the driver's nn.Sequential names -> GPT's
 
 
 def consolidate_training(path: str, optimizer: bool = True) -> Consolidated:
@@ -253,7 +246,7 @@ def consolidate_training(path: str, optimizer: bool = True) -> Consolidated:
         if any(h is None for h in held):
             raise ConfigError(f"export: {path}: only some tp ranks hold optimizer state of {k}")
         per_param[names[k]] = _join_state(k, held, whole[k])
-    return Consolidated(config, int(record["step"]), state, per_param, options, first.extra)
+    return Consolidated(config, int(record["step"]), state, per_param, options, first.extra, names)
 
 
 def consolidate(path: str) -> Tuple[GPTConfig, int, Dict[str, torch.Tensor]]:
@@ -286,12 +279,12 @@ def load_exported(path: str, config: Optional[GPTConfig] = None) -> Dict[str, to
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ConfigError(f"init_from: {path} is not a file of python -m dist_kernels.train.export")
     if config is not None:
-        _check_same_model(path, payload["config"], config)
+        _check_same_model(path, payload["config"], dataclasses.asdict(config))
     return payload["model"]
 
 
-def _check_same_model(path: str, saved: Dict[str, Any], config: GPTConfig) -> None:
-    mine = dataclasses.asdict(config)
+def _check_same_model(path: str, saved: Dict[str, Any], mine: Dict[str, Any]) -> None:
+    """Refuses a file whose model fields ``saved`` differ from this run's ``mine``."""
     differ = {k: (v, mine.get(k)) for k, v in saved.items() if mine.get(k) != v}
     if differ:
         detail = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in differ.items())
@@ -321,11 +314,7 @@ def _load_hf(path: str, config: Optional[GPTConfig]) -> Dict[str, torch.Tensor]:
         raise ConfigError(f"init_from: {path}: {e}") from None
     if config is None:
         return state
-    mine, theirs = _architecture(config), _architecture(hf_config)
-    differ = {k: (v, mine[k]) for k, v in theirs.items() if mine[k] != v}
-    if differ:
-        detail = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in differ.items())
-        raise ConfigError(f"init_from: {path} holds another model: {detail}")
+    _check_same_model(path, _architecture(hf_config), _architecture(config))
     return _fit_hf(path, hf_config, state, config)
 
 

@@ -32,10 +32,9 @@ import torch
 import torch.nn as nn
 
 from .. import checkpoint as dk_checkpoint
-from ..models import GPT
 from ..moe.checkpoint import global_key
 from .config import ConfigError
-from .export import Consolidated, _gpt_names, _model_key, consolidate_training
+from .export import Consolidated, _model_key, consolidate_training
 
 
 def _cut(whole: torch.Tensor, shape: torch.Size, tp_rank: int, tp: int, what: str):
@@ -79,8 +78,7 @@ class Resharded:
         """Cuts every parameter's optimizer state for ``model`` (this rank's model as built,
         before any engine: every stage, this tp rank's shards, this ep rank's experts) and
         checks the cut against the parameters."""
-        with torch.random.fork_rng(devices=[]):  # GPT's names of the nn.Sequential's
-            gpt_name = _gpt_names(GPT(self.whole.config))
+        gpt_name = self.whole.names  # the nn.Sequential's names -> GPT's
         known, rename = set(gpt_name), global_key(model)
         for local, p in model.named_parameters():
             name = gpt_name[_model_key(rename(local), known)]
