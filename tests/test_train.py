@@ -918,7 +918,8 @@ def test_every_option_a_user_sets_has_a_flag():
         TrainConfig(weight_decay=-0.1).check()
     with pytest.raises(ConfigError, match=r"min_lr_ratio must lie in \[0, 1\], got 2.0"):
         TrainConfig(min_lr_ratio=2.0).check()
-    with pytest.raises(ConfigError, match=r"optimizer must be one of \['adamw', 'fused-adamw'\]"):
+    one_of = r"optimizer must be one of \['adamw', 'fused-adamw', 'muon'\]"
+    with pytest.raises(ConfigError, match=one_of):
         TrainConfig(optimizer="lamb").check()
     with pytest.raises(ConfigError, match=r"adam_beta2 must lie in \[0, 1\), got 1.0"):
         TrainConfig(adam_beta2=1.0).check()

@@ -125,14 +125,17 @@ class _TensorParallelModule(nn.Module):
         self.sequence_parallel = bool(sequence_parallel)
         self.tp_name = type(self).__name__  # tp.shard_module sets the module's path
 
-    def _mark_shards(self, *params: Optional[nn.Parameter]) -> None:
+    def _mark_shards(self, dim: int, *params: Optional[nn.Parameter]) -> None:
         """Marks the parameters each tp rank holds a different part of (Megatron's
         ``tensor_model_parallel``): a norm over the model counts them on every tp rank, the
-        others on one (train/clipping.py)."""
+        others on one (train/clipping.py). ``tensor_parallel_dim`` is the dimension they are
+        cut along (Megatron's ``partition_dim``): what joins them again (Muon's whole-matrix
+        step, dk.optim.muon)."""
         if self.tp_size > 1:
             for p in params:
                 if p is not None:
                     p.tensor_parallel_shard = True
+                    p.tensor_parallel_dim = dim
 
     def _init_sharded(self, tensor: torch.Tensor, init) -> None:
         # Shards differ between tensor-parallel ranks: draw them from the per-rank generator.
@@ -180,7 +183,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         self._init_sharded(self.weight, lambda w: w.uniform_(-bound, bound))
         if self.bias is not None:
             self._init_sharded(self.bias, lambda b: b.uniform_(-bound, bound))
-        self._mark_shards(self.weight, self.bias)
+        self._mark_shards(0, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1 and not self.sequence_parallel:
@@ -244,7 +247,7 @@ class RowParallelLinear(_TensorParallelModule):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         self._init_sharded(self.weight, lambda w: w.uniform_(-bound, bound))
-        self._mark_shards(self.weight)  # the bias is whole on every rank
+        self._mark_shards(1, self.weight)  # the bias is whole on every rank
         if self.bias is not None:
             with torch.no_grad():  # replicated: the same draw on every rank
                 self.bias.uniform_(-bound, bound)
@@ -301,7 +304,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
             torch.empty(self.rows_per_rank, embedding_dim, device=device, dtype=dtype)
         )
         self._init_sharded(self.weight, nn.init.normal_)
-        self._mark_shards(self.weight)
+        self._mark_shards(0, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_range(ids)

@@ -37,7 +37,9 @@ from .config import ConfigError, TrainConfig
 
 COMPLETE = "COMPLETE.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_MUST_MATCH = ("model", "data")
+_MUST_MATCH = ("model", "data", "optimizer")
+# what a record written before a key existed was trained with
+_DEFAULTS = {"optimizer": "adamw"}
 
 
 def step_dir(cfg: TrainConfig, step: int) -> str:
@@ -56,6 +58,9 @@ def identity(cfg: TrainConfig, model_desc: Dict[str, Any], data_fp: str) -> Dict
         "ep": cfg.ep,
         "sharded": bool(cfg.zero),
         "global_batch": cfg.global_batch,
+        # the optimizer state's kind: AdamW's moments (adamw and fused-adamw share them) or
+        # Muon's momentum buffers; a resume with the other would load one into the other
+        "optimizer": "muon" if cfg.optimizer == "muon" else "adamw",
     }
 
 
@@ -120,7 +125,7 @@ def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str
         return None
     record = read_record(path, "resume")
     for key in _MUST_MATCH:
-        saved = record["identity"].get(key)
+        saved = record["identity"].get(key, _DEFAULTS.get(key))
         if key == "model" and isinstance(saved, dict):
             saved = _model_with_defaults(saved)
         if saved != ident[key]:

@@ -23,7 +23,15 @@ from typing import Any, List, Optional, Sequence, Tuple
 from ..lr import WSD_STYLES
 from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
 from ..pipeline.schedules import SCHEDULES
-from .config import DECAYS, OPTIMIZERS, ConfigError, TrainConfig
+from .config import (
+    DECAYS,
+    MUON_ADJUST_LR,
+    MUON_NS_DTYPES,
+    MUON_TP_MODES,
+    OPTIMIZERS,
+    ConfigError,
+    TrainConfig,
+)
 
 _STRATEGY_HELP = "0 = DDP; 1 / 2 / 3 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
 
@@ -112,11 +120,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer",
         default=d.optimizer,
         choices=OPTIMIZERS,
-        help="fused-adamw: each engine's fused AdamW kernel (ours: dk.optim.FusedAdamW)",
+        help="fused-adamw: each engine's fused AdamW kernel (ours: dk.optim.FusedAdamW); "
+        "muon: dk.optim.Muon on hidden matrices, AdamW on the rest",
     )
     field("--adam-beta1", float, "AdamW's first-moment coefficient")
     field("--adam-beta2", float, "AdamW's second-moment coefficient")
     field("--adam-eps", float, "AdamW's epsilon")
+    field("--muon-momentum", float, "muon: the momentum")
+    add(
+        "--muon-nesterov",
+        action=argparse.BooleanOptionalAction,
+        default=d.muon_nesterov,
+        help="muon: Nesterov momentum",
+    )
+    add(
+        "--muon-num-ns-steps",
+        "--muon-ns-steps",
+        dest="muon_ns_steps",
+        type=int,
+        default=d.muon_ns_steps,
+        help="muon: Newton-Schulz iterations",
+    )
+    add(
+        "--muon-adjust-lr",
+        default=d.muon_adjust_lr,
+        choices=MUON_ADJUST_LR,
+        help="muon: a matrix's rate by its shape (match_rms_adamw: AdamW's lr carries over)",
+    )
+    add(
+        "--muon-ns-dtype",
+        default=d.muon_ns_dtype,
+        choices=MUON_NS_DTYPES,
+        help="muon: Newton-Schulz's precision (bf16 as torch.optim.Muon)",
+    )
+    add(
+        "--muon-tp-mode",
+        default=d.muon_tp_mode,
+        choices=MUON_TP_MODES,
+        help="muon with --tp: orthogonalise each split matrix whole (duplicated) or per block",
+    )
     add(
         "--sequence-parallel",
         action="store_true",
@@ -301,7 +343,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         straggler_threshold=args.straggler_threshold, straggler_min_ms=args.straggler_min_ms,
         straggler_patience=args.straggler_patience, min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay, optimizer=args.optimizer, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, eval_interval=args.eval_interval,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, muon_momentum=args.muon_momentum,
+        muon_nesterov=args.muon_nesterov, muon_ns_steps=args.muon_ns_steps,
+        muon_adjust_lr=args.muon_adjust_lr, muon_tp_mode=args.muon_tp_mode,
+        muon_ns_dtype=args.muon_ns_dtype,
+        eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, valid_fraction=args.valid_fraction,
         reference_tokens_per_s=args.reference_tokens_per_s,
         exit_signal_handler=args.exit_signal_handler,

@@ -20,7 +20,10 @@ from ..models import GPTConfig
 from ..pipeline.schedules import SCHEDULES, build_schedule
 
 Dtype = Literal["fp32", "bf16", "fp16"]
-OPTIMIZERS = ("adamw", "fused-adamw")
+OPTIMIZERS = ("adamw", "fused-adamw", "muon")
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
+MUON_TP_MODES = ("duplicated", "blockwise")
+MUON_NS_DTYPES = ("bf16", "fp32")
 Engine = Literal["dk", "torch", "both"]
 LrScaling = Literal["none", "linear", "sqrt"]
 Decay = Literal["cosine", "linear", "constant", "wsd"]
@@ -119,7 +122,28 @@ class TrainConfig:
     """``adamw``: ``torch.optim.AdamW`` as torch picks its implementation (a per-tensor loop on
     CPU, ``foreach`` on CUDA); ``fused-adamw``: each engine's fused kernel, our
     ``dk.optim.FusedAdamW`` for our engines and ``torch.optim.AdamW(fused=True)`` for torch's
-    (Megatron and DeepSpeed train with a fused Adam: apex's, Transformer Engine's, theirs)."""
+    (Megatron and DeepSpeed train with a fused Adam: apex's, Transformer Engine's, theirs);
+    ``muon``: ``dk.optim.Muon`` on the hidden matrices and AdamW (``adam_*``) on embeddings,
+    the head, biases and norms (``dk.optim.muon_param_groups``); our engines deal its
+    Newton-Schulz work over the data-parallel replicas."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Megatron's ``--muon-momentum``)."""
+    muon_nesterov: bool = True
+    """Muon's Nesterov momentum (torch.optim.Muon's default)."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per step (Megatron's ``--muon-num-ns-steps``)."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """How a matrix's rate follows its shape: ``match_rms_adamw`` (Moonshot's
+    ``0.2 sqrt(max(rows, cols))``: AdamW's ``lr`` and weight decay carry over) or
+    ``original`` (Keller Jordan's ``sqrt(max(1, rows / cols))``)."""
+    muon_ns_dtype: str = "bf16"
+    """Newton-Schulz's precision: ``bf16`` (torch.optim.Muon's and Keller Jordan's) or ``fp32``
+    (slower; layouts then agree to FP32 rounding, where BF16 turns a gradient's last-bit
+    difference into a step's 1%)."""
+    muon_tp_mode: str = "duplicated"
+    """With tp > 1: ``duplicated`` orthogonalises each tp-split matrix whole (gathered over tp:
+    the tp = 1 result), ``blockwise`` each rank's block alone (no communication, another
+    optimiser; Megatron's ``--muon-tp-mode``)."""
     adam_beta1: float = 0.9
     """AdamW's first-moment coefficient (Megatron's ``--adam-beta1``)."""
     adam_beta2: float = 0.95
@@ -311,6 +335,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         if not self.adam_eps > 0:
             raise ConfigError(f"adam_eps must be > 0, got {self.adam_eps}")
+        self._check_muon()
         if not self.weight_decay >= 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -329,6 +354,22 @@ class TrainConfig:
                 raise ConfigError(
                     f"profile_steps {first}:{last} must satisfy 1 <= A <= B <= steps({self.steps})"
                 )
+
+    def _check_muon(self) -> None:
+        _choice("muon_adjust_lr", self.muon_adjust_lr, MUON_ADJUST_LR)
+        _choice("muon_tp_mode", self.muon_tp_mode, MUON_TP_MODES)
+        _choice("muon_ns_dtype", self.muon_ns_dtype, MUON_NS_DTYPES)
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"muon_momentum must lie in [0, 1), got {self.muon_momentum}")
+        if not 0 < self.muon_ns_steps < 100:
+            raise ConfigError(f"muon_ns_steps must lie in [1, 99], got {self.muon_ns_steps}")
+        if self.optimizer == "muon" and self.zero:
+            raise ConfigError(
+                f"optimizer(muon) with zero({self.zero}): ZeRO shards flat buffers that cut "
+                "matrices apart, and Muon steps whole matrices; run zero(0): Muon's state is "
+                "one buffer per parameter (AdamW's two), and its Newton-Schulz work is already "
+                "dealt over the data-parallel ranks"
+            )
 
     def _check_layout(self) -> None:
         self._check_experts()

@@ -100,6 +100,34 @@ def _adamw(cfg: TrainConfig, engine: str) -> Tuple[type, Dict[str, Any]]:
     return FusedAdamW, kwargs
 
 
+def _muon(
+    cfg: TrainConfig, module: nn.Module, engine: str, comm: Any, mesh: Any, expert_comm: Any
+) -> Any:
+    """``--optimizer muon``: dk.optim.Muon over ``module``'s hidden matrices, AdamW (the
+    ``--adam-*`` settings) over the rest. Our engines deal Newton-Schulz over the replicas
+    ``comm`` (experts: ``expert_comm``) and join tp-split matrices over the mesh's tp group;
+    torch's engine (DDP) runs every matrix on every replica, as torch.optim.Muon under DDP."""
+    from ..optim import Muon, muon_param_groups
+
+    ours = engine == "dk"
+    tp_comm = mesh.tp_comm if ours and mesh is not None and mesh.tp > 1 else None
+    return Muon(
+        muon_param_groups(module, cfg.weight_decay),
+        lr=peak_lr(cfg),
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        adjust_lr_fn=cfg.muon_adjust_lr,
+        adamw_betas=(cfg.adam_beta1, cfg.adam_beta2),
+        adamw_eps=cfg.adam_eps,
+        comm=comm if ours else None,
+        tp_comm=tp_comm,
+        expert_comm=expert_comm if ours else None,
+        tp_mode=cfg.muon_tp_mode,
+        ns_dtype=torch.bfloat16 if cfg.muon_ns_dtype == "bf16" else torch.float32,
+    )
+
+
 def decay_groups(params, weight_decay: float):
     """AdamW's parameters: with weight decay, two param groups, the decay on matrices and
     embeddings (2-D and more) and none on biases and norms' weights (1-D), as nanoGPT and
@@ -211,7 +239,11 @@ class DataParallel:
             return model, opt, lambda last: contextlib.nullcontext() if last else opt.no_sync()
         if engine == "torch" and cfg.zero and world > 1:
             return _fsdp2(model, optimizer, kwargs)
-        opt = optimizer(decay_groups(model.parameters(), cfg.weight_decay), **kwargs)
+        if cfg.optimizer == "muon":
+            replicas = dp_comm if world > 1 else None
+            opt = _muon(cfg, model, engine, replicas, mesh, expert_comm)
+        else:
+            opt = optimizer(decay_groups(model.parameters(), cfg.weight_decay), **kwargs)
         if world == 1:
             return model, opt, lambda last: contextlib.nullcontext()
         if engine == "dk":
@@ -373,6 +405,9 @@ class Pipelined:
     def _optimizer(self, cfg: TrainConfig, mesh: Any) -> Any:
         """AdamW over this rank's stages; with ``--zero 1`` sharded over dp x cp."""
         optimizer, kwargs = _adamw(cfg, "dk")
+        if cfg.optimizer == "muon":  # the data-parallel replicas of this rank's stages
+            replicas = mesh.dp_cp_comm if cfg.dp * cfg.cp > 1 else None
+            return _muon(cfg, self.pipe.stage_module, "dk", replicas, mesh, self.expert_comm)
         params = decay_groups(self.pipe.parameters(), cfg.weight_decay)
         if not cfg.zero:
             return optimizer(params, **kwargs)

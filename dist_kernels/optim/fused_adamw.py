@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .dtypes import dtype_code
+from ..dtypes import dtype_code
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
@@ -150,7 +150,7 @@ class FusedAdamW(torch.optim.Optimizer):
             stream = torch.cuda.current_stream(device).cuda_stream
         elif device.type != "cpu":
             raise TypeError(f"params: FusedAdamW runs on CPU and CUDA tensors, not {device.type}")
-        from . import _C
+        from .. import _C
 
         _C.adamw_step(
             [t.data_ptr() for t in targets],
@@ -195,7 +195,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
 def _hyper(group: Dict[str, Any], step: float, grad_scale: float) -> Any:
     """Per-step scalars, computed in double as torch does, rounded to float by the binding."""
-    from . import _C
+    from .. import _C
 
     lr = _as_float(group["lr"], "lr")
     beta1 = _as_float(group["betas"][0], "betas[0]")
