@@ -13,7 +13,9 @@ without forward, backward or gradient reduction. Configurations, each on a fresh
   script does, and the baseline every ratio is taken against;
 * ``dk Muon, every rank``: ``dk.optim.Muon`` without a communicator (the same work as torch);
 * ``dk Muon, dealt over dp``: ``dk.optim.Muon(comm=world)``: each rank orthogonalises its
-  share of the matrices, one all_gather of the BF16 results.
+  share of the matrices, one all_gather of the BF16 results;
+* ``dk Muon, ZeRO-1``: the same with ``shard_state=True``: each rank also keeps the state of,
+  and steps, only its share (AdamW's parameters all-gathered after the step).
 
 Before timing, one step of each configuration is compared with the baseline's: the parameters
 must be equal bit for bit (the same BF16 Newton-Schulz, the same AdamW), else the run stops.
@@ -68,7 +70,7 @@ def _torch_pair(model, args):
     return [muon, adamw]
 
 
-def _ours(comm):
+def _ours(comm, shard_state=False):
     def build(model, args):
         from dist_kernels.optim import Muon, muon_param_groups
 
@@ -76,6 +78,7 @@ def _ours(comm):
             Muon(
                 muon_param_groups(model, weight_decay=0.1), lr=1e-3,
                 adjust_lr_fn="match_rms_adamw", adamw_betas=(0.9, 0.95), comm=comm,
+                shard_state=shard_state,
             )
         ]  # fmt: skip
 
@@ -103,6 +106,19 @@ class _Config:
             self.step += 1
 
     @property
+    def state_mb(self) -> float:
+        return (
+            sum(
+                v.numel() * v.element_size()
+                for o in self.optimizers
+                for st in o.state.values()
+                for v in st.values()
+                if v.dim()
+            )
+            / 1e6
+        )
+
+    @property
     def matrices(self) -> int:
         return sum(getattr(o, "last_orthogonalized", 0) for o in self.optimizers)
 
@@ -128,6 +144,7 @@ def _worker(args) -> None:
         _Config("torch Muon + AdamW", _torch_pair, args),
         _Config("dk Muon, every rank", _ours(None), args),
         _Config("dk Muon, dealt over dp", _ours(comm), args),
+        _Config("dk Muon, ZeRO-1", _ours(comm, shard_state=True), args),
     ]
     _check_first_step(configs)
     for c in configs:
@@ -155,10 +172,15 @@ def _report(args, world: int, configs: List[_Config], medians: List[float]) -> N
         f"of {args.rounds} alternated rounds x {args.steps} steps after {args.warmup}, slowest "
         "rank; every configuration's first step equal to the baseline's bit for bit"
     )
-    print(f"{'config':26s} {'step ms':>9s} {'vs torch':>9s} {'NS matrices on rank 0':>22s}")
+    print(
+        f"{'config':26s} {'step ms':>9s} {'vs torch':>9s} {'NS matrices on rank 0':>22s} "
+        f"{'state MB on rank 0':>19s}"
+    )
     for c, ms in zip(configs, medians):
         shown = c.matrices or len(hidden)
-        print(f"{c.name:26s} {ms * 1e3:9.1f} {medians[0] / ms:8.2f}x {shown:>22d}")
+        print(
+            f"{c.name:26s} {ms * 1e3:9.1f} {medians[0] / ms:8.2f}x {shown:>22d} {c.state_mb:19.1f}"
+        )
 
 
 def main(argv=None) -> None:

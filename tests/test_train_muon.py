@@ -152,9 +152,67 @@ def test_resume_is_exact_and_reshards(tmp_path):
     assert tp_resumed[0]["losses"] == pytest.approx(tp_straight[0]["losses"][2:], rel=1e-5, abs=0)
 
 
+@pytest.mark.parametrize(
+    "layout, world",
+    [(dict(dp=2), 2), (dict(dp=2, pp=2, micro_batch=2), 4), (dict(dp=2, ep=2), 2)],
+    ids=["dp2", "dp2xpp2", "dp2xep2-moe"],
+)
+def test_zero1_deals_the_state_and_trains_as_replicated(tmp_path, layout, world):
+    """--zero 1 --optimizer muon: each replica holds the state of the parameters dealt to it
+    (Muon's matrices and AdamW's alike) and the run equals --zero 0 bit for bit (the same
+    operations on the same values); its checkpoint (consolidated on every replica) resumes
+    exactly, under --zero 1 and under --zero 0."""
+    model = MOE if "ep" in layout else TINY
+    cfg = _muon_cfg(steps=4, log_every=1, model=model, **layout)
+    replicated = run_ranks(world, _on_ranks, cfg, timeout=300)
+    zero1 = dataclasses.replace(cfg, zero=1)
+    sharded = run_ranks(world, _on_ranks, zero1, timeout=300)
+    assert sharded[0]["losses"] == replicated[0]["losses"]
+    for a, b in zip(sharded, replicated):
+        assert a["params"].keys() == b["params"].keys()
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(world, _on_ranks, dataclasses.replace(zero1, stop_after=2, **ckpt), timeout=300)
+    step2 = str(tmp_path / "step-00000002")
+    for zero in (1, 0):
+        resumed = run_ranks(
+            world, _on_ranks, dataclasses.replace(cfg, zero=zero, resume=step2), timeout=300
+        )
+        assert resumed[0]["start"] == 2 and resumed[0]["losses"] == replicated[0]["losses"][2:]
+
+
+def _rank_state_held(cfg):
+    """Elements of optimizer state this rank holds after training ``cfg``."""
+    from dist_kernels.train import driver as train_driver
+
+    held = []
+    real = train_driver.build_engine
+
+    def build(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        held.append(engine)
+        return engine
+
+    with mock.patch.object(train_driver, "build_engine", build):
+        _on_ranks(cfg)
+    opt = held[-1].optimizer
+    return sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim())
+
+
+def test_zero1_holds_about_half_the_state_at_dp2():
+    cfg = _muon_cfg(dp=2, steps=2)
+    replicated = run_ranks(2, _rank_state_held, cfg, timeout=300)
+    sharded = run_ranks(2, _rank_state_held, dataclasses.replace(cfg, zero=1), timeout=300)
+    assert replicated[0] == replicated[1]
+    for mine in sharded:
+        assert 0.3 * replicated[0] < mine < 0.7 * replicated[0], (sharded, replicated)
+
+
 def test_refused_combinations(tmp_path):
-    with pytest.raises(ConfigError, match=r"optimizer\(muon\) with zero\(1\)"):
-        _muon_cfg(dp=2, zero=1).with_layout(2)
+    with pytest.raises(ConfigError, match=r"optimizer\(muon\) with zero\(2\)"):
+        _muon_cfg(dp=2, zero=2).with_layout(2)
+    with pytest.raises(ConfigError, match=r"engine\(torch\)"):
+        _muon_cfg(dp=2, zero=1, engine="torch").with_layout(2)
     with pytest.raises(ConfigError, match="muon_tp_mode"):
         _muon_cfg(muon_tp_mode="distributed").with_layout(1)
     # an AdamW checkpoint does not resume under Muon (its state would load into Muon's)

@@ -32,6 +32,12 @@ and keeps its own slice: the result equals tp = 1 (Newton-Schulz commutes with t
 permutation a fused layer's tp layout makes). ``tp_mode="blockwise"`` orthogonalises each shard
 by itself (no communication, another optimiser: Megatron's default mode).
 
+ZeRO-1 (``shard_state=True``): step 1 keeps only the matrices dealt to this rank, and AdamW's
+parameters are dealt too (by size), each stepped by one replica and all-gathered after the
+step: state divided by whole parameters (Megatron-Core's layer-wise distributed optimizer),
+results equal to replicated state bit for bit. ``consolidate_state_dict()`` (collective) before
+``state_dict()``; ``load_state_dict`` takes a whole state and keeps this rank's part.
+
 Expert parallelism (``expert_comm``): expert weights (``expert_parallel``) differ across the ep
 ranks; they are dealt over their own replicas, ``expert_comm``. A model with expert shards and
 no ``expert_comm`` raises rather than mixing experts of different ranks.
@@ -155,6 +161,11 @@ class Muon(torch.optim.Optimizer):
         expert_comm: the replicas of expert-parallel parameters (``mesh.expert_dp_comm``).
         tp_mode: ``duplicated`` (whole matrices, equal to tp = 1) or ``blockwise``.
         ns_dtype: Newton-Schulz's precision (BF16 as torch; float64 for exact comparisons).
+        shard_state: ZeRO-1 by whole parameters (Megatron-Core's layer-wise distributed
+            optimizer): each replica keeps the state of, and steps, only the parameters dealt
+            to it (Muon's matrices and AdamW's parameters alike), and the replicas exchange
+            the results; a checkpoint calls :meth:`consolidate_state_dict` on every replica
+            before :meth:`state_dict`.
     """
 
     def __init__(
@@ -176,6 +187,7 @@ class Muon(torch.optim.Optimizer):
         expert_comm: Any = None,
         tp_mode: str = "duplicated",
         ns_dtype: torch.dtype = torch.bfloat16,
+        shard_state: bool = False,
     ) -> None:
         _check_args(lr, weight_decay, momentum, ns_steps, adjust_lr_fn, tp_mode)
         groups = list(params)
@@ -195,10 +207,50 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.comm, self.tp_comm, self.expert_comm = comm, tp_comm, expert_comm
         self.tp_mode, self.ns_dtype = tp_mode, ns_dtype
+        self.shard_state = bool(shard_state)
         self.last_orthogonalized = 0  # matrices this rank ran Newton-Schulz on in the last step
+        self._consolidated = False  # consolidate_state_dict() ran since the last step
         for group in self.param_groups:
-            for p in group["params"]:
-                _check_param(p, group)
+            _check_param_group(group)
+        self._owner = self._deal()
+
+    def _deal(self) -> Dict[int, int]:
+        """``id(param) -> rank of its replicas`` that steps it: Muon matrices by Newton-Schulz
+        cost, and with ``shard_state`` AdamW's parameters by size. Fixed at construction
+        (the parameters' order and shapes are every replica's), so the state a rank holds
+        does not move."""
+        owner: Dict[int, int] = {}
+        for use_muon in (True, False):
+            by_comm: Dict[int, List[torch.Tensor]] = defaultdict(list)
+            comms: Dict[int, Any] = {}
+            for group in self.param_groups:
+                if group["use_muon"] != use_muon:
+                    continue
+                for p in group["params"]:
+                    comm = self._replicas(p)
+                    comms[id(comm)] = comm
+                    by_comm[id(comm)].append(p)
+            for key, params in by_comm.items():
+                size = _size_rank(comms[key])[0]
+                shapes = [self._ns_shape(p) if use_muon else (p.numel(), 1) for p in params]
+                own = _size_rank(comms[key])[1]
+                if not use_muon and not self.shard_state:  # every replica steps AdamW's
+                    owner.update((id(p), own) for p in params)
+                    continue
+                for p, rank in zip(params, deal_matrices(shapes, size)):
+                    owner[id(p)] = rank
+        return owner
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_owner"):  # after construction: deal again, with the new group
+            _check_param_group(self.param_groups[-1])
+            self._owner = self._deal()
+
+    def _owns(self, p: torch.Tensor) -> bool:
+        """Whether this rank steps ``p`` (without ``shard_state`` every replica steps
+        AdamW's parameters; Muon's matrices are always dealt)."""
+        return self._owner[id(p)] == _size_rank(self._replicas(p))[1]
 
     # -- the step -------------------------------------------------------------------------
 
@@ -208,20 +260,41 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._consolidated = False
         matrices: List[Tuple[torch.Tensor, Dict[str, Any]]] = []
+        flat: List[Tuple[torch.Tensor, Dict[str, Any]]] = []
         for group in self.param_groups:
-            if group["use_muon"]:
-                for p in _with_grad(group):
-                    self._momentum(p, group)  # every replica: the state stays replicated
-                    matrices.append((p, group))
-            else:
-                self._adamw(group)
+            for p in _with_grad(group):
+                (matrices if group["use_muon"] else flat).append((p, group))
+        # the momentum: every replica's copy, or (shard_state) the owner's only
+        for p, group in matrices:
+            if not self.shard_state or self._owns(p):
+                self._momentum(p, group)
+        self._adamw([(p, group) for p, group in flat if self._owns(p)])
         updates = self._orthogonalize_all(matrices)
         for (p, group), update in zip(matrices, updates):
             lr = group["lr"]
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], self._ns_shape(p)))
+        if self.shard_state:
+            self._share_stepped([p for p, _ in flat])
         return loss
+
+    def _share_stepped(self, params: List[torch.Tensor]) -> None:
+        """``shard_state``: AdamW's parameters, from the replicas that stepped them."""
+        for comm, group in self._by_replicas(params):
+            if _size_rank(comm)[0] == 1:
+                continue
+            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = defaultdict(list)
+            for p in group:
+                by_dtype[p.dtype].append(p)
+            for dtype, same in by_dtype.items():
+                owners = [self._owner[id(p)] for p in same]
+                values: List[Optional[torch.Tensor]] = [p.detach() for p in same]
+                _share(comm, values, owners, dtype)
+                for p, value, o in zip(same, values, owners):
+                    if o != comm.rank:
+                        p.copy_(value)
 
     def _momentum(self, p: torch.Tensor, group: Dict[str, Any]) -> None:
         """Updates ``p``'s momentum buffer."""
@@ -236,29 +309,35 @@ class Muon(torch.optim.Optimizer):
         buf = self.state[p]["momentum_buffer"]
         return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
+    def _by_replicas(self, params: List[torch.Tensor]):
+        """``[(replicas, their parameters in order)]``, one entry per communicator (None:
+        one replica)."""
+        by_comm: Dict[int, List[torch.Tensor]] = defaultdict(list)
+        comms: Dict[int, Any] = {}
+        for p in params:
+            comm = self._replicas(p)
+            comms[id(comm)] = comm
+            by_comm[id(comm)].append(p)
+        return [(comms[key], ps) for key, ps in by_comm.items()]
+
     def _orthogonalize_all(self, matrices) -> List[torch.Tensor]:
         """Every matrix's orthogonalised update in its parameter's (shard's) shape: each
         computed by the replica it is dealt to, then exchanged."""
-        updates: List[Optional[torch.Tensor]] = [None] * len(matrices)
-        by_replicas: Dict[int, List[int]] = defaultdict(list)
-        replicas: Dict[int, Any] = {}
-        for i, (p, _) in enumerate(matrices):
-            comm = self._replicas(p)
-            replicas[id(comm)] = comm
-            by_replicas[id(comm)].append(i)
+        group_of = {id(p): g for p, g in matrices}
+        done: Dict[int, torch.Tensor] = {}
         self.last_orthogonalized = 0
-        for key, indices in by_replicas.items():
-            comm = replicas[key]
-            size, rank = _size_rank(comm)
-            owner = deal_matrices([self._ns_shape(matrices[i][0]) for i in indices], size)
-            mine = [i for i, o in zip(indices, owner) if o == rank]
-            for i in mine:
-                p, group = matrices[i]
-                updates[i] = self._orthogonalize(p, group, self._update(p, group))
-            self.last_orthogonalized += len(mine)
-            if size > 1:
-                self._exchange(comm, [matrices[i][0] for i in indices], owner, updates, indices)
-        return updates  # type: ignore[return-value]
+        for comm, params in self._by_replicas([p for p, _ in matrices]):
+            for p in params:
+                if self._owns(p):
+                    group = group_of[id(p)]
+                    done[id(p)] = self._orthogonalize(p, group, self._update(p, group))
+                    self.last_orthogonalized += 1
+            if _size_rank(comm)[0] > 1:
+                owners = [self._owner[id(p)] for p in params]
+                values = [done.get(id(p)) for p in params]
+                _share(comm, values, owners, self.ns_dtype, shapes=[p.shape for p in params])
+                done.update({id(p): v for p, v in zip(params, values)})
+        return [done[id(p)] for p, _ in matrices]
 
     def _orthogonalize(self, p: torch.Tensor, group: Dict[str, Any], update: torch.Tensor):
         coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
@@ -270,28 +349,59 @@ class Muon(torch.optim.Optimizer):
         size = p.shape[dim]  # every tp rank ran the same NS and keeps its own slice
         return ortho.narrow(dim, self.tp_comm.rank * size, size).contiguous()
 
-    def _exchange(self, comm, params, owner, updates, indices) -> None:
-        """One all_gather over ``comm``: rank r's orthogonalised matrices, in deal order, padded
-        to the largest rank's total; every rank unpacks every rank's."""
-        size, rank = _size_rank(comm)
-        numel = [0] * size
-        for p, o in zip(params, owner):
-            numel[o] += p.numel()
-        width = max(numel)
-        send = torch.zeros(width, dtype=self.ns_dtype)
-        offset = 0
-        for i, o in zip(indices, owner):
-            if o == rank:
-                n = updates[i].numel()
-                send[offset : offset + n].copy_(updates[i].reshape(-1))
-                offset += n
-        received = torch.empty(size * width, dtype=self.ns_dtype)
-        comm.all_gather(received, send)
-        offsets = [r * width for r in range(size)]
-        for p, i, o in zip(params, indices, owner):
-            if o != rank:
-                updates[i] = received[offsets[o] : offsets[o] + p.numel()].view(p.shape)
-            offsets[o] += p.numel()
+    # -- state sharded over the replicas ------------------------------------------------------
+
+    def consolidate_state_dict(self) -> None:
+        """With ``shard_state``: every replica receives every parameter's state from the rank
+        that holds it, so that :meth:`state_dict` (on any replica) returns the whole state.
+        Collective over the replicas (as torch's ``ZeroRedundancyOptimizer.consolidate_state_dict``,
+        which gathers to one rank); the copies are dropped by the next step."""
+        if not self.shard_state:
+            return
+        for group in self.param_groups:
+            for comm, params in self._by_replicas(list(group["params"])):
+                if _size_rank(comm)[0] > 1:
+                    for p in params:
+                        self._broadcast_state(comm, p, group)
+        self._consolidated = True
+
+    def _broadcast_state(self, comm: Any, p: torch.Tensor, group: Dict[str, Any]) -> None:
+        owner, rank = self._owner[id(p)], _size_rank(comm)[1]
+        present = torch.tensor([1 if self.state.get(p) else 0], dtype=torch.int32)
+        comm.broadcast(present, src=owner)
+        if not present.item():
+            return  # never stepped: no state anywhere
+        state = self.state[p]
+        if rank != owner and not state:
+            like = torch.zeros_like(p)
+            if group["use_muon"]:
+                state["momentum_buffer"] = like
+            else:
+                state.update(step=torch.tensor(0.0), exp_avg=like, exp_avg_sq=like.clone())
+        for key in sorted(state):
+            comm.broadcast(state[key], src=owner)
+
+    def state_dict(self) -> Dict[str, Any]:
+        if self.shard_state and _size_rank(self.comm)[0] > 1 and not self._consolidated:
+            raise RuntimeError(
+                f"Muon (rank {_size_rank(self.comm)[1]}): state_dict() with shard_state "
+                "needs consolidate_state_dict() on every replica first (each holds its part)"
+            )
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a whole state (any replica's consolidated one, or an unsharded run's); with
+        ``shard_state`` each rank then keeps its own parameters' state only."""
+        super().load_state_dict(state_dict)
+        self._drop_others()
+
+    def _drop_others(self) -> None:
+        if not self.shard_state:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self._owns(p):
+                    self.state.pop(p, None)
 
     def _replicas(self, p: torch.Tensor) -> Any:
         if not getattr(p, "expert_parallel", False):
@@ -320,22 +430,29 @@ class Muon(torch.optim.Optimizer):
             shape[p.tensor_parallel_dim] *= self.tp_comm.world_size
         return tuple(shape)
 
-    def _adamw(self, group: Dict[str, Any]) -> None:
-        """torch.optim.AdamW's step for one group (its functional form: the same result)."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in _with_grad(group):
+    def _adamw(self, items: List[Tuple[torch.Tensor, Dict[str, Any]]]) -> None:
+        """torch.optim.AdamW's step for ``items`` (its functional form: the same result),
+        one call per param group."""
+        by_group: Dict[int, List[torch.Tensor]] = defaultdict(list)
+        groups: Dict[int, Dict[str, Any]] = {}
+        for p, group in items:
+            by_group[id(group)].append(p)
+            groups[id(group)] = group
+        for key, params in by_group.items():
+            self._adamw_group(groups[key], params)
+
+    def _adamw_group(self, group: Dict[str, Any], params: List[torch.Tensor]) -> None:
+        grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        for p in params:
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        if not params:
-            return
         beta1, beta2 = group["betas"]
         _adamw_step(
             params,
@@ -352,6 +469,34 @@ class Muon(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def _share(comm: Any, values: List[Optional[torch.Tensor]], owners: List[int], dtype, shapes=None):
+    """One all_gather over ``comm``: each rank's own ``values`` (those it owns, in order),
+    packed and padded to the largest rank's total; on return ``values`` holds every rank's
+    (the others' as views of the received buffer). ``shapes``: the values' shapes (default:
+    the owned values' own, which every rank then must hold: AdamW's parameters)."""
+    size, rank = _size_rank(comm)
+    shapes = shapes or [v.shape for v in values]
+    numel = [0] * size
+    for shape, o in zip(shapes, owners):
+        numel[o] += math.prod(shape)
+    width = max(numel)
+    send = torch.zeros(width, dtype=dtype)
+    offset = 0
+    for value, o in zip(values, owners):
+        if o == rank:
+            n = value.numel()
+            send[offset : offset + n].copy_(value.reshape(-1))
+            offset += n
+    received = torch.empty(size * width, dtype=dtype)
+    comm.all_gather(received, send)
+    offsets = [r * width for r in range(size)]
+    for i, (shape, o) in enumerate(zip(shapes, owners)):
+        n = math.prod(shape)
+        if o != rank:
+            values[i] = received[offsets[o] : offsets[o] + n].view(shape)
+        offsets[o] += n
 
 
 def _with_grad(group: Dict[str, Any]) -> List[torch.Tensor]:
@@ -391,6 +536,11 @@ def _check_args(lr, weight_decay, momentum, ns_steps, adjust_lr_fn, tp_mode) -> 
         raise ValueError(f"Muon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
     if tp_mode not in TP_MODES:
         raise ValueError(f"Muon: tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+
+
+def _check_param_group(group: Dict[str, Any]) -> None:
+    for p in group["params"]:
+        _check_param(p, group)
 
 
 def _check_param(p: torch.Tensor, group: Dict[str, Any]) -> None:

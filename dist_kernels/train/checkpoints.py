@@ -56,7 +56,7 @@ def identity(cfg: TrainConfig, model_desc: Dict[str, Any], data_fp: str) -> Dict
         "tp": cfg.tp,
         "schedule": cfg.schedule if cfg.pp > 1 else None,  # how the stages are placed
         "ep": cfg.ep,
-        "sharded": bool(cfg.zero),
+        "sharded": cfg.flat_shards,
         "global_batch": cfg.global_batch,
         # the optimizer state's kind: AdamW's moments (adamw and fused-adamw share them) or
         # Muon's momentum buffers; a resume with the other would load one into the other
@@ -156,7 +156,10 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
     extra["updates"] = engine.updates  # the schedule's position (fp16 skips do not advance it)
     if engine.scaler is not None:  # fp16: the same state on every rank
         extra["loss_scaler"] = engine.scaler.state_dict()
-    if cfg.zero:
+    consolidate = getattr(engine.optimizer, "consolidate_state_dict", None)
+    if consolidate is not None and not cfg.flat_shards:
+        consolidate()  # Muon's zero(1): every replica holds its part; collective
+    if cfg.flat_shards:
         dk_checkpoint.save(stage, model=engine.module, optimizer=engine.optimizer, extra=extra)
     elif engine.replica_rank == 0:  # one of the dp x cp ranks that hold these weights
         extra["optimizer"] = engine.optimizer.state_dict()
@@ -271,7 +274,7 @@ def load(cfg, engine, resume: Dict[str, Any], shard: str, resharded=None) -> Tup
     if resharded is not None:
         resharded.load(engine.optimizer, engine.module)
         extra = resharded.extra
-    elif cfg.zero:  # at any ep: the shards name experts by global id
+    elif cfg.flat_shards:  # at any ep: the shards name experts by global id
         extra = dk_checkpoint.load(stage, model=engine.module, optimizer=engine.optimizer)
     elif saved_ep != cfg.ep:
         extra = _load_resharded(engine, resume["path"], shard, saved_ep)

@@ -62,7 +62,8 @@ class TrainConfig:
     set by ``--experts``) are sharded over ep and replicated over dp / ep."""
     zero: int = 0
     """ZeRO stage of ``dk.ShardedOptimizer`` over the data-parallel ranks: 0 = DDP, 1, 2 or 3
-    (3: parameters sharded too, gathered per block in forward and backward)."""
+    (3: parameters sharded too, gathered per block in forward and backward). With
+    ``optimizer="muon"`` only 1: Muon's state dealt by whole parameters (``shard_state``)."""
     schedule: str = "1f1b"
     """Pipeline schedule, one of ``dk.pipeline.SCHEDULES``: ``gpipe``, ``1f1b``,
     ``interleaved-1f1b`` (2 stages per rank), ``zb-h1``, ``zb-h2``, ``zb-v`` and
@@ -251,6 +252,12 @@ class TrainConfig:
     tensorboard: Optional[str] = None
     """Write TensorBoard scalars (loss, lr, tokens/s, MFU, phase times, memory) here (rank 0)."""
 
+    @property
+    def flat_shards(self) -> bool:
+        """ZeRO through ``dk.ShardedOptimizer``'s flat shards: every ``zero`` but Muon's, whose
+        stage 1 deals whole parameters (DDP's all-reduce, a replicated checkpoint format)."""
+        return bool(self.zero) and self.optimizer != "muon"
+
     def with_layout(self, world_size: int) -> TrainConfig:
         """A copy with ``dp``, ``grad_accum`` and ``global_batch`` resolved for ``world_size``;
         raises :class:`ConfigError` with the arithmetic when they do not fit."""
@@ -363,12 +370,16 @@ class TrainConfig:
             raise ConfigError(f"muon_momentum must lie in [0, 1), got {self.muon_momentum}")
         if not 0 < self.muon_ns_steps < 100:
             raise ConfigError(f"muon_ns_steps must lie in [1, 99], got {self.muon_ns_steps}")
-        if self.optimizer == "muon" and self.zero:
+        if self.optimizer == "muon" and self.zero > 1:
             raise ConfigError(
-                f"optimizer(muon) with zero({self.zero}): ZeRO shards flat buffers that cut "
-                "matrices apart, and Muon steps whole matrices; run zero(0): Muon's state is "
-                "one buffer per parameter (AdamW's two), and its Newton-Schulz work is already "
-                "dealt over the data-parallel ranks"
+                f"optimizer(muon) with zero({self.zero}): ZeRO-2 and -3 cut gradients and "
+                "parameters into flat shards, and Muon steps whole matrices; zero(1) deals "
+                "Muon's state by whole parameters over the data-parallel ranks"
+            )
+        if self.optimizer == "muon" and self.zero and self.engine != "dk":
+            raise ConfigError(
+                f"optimizer(muon) with zero({self.zero}) and engine({self.engine}): torch's "
+                "FSDP2 shards parameters flat; Muon's sharded state runs on our engine only"
             )
 
     def _check_layout(self) -> None:

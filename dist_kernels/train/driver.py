@@ -178,7 +178,7 @@ class _Run:
         self.start_step = updates = 0
         if resume is not None:
             self.start_step, updates = checkpoints.load(
-                cfg, self.engine, resume, world.shard_name(bool(cfg.zero)), resharded
+                cfg, self.engine, resume, world.shard_name(cfg.flat_shards), resharded
             )
         self.engine.start(updates)
         self.is_rank0 = world.rank == 0
@@ -251,7 +251,7 @@ class _Run:
 
     def _save(self, done: int) -> str:
         cfg = self.cfg
-        shard = self.world.shard_name(bool(cfg.zero))
+        shard = self.world.shard_name(cfg.flat_shards)
         return checkpoints.save(cfg, self.engine, self.ident, done, shard, self.world)
 
     def _exit_early(self, done: int, reason: str, loss: float, interval, seconds: float) -> None:

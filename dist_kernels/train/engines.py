@@ -124,6 +124,7 @@ def _muon(
         tp_comm=tp_comm,
         expert_comm=expert_comm if ours else None,
         tp_mode=cfg.muon_tp_mode,
+        shard_state=ours and cfg.zero == 1,
         ns_dtype=torch.bfloat16 if cfg.muon_ns_dtype == "bf16" else torch.float32,
     )
 
@@ -222,7 +223,7 @@ class DataParallel:
     ) -> Tuple[Callable, Any, Callable[[bool], Any]]:
         """(forward callable, optimizer, no_sync(last micro-batch?) context factory)."""
         optimizer, kwargs = _adamw(cfg, engine)
-        if engine == "dk" and cfg.zero:
+        if engine == "dk" and cfg.flat_shards:
             from ..zero import ShardedOptimizer
 
             opt = ShardedOptimizer(
@@ -392,7 +393,7 @@ class Pipelined:
             loss_fn=loss_fn,
             stage_loss=stage_loss,
             print_partition=False,
-            reduce_gradients=not cfg.zero,  # ZeRO-1 reduce-scatters them in its step()
+            reduce_gradients=not cfg.flat_shards,  # ZeRO-1 reduce-scatters them in its step()
         )
         self.module = self.pipe.stage_module
         self.optimizer = self._optimizer(cfg, mesh)
@@ -409,7 +410,7 @@ class Pipelined:
             replicas = mesh.dp_cp_comm if cfg.dp * cfg.cp > 1 else None
             return _muon(cfg, self.pipe.stage_module, "dk", replicas, mesh, self.expert_comm)
         params = decay_groups(self.pipe.parameters(), cfg.weight_decay)
-        if not cfg.zero:
+        if not cfg.flat_shards:
             return optimizer(params, **kwargs)
         from ..zero import ShardedOptimizer
 
@@ -436,7 +437,7 @@ class Pipelined:
         inputs, targets = replica_batch(self, sampler, step)
         self.delay()
         # ZeRO: the micro-batches' gradients add up locally; the optimizer's step reduces them
-        no_sync = self.optimizer.no_sync() if cfg.zero else contextlib.nullcontext()
+        no_sync = self.optimizer.no_sync() if cfg.flat_shards else contextlib.nullcontext()
         with _autocast(cfg.dtype), no_sync:
             scale_loss = None if self.scaler is None else self.scaler.scale
             loss = float(self.pipe.step(inputs, targets, scale_loss=scale_loss))
@@ -458,7 +459,7 @@ class Pipelined:
     def close(self) -> None:
         for ddp in self.pipe.ddp.values():
             ddp.close()
-        if self.cfg.zero:
+        if self.cfg.flat_shards:
             self.optimizer.close()
 
 
