@@ -25,6 +25,8 @@ transformers = pytest.importorskip("transformers")
 
 SMALL = dict(n_layers=2, n_heads=4, dim=32, block_size=16, vocab_size=64)
 LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope", bias=False)
+# Mixtral: an MoE in every block, softmax router with the top-k weights renormalised
+MIXTRAL_MOE = dict(n_experts=4, top_k=2, moe_every=1, moe_norm_topk=True)
 MODELS = {
     "gpt2": GPTConfig(**SMALL, tie_embeddings=False),
     "gpt2-tied-tanh-ffn72-nobias": GPTConfig(
@@ -33,6 +35,9 @@ MODELS = {
     "llama-gqa": GPTConfig(**SMALL, **LLAMA, n_kv_heads=2, rope_theta=500.0, tie_embeddings=False),
     "llama-mqa-bias-ffn72": GPTConfig(
         **{**SMALL, **LLAMA, "bias": True}, n_kv_heads=1, ffn_hidden_size=72, norm_eps=1e-6
+    ),
+    "mixtral-gqa-ffn40": GPTConfig(
+        **SMALL, **LLAMA, **MIXTRAL_MOE, n_kv_heads=2, ffn_hidden_size=40, tie_embeddings=False
     ),
 }
 # HF's Llama computes its rotary tables in FP32 whatever the model's dtype (its
@@ -57,8 +62,10 @@ def _perturbed_gpt(config, seed):
 
 
 def _hf_logits(directory, ids):
+    # MoE experts: the per-expert loop ("eager"), which runs in float64; the default grouped
+    # matmul takes 16- and 32-bit floats only
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, local_files_only=True, dtype=torch.float32
+        directory, local_files_only=True, dtype=torch.float32, experts_implementation="eager"
     )
     with torch.no_grad():
         return model.double().eval()(ids).logits
@@ -87,7 +94,7 @@ def test_our_weights_give_the_hf_model_our_logits(tmp_path, name):
         assert torch.equal(back[k], v), k
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
 def test_hf_weights_give_our_gpt_their_logits(tmp_path, family):
     """A model transformers built and initialised itself (its own layout, its own init) ->
     load_pretrained -> our GPT: the same logits (the import direction on its own)."""
@@ -97,11 +104,17 @@ def test_hf_weights_give_our_gpt_their_logits(tmp_path, family):
             vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
             activation_function="gelu_new", tie_word_embeddings=True,
         )  # fmt: skip
-    else:
+    elif family == "llama":
         hf_config = transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
             tie_word_embeddings=False,
+        )  # fmt: skip
+    else:
+        hf_config = transformers.MixtralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
         )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
     with torch.no_grad():  # norms and biases off their initial 1 and 0
@@ -119,12 +132,19 @@ def test_hf_weights_give_our_gpt_their_logits(tmp_path, family):
 
 def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     moe = GPTConfig(**SMALL, n_experts=4)
-    with pytest.raises(ValueError, match=r"MoE blocks have no Hugging Face counterpart"):
+    with pytest.raises(ValueError, match=r"an MoE model maps to Mixtral only"):
         dk_hf.to_hf(moe, GPT(moe).state_dict())
+    for wrong in (dict(moe_every=2), dict(moe_norm_topk=False), dict(moe_router="sigmoid")):
+        other = GPTConfig(**SMALL, **LLAMA, **{**MIXTRAL_MOE, **wrong})
+        with pytest.raises(ValueError, match=r"an MoE model maps to Mixtral only"):
+            dk_hf.to_hf(other, GPT(other).state_dict())
+    jitter = {"model_type": "mixtral", "router_jitter_noise": 0.1}
+    with pytest.raises(ValueError, match=r"router_jitter_noise 0.1: no counterpart"):
+        dk_hf.from_hf(jitter, {})
     mixed = GPTConfig(**SMALL, position_embedding="rope")  # rope with GPT-2's GELU MLP
     with pytest.raises(ValueError, match=r"neither GPT-2's .* nor Llama's"):
         dk_hf.to_hf(mixed, GPT(mixed).state_dict())
-    with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2' and 'llama'"):
+    with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2', 'llama' and 'mixtral'"):
         dk_hf.from_hf({"model_type": "bert"}, {})
     scaled = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}
     with pytest.raises(ValueError, match=r"rope_type 'llama3': only the default"):
@@ -157,6 +177,47 @@ def test_a_trained_checkpoint_exports_to_hf(tmp_path):
     with torch.no_grad():
         ours = gpt.double().eval()(ids)
     torch.testing.assert_close(_hf_logits(out, ids), ours, rtol=0, atol=1e-6)
+
+
+def test_a_trained_mixtral_style_checkpoint_exports_to_hf_and_back(tmp_path):
+    """An MoE model in Mixtral's form trained at dp 2 x ep 2 (each rank half the experts),
+    exported with --format hf: transformers' MixtralForCausalLM gives our GPT's logits; the
+    directory then starts a run (--init-from) whose first loss is the one the export ended
+    with, at ep 2 as on one process."""
+    model = GPTConfig(**{**SMALL, **LLAMA, **MIXTRAL_MOE, "vocab_size": 256}, n_kv_heads=2,
+                      ffn_hidden_size=40, tie_embeddings=False)  # fmt: skip
+    cfg = _cfg(global_batch=8, dp=2, ep=2, model=model)
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, checkpoint_dir=ckpt), timeout=300)
+    step = os.path.join(ckpt, f"step-{cfg.steps:08d}")
+    out = str(tmp_path / "hf")
+    assert export_main([step, out, "--format", "hf"]) == 0
+    assert transformers.AutoConfig.from_pretrained(out).model_type == "mixtral"
+    config, _, state = consolidate(step)
+    gpt = GPT(config)
+    gpt.load_state_dict(state)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    with torch.no_grad():
+        ours = gpt.double().eval()(ids)
+    torch.testing.assert_close(_hf_logits(out, ids), ours, rtol=0, atol=1e-6)
+    start = dataclasses.replace(cfg, init_from=out, steps=1)
+    one = dataclasses.replace(start, dp=0, ep=1, grad_accum=0).with_layout(1)
+    corpus = data.CharCorpus.build(one.data, config.block_size)
+    inputs, targets = driver.samplers(one, corpus)[0].replica_batch(0, 0, one.global_batch)
+    aux = []  # the run's loss adds each micro-batch's load-balancing loss (ours) to the CE
+    with torch.no_grad():
+        logits = _hf_logits(out, inputs)
+        for micro in inputs.split(one.micro_batch):
+            gpt(micro)
+            aux.append(gpt.aux_loss().item())
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    want = ce + sum(aux) / len(aux)
+    at_ep2 = run_ranks(2, _on_ranks, start, timeout=300)
+    single = run_ranks(1, _on_ranks, dataclasses.replace(start, dp=0, ep=1), timeout=300)[0]
+    assert single["losses"][0] == pytest.approx(want, rel=1e-5)
+    assert at_ep2[0]["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    back = load_exported(out, config)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
 def _hf_gpt2(directory, vocab, positions):
@@ -217,15 +278,17 @@ def test_init_from_a_hf_model_of_another_shape_is_refused(tmp_path):
 
 
 def test_the_flags_that_describe_hf_shapes():
-    """--ffn-hidden-size, --openai-gelu, --norm-epsilon reach the model (Megatron's names),
+    """--ffn-hidden-size, --openai-gelu, --norm-epsilon, --moe-norm-topk reach the model,
     and a hidden size tp does not divide is refused with the arithmetic."""
     from dist_kernels.train.cli import build_parser, config_from_args
 
-    argv = ["--ffn-hidden-size", "72", "--openai-gelu", "--norm-epsilon", "1e-6"]
+    argv = ["--ffn-hidden-size", "72", "--openai-gelu", "--norm-epsilon", "1e-6", "--moe-norm-topk"]
     model = config_from_args(build_parser().parse_args(argv)).model
     assert (model.ffn_dim, model.gelu_approximate, model.norm_eps) == (72, "tanh", 1e-6)
+    assert model.moe_norm_topk
     default = config_from_args(build_parser().parse_args([])).model
     assert (default.ffn_dim, default.gelu_approximate, default.norm_eps) == (512, "none", 1e-5)
+    assert not default.moe_norm_topk
     odd = GPTConfig(**SMALL, ffn_hidden_size=75)
     with pytest.raises(ValueError, match=r"mlp hidden \(ffn_hidden_size or mlp_ratio \* dim\)"
                        r"\(75\) % tp\(2\) != 0"):  # fmt: skip

@@ -21,6 +21,7 @@ TOL = 1e-12
 
 
 def _make_layer(seed, top_k, router="softmax", capacity=None, policy="probs", z=1e-3):
+    """``router`` "softmax-norm": softmax with the top-k weights renormalised (Mixtral)."""
     torch.manual_seed(seed)
     return MoE(
         DIM,
@@ -29,10 +30,11 @@ def _make_layer(seed, top_k, router="softmax", capacity=None, policy="probs", z=
         top_k,
         None,
         capacity,
-        router,
+        router.removesuffix("-norm"),
         aux_loss_coeff=1e-2,
         z_loss_coeff=z,
         drop_policy=policy,
+        norm_topk=router.endswith("-norm"),
     ).double()
 
 
@@ -72,7 +74,7 @@ def _reference(layer, x):
     for t in range(T):
         s = torch.softmax(logits[t], -1) if r.kind == "softmax" else torch.sigmoid(logits[t])
         top, idx = torch.topk(s, k)
-        w = top if r.kind == "softmax" else top / top.sum()
+        w = top / top.sum() if r.kind == "sigmoid" or r.norm_topk else top
         balance.append(s if r.kind == "softmax" else s / s.sum())
         chosen += [(t, j, int(idx[j]), w[j]) for j in range(k)]
     kept = _apply_capacity(chosen, T, k, r)
@@ -124,6 +126,8 @@ def _max_error(a, b):
         ("softmax", 0.5, "position", 2),
         ("sigmoid", 1.25, "probs", 3),
         ("softmax", None, "probs", EXPERTS),
+        ("softmax-norm", None, "probs", 2),
+        ("softmax-norm", 0.75, "probs", 3),
     ],
 )
 def test_unsharded_layer_equals_the_reference(router, capacity, policy, top_k):
@@ -177,6 +181,8 @@ CASES = [
     ("one_token", "softmax", None, "probs", 2),
     ("empty_rank", "sigmoid", None, "probs", 2),
     ("random", "softmax", None, "probs", EXPERTS),
+    ("random", "softmax-norm", None, "probs", 2),
+    ("random", "softmax-norm", 1.0, "probs", 2),
 ]
 
 

@@ -117,6 +117,9 @@ class GPTConfig:
     """Load-balancing loss coefficient; the loss joins the training loss."""
     moe_z_loss_coeff: float = 0.0
     """Router z-loss coefficient."""
+    moe_norm_topk: bool = False
+    """Softmax router: the top-k weights divided by their sum (Mixtral; Qwen's
+    ``norm_topk_prob``); False: the top-k probabilities as they are."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layers", "n_heads", "dim", "mlp_ratio"):
@@ -280,6 +283,7 @@ def _moe(cfg: GPTConfig) -> moe_lib.MoE:
         cfg.moe_router,
         cfg.moe_aux_loss_coeff,
         cfg.moe_z_loss_coeff,
+        norm_topk=cfg.moe_norm_topk,
     )
 
 

@@ -1,11 +1,12 @@
 """Hugging Face ``transformers`` checkpoints of :class:`~dist_kernels.models.GPT`, both ways.
 
     hf_config, hf_state = to_hf(config, state)       # GPT -> GPT2LMHeadModel / LlamaForCausalLM
+                                                     #        / MixtralForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Two families map one to one:
+Three families map one to one (Mixtral is Llama with an MoE in every block):
 
 ==================  ===========================================  ===========================
 GPT option          GPT-2 (``GPT2LMHeadModel``)                  Llama (``LlamaForCausalLM``)
@@ -23,8 +24,12 @@ whole groups); GPT-2's ``c_attn`` is ``[q heads | k heads | v heads]`` and a ``C
 weights stored transposed, ``[in, out]``); Llama has separate ``q_proj``, ``k_proj``,
 ``v_proj`` whose query head ``h`` uses key / value head ``h // r`` (``repeat_kv``), which is
 our group order. Rotary embeddings use the same halves layout (``rotate_half``) and
-frequencies. MoE blocks and mixed families (say rope with a GELU MLP) have no counterpart here
-and are refused, naming the options. ``transformers`` is needed only by :func:`save_pretrained`
+frequencies. Mixtral's MoE: its router ``gate`` is ours (``router.weight``; softmax, top-k,
+the k weights renormalised: ``moe_norm_topk``), its experts are stacked ``[E, 2F, D]``
+``gate_up_proj`` (each ``[w1; w3]``) and ``[E, D, F]`` ``down_proj`` (``w2``); an MoE model
+other than that (MoE every other block, a sigmoid router, a capacity, raw top-k weights) has
+no counterpart. Mixed families (say rope with a GELU MLP) are refused too, naming the options.
+``transformers`` is needed only by :func:`save_pretrained`
 and :func:`load_pretrained` (it writes and reads the configuration; ``safetensors``, which it
 depends on, the weights).
 """
@@ -47,13 +52,24 @@ _GELU_FROM_HF = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"
 State = Dict[str, torch.Tensor]
 
 
+_MIXTRAL_MOE = dict(
+    moe_every=1, moe_router="softmax", moe_norm_topk=True, moe_capacity_factor=None, bias=False
+)
+
+
 def _family(config: GPTConfig) -> str:
-    """``"gpt2"`` or ``"llama"``; ValueError naming what matches neither."""
-    if config.n_experts:
-        raise ValueError("hf: MoE blocks have no Hugging Face counterpart here (n_experts > 0)")
+    """``"gpt2"``, ``"llama"`` or ``"mixtral"``; ValueError naming what matches none."""
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    if config.n_experts:
+        moe = {k: getattr(config, k) for k in _MIXTRAL_MOE}
+        if mine == llama and moe == _MIXTRAL_MOE:
+            return "mixtral"
+        raise ValueError(
+            f"hf: an MoE model maps to Mixtral only: {llama} with {_MIXTRAL_MOE}; this one "
+            f"has {mine} with {moe}"
+        )
     if mine == gpt2 and config.kv_heads == config.n_heads:
         return "gpt2"
     if mine == llama:
@@ -87,7 +103,7 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     holding ``state`` (GPT's names): a ``GPT2Config`` or ``LlamaConfig``'s keyword arguments
     (with ``model_type``) and the model's weights under its names."""
     family = _family(config)
-    return (_to_gpt2 if family == "gpt2" else _to_llama)(config, state)
+    return {"gpt2": _to_gpt2, "llama": _to_llama, "mixtral": _to_mixtral}[family](config, state)
 
 
 def _common(config: GPTConfig) -> Dict[str, Any]:
@@ -150,9 +166,9 @@ def _to_gpt2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     return hf, out
 
 
-def _llama_pairs(i: int, bias: bool) -> List[Tuple[str, str]]:
+def _llama_pairs(i: int, bias: bool, mlp: bool = True) -> List[Tuple[str, str]]:
     """Block ``i``'s tensors that Llama names otherwise, ``(ours, theirs)`` (the fused
-    ``qkv`` apart)."""
+    ``qkv`` apart; ``mlp=False``: an MoE block's, whose experts Mixtral stacks)."""
     ours, theirs = f"blocks.{i}", f"model.layers.{i}"
     pairs = [
         (f"{ours}.ln_1.weight", f"{theirs}.input_layernorm.weight"),
@@ -160,6 +176,8 @@ def _llama_pairs(i: int, bias: bool) -> List[Tuple[str, str]]:
     ]
     renamed = {"attn.proj": "self_attn.o_proj", "mlp.fc": "mlp.up_proj",
                "mlp.gate": "mlp.gate_proj", "mlp.proj": "mlp.down_proj"}  # fmt: skip
+    if not mlp:
+        renamed = {"attn.proj": "self_attn.o_proj"}
     for kind in ("weight", "bias") if bias else ("weight",):
         pairs += [(f"{ours}.{a}.{kind}", f"{theirs}.{b}.{kind}") for a, b in renamed.items()]
     return pairs
@@ -186,7 +204,7 @@ def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     }
     out = {"model.embed_tokens.weight": state["embedding.wte.weight"]}
     for i in range(config.n_layers):
-        for ours, theirs in _llama_pairs(i, config.bias):
+        for ours, theirs in _llama_pairs(i, config.bias, mlp=not config.is_moe_block(i)):
             out[theirs] = state[ours]
         for kind in ("weight", "bias") if config.bias else ("weight",):
             q, k, v = _split_qkv(config, state[f"blocks.{i}.attn.qkv.{kind}"])
@@ -194,6 +212,29 @@ def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
                 out[f"model.layers.{i}.self_attn.{name}.{kind}"] = value
     out["model.norm.weight"] = state["head.ln_f.weight"]
     out["lm_head.weight"] = state["head.lm_head.weight"]
+    return hf, out
+
+
+def _to_mixtral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama(config, state)
+    for key in ("attention_bias", "mlp_bias"):
+        del hf[key]
+    hf.update(
+        model_type="mixtral",
+        num_local_experts=config.n_experts,
+        num_experts_per_tok=config.top_k,
+        router_aux_loss_coef=config.moe_aux_loss_coeff,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+    )
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}.mlp", f"model.layers.{i}.mlp"
+        expert = [f"{ours}.experts.{e}" for e in range(config.n_experts)]
+        out[f"{theirs}.gate.weight"] = state[f"{ours}.router.weight"]
+        out[f"{theirs}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([state[f"{x}.w1.weight"], state[f"{x}.w3.weight"]]) for x in expert]
+        )
+        out[f"{theirs}.experts.down_proj"] = torch.stack([state[f"{x}.w2.weight"] for x in expert])
     return hf, out
 
 
@@ -212,7 +253,11 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_gpt2(hf, state)
     if model_type == "llama":
         return _from_llama(hf, state)
-    raise ValueError(f"hf: model_type {model_type!r}: only 'gpt2' and 'llama' are mapped")
+    if model_type == "mixtral":
+        return _from_mixtral(hf, state)
+    raise ValueError(
+        f"hf: model_type {model_type!r}: only 'gpt2', 'llama' and 'mixtral' are mapped"
+    )
 
 
 def _int_ratio(hidden: int, dim: int) -> Dict[str, Any]:
@@ -270,7 +315,11 @@ def _rope_theta(hf: Dict[str, Any]) -> float:
     return float(_get(rope, "rope_theta", default=_get(hf, "rope_theta", default=10000.0)))
 
 
-def _from_llama(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+def _from_llama(
+    hf: Dict[str, Any], state: State, moe: Optional[Dict[str, Any]] = None
+) -> Tuple[GPTConfig, State]:
+    """Llama, or with ``moe`` (GPTConfig's MoE fields) Mixtral's attention, norms and
+    embeddings (its experts are the caller's)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hf: Llama hidden_act {hf['hidden_act']!r}: only 'silu' (SwiGLU)")
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
@@ -294,16 +343,43 @@ def _from_llama(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         rope_theta=theta,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=bias,
+        **(moe or {}),
     )
     out = {"embedding.wte.weight": state["model.embed_tokens.weight"]}
     for i in range(config.n_layers):
-        for ours, theirs in _llama_pairs(i, bias):
+        for ours, theirs in _llama_pairs(i, bias, mlp=not config.is_moe_block(i)):
             out[ours] = state[theirs]
         for kind in ("weight", "bias") if bias else ("weight",):
             names = (f"model.layers.{i}.self_attn.{n}_proj.{kind}" for n in "qkv")
             out[f"blocks.{i}.attn.qkv.{kind}"] = _join_qkv(config, *(state[n] for n in names))
     out["head.ln_f.weight"] = state["model.norm.weight"]
     out["head.lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    return config, out
+
+
+def _from_mixtral(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    if hf.get("router_jitter_noise"):
+        raise ValueError(
+            f"hf: Mixtral router_jitter_noise {hf['router_jitter_noise']}: no counterpart here"
+        )
+    moe = dict(
+        _MIXTRAL_MOE,
+        n_experts=hf["num_local_experts"],
+        top_k=hf["num_experts_per_tok"],
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 1e-2)),
+    )
+    del moe["bias"]
+    config, out = _from_llama({**hf, "attention_bias": False, "mlp_bias": False}, state, moe)
+    f = config.ffn_dim
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}.mlp", f"model.layers.{i}.mlp"
+        out[f"{ours}.router.weight"] = state[f"{theirs}.gate.weight"]
+        gate_up = state[f"{theirs}.experts.gate_up_proj"]
+        down = state[f"{theirs}.experts.down_proj"]
+        for e in range(config.n_experts):
+            out[f"{ours}.experts.{e}.w1.weight"] = gate_up[e, :f].contiguous()
+            out[f"{ours}.experts.{e}.w3.weight"] = gate_up[e, f:].contiguous()
+            out[f"{ours}.experts.{e}.w2.weight"] = down[e].contiguous()
     return config, out
 
 

@@ -101,6 +101,7 @@ class MoE(nn.Module):
         aux_loss_coeff: float = 1e-2,
         z_loss_coeff: float = 0.0,
         drop_policy: str = "probs",
+        norm_topk: bool = False,
     ) -> None:
         super().__init__()
         _check_config(dim, ffn_dim, n_experts, top_k, comm)
@@ -115,6 +116,7 @@ class MoE(nn.Module):
             drop_policy,
             aux_loss_coeff,
             z_loss_coeff,
+            norm_topk,
         )
         ep, rank = _ep_size(comm), 0 if comm is None else comm.rank
         self.num_local = n_experts // ep
@@ -268,6 +270,7 @@ def shard_experts(dense: MoE, comm: Any) -> MoE:
         r.aux_loss_coeff,
         r.z_loss_coeff,
         r.drop_policy,
+        r.norm_topk,
     ).to(r.weight.device, r.weight.dtype)
     moe.router.load_state_dict(r.state_dict())
     moe.experts = nn.ModuleList(copy.deepcopy(dense.experts[e]) for e in moe.local_expert_ids)

@@ -3,7 +3,9 @@
 Megatron-Core's semantics (``megatron/core/transformer/moe/router.py``, ``moe_utils.py``):
 
     logits  = x @ W.T                        [tokens, n_experts], in FP32 (or wider: float64 in)
-    softmax: scores = softmax(logits)        weights = the top-k scores (not renormalised)
+    softmax: scores = softmax(logits)        weights = the top-k scores (not renormalised; with
+                                             ``norm_topk``: / their sum, Mixtral's and Qwen's
+                                             ``norm_topk_prob``, Megatron's default top-k softmax)
     sigmoid: scores = sigmoid(logits)        weights = the top-k scores / their sum (DeepSeek-V3)
     capacity  = ceil(tokens * top_k / n_experts * capacity_factor)   (Megatron's get_capacity)
     drop_policy "probs":    each expert keeps its `capacity` highest-weight assignments
@@ -84,6 +86,7 @@ class Router(nn.Module):
         drop_policy: str = "probs",
         aux_loss_coeff: float = 1e-2,
         z_loss_coeff: float = 0.0,
+        norm_topk: bool = False,
     ) -> None:
         super().__init__()
         if kind not in ROUTERS:
@@ -97,6 +100,7 @@ class Router(nn.Module):
         self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        self.norm_topk = bool(norm_topk)
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         nn.init.normal_(self.weight, std=0.02)
 
@@ -107,6 +111,8 @@ class Router(nn.Module):
         if self.kind == "softmax":
             scores = torch.softmax(logits, dim=-1)
             weights, experts = torch.topk(scores, self.top_k, dim=-1)
+            if self.norm_topk:  # the k weights sum to 1 (a softmax over the chosen logits)
+                weights = weights / weights.sum(-1, keepdim=True)
             balance_scores = scores
         else:
             scores = torch.sigmoid(logits)

@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--experts", type=int, default=0, help="experts per MoE block (0: no MoE blocks)")
     add("--top-k", type=int, default=2, help="experts per token in MoE blocks")
     add("--moe-every", type=int, default=2, help="every n-th block is an MoE block")
+    add(
+        "--moe-norm-topk",
+        action="store_true",
+        help="MoE: the top-k routing weights divided by their sum (Mixtral; norm_topk_prob)",
+    )
     add("--pp", type=int, default=1, help="pipeline stages")
     add("--zero", type=int, default=0, choices=(0, 1, 2, 3), help=_STRATEGY_HELP)
     add(
@@ -309,6 +314,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         n_experts=args.experts,
         top_k=args.top_k,
         moe_every=args.moe_every,
+        moe_norm_topk=args.moe_norm_topk,
         normalization=args.normalization,
         swiglu=args.swiglu,
         ffn_hidden_size=args.ffn_hidden_size,
