@@ -92,8 +92,10 @@ def test_the_command_line_stops_on_a_real_sigterm_and_resumes(tmp_path):
     print(f"stopped after step {stopped}")
     assert f"stopped after step {stopped} of 100000 (SIGTERM)" in text
     assert newest_complete(ckpt) == os.path.join(ckpt, f"step-{stopped:08d}")
+    # two more steps on the saved schedule (its horizon of 100000 kept)
     finish = [sys.executable, "-m", "dist_kernels.train", *common, "--steps",
-              str(stopped + 2), "--resume", "auto"]  # fmt: skip
+              str(stopped + 2), "--resume", "auto",
+              "--use-checkpoint-opt-param-scheduler"]  # fmt: skip
     done = subprocess.run(finish, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _records(log)[-1]["step"] == stopped + 2

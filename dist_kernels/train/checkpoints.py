@@ -64,6 +64,68 @@ def identity(cfg: TrainConfig, model_desc: Dict[str, Any], data_fp: str) -> Dict
     }
 
 
+def hyper(cfg: TrainConfig) -> Dict[str, Any]:
+    """The learning-rate schedule and optimizer settings a checkpoint records, resolved (the
+    schedule's horizon and wsd's decay as numbers): a resume compares them with its own
+    (``TrainConfig.resume_hyper``). Fields that do not shape this run's schedule are left out
+    (the horizon of a constant rate; wsd's settings under another decay; Muon's under AdamW)."""
+    from .engines import wsd_decay_steps  # (late: engines imports this module's users)
+
+    out: Dict[str, Any] = {
+        "lr": cfg.lr, "lr_scaling": cfg.lr_scaling, "lr_base_batch": cfg.lr_base_batch,
+        "warmup": cfg.warmup, "decay": cfg.decay, "min_lr_ratio": cfg.min_lr_ratio,
+        "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1,
+        "adam_beta2": cfg.adam_beta2, "adam_eps": cfg.adam_eps,
+    }  # fmt: skip
+    if cfg.decay != "constant":
+        out["lr_decay_steps"] = cfg.decay_horizon
+    if cfg.decay == "wsd":
+        out.update(wsd_decay_steps=wsd_decay_steps(cfg), wsd_decay_style=cfg.wsd_decay_style)
+    if cfg.optimizer == "muon":
+        out.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                    if f.name.startswith("muon_")})  # fmt: skip
+    return out
+
+
+_HYPER_FLAGS = (
+    "--override-opt-param-scheduler takes this run's (the optimizer state kept), "
+    "--use-checkpoint-opt-param-scheduler the checkpoint's"
+)
+
+
+def _hyper_resolution(cfg: TrainConfig, record: Dict[str, Any], path: str) -> Dict[str, Any]:
+    """``{}`` when the checkpoint's schedule and optimizer settings are this run's (or it
+    records none: older checkpoints); else per ``cfg.resume_hyper``: ConfigError naming each
+    difference, ``{"override": [...]}`` or ``{"adopt": {field: checkpoint's value}}``."""
+    saved, mine = record.get("hyper"), hyper(cfg)
+    if saved is None:
+        return {}
+    keys = [k for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
+    if not keys:
+        return {}
+    if cfg.resume_hyper == "override":
+        return {"override": keys}
+    if cfg.resume_hyper == "checkpoint":
+        adopt = {k: saved[k] for k in keys if k in saved and k in _ADOPTABLE}
+        still = hyper(dataclasses.replace(cfg, **adopt))
+        lost = [k for k in sorted(set(saved) | set(still)) if saved.get(k) != still.get(k)]
+        if lost:
+            raise ConfigError(
+                f"resume: checkpoint {path}: this run cannot take its {lost} "
+                "(--use-checkpoint-opt-param-scheduler)"
+            )
+        return {"adopt": adopt}
+    differences = ", ".join(f"{k}: {saved.get(k)!r} there, {mine.get(k)!r} here" for k in keys)
+    raise ConfigError(
+        f"resume: checkpoint {path} was trained with another schedule or optimizer setting "
+        f"({differences}); {_HYPER_FLAGS}"
+    )
+
+
+# what the checkpoint's ``hyper`` may set in this run's config (all of it but the optimizer kind)
+_ADOPTABLE = {f.name for f in dataclasses.fields(TrainConfig)} - {"optimizer"}
+
+
 # what a step directory's layout is cut by: a change in any of these needs the whole state
 LAYOUT_KEYS = ("pp", "tp", "schedule", "sharded")
 
@@ -143,8 +205,21 @@ def resolve_resume(cfg: TrainConfig, ident: Dict[str, Any]) -> Optional[Dict[str
         raise ConfigError(
             f"resume: checkpoint {path} is at step {record['step']} >= steps({cfg.steps})"
         )
+    resolution = _hyper_resolution(cfg, record, path)
+    reshard = layout_change(record["identity"], ident)
+    if "weight_decay" in resolution.get("override", ()) and not reshard:
+        # decay on or off changes the param groups (decay_groups): load by parameter name
+        reshard = "weight decay overridden"
     # another pp, tp, schedule or ZeRO: every rank reads the whole checkpoint (reshard.py)
-    return {**record, "path": path, "reshard": layout_change(record["identity"], ident)}
+    return {**record, **resolution, "path": path, "reshard": reshard}
+
+
+def adopt_hyper(cfg: TrainConfig, resume: Optional[Dict[str, Any]]) -> TrainConfig:
+    """``cfg`` with the checkpoint's schedule and optimizer settings where
+    ``--use-checkpoint-opt-param-scheduler`` takes them (:func:`resolve_resume`)."""
+    if not resume or not resume.get("adopt"):
+        return cfg
+    return dataclasses.replace(cfg, **resume["adopt"])
 
 
 def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
@@ -168,6 +243,7 @@ def save(cfg, engine, ident, step: int, shard: str, barrier) -> str:
     barrier()
     if barrier.rank == 0:
         record = {"step": step, "samples": step * cfg.global_batch, "identity": ident}
+        record["hyper"] = hyper(cfg)
         _write_json_atomic(os.path.join(root, COMPLETE), record)
     barrier()
     if barrier.rank == 0 and cfg.keep_last:
@@ -204,6 +280,10 @@ def prune(directory: str, keep: int) -> List[str]:
         except OSError as e:
             warnings.warn(f"keep_last: could not remove {path}: {e}", stacklevel=2)
     return removed
+
+
+def _options(group: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
 
 
 def _optimizer_order_names(engine) -> list:
@@ -271,6 +351,8 @@ def load(cfg, engine, resume: Dict[str, Any], shard: str, resharded=None) -> Tup
     the checkpoint's; the model was built from its weights, its optimizer state loads here."""
     stage = os.path.join(resume["path"], shard)
     saved_ep = resume["identity"].get("ep", cfg.ep)  # older records: resumed at their own ep
+    # --override-opt-param-scheduler: this run's settings, as the engine built them
+    mine = [_options(g) for g in engine.optimizer.param_groups] if resume.get("override") else []
     if resharded is not None:
         resharded.load(engine.optimizer, engine.module)
         extra = resharded.extra
@@ -281,6 +363,9 @@ def load(cfg, engine, resume: Dict[str, Any], shard: str, resharded=None) -> Tup
     else:
         extra = dk_checkpoint.load(stage, model=engine.module)
         engine.optimizer.load_state_dict(extra["optimizer"])
+    for group, options in zip(engine.optimizer.param_groups, mine):
+        group.pop("initial_lr", None)  # the schedule starts again from this run's peak
+        group.update(options)
     # fp16 resumes its loss scale (a run saved at another dtype starts the scaler afresh)
     if engine.scaler is not None and "loss_scaler" in extra:
         engine.scaler.load_state_dict(extra["loss_scaler"])

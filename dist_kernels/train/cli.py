@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="wsd: the final decay's steps (0: the last 20%% of --steps)",
     )
     add("--lr-wsd-decay-style", default=d.wsd_decay_style, choices=WSD_STYLES)
+    add(
+        "--lr-decay-steps",
+        "--lr-decay-iters",
+        dest="lr_decay_steps",
+        type=int,
+        default=d.lr_decay_steps,
+        help="the schedule's horizon: warm-up and decay end there (0: --steps)",
+    )
     field("--weight-decay", float, "AdamW weight decay")
     add(
         "--optimizer",
@@ -240,6 +248,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="'auto' (newest complete checkpoint) or a step directory; at any layout (pp, "
         "tp, schedule, ZeRO may differ from the saving run's)",
     )
+    hyper = p.add_mutually_exclusive_group()
+    hyper.add_argument(
+        "--override-opt-param-scheduler",
+        "--override-opt_param-scheduler",
+        dest="resume_hyper",
+        action="store_const",
+        const="override",
+        default=d.resume_hyper,
+        help="resume: this run's learning-rate schedule and optimizer settings where the "
+        "checkpoint's differ (the optimizer state kept)",
+    )
+    hyper.add_argument(
+        "--use-checkpoint-opt-param-scheduler",
+        "--use-checkpoint-opt_param-scheduler",
+        dest="resume_hyper",
+        action="store_const",
+        const="checkpoint",
+        help="resume: the checkpoint's learning-rate schedule and optimizer settings",
+    )
     add(
         "--init-from",
         default=None,
@@ -335,6 +362,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch, warmup=args.warmup, decay=args.decay,
         wsd_decay_steps=args.lr_wsd_decay_steps, wsd_decay_style=args.lr_wsd_decay_style,
+        lr_decay_steps=args.lr_decay_steps, resume_hyper=args.resume_hyper,
         seed=args.seed,
         clip_grad=args.clip_grad, recompute=args.recompute, compile=args.compile,
         compile_backend=args.compile_backend,

@@ -24,6 +24,7 @@ OPTIMIZERS = ("adamw", "fused-adamw", "muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")
 MUON_TP_MODES = ("duplicated", "blockwise")
 MUON_NS_DTYPES = ("bf16", "fp32")
+RESUME_HYPER = ("check", "override", "checkpoint")
 Engine = Literal["dk", "torch", "both"]
 LrScaling = Literal["none", "linear", "sqrt"]
 Decay = Literal["cosine", "linear", "constant", "wsd"]
@@ -111,6 +112,9 @@ class TrainConfig:
     ``wsd_decay_style`` decay to ``min_lr_ratio``); ``dk.lr``'s formulas."""
     min_lr_ratio: float = 0.1
     """Final rate of the decay, as a fraction of the peak."""
+    lr_decay_steps: int = 0
+    """The schedule's horizon: warm-up plus decay end here (Megatron's ``--lr-decay-iters``);
+    0: ``steps``. Past it the rate stays at the decay's end."""
     wsd_decay_steps: int = 0
     """``wsd``: the steps of the final decay (Megatron's ``--lr-wsd-decay-steps``); 0: the
     last 20% of ``steps``."""
@@ -204,6 +208,11 @@ class TrainConfig:
     it."""
     resume: Optional[str] = None
     """``auto``: the newest complete checkpoint in ``checkpoint_dir`` (if any); or a path."""
+    resume_hyper: str = "check"
+    """A resume whose learning-rate schedule or optimizer settings (``checkpoints.hyper``)
+    differ from the checkpoint's: ``check`` refuses it, naming each; ``override`` takes this
+    run's (Megatron's ``--override-opt_param-scheduler``); ``checkpoint`` the checkpoint's
+    (``--use-checkpoint-opt_param-scheduler``). The optimizer state is kept in each case."""
     eval_interval: int = 0
     """Steps between validation losses (Megatron's ``--eval-interval``), and one at the end;
     0 = none. The tail ``valid_fraction`` of the corpus is then held out of training."""
@@ -251,6 +260,11 @@ class TrainConfig:
     """Where ``profile_steps`` writes ``rank<r>.pt.trace.json`` and the merged trace."""
     tensorboard: Optional[str] = None
     """Write TensorBoard scalars (loss, lr, tokens/s, MFU, phase times, memory) here (rank 0)."""
+
+    @property
+    def decay_horizon(self) -> int:
+        """The step at which the learning-rate schedule ends: ``lr_decay_steps`` or ``steps``."""
+        return self.lr_decay_steps or self.steps
 
     @property
     def flat_shards(self) -> bool:
@@ -314,10 +328,15 @@ class TrainConfig:
         _choice("lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
         _choice("decay", self.decay, DECAYS)
         _choice("wsd_decay_style", self.wsd_decay_style, WSD_STYLES)
-        if self.decay == "wsd" and not 0 <= self.wsd_decay_steps <= self.steps - self.warmup:
+        _choice("resume_hyper", self.resume_hyper, RESUME_HYPER)
+        if not 0 <= self.lr_decay_steps:
+            raise ConfigError(f"lr_decay_steps must be >= 0 (0: steps), got {self.lr_decay_steps}")
+        horizon = self.decay_horizon
+        if self.decay == "wsd" and not 0 <= self.wsd_decay_steps <= horizon - self.warmup:
+            named = f"lr_decay_steps({horizon})" if self.lr_decay_steps else f"steps({horizon})"
             raise ConfigError(
-                f"wsd_decay_steps({self.wsd_decay_steps}) must be in [0, steps({self.steps}) - "
-                f"warmup({self.warmup})] (0: the last 20% of the steps)"
+                f"wsd_decay_steps({self.wsd_decay_steps}) must be in [0, {named} - "
+                f"warmup({self.warmup})] (0: the last 20% of them)"
             )
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")

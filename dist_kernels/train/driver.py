@@ -135,6 +135,7 @@ class _Run:
         self.sampler, self.valid_sampler, data_fp = samplers(cfg, corpus)
         self.ident = checkpoints.identity(cfg, describe(cfg.model), data_fp)
         resume = checkpoints.resolve_resume(cfg, self.ident)
+        cfg = self.cfg = checkpoints.adopt_hyper(cfg, resume)  # the checkpoint's schedule
         compile_backend = cfg.compile_backend if cfg.compile else None
         init_state = resharded = None
         if cfg.init_from is not None and resume is None:  # a resumed run has its own weights

@@ -54,17 +54,21 @@ def peak_lr(cfg: TrainConfig) -> float:
     return dk_lr.scale_lr(cfg.lr, cfg.global_batch, cfg.lr_base_batch, cfg.lr_scaling)
 
 
+def wsd_decay_steps(cfg: TrainConfig) -> int:
+    """``wsd``'s final decay: ``wsd_decay_steps``, or the last 20% of the schedule."""
+    return cfg.wsd_decay_steps or max(1, round(0.2 * cfg.decay_horizon))
+
+
 def make_scheduler(cfg: TrainConfig, optimizer: Any, updates: int):
     """The schedule, positioned after ``updates`` applied optimizer steps."""
-    last = updates - 1
+    last, horizon = updates - 1, cfg.decay_horizon
     if cfg.decay == "cosine":
-        return dk_lr.warmup_cosine(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last)
+        return dk_lr.warmup_cosine(optimizer, cfg.warmup, horizon, cfg.min_lr_ratio, last)
     if cfg.decay == "linear":
-        return dk_lr.warmup_linear(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio, last)
+        return dk_lr.warmup_linear(optimizer, cfg.warmup, horizon, cfg.min_lr_ratio, last)
     if cfg.decay == "wsd":
-        decay_steps = cfg.wsd_decay_steps or max(1, round(0.2 * cfg.steps))
         return dk_lr.warmup_stable_decay(
-            optimizer, cfg.warmup, cfg.steps, decay_steps, cfg.min_lr_ratio,
+            optimizer, cfg.warmup, horizon, wsd_decay_steps(cfg), cfg.min_lr_ratio,
             cfg.wsd_decay_style, last,
         )  # fmt: skip
     return dk_lr.warmup_constant(optimizer, cfg.warmup, last_epoch=last)
