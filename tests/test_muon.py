@@ -68,6 +68,53 @@ def test_one_process_equals_torch_muon_and_adamw_bitwise(nesterov, adjust_lr_fn)
     assert moved > 1e-3  # the steps did something
 
 
+GQA_CFG = dict(GPT_CFG, n_kv_heads=2)  # two query heads per key / value head
+
+
+def test_split_qkv_equals_torch_muon_on_separate_projections():
+    """split_qkv on the fused projection, against torch.optim.Muon stepping q, k and v as three
+    separate parameters (cut and joined by the Hugging Face mapping's functions): same bits."""
+    from dist_kernels.models import hf
+
+    config = GPTConfig(**GQA_CFG)
+    torch.manual_seed(SEED)
+    ours_model = GPT(config)
+    ref_model = copy.deepcopy(ours_model)
+    ours = Muon(
+        muon_param_groups(ours_model, 0.1), lr=0.02, split_qkv=True, adamw_betas=(0.9, 0.95)
+    )
+    groups = muon_param_groups(ref_model, 0.1)
+    fused = [b.attn.qkv.weight for b in ref_model.blocks]
+    parts = [[t.clone() for t in hf._split_qkv(config, w.detach())] for w in fused]
+    others = [p for p in groups[0]["params"] if all(p is not w for w in fused)]
+    torch_muon = torch.optim.Muon(
+        others + [t for ts in parts for t in ts], lr=0.02, weight_decay=0.1
+    )
+    adamw = torch.optim.AdamW(
+        [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups[1:]],
+        lr=0.02, betas=(0.9, 0.95),
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(SEED)
+    for _ in range(STEPS):
+        ids = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=gen)
+        for model in (ours_model, ref_model):
+            model(ids[:, :-1], ids[:, 1:]).backward()
+        for w, ts in zip(fused, parts):  # the fused gradient, cut as the weight is
+            for t, g in zip(ts, hf._split_qkv(config, w.grad)):
+                t.grad = g.clone()
+            w.grad = None  # in no optimizer: its gradient would add up
+        ours.step()
+        torch_muon.step()
+        adamw.step()
+        with torch.no_grad():
+            for w, ts in zip(fused, parts):
+                w.copy_(hf._join_qkv(config, *ts))
+        for opt in (ours, torch_muon, adamw):
+            opt.zero_grad()
+    for (name, a), b in zip(ours_model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_groups_hold_hidden_matrices_only():
     model = GPT(GPTConfig(**GPT_CFG))
     groups = muon_param_groups(model, weight_decay=0.1)
@@ -126,9 +173,9 @@ def test_bad_input_raises_clearly():
 # ---------------------------------------------------------------- dp x tp ranks
 
 
-def _gpt64():
+def _gpt64(cfg=GPT_CFG):
     torch.manual_seed(SEED)
-    return GPT(GPTConfig(**GPT_CFG)).double()
+    return GPT(GPTConfig(**cfg)).double()
 
 
 def _batches(n):
@@ -145,20 +192,22 @@ def _muon(model, **kw):
     )  # fmt: skip
 
 
-def _rank_dp_tp(tp_mode):
+def _rank_dp_tp(tp_mode, split_qkv=False):
     """dp 2 x tp 2: gradients averaged over dp, Muon dealt over dp and joined over tp, against
     one process stepping the whole model on the whole batch (float64 throughout; our DDP
     buckets hold FP32 and 16-bit gradients only, so the average is an all-reduce per tensor)."""
     mesh = dk.ProcessMesh(dp=2, tp=2)
     batches = _batches(4)
-    reference = _gpt64()
-    ref_opt = _muon(reference)
+    reference = _gpt64(GQA_CFG if split_qkv else GPT_CFG)
+    ref_opt = _muon(reference, split_qkv=split_qkv)
     for ids, targets in batches:
         reference(ids, targets).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    model = _gpt64().parallelize(mesh.tp_comm)
-    opt = _muon(model, comm=mesh.dp_comm, tp_comm=mesh.tp_comm, tp_mode=tp_mode)
+    model = _gpt64(GQA_CFG if split_qkv else GPT_CFG).parallelize(mesh.tp_comm)
+    opt = _muon(
+        model, comm=mesh.dp_comm, tp_comm=mesh.tp_comm, tp_mode=tp_mode, split_qkv=split_qkv
+    )
     mine = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
     for ids, targets in batches:
         model(ids[mine], targets[mine]).backward()
@@ -173,9 +222,10 @@ def _rank_dp_tp(tp_mode):
     return {"diff": diff, "mine": opt.last_orthogonalized, "matrices": n_matrices}
 
 
-def test_dp2_tp2_equals_one_process_float64():
+@pytest.mark.parametrize("split_qkv", [False, True])
+def test_dp2_tp2_equals_one_process_float64(split_qkv):
     print("seed", SEED)
-    ranks = run_ranks(4, _rank_dp_tp, "duplicated", timeout=180)
+    ranks = run_ranks(4, _rank_dp_tp, "duplicated", split_qkv, timeout=180)
     for rank, r in enumerate(ranks):
         worst = max(r["diff"].values())
         assert worst < 1e-10, (rank, sorted(r["diff"].items(), key=lambda kv: -kv[1])[:3])

@@ -123,6 +123,19 @@ def test_layouts_train_as_one_process(reference, layout, world, engine):
         assert 0 < min(per_step) and max(per_step) < matrices, per_step
 
 
+def test_split_qkv_at_tp2_trains_as_one_process():
+    """--muon-split-qkv (a GQA model: two query heads per key / value head): tp 2 x dp 2 ends
+    at one process's losses and parameters with the same flag."""
+    model = dataclasses.replace(TINY, n_heads=4, n_kv_heads=2, bias=False)  # no key biases
+    cfg = _muon_cfg(muon_split_qkv=True, model=model)
+    single = _single(cfg)
+    reference = ([r["loss"] for r in single.records], single.params, 0.0)  # no biases
+    ranks = run_ranks(4, _on_ranks, dataclasses.replace(cfg, dp=2, tp=2), timeout=300)
+    _assert_layout_matches(ranks, reference, tp=2)
+    whole = _single(dataclasses.replace(cfg, muon_split_qkv=False))
+    assert whole.records[-1]["loss"] != single.records[-1]["loss"]  # the flag did something
+
+
 def test_expert_parallel_trains_as_every_expert_local():
     """--dp 2 --ep 2: each rank steps its own experts (dealt over their replicas, here the rank
     alone) and the dense matrices over dp; the run equals dp 2 with every expert on both
@@ -226,7 +239,7 @@ def test_cli_flags_reach_the_config():
     args = build_parser().parse_args(
         ["--optimizer", "muon", "--muon-momentum", "0.9", "--no-muon-nesterov",
          "--muon-num-ns-steps", "6", "--muon-adjust-lr", "original", "--muon-tp-mode",
-         "blockwise", "--muon-ns-dtype", "fp32"]
+         "blockwise", "--muon-ns-dtype", "fp32", "--muon-split-qkv"]
     )  # fmt: skip
     cfg = config_from_args(args)
     assert (cfg.optimizer, cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps) == (

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -198,6 +198,12 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
+
+    def fused_qkv(self) -> Tuple[torch.Tensor, int, int]:
+        """``(weight, query heads per group, head_dim)``: how the fused projection's rows are
+        laid out (``[group][q_1 .. q_r, k, v][head_dim]``), for optimizers that treat the
+        query, key and value projections as three matrices (``dk.optim.Muon(split_qkv=True)``)."""
+        return self.qkv.weight, self.group, self.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups * (group + 2) * d] (this rank's, whole sequence)

@@ -117,8 +117,13 @@ def muon_param_groups(
     embeddings, and not the output head, a module named ``lm_head`` or ``output``) with
     Muon; embeddings and the head with AdamW and weight decay; biases, norms and other
     1-D parameters with AdamW and none. ``adamw_weight_decay``: the AdamW matrices' decay
-    (default ``weight_decay``)."""
+    (default ``weight_decay``). A module with a ``fused_qkv()`` method (the GPT's attention)
+    has its fused projection's layout noted on the weight (``muon_qkv``) for ``split_qkv``."""
     muon, adamw_decay, adamw_flat, seen = [], [], [], set()
+    for module in model.modules():  # fused projections: their layout, for split_qkv
+        if callable(getattr(module, "fused_qkv", None)):
+            weight, per_group, head_dim = module.fused_qkv()
+            weight.muon_qkv = (per_group, head_dim)
     for module_name, module in model.named_modules():
         head = module_name.rsplit(".", 1)[-1] in ("lm_head", "output")
         for p in module.parameters(recurse=False):
@@ -161,6 +166,10 @@ class Muon(torch.optim.Optimizer):
         expert_comm: the replicas of expert-parallel parameters (``mesh.expert_dp_comm``).
         tp_mode: ``duplicated`` (whole matrices, equal to tp = 1) or ``blockwise``.
         ns_dtype: Newton-Schulz's precision (BF16 as torch; float64 for exact comparisons).
+        split_qkv: a fused query / key / value weight (``muon_qkv``, set by
+            :func:`muon_param_groups`) orthogonalised as its three matrices, each stepped with
+            its own shape's rate (Megatron-Core's ``--muon-split-qkv``); the result is that of
+            ``torch.optim.Muon`` on separate projections.
         shard_state: ZeRO-1 by whole parameters (Megatron-Core's layer-wise distributed
             optimizer): each replica keeps the state of, and steps, only the parameters dealt
             to it (Muon's matrices and AdamW's parameters alike), and the replicas exchange
@@ -188,6 +197,7 @@ class Muon(torch.optim.Optimizer):
         tp_mode: str = "duplicated",
         ns_dtype: torch.dtype = torch.bfloat16,
         shard_state: bool = False,
+        split_qkv: bool = False,
     ) -> None:
         _check_args(lr, weight_decay, momentum, ns_steps, adjust_lr_fn, tp_mode)
         groups = list(params)
@@ -207,7 +217,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.comm, self.tp_comm, self.expert_comm = comm, tp_comm, expert_comm
         self.tp_mode, self.ns_dtype = tp_mode, ns_dtype
-        self.shard_state = bool(shard_state)
+        self.shard_state, self.split_qkv = bool(shard_state), bool(split_qkv)
         self.last_orthogonalized = 0  # matrices this rank ran Newton-Schulz on in the last step
         self._consolidated = False  # consolidate_state_dict() ran since the last step
         for group in self.param_groups:
@@ -275,7 +285,10 @@ class Muon(torch.optim.Optimizer):
         for (p, group), update in zip(matrices, updates):
             lr = group["lr"]
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], self._ns_shape(p)))
+            for part, shape in self._parts(p, p.detach(), update):  # the whole, or q, k, v
+                target, value = part
+                rate = adjusted_lr(lr, group["adjust_lr_fn"], shape)
+                target.add_(value.view_as(target), alpha=-rate)
         if self.shard_state:
             self._share_stepped([p for p, _ in flat])
         return loss
@@ -340,14 +353,46 @@ class Muon(torch.optim.Optimizer):
         return [done[id(p)] for p, _ in matrices]
 
     def _orthogonalize(self, p: torch.Tensor, group: Dict[str, Any], update: torch.Tensor):
-        coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
         if not self._joined(p):
-            return newton_schulz(update, coefficients, steps, eps, self.ns_dtype)
+            return self._newton_schulz(p, group, update)
         dim = p.tensor_parallel_dim
         whole = _gather_along(self.tp_comm, update, dim)
-        ortho = newton_schulz(whole, coefficients, steps, eps, self.ns_dtype)
+        ortho = self._newton_schulz(p, group, whole)
         size = p.shape[dim]  # every tp rank ran the same NS and keeps its own slice
         return ortho.narrow(dim, self.tp_comm.rank * size, size).contiguous()
+
+    def _newton_schulz(self, p: torch.Tensor, group: Dict[str, Any], matrix: torch.Tensor):
+        """NS of ``matrix`` (``p``'s update, whole or this shard's), or of its q, k and v."""
+        coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+        if not self._split(p):
+            return newton_schulz(matrix, coefficients, steps, eps, self.ns_dtype)
+        out = torch.empty(matrix.shape, dtype=self.ns_dtype)
+        for (target, value), _ in self._parts(p, out, matrix):
+            target.copy_(
+                newton_schulz(value, coefficients, steps, eps, self.ns_dtype).view_as(target)
+            )
+        return out
+
+    def _split(self, p: torch.Tensor) -> bool:
+        return self.split_qkv and hasattr(p, "muon_qkv")
+
+    def _parts(self, p: torch.Tensor, target: torch.Tensor, value: torch.Tensor):
+        """``[((target part, value part), the part's NS shape)]``: the whole matrix, or with
+        ``split_qkv`` its query, key and value rows (``[group][q_1 .. q_r, k, v][head_dim]``;
+        the value parts as matrices, the target parts as views to write into)."""
+        shape = self._ns_shape(p)
+        if not self._split(p):
+            return [((target, value), shape)]
+        r, d = p.muon_qkv
+        rows, cols = target.shape
+        groups, whole_groups = rows // ((r + 2) * d), shape[0] // ((r + 2) * d)
+        t = target.view(groups, r + 2, d, cols)
+        v = value.view(groups, r + 2, d, cols)
+        return [
+            ((t[:, :r], v[:, :r].reshape(-1, cols)), (whole_groups * r * d, cols)),
+            ((t[:, r], v[:, r].reshape(-1, cols)), (whole_groups * d, cols)),
+            ((t[:, r + 1], v[:, r + 1].reshape(-1, cols)), (whole_groups * d, cols)),
+        ]
 
     # -- state sharded over the replicas ------------------------------------------------------
 

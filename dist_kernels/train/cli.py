@@ -161,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="muon: a matrix's rate by its shape (match_rms_adamw: AdamW's lr carries over)",
     )
     add(
+        "--muon-split-qkv",
+        action=argparse.BooleanOptionalAction,
+        default=d.muon_split_qkv,
+        help="muon: the fused query / key / value weight as three matrices",
+    )
+    add(
         "--muon-ns-dtype",
         default=d.muon_ns_dtype,
         choices=MUON_NS_DTYPES,
@@ -380,7 +386,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, muon_momentum=args.muon_momentum,
         muon_nesterov=args.muon_nesterov, muon_ns_steps=args.muon_ns_steps,
         muon_adjust_lr=args.muon_adjust_lr, muon_tp_mode=args.muon_tp_mode,
-        muon_ns_dtype=args.muon_ns_dtype,
+        muon_ns_dtype=args.muon_ns_dtype, muon_split_qkv=args.muon_split_qkv,
         eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, valid_fraction=args.valid_fraction,
         reference_tokens_per_s=args.reference_tokens_per_s,

@@ -141,6 +141,9 @@ class TrainConfig:
     """How a matrix's rate follows its shape: ``match_rms_adamw`` (Moonshot's
     ``0.2 sqrt(max(rows, cols))``: AdamW's ``lr`` and weight decay carry over) or
     ``original`` (Keller Jordan's ``sqrt(max(1, rows / cols))``)."""
+    muon_split_qkv: bool = False
+    """The attention's fused query / key / value weight orthogonalised as three matrices
+    (Megatron-Core's ``--muon-split-qkv``); False: as one, as torch.optim.Muon steps it."""
     muon_ns_dtype: str = "bf16"
     """Newton-Schulz's precision: ``bf16`` (torch.optim.Muon's and Keller Jordan's) or ``fp32``
     (slower; layouts then agree to FP32 rounding, where BF16 turns a gradient's last-bit

@@ -129,6 +129,7 @@ def _muon(
         expert_comm=expert_comm if ours else None,
         tp_mode=cfg.muon_tp_mode,
         shard_state=ours and cfg.zero == 1,
+        split_qkv=cfg.muon_split_qkv,
         ns_dtype=torch.bfloat16 if cfg.muon_ns_dtype == "bf16" else torch.float32,
     )
 
