@@ -12,6 +12,7 @@ import torch
 from mp_pool import run_ranks
 from test_train import (
     ADAM_EPS,
+    FP16,
     TINY,
     _assert_layout_matches,
     _cfg,
@@ -134,6 +135,19 @@ def test_split_qkv_at_tp2_trains_as_one_process():
     _assert_layout_matches(ranks, reference, tp=2)
     whole = _single(dataclasses.replace(cfg, muon_split_qkv=False))
     assert whole.records[-1]["loss"] != single.records[-1]["loss"]  # the flag did something
+
+
+def test_fp16_with_zero1_skips_and_scales_as_replicated_state():
+    """fp16 with a loss scale that overflows first, at dp 2: --zero 1 skips the same steps at
+    the same scales as --zero 0 (every replica decides on the same reduced gradients) and ends
+    on the same bits."""
+    cfg = _muon_cfg(dp=2, log_every=1, **FP16)
+    replicated = run_ranks(2, _on_ranks, cfg, timeout=300)[0]
+    sharded = run_ranks(2, _on_ranks, dataclasses.replace(cfg, zero=1), timeout=300)[0]
+    scales = [(r["loss_scale"], r["skipped_steps"]) for r in replicated["records"]]
+    assert [(r["loss_scale"], r["skipped_steps"]) for r in sharded["records"]] == scales
+    assert 0 < sum(skipped for _, skipped in scales) < cfg.steps  # some steps skipped, not all
+    assert sharded["losses"] == replicated["losses"]
 
 
 def test_expert_parallel_trains_as_every_expert_local():
