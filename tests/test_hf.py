@@ -164,12 +164,19 @@ def test_a_trained_checkpoint_exports_to_hf(tmp_path):
     LlamaForCausalLM gives the logits our GPT gives with the consolidated weights."""
     model = dataclasses.replace(LLAMA_TRAIN, block_size=16, vocab_size=256)
     cfg = _cfg(global_batch=8, tp=2, pp=2, micro_batch=2, model=model)
+    out = _trained_and_exported(tmp_path, cfg, 4)[0]
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def _trained_and_exported(tmp_path, cfg, world):
+    """``cfg`` trained on ``world`` ranks with a checkpoint, exported with --format hf; checks
+    that transformers' model of the directory gives the consolidated weights' logits; returns
+    ``(directory, our GPT holding those weights in float64, its config and state)``."""
     ckpt = str(tmp_path / "ckpt")
-    run_ranks(4, _on_ranks, dataclasses.replace(cfg, checkpoint_dir=ckpt), timeout=300)
+    run_ranks(world, _on_ranks, dataclasses.replace(cfg, checkpoint_dir=ckpt), timeout=300)
     step = os.path.join(ckpt, f"step-{cfg.steps:08d}")
     out = str(tmp_path / "hf")
     assert export_main([step, out, "--format", "hf"]) == 0
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
     config, _, state = consolidate(step)
     gpt = GPT(config)
     gpt.load_state_dict(state)
@@ -177,6 +184,7 @@ def test_a_trained_checkpoint_exports_to_hf(tmp_path):
     with torch.no_grad():
         ours = gpt.double().eval()(ids)
     torch.testing.assert_close(_hf_logits(out, ids), ours, rtol=0, atol=1e-6)
+    return out, gpt, config, state
 
 
 def test_a_trained_mixtral_style_checkpoint_exports_to_hf_and_back(tmp_path):
@@ -187,19 +195,8 @@ def test_a_trained_mixtral_style_checkpoint_exports_to_hf_and_back(tmp_path):
     model = GPTConfig(**{**SMALL, **LLAMA, **MIXTRAL_MOE, "vocab_size": 256}, n_kv_heads=2,
                       ffn_hidden_size=40, tie_embeddings=False)  # fmt: skip
     cfg = _cfg(global_batch=8, dp=2, ep=2, model=model)
-    ckpt = str(tmp_path / "ckpt")
-    run_ranks(2, _on_ranks, dataclasses.replace(cfg, checkpoint_dir=ckpt), timeout=300)
-    step = os.path.join(ckpt, f"step-{cfg.steps:08d}")
-    out = str(tmp_path / "hf")
-    assert export_main([step, out, "--format", "hf"]) == 0
+    out, gpt, config, state = _trained_and_exported(tmp_path, cfg, 2)
     assert transformers.AutoConfig.from_pretrained(out).model_type == "mixtral"
-    config, _, state = consolidate(step)
-    gpt = GPT(config)
-    gpt.load_state_dict(state)
-    ids = torch.randint(0, config.vocab_size, (2, 16))
-    with torch.no_grad():
-        ours = gpt.double().eval()(ids)
-    torch.testing.assert_close(_hf_logits(out, ids), ours, rtol=0, atol=1e-6)
     start = dataclasses.replace(cfg, init_from=out, steps=1)
     one = dataclasses.replace(start, dp=0, ep=1, grad_accum=0).with_layout(1)
     corpus = data.CharCorpus.build(one.data, config.block_size)

@@ -192,6 +192,17 @@ def _muon(model, **kw):
     )  # fmt: skip
 
 
+def _train(model, opt, mesh, batches):
+    """Each dp replica its half of every batch, the gradients averaged over dp, a step."""
+    mine = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
+    for ids, targets in batches:
+        model(ids[mine], targets[mine]).backward()
+        for p in model.parameters():
+            mesh.dp_comm.all_reduce(p.grad, op=dk.ReduceOp.AVG)
+        opt.step()
+        opt.zero_grad()
+
+
 def _rank_dp_tp(tp_mode, split_qkv=False):
     """dp 2 x tp 2: gradients averaged over dp, Muon dealt over dp and joined over tp, against
     one process stepping the whole model on the whole batch (float64 throughout; our DDP
@@ -208,13 +219,7 @@ def _rank_dp_tp(tp_mode, split_qkv=False):
     opt = _muon(
         model, comm=mesh.dp_comm, tp_comm=mesh.tp_comm, tp_mode=tp_mode, split_qkv=split_qkv
     )
-    mine = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
-    for ids, targets in batches:
-        model(ids[mine], targets[mine]).backward()
-        for p in model.parameters():
-            mesh.dp_comm.all_reduce(p.grad, op=dk.ReduceOp.AVG)
-        opt.step()
-        opt.zero_grad()
+    _train(model, opt, mesh, batches)
     ref = dict(reference.named_parameters())
     diff = {n: (p - shard_of(ref[n], p, mesh.tp_rank)).abs().max().item()
             for n, p in model.named_parameters()}  # fmt: skip
@@ -246,16 +251,6 @@ def test_blockwise_tp_is_another_optimiser():
 
 def _state_numel(opt) -> int:
     return sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim())
-
-
-def _train(model, opt, mesh, batches):
-    mine = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
-    for ids, targets in batches:
-        model(ids[mine], targets[mine]).backward()
-        for p in model.parameters():
-            mesh.dp_comm.all_reduce(p.grad, op=dk.ReduceOp.AVG)
-        opt.step()
-        opt.zero_grad()
 
 
 def _rank_shard_state():
