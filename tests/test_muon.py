@@ -300,3 +300,41 @@ def test_shard_state_is_replicated_state_in_half_the_memory():
         mine, whole = r["held"]
         assert 0.3 * whole < mine < 0.7 * whole, (rank, r["held"])  # dealt over 2 replicas
         assert r["held_after_load"] == mine
+
+
+def _rank_torch_ddp():
+    """A torch DDP script (gloo) handing Muon its process group: Newton-Schulz dealt over it,
+    state sharded over it, against Muon without a group on the same rank: the same bits."""
+    import torch.distributed as dist
+
+    batches = _batches(4)
+    mine = slice(dist.get_rank() * 2, dist.get_rank() * 2 + 2)
+    results = []
+    for kwargs in ({}, {"comm": dist.group.WORLD}, {"comm": dist.group.WORLD, "shard_state": True}):
+        model = torch.nn.parallel.DistributedDataParallel(_gpt64())
+        opt = _muon(model.module, **kwargs)
+        for ids, targets in batches:
+            model(ids[mine], targets[mine]).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.consolidate_state_dict()
+        state = opt.state_dict()["state"]
+        results.append(([p.detach().clone() for p in model.parameters()], state, opt))
+    (alone, alone_state, _), (dealt, _, dealt_opt), (sharded, sharded_state, _) = results
+    return {
+        "dealt": all(torch.equal(a, b) for a, b in zip(alone, dealt)),
+        "sharded": all(torch.equal(a, b) for a, b in zip(alone, sharded)),
+        "state": all(
+            torch.equal(sharded_state[i][k], v)
+            for i, s in alone_state.items()
+            for k, v in s.items()
+        ),
+        "mine": dealt_opt.last_orthogonalized,
+        "matrices": len(muon_param_groups(_gpt64())[0]["params"]),
+    }
+
+
+def test_a_torch_process_group_serves_as_comm():
+    for r in run_ranks(2, _rank_torch_ddp, timeout=180):
+        assert (r["dealt"], r["sharded"], r["state"]) == (True, True, True), r
+        assert 0 < r["mine"] < r["matrices"]  # the work was dealt over torch's group

@@ -162,6 +162,8 @@ class Muon(torch.optim.Optimizer):
         adamw_betas, adamw_eps: the AdamW groups' defaults.
         comm: the replicas of the parameters (same values, same reduced gradients: the
             data-parallel group, dp x cp); Newton-Schulz is dealt over it. None: one replica.
+            A dist_kernels Communicator, or a ``torch.distributed`` process group (a torch
+            DDP script's ``dist.group.WORLD``); so are ``tp_comm`` and ``expert_comm``.
         tp_comm: the tensor-parallel group joining ``tensor_parallel_shard`` parameters.
         expert_comm: the replicas of expert-parallel parameters (``mesh.expert_dp_comm``).
         tp_mode: ``duplicated`` (whole matrices, equal to tp = 1) or ``blockwise``.
@@ -215,7 +217,7 @@ class Muon(torch.optim.Optimizer):
             use_muon=True,
         )
         super().__init__(groups, defaults)
-        self.comm, self.tp_comm, self.expert_comm = comm, tp_comm, expert_comm
+        self.comm, self.tp_comm, self.expert_comm = map(_as_comm, (comm, tp_comm, expert_comm))
         self.tp_mode, self.ns_dtype = tp_mode, ns_dtype
         self.shard_state, self.split_qkv = bool(shard_state), bool(split_qkv)
         self.last_orthogonalized = 0  # matrices this rank ran Newton-Schulz on in the last step
@@ -546,6 +548,36 @@ def _share(comm: Any, values: List[Optional[torch.Tensor]], owners: List[int], d
 
 def _with_grad(group: Dict[str, Any]) -> List[torch.Tensor]:
     return [p for p in group["params"] if p.grad is not None]
+
+
+class _TorchGroup:
+    """A ``torch.distributed`` process group seen as the two collectives Muon calls (a torch
+    DDP script's group: gloo, NCCL, or our ``"dk"`` backend)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.group, self._dist = group, dist
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._dist.all_gather_into_tensor(output, input, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self._dist.broadcast(
+            tensor, src=self._dist.get_global_rank(self.group, src), group=self.group
+        )
+
+
+def _as_comm(comm: Any) -> Any:
+    """Our Communicator as it is; a torch ProcessGroup (or ``torch.distributed.group.WORLD``)
+    through :class:`_TorchGroup`."""
+    import torch.distributed as dist
+
+    if comm is not None and isinstance(comm, dist.ProcessGroup):
+        return _TorchGroup(comm)
+    return comm
 
 
 def _size_rank(comm: Any) -> Tuple[int, int]:
