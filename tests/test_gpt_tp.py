@@ -98,7 +98,9 @@ def _rank_train(tie, drop_norm_styles=False, overrides=None):
 
 
 @pytest.mark.parametrize(
-    "tie,overrides", [(True, None), (False, None), (False, LLAMA)], ids=["tied", "untied", "llama"]
+    "tie,overrides",
+    [(True, None), (False, None), (False, LLAMA), (False, {**LLAMA, "qk_norm": True})],
+    ids=["tied", "untied", "llama", "llama-qk-norm"],
 )
 def test_gpt_tp_trains_like_single_process(tie, overrides):
     print("seed", SEED)
@@ -110,6 +112,15 @@ def test_gpt_tp_trains_like_single_process(tie, overrides):
                 f"max parameter difference {diff:.1e}, max loss difference {loss_diff:.1e}"
             )
             assert diff < 1e-10 and loss_diff < 1e-10
+
+
+def test_qk_norm_without_grad_reduction_is_caught():
+    """QK-norm's weight sees only this rank's heads: without its gradient summed over tp
+    (the plan's ReplicatedOverShards dropped) every sharded run drifts, with or without SP."""
+    results = run_ranks(4, _rank_train, False, True, {**LLAMA, "qk_norm": True}, timeout=240)
+    for runs in results:
+        for tp_size, sp, diff, _ in runs:
+            assert diff > 1e-4, (tp_size, sp, diff)
 
 
 def test_sequence_parallel_without_norm_grad_reduction_is_caught():

@@ -92,6 +92,10 @@ class GPTConfig:
     """The norms' epsilon."""
     normalization: str = "layernorm"
     """``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (Llama; no bias, no mean subtracted)."""
+    qk_norm: bool = False
+    """Queries and keys normalised per head (the ``normalization`` over ``head_dim``, one
+    weight shared by the heads) after the projection and before the rotary embedding: Qwen3's
+    ``q_norm`` / ``k_norm``, Megatron's ``--qk-layernorm``."""
     swiglu: bool = False
     """The MLP as Llama's SwiGLU, ``proj(silu(gate(x)) * fc(x))`` (hidden size still
     ``mlp_ratio * dim``), in place of GPT-2's ``proj(gelu(fc(x)))``."""
@@ -195,6 +199,8 @@ class CausalSelfAttention(nn.Module):
         self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
         qkv_heads = cfg.n_heads + 2 * cfg.kv_heads
         self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias)
+        self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
@@ -212,6 +218,8 @@ class CausalSelfAttention(nn.Module):
         qkv = qkv.view(s, b, -1, r + 2, self.head_dim).permute(1, 2, 3, 0, 4)  # [b,g,r+2,s,d]
         q = qkv[:, :, :r].flatten(1, 2)  # [b, heads, s, d]: group by group
         k, v = qkv[:, :, r], qkv[:, :, r + 1]  # [b, groups, s, d]
+        if self.q_norm is not None:  # per head, before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:  # [b, heads, s, d], turned by the tokens' positions
             pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
             cos, sin = rope_tables(pos.to(q.device), self.head_dim, self.rope_theta)
@@ -269,12 +277,14 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.silu(self.gate(x)) * self.fc(x)))
 
 
-def _norm(cfg: GPTConfig) -> nn.Module:
+def _norm(cfg: GPTConfig, size: Optional[int] = None) -> nn.Module:
+    """The model's norm over ``size`` features (default: ``dim``)."""
+    size = size or cfg.dim
     if cfg.normalization == "rmsnorm":
         if not hasattr(nn, "RMSNorm"):
             raise ValueError("GPT: normalization='rmsnorm' needs torch >= 2.4 (nn.RMSNorm)")
-        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+        return nn.RMSNorm(size, eps=cfg.norm_eps)
+    return nn.LayerNorm(size, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 def _moe(cfg: GPTConfig) -> moe_lib.MoE:
@@ -498,6 +508,8 @@ class GPT(nn.Module):
             if cfg.swiglu:
                 plan[f"blocks.{i}.mlp.gate"] = tp.ColumnParallel(sequence_parallel=sp)
             plan[f"blocks.{i}.mlp.proj"] = tp.RowParallel(sequence_parallel=sp)
+        if cfg.qk_norm:  # one weight over this rank's heads: its gradient is a partial sum
+            plan["blocks.*.attn.?_norm"] = tp.ReplicatedOverShards()
         if sp:  # everything between the pairs runs on sequence shards
             if cfg.position_embedding == "learned":
                 plan["embedding.wpe"] = tp.SequenceParallel()

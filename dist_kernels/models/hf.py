@@ -1,12 +1,13 @@
 """Hugging Face ``transformers`` checkpoints of :class:`~dist_kernels.models.GPT`, both ways.
 
     hf_config, hf_state = to_hf(config, state)       # GPT -> GPT2LMHeadModel / LlamaForCausalLM
-                                                     #        / MixtralForCausalLM
+                                                     #   / Qwen3ForCausalLM / MixtralForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Three families map one to one (Mixtral is Llama with an MoE in every block):
+Four families map one to one (Qwen3 is Llama with per-head query / key norms, ``qk_norm``;
+Mixtral is Llama with an MoE in every block):
 
 ==================  ===========================================  ===========================
 GPT option          GPT-2 (``GPT2LMHeadModel``)                  Llama (``LlamaForCausalLM``)
@@ -58,10 +59,18 @@ _MIXTRAL_MOE = dict(
 
 
 def _family(config: GPTConfig) -> str:
-    """``"gpt2"``, ``"llama"`` or ``"mixtral"``; ValueError naming what matches none."""
+    """``"gpt2"``, ``"llama"``, ``"qwen3"`` or ``"mixtral"``; ValueError naming what matches
+    none."""
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    if config.qk_norm:  # Qwen3: Llama with per-head query / key norms, no biases, no MoE
+        if mine == llama and not config.bias and not config.n_experts:
+            return "qwen3"
+        raise ValueError(
+            f"hf: qk_norm maps to Qwen3 only: {llama} without biases or MoE; this one has "
+            f"{mine}, bias={config.bias}, n_experts={config.n_experts}"
+        )
     if config.n_experts:
         moe = {k: getattr(config, k) for k in _MIXTRAL_MOE}
         if mine == llama and moe == _MIXTRAL_MOE:
@@ -103,7 +112,8 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     holding ``state`` (GPT's names): a ``GPT2Config`` or ``LlamaConfig``'s keyword arguments
     (with ``model_type``) and the model's weights under its names."""
     family = _family(config)
-    return {"gpt2": _to_gpt2, "llama": _to_llama, "mixtral": _to_mixtral}[family](config, state)
+    to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen3": _to_qwen3, "mixtral": _to_mixtral}
+    return to[family](config, state)
 
 
 def _common(config: GPTConfig) -> Dict[str, Any]:
@@ -238,6 +248,18 @@ def _to_mixtral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]
     return hf, out
 
 
+def _to_qwen3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama(config, state)
+    del hf["mlp_bias"]
+    hf.update(model_type="qwen3", use_sliding_window=False, sliding_window=None)
+    for i in range(config.n_layers):
+        for norm in ("q_norm", "k_norm"):
+            out[f"model.layers.{i}.self_attn.{norm}.weight"] = state[
+                f"blocks.{i}.attn.{norm}.weight"
+            ]
+    return hf, out
+
+
 def _get(hf: Dict[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:
         if hf.get(key) is not None:
@@ -255,8 +277,10 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_llama(hf, state)
     if model_type == "mixtral":
         return _from_mixtral(hf, state)
+    if model_type == "qwen3":
+        return _from_qwen3(hf, state)
     raise ValueError(
-        f"hf: model_type {model_type!r}: only 'gpt2', 'llama' and 'mixtral' are mapped"
+        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'qwen3' and 'mixtral' are mapped"
     )
 
 
@@ -354,6 +378,20 @@ def _from_llama(
             out[f"blocks.{i}.attn.qkv.{kind}"] = _join_qkv(config, *(state[n] for n in names))
     out["head.ln_f.weight"] = state["model.norm.weight"]
     out["head.lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    return config, out
+
+
+def _from_qwen3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    if hf.get("use_sliding_window"):
+        raise ValueError("hf: Qwen3 with use_sliding_window=True has no counterpart here")
+    if hf.get("attention_bias"):
+        raise ValueError("hf: Qwen3 with attention_bias=True (biased attention, unbiased MLP)")
+    config, out = _from_llama({**hf, "mlp_bias": False}, state, {"qk_norm": True})
+    for i in range(config.n_layers):
+        for norm in ("q_norm", "k_norm"):
+            out[f"blocks.{i}.attn.{norm}.weight"] = state[
+                f"model.layers.{i}.self_attn.{norm}.weight"
+            ]
     return config, out
 
 

@@ -32,6 +32,7 @@ from .mappings import (
 from .random import RNGStatesTracker, get_rng_tracker, model_parallel_seed
 from .shard import (
     ColumnParallel,
+    ReplicatedOverShards,
     RowParallel,
     SequenceParallel,
     ShardedDropout,
@@ -59,6 +60,7 @@ __all__ = [
     "RowParallel",
     "VocabParallel",
     "SequenceParallel",
+    "ReplicatedOverShards",
     "ShardedDropout",
     "shard_module",
     "TensorParallelDesyncError",

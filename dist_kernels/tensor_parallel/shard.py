@@ -171,6 +171,13 @@ class SequenceParallel:
         return module
 
 
+class ReplicatedOverShards(SequenceParallel):
+    """A module with replicated parameters applied to this rank's shard of the heads (a
+    per-head norm: QK-norm): each rank's gradient is its heads' part, summed over the
+    tensor-parallel group as it is produced (what :class:`SequenceParallel` does for a norm
+    on a sequence shard)."""
+
+
 def _matches(plan: Mapping[str, Any], names: List[str]) -> Dict[str, Any]:
     """``{module path: style}``; ``ValueError`` for a pattern matching nothing or a path
     matched by two patterns."""

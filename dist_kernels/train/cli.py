@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--top-k", type=int, default=2, help="experts per token in MoE blocks")
     add("--moe-every", type=int, default=2, help="every n-th block is an MoE block")
     add(
+        "--qk-layernorm",
+        action="store_true",
+        help="queries and keys normalised per head before rope (Megatron's; Qwen3's q/k_norm)",
+    )
+    add(
         "--moe-norm-topk",
         action="store_true",
         help="MoE: the top-k routing weights divided by their sum (Mixtral; norm_topk_prob)",
@@ -348,6 +353,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         top_k=args.top_k,
         moe_every=args.moe_every,
         moe_norm_topk=args.moe_norm_topk,
+        qk_norm=args.qk_layernorm,
         normalization=args.normalization,
         swiglu=args.swiglu,
         ffn_hidden_size=args.ffn_hidden_size,
