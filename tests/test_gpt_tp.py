@@ -99,8 +99,13 @@ def _rank_train(tie, drop_norm_styles=False, overrides=None):
 
 @pytest.mark.parametrize(
     "tie,overrides",
-    [(True, None), (False, None), (False, LLAMA), (False, {**LLAMA, "qk_norm": True})],
-    ids=["tied", "untied", "llama", "llama-qk-norm"],
+    [
+        (True, None),
+        (False, None),
+        (False, LLAMA),
+        (False, {**LLAMA, "qk_norm": True, "kv_channels": 4}),
+    ],  # fmt: skip
+    ids=["tied", "untied", "llama", "llama-qk-norm-wide-heads"],
 )
 def test_gpt_tp_trains_like_single_process(tie, overrides):
     print("seed", SEED)

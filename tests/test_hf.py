@@ -39,6 +39,9 @@ MODELS = {
     "qwen3-gqa-qk-norm": GPTConfig(
         **SMALL, **LLAMA, n_kv_heads=2, qk_norm=True, norm_eps=1e-6, tie_embeddings=True
     ),
+    "qwen3-wide-heads": GPTConfig(  # heads twice d_model / n_heads wide (Qwen3's head_dim)
+        **SMALL, **LLAMA, n_kv_heads=2, qk_norm=True, kv_channels=16, tie_embeddings=False
+    ),
     "mixtral-gqa-ffn40": GPTConfig(
         **SMALL, **LLAMA, **MIXTRAL_MOE, n_kv_heads=2, ffn_hidden_size=40, tie_embeddings=False
     ),
@@ -116,7 +119,7 @@ def test_hf_weights_give_our_gpt_their_logits(tmp_path, family):
     elif family == "qwen3":
         hf_config = transformers.Qwen3Config(
             vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=16, tie_word_embeddings=True,
         )  # fmt: skip
     else:

@@ -248,6 +248,20 @@ def _counted_flops_per_token(cfg: TrainConfig) -> int:
     return total // inputs.numel() + 6 * biases
 
 
+def test_flops_per_token_follows_the_heads_width():
+    """--kv-channels wider than d_model / heads: the driver's FLOPs per token (6 N + 12 L T
+    n_heads head_dim) equals torch's count, as it does at the default width."""
+    from dist_kernels.train.model import flops_per_token
+
+    for model in (TINY, dataclasses.replace(TINY, kv_channels=32)):
+        cfg = _cfg(model=model)
+        one = _one_process(cfg)
+        corpus = data.CharCorpus.build(one.data, model.block_size)
+        built, _ = build_model(driver.model_config(one, corpus), one.seed)
+        formula = flops_per_token(driver.model_config(one, corpus), built)
+        assert formula == _counted_flops_per_token(cfg), model
+
+
 def _assert_metrics(ranks, cfg: TrainConfig) -> None:
     """tokens/s, samples/s, FLOPs per token, MFU and scaling efficiency of every record,
     against counts made outside the driver: the samples and tokens the ranks' samplers handed

@@ -74,6 +74,10 @@ class GPTConfig:
     A multiple of tp when sharded (Megatron's ``--num-query-groups``)."""
     dim: int = 64
     """Hidden size; a multiple of ``n_heads``."""
+    kv_channels: Optional[int] = None
+    """Each head's width (Megatron's ``--kv-channels``; Qwen3's ``head_dim``); None:
+    ``dim / n_heads``. The attention then projects ``dim`` to ``n_heads * kv_channels`` and
+    back."""
     mlp_ratio: int = 4
     """The MLP's hidden size is ``mlp_ratio * dim`` unless ``ffn_hidden_size`` is set."""
     ffn_hidden_size: Optional[int] = None
@@ -141,8 +145,14 @@ class GPTConfig:
                 f"GPTConfig: gelu_approximate must be one of {GELU_APPROXIMATIONS}, got "
                 f"{self.gelu_approximate!r}"
             )
-        if self.dim % self.n_heads:
+        if self.kv_channels is None and self.dim % self.n_heads:
             raise ValueError(f"GPTConfig: dim({self.dim}) % n_heads({self.n_heads}) != 0")
+        if self.kv_channels is not None and (
+            not isinstance(self.kv_channels, int) or self.kv_channels < 1
+        ):
+            raise ValueError(
+                f"GPTConfig: kv_channels must be a positive int or None, got {self.kv_channels!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout}")
         for name, choices in (
@@ -178,7 +188,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.kv_channels or self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -201,7 +211,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
 

@@ -79,13 +79,14 @@ def _family(config: GPTConfig) -> str:
             f"hf: an MoE model maps to Mixtral only: {llama} with {_MIXTRAL_MOE}; this one "
             f"has {mine} with {moe}"
         )
-    if mine == gpt2 and config.kv_heads == config.n_heads:
+    if mine == gpt2 and config.kv_heads == config.n_heads and config.kv_channels is None:
         return "gpt2"
     if mine == llama:
         return "llama"
     raise ValueError(
-        f"hf: {mine} (n_kv_heads {config.kv_heads} of {config.n_heads}) is neither GPT-2's "
-        f"{gpt2} with every head its own key and value nor Llama's {llama}"
+        f"hf: {mine} (n_kv_heads {config.kv_heads} of {config.n_heads}, kv_channels "
+        f"{config.kv_channels}) is neither GPT-2's {gpt2} with every head its own key and "
+        f"value and d_model / n_heads wide nor Llama's {llama}"
     )
 
 
@@ -349,8 +350,8 @@ def _from_llama(
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         raise ValueError("hf: Llama with attention_bias != mlp_bias has no counterpart here")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, dim // heads):
-        raise ValueError(f"hf: Llama head_dim {hf['head_dim']} != hidden_size / heads")
+    head_dim = hf.get("head_dim")
+    kv_channels = None if head_dim in (None, dim // heads) else head_dim
     bias, theta = bool(hf.get("attention_bias", False)), _rope_theta(hf)
     config = GPTConfig(
         vocab_size=hf["vocab_size"],
@@ -359,6 +360,7 @@ def _from_llama(
         n_heads=heads,
         n_kv_heads=_get(hf, "num_key_value_heads", default=heads),
         dim=dim,
+        kv_channels=kv_channels,
         **_int_ratio(hf["intermediate_size"], dim),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         normalization="rmsnorm",

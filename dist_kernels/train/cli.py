@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--top-k", type=int, default=2, help="experts per token in MoE blocks")
     add("--moe-every", type=int, default=2, help="every n-th block is an MoE block")
     add(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="each attention head's width (default d_model / heads; Qwen3's head_dim)",
+    )
+    add(
         "--qk-layernorm",
         action="store_true",
         help="queries and keys normalised per head before rope (Megatron's; Qwen3's q/k_norm)",
@@ -354,6 +360,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         moe_every=args.moe_every,
         moe_norm_topk=args.moe_norm_topk,
         qk_norm=args.qk_layernorm,
+        kv_channels=args.kv_channels,
         normalization=args.normalization,
         swiglu=args.swiglu,
         ffn_hidden_size=args.ffn_hidden_size,

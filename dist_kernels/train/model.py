@@ -116,9 +116,11 @@ def flops_per_token(cfg: GPTConfig, model: nn.Module) -> int:  # model: unsharde
     ``6 N``: forward 2 FLOPs per matmul parameter per token, backward twice that (Kaplan et al.
     2020). ``12 L T d``: attention scores ``QK^T`` and ``AV``, 2 matmuls of ``2 T d`` FLOPs per
     token per layer forward, times 3 with backward; causal masking not subtracted (as in PaLM,
-    appendix B). ``N`` = :func:`matmul_params`, ``L`` layers, ``T`` = block_size, ``d`` = dim.
+    appendix B). ``N`` = :func:`matmul_params`, ``L`` layers, ``T`` = block_size, ``d`` = the
+    queries' width, ``n_heads * head_dim`` (``dim`` unless ``kv_channels`` sets the heads').
     """
-    return 6 * matmul_params(model) + 12 * cfg.n_layers * cfg.block_size * cfg.dim
+    width = cfg.n_heads * cfg.head_dim
+    return 6 * matmul_params(model) + 12 * cfg.n_layers * cfg.block_size * width
 
 
 def describe(cfg: GPTConfig) -> Dict[str, Any]:
