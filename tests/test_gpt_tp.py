@@ -68,6 +68,11 @@ LLAMA = dict(
 )
 
 
+# Qwen's options: per-head query / key norms, heads wider than d_model / heads, biases on the
+# query / key / value projection only
+QWEN = dict(qk_norm=True, kv_channels=4, bias=False, qkv_bias=True)
+
+
 def _rank_train(tie, drop_norm_styles=False, overrides=None):
     import torch.distributed as dist
 
@@ -103,9 +108,9 @@ def _rank_train(tie, drop_norm_styles=False, overrides=None):
         (True, None),
         (False, None),
         (False, LLAMA),
-        (False, {**LLAMA, "qk_norm": True, "kv_channels": 4}),
-    ],  # fmt: skip
-    ids=["tied", "untied", "llama", "llama-qk-norm-wide-heads"],
+        (False, {**LLAMA, **QWEN}),
+    ],
+    ids=["tied", "untied", "llama", "llama-qwen-options"],
 )
 def test_gpt_tp_trains_like_single_process(tie, overrides):
     print("seed", SEED)
@@ -122,7 +127,7 @@ def test_gpt_tp_trains_like_single_process(tie, overrides):
 def test_qk_norm_without_grad_reduction_is_caught():
     """QK-norm's weight sees only this rank's heads: without its gradient summed over tp
     (the plan's ReplicatedOverShards dropped) every sharded run drifts, with or without SP."""
-    results = run_ranks(4, _rank_train, False, True, {**LLAMA, "qk_norm": True}, timeout=240)
+    results = run_ranks(4, _rank_train, False, True, {**LLAMA, **QWEN}, timeout=240)
     for runs in results:
         for tp_size, sp, diff, _ in runs:
             assert diff > 1e-4, (tp_size, sp, diff)

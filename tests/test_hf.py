@@ -36,6 +36,9 @@ MODELS = {
     "llama-mqa-bias-ffn72": GPTConfig(
         **{**SMALL, **LLAMA, "bias": True}, n_kv_heads=1, ffn_hidden_size=72, norm_eps=1e-6
     ),
+    "qwen2-gqa-qkv-bias": GPTConfig(
+        **SMALL, **LLAMA, n_kv_heads=2, qkv_bias=True, norm_eps=1e-6, tie_embeddings=False
+    ),
     "qwen3-gqa-qk-norm": GPTConfig(
         **SMALL, **LLAMA, n_kv_heads=2, qk_norm=True, norm_eps=1e-6, tie_embeddings=True
     ),
@@ -100,7 +103,7 @@ def test_our_weights_give_the_hf_model_our_logits(tmp_path, name):
         assert torch.equal(back[k], v), k
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "qwen3", "mixtral"])
 def test_hf_weights_give_our_gpt_their_logits(tmp_path, family):
     """A model transformers built and initialised itself (its own layout, its own init) ->
     load_pretrained -> our GPT: the same logits (the import direction on its own)."""
@@ -115,6 +118,12 @@ def test_hf_weights_give_our_gpt_their_logits(tmp_path, family):
             vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
             tie_word_embeddings=False,
+        )  # fmt: skip
+    elif family == "qwen2":
+        hf_config = transformers.Qwen2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            tie_word_embeddings=True,
         )  # fmt: skip
     elif family == "qwen3":
         hf_config = transformers.Qwen3Config(
@@ -150,6 +159,9 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
         other = GPTConfig(**SMALL, **LLAMA, **{**MIXTRAL_MOE, **wrong})
         with pytest.raises(ValueError, match=r"an MoE model maps to Mixtral only"):
             dk_hf.to_hf(other, GPT(other).state_dict())
+    qkv_gpt2 = GPTConfig(**SMALL, bias=False, qkv_bias=True)
+    with pytest.raises(ValueError, match=r"qkv_bias without bias maps to Qwen2 only"):
+        dk_hf.to_hf(qkv_gpt2, GPT(qkv_gpt2).state_dict())
     qk_gpt2 = GPTConfig(**SMALL, qk_norm=True)
     with pytest.raises(ValueError, match=r"qk_norm maps to Qwen3 only"):
         dk_hf.to_hf(qk_gpt2, GPT(qk_gpt2).state_dict())
@@ -162,7 +174,7 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     mixed = GPTConfig(**SMALL, position_embedding="rope")  # rope with GPT-2's GELU MLP
     with pytest.raises(ValueError, match=r"neither GPT-2's .* nor Llama's"):
         dk_hf.to_hf(mixed, GPT(mixed).state_dict())
-    with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2', 'llama', 'qwen3' and"):
+    with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2', 'llama', 'qwen2',"):
         dk_hf.from_hf({"model_type": "bert"}, {})
     scaled = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}
     with pytest.raises(ValueError, match=r"rope_type 'llama3': only the default"):
@@ -301,7 +313,9 @@ def test_the_flags_that_describe_hf_shapes():
     model = config_from_args(build_parser().parse_args(argv)).model
     assert (model.ffn_dim, model.gelu_approximate, model.norm_eps) == (72, "tanh", 1e-6)
     assert model.moe_norm_topk
-    assert config_from_args(build_parser().parse_args(["--qk-layernorm"])).model.qk_norm
+    flags = ["--qk-layernorm", "--add-qkv-bias", "--kv-channels", "24"]
+    model = config_from_args(build_parser().parse_args(flags)).model
+    assert (model.qk_norm, model.qkv_bias, model.kv_channels) == (True, True, 24)
     default = config_from_args(build_parser().parse_args([])).model
     assert (default.ffn_dim, default.gelu_approximate, default.norm_eps) == (512, "none", 1e-5)
     assert not default.moe_norm_topk

@@ -90,6 +90,9 @@ class GPTConfig:
     """Dropout on embeddings, attention probabilities and residual branches."""
     bias: bool = True
     """Biases in the linear layers and norms."""
+    qkv_bias: bool = False
+    """The fused query / key / value projection biased even where ``bias`` is False (Qwen2's
+    attention; Megatron's ``--add-qkv-bias``)."""
     tie_embeddings: bool = True
     """The head reuses the token embedding's weight (not across pipeline stages)."""
     norm_eps: float = 1e-5
@@ -208,7 +211,7 @@ class CausalSelfAttention(nn.Module):
         self.group = cfg.n_heads // cfg.kv_heads  # query heads per key / value head
         self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
         qkv_heads = cfg.n_heads + 2 * cfg.kv_heads
-        self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias or cfg.qkv_bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)

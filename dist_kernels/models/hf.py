@@ -1,13 +1,15 @@
 """Hugging Face ``transformers`` checkpoints of :class:`~dist_kernels.models.GPT`, both ways.
 
     hf_config, hf_state = to_hf(config, state)       # GPT -> GPT2LMHeadModel / LlamaForCausalLM
-                                                     #   / Qwen3ForCausalLM / MixtralForCausalLM
+                                                     #   / Qwen2ForCausalLM / Qwen3ForCausalLM
+                                                     #   / MixtralForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Four families map one to one (Qwen3 is Llama with per-head query / key norms, ``qk_norm``;
-Mixtral is Llama with an MoE in every block):
+Five families map one to one (Qwen2 is Llama with biased query / key / value projections,
+``qkv_bias``; Qwen3 is Llama with per-head query / key norms, ``qk_norm``; Mixtral is Llama
+with an MoE in every block):
 
 ==================  ===========================================  ===========================
 GPT option          GPT-2 (``GPT2LMHeadModel``)                  Llama (``LlamaForCausalLM``)
@@ -64,6 +66,13 @@ def _family(config: GPTConfig) -> str:
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    if config.qkv_bias and not config.bias:  # Qwen2: Llama with biased q, k, v projections
+        if mine == llama and not config.qk_norm and not config.n_experts:
+            return "qwen2"
+        raise ValueError(
+            f"hf: qkv_bias without bias maps to Qwen2 only: {llama} without qk_norm or MoE; "
+            f"this one has {mine}, qk_norm={config.qk_norm}, n_experts={config.n_experts}"
+        )
     if config.qk_norm:  # Qwen3: Llama with per-head query / key norms, no biases, no MoE
         if mine == llama and not config.bias and not config.n_experts:
             return "qwen3"
@@ -113,7 +122,8 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     holding ``state`` (GPT's names): a ``GPT2Config`` or ``LlamaConfig``'s keyword arguments
     (with ``model_type``) and the model's weights under its names."""
     family = _family(config)
-    to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen3": _to_qwen3, "mixtral": _to_mixtral}
+    to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
+          "mixtral": _to_mixtral}  # fmt: skip
     return to[family](config, state)
 
 
@@ -217,7 +227,7 @@ def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     for i in range(config.n_layers):
         for ours, theirs in _llama_pairs(i, config.bias, mlp=not config.is_moe_block(i)):
             out[theirs] = state[ours]
-        for kind in ("weight", "bias") if config.bias else ("weight",):
+        for kind in ("weight", "bias") if config.bias or config.qkv_bias else ("weight",):
             q, k, v = _split_qkv(config, state[f"blocks.{i}.attn.qkv.{kind}"])
             for name, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[f"model.layers.{i}.self_attn.{name}.{kind}"] = value
@@ -246,6 +256,14 @@ def _to_mixtral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]
             [torch.cat([state[f"{x}.w1.weight"], state[f"{x}.w3.weight"]]) for x in expert]
         )
         out[f"{theirs}.experts.down_proj"] = torch.stack([state[f"{x}.w2.weight"] for x in expert])
+    return hf, out
+
+
+def _to_qwen2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama(config, state)
+    for key in ("attention_bias", "mlp_bias"):
+        del hf[key]
+    hf.update(model_type="qwen2", use_sliding_window=False, sliding_window=None)
     return hf, out
 
 
@@ -278,10 +296,13 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_llama(hf, state)
     if model_type == "mixtral":
         return _from_mixtral(hf, state)
+    if model_type == "qwen2":
+        return _from_qwen2(hf, state)
     if model_type == "qwen3":
         return _from_qwen3(hf, state)
     raise ValueError(
-        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'qwen3' and 'mixtral' are mapped"
+        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'qwen2', 'qwen3' and 'mixtral' "
+        "are mapped"
     )
 
 
@@ -343,8 +364,9 @@ def _rope_theta(hf: Dict[str, Any]) -> float:
 def _from_llama(
     hf: Dict[str, Any], state: State, moe: Optional[Dict[str, Any]] = None
 ) -> Tuple[GPTConfig, State]:
-    """Llama, or with ``moe`` (GPTConfig's MoE fields) Mixtral's attention, norms and
-    embeddings (its experts are the caller's)."""
+    """Llama, or with ``moe`` (more GPTConfig fields: Mixtral's MoE, Qwen2's ``qkv_bias``,
+    Qwen3's ``qk_norm``) its variants' attention, norms and embeddings (the rest is the
+    caller's)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hf: Llama hidden_act {hf['hidden_act']!r}: only 'silu' (SwiGLU)")
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
@@ -375,12 +397,20 @@ def _from_llama(
     for i in range(config.n_layers):
         for ours, theirs in _llama_pairs(i, bias, mlp=not config.is_moe_block(i)):
             out[ours] = state[theirs]
-        for kind in ("weight", "bias") if bias else ("weight",):
+        for kind in ("weight", "bias") if bias or config.qkv_bias else ("weight",):
             names = (f"model.layers.{i}.self_attn.{n}_proj.{kind}" for n in "qkv")
             out[f"blocks.{i}.attn.qkv.{kind}"] = _join_qkv(config, *(state[n] for n in names))
     out["head.ln_f.weight"] = state["model.norm.weight"]
     out["head.lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
     return config, out
+
+
+def _from_qwen2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    if hf.get("use_sliding_window"):
+        raise ValueError("hf: Qwen2 with use_sliding_window=True has no counterpart here")
+    return _from_llama(
+        {**hf, "attention_bias": False, "mlp_bias": False}, state, {"qkv_bias": True}
+    )
 
 
 def _from_qwen3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:

@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="each attention head's width (default d_model / heads; Qwen3's head_dim)",
     )
     add(
+        "--add-qkv-bias",
+        action="store_true",
+        help="the query / key / value projection biased even without biases elsewhere (Qwen2)",
+    )
+    add(
         "--qk-layernorm",
         action="store_true",
         help="queries and keys normalised per head before rope (Megatron's; Qwen3's q/k_norm)",
@@ -361,6 +366,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         moe_norm_topk=args.moe_norm_topk,
         qk_norm=args.qk_layernorm,
         kv_channels=args.kv_channels,
+        qkv_bias=args.add_qkv_bias,
         normalization=args.normalization,
         swiglu=args.swiglu,
         ffn_hidden_size=args.ffn_hidden_size,
