@@ -313,9 +313,11 @@ def test_the_flags_that_describe_hf_shapes():
     model = config_from_args(build_parser().parse_args(argv)).model
     assert (model.ffn_dim, model.gelu_approximate, model.norm_eps) == (72, "tanh", 1e-6)
     assert model.moe_norm_topk
-    flags = ["--qk-layernorm", "--add-qkv-bias", "--kv-channels", "24"]
+    flags = ["--qk-layernorm", "--add-qkv-bias", "--kv-channels", "24", "--disable-bias-linear",
+             "--moe-aux-loss-coeff", "0.001"]  # fmt: skip
     model = config_from_args(build_parser().parse_args(flags)).model
     assert (model.qk_norm, model.qkv_bias, model.kv_channels) == (True, True, 24)
+    assert (model.bias, model.moe_aux_loss_coeff) == (False, 0.001)
     default = config_from_args(build_parser().parse_args([])).model
     assert (default.ffn_dim, default.gelu_approximate, default.norm_eps) == (512, "none", 1e-5)
     assert not default.moe_norm_topk
@@ -325,3 +327,22 @@ def test_the_flags_that_describe_hf_shapes():
         GPT(odd).tp_plan(2)
     with pytest.raises(ValueError, match=r"gelu_approximate must be one of \('none', 'tanh'\)"):
         GPTConfig(**SMALL, gelu_approximate="erf")
+
+
+def test_model_flags_rebuild_each_mapped_architecture(tmp_path):
+    """model_flags(config) given to the driver builds that architecture, for every model the
+    mapping writes; and --init-from a directory of another shape names those flags."""
+    from dist_kernels.train.cli import build_parser, config_from_args, model_flags
+    from dist_kernels.train.export import _architecture
+
+    for name, config in MODELS.items():
+        built = config_from_args(build_parser().parse_args(model_flags(config))).model
+        assert _architecture(built) == _architecture(config), name
+    config = MODELS["qwen2-gqa-qkv-bias"]
+    directory = str(tmp_path / "qwen2")
+    dk_hf.save_pretrained(directory, config, GPT(config).state_dict())
+    flags = model_flags(config)
+    run = config_from_args(build_parser().parse_args([*flags, "--seq-len", "16"])).model
+    load_exported(directory, dataclasses.replace(run, vocab_size=64))  # the flags fit
+    with pytest.raises(ConfigError, match="its model is the driver's " + " ".join(flags)):
+        load_exported(directory, dataclasses.replace(run, vocab_size=64, qkv_bias=False))

@@ -21,7 +21,7 @@ import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..lr import WSD_STYLES
-from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS
+from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 from ..pipeline.schedules import SCHEDULES
 from .config import (
     DECAYS,
@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="each attention head's width (default d_model / heads; Qwen3's head_dim)",
     )
     add(
+        "--disable-bias-linear",
+        action="store_true",
+        help="no biases in the linear layers and norms (Llama's, Qwen's, Mixtral's)",
+    )
+    add(
         "--add-qkv-bias",
         action="store_true",
         help="the query / key / value projection biased even without biases elsewhere (Qwen2)",
@@ -85,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--qk-layernorm",
         action="store_true",
         help="queries and keys normalised per head before rope (Megatron's; Qwen3's q/k_norm)",
+    )
+    add(
+        "--moe-aux-loss-coeff",
+        type=float,
+        default=m.moe_aux_loss_coeff,
+        help="MoE: the load-balancing loss's coefficient (Megatron's)",
     )
     add(
         "--moe-norm-topk",
@@ -364,9 +375,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         top_k=args.top_k,
         moe_every=args.moe_every,
         moe_norm_topk=args.moe_norm_topk,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         qk_norm=args.qk_layernorm,
         kv_channels=args.kv_channels,
         qkv_bias=args.add_qkv_bias,
+        bias=not args.disable_bias_linear,
         normalization=args.normalization,
         swiglu=args.swiglu,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -415,6 +428,40 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         timeout=args.timeout, profile_steps=args.profile_steps, profile_dir=args.profile_dir,
         tensorboard=args.tensorboard,
     )  # fmt: skip
+
+
+def model_flags(model: GPTConfig) -> List[str]:
+    """The driver's flags that build ``model``'s architecture (its vocabulary and sequence
+    length apart): what to pass with ``--init-from`` a directory of that model."""
+    default = TrainConfig().model
+    flags = ["--n-layer", str(model.n_layers), "--n-head", str(model.n_heads),
+             "--d-model", str(model.dim)]  # fmt: skip
+    if model.kv_heads != model.n_heads:
+        flags += ["--num-query-groups", str(model.kv_heads)]
+    if model.kv_channels is not None:
+        flags += ["--kv-channels", str(model.kv_channels)]
+    if model.ffn_dim != default.mlp_ratio * model.dim:
+        flags += ["--ffn-hidden-size", str(model.ffn_dim)]
+    if model.normalization != default.normalization:
+        flags += ["--normalization", model.normalization]
+    if model.norm_eps != default.norm_eps:
+        flags += ["--norm-epsilon", repr(model.norm_eps)]
+    if model.position_embedding != default.position_embedding:
+        flags += ["--position-embedding-type", model.position_embedding]
+    if model.position_embedding == "rope" and model.rope_theta != default.rope_theta:
+        flags += ["--rotary-base", repr(model.rope_theta)]
+    switches = [
+        (model.swiglu, "--swiglu"), (model.gelu_approximate == "tanh", "--openai-gelu"),
+        (not model.bias, "--disable-bias-linear"), (model.qkv_bias, "--add-qkv-bias"),
+        (model.qk_norm, "--qk-layernorm"),
+    ]  # fmt: skip
+    flags += [flag for on, flag in switches if on]
+    if model.n_experts:
+        flags += ["--experts", str(model.n_experts), "--top-k", str(model.top_k),
+                  "--moe-every", str(model.moe_every)]  # fmt: skip
+        if model.moe_norm_topk:
+            flags.append("--moe-norm-topk")
+    return flags
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:

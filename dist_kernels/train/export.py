@@ -292,7 +292,9 @@ def _check_same_model(path: str, saved: Dict[str, Any], mine: Dict[str, Any]) ->
 
 
 # what only training uses, or what _fit_hf adapts: not compared with a Hugging Face model
-_HF_FREE = ("dropout", "init_std", "vocab_size", "block_size", "tie_embeddings")
+# (and the MoE losses' coefficients: training settings, the run's own)
+_HF_FREE = ("dropout", "init_std", "vocab_size", "block_size", "tie_embeddings",
+            "moe_aux_loss_coeff", "moe_z_loss_coeff")  # fmt: skip
 
 
 def _architecture(config: GPTConfig) -> Dict[str, Any]:
@@ -314,7 +316,13 @@ def _load_hf(path: str, config: Optional[GPTConfig]) -> Dict[str, torch.Tensor]:
         raise ConfigError(f"init_from: {path}: {e}") from None
     if config is None:
         return state
-    _check_same_model(path, _architecture(hf_config), _architecture(config))
+    try:
+        _check_same_model(path, _architecture(hf_config), _architecture(config))
+    except ConfigError as e:
+        from .cli import model_flags
+
+        flags = " ".join(model_flags(hf_config))
+        raise ConfigError(f"{e}; its model is the driver's {flags}") from None
     return _fit_hf(path, hf_config, state, config)
 
 
