@@ -103,40 +103,33 @@ def test_our_weights_give_the_hf_model_our_logits(tmp_path, name):
         assert torch.equal(back[k], v), k
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "qwen3", "mixtral"])
+# The models transformers builds for the import direction: Llama's shape, and each family's own
+LLAMA_SHAPE = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+)  # fmt: skip
+HF_BUILT = {
+    "gpt2": ("GPT2Config", dict(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                activation_function="gelu_new", tie_word_embeddings=True)),
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),  # 2 x d / heads
+    "mixtral": ("MixtralConfig", dict(intermediate_size=40, num_local_experts=4,
+                                      num_experts_per_tok=2, tie_word_embeddings=False)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(HF_BUILT))
 def test_hf_weights_give_our_gpt_their_logits(tmp_path, family):
     """A model transformers built and initialised itself (its own layout, its own init) ->
     load_pretrained -> our GPT: the same logits (the import direction on its own)."""
     torch.manual_seed(SEED)
+    name, extra = HF_BUILT[family]
+    kind = getattr(transformers, name)
     if family == "gpt2":
-        hf_config = transformers.GPT2Config(
-            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-            activation_function="gelu_new", tie_word_embeddings=True,
-        )  # fmt: skip
-    elif family == "llama":
-        hf_config = transformers.LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-            tie_word_embeddings=False,
-        )  # fmt: skip
-    elif family == "qwen2":
-        hf_config = transformers.Qwen2Config(
-            vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-            tie_word_embeddings=True,
-        )  # fmt: skip
-    elif family == "qwen3":
-        hf_config = transformers.Qwen3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=16, tie_word_embeddings=True,
-        )  # fmt: skip
+        hf_config = kind(**extra)
     else:
-        hf_config = transformers.MixtralConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-            num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-        )  # fmt: skip
+        hf_config = kind(**{**LLAMA_SHAPE, **extra})
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
     with torch.no_grad():  # norms and biases off their initial 1 and 0
         for p in model.parameters():
