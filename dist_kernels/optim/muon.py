@@ -233,19 +233,10 @@ class Muon(torch.optim.Optimizer):
         does not move."""
         owner: Dict[int, int] = {}
         for use_muon in (True, False):
-            by_comm: Dict[int, List[torch.Tensor]] = defaultdict(list)
-            comms: Dict[int, Any] = {}
-            for group in self.param_groups:
-                if group["use_muon"] != use_muon:
-                    continue
-                for p in group["params"]:
-                    comm = self._replicas(p)
-                    comms[id(comm)] = comm
-                    by_comm[id(comm)].append(p)
-            for key, params in by_comm.items():
-                size = _size_rank(comms[key])[0]
+            kind = [p for g in self.param_groups if g["use_muon"] == use_muon for p in g["params"]]
+            for comm, params in self._by_replicas(kind):
+                size, own = _size_rank(comm)
                 shapes = [self._ns_shape(p) if use_muon else (p.numel(), 1) for p in params]
-                own = _size_rank(comms[key])[1]
                 if not use_muon and not self.shard_state:  # every replica steps AdamW's
                     owner.update((id(p), own) for p in params)
                     continue

@@ -100,7 +100,7 @@ def _hyper_resolution(cfg: TrainConfig, record: Dict[str, Any], path: str) -> Di
     saved, mine = record.get("hyper"), hyper(cfg)
     if saved is None:
         return {}
-    keys = [k for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
+    keys = _differing(saved, mine)
     if not keys:
         return {}
     if cfg.resume_hyper == "override":
@@ -108,7 +108,7 @@ def _hyper_resolution(cfg: TrainConfig, record: Dict[str, Any], path: str) -> Di
     if cfg.resume_hyper == "checkpoint":
         adopt = {k: saved[k] for k in keys if k in saved and k in _ADOPTABLE}
         still = hyper(dataclasses.replace(cfg, **adopt))
-        lost = [k for k in sorted(set(saved) | set(still)) if saved.get(k) != still.get(k)]
+        lost = _differing(saved, still)
         if lost:
             raise ConfigError(
                 f"resume: checkpoint {path}: this run cannot take its {lost} "
@@ -120,6 +120,11 @@ def _hyper_resolution(cfg: TrainConfig, record: Dict[str, Any], path: str) -> Di
         f"resume: checkpoint {path} was trained with another schedule or optimizer setting "
         f"({differences}); {_HYPER_FLAGS}"
     )
+
+
+def _differing(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
+    """The keys whose values differ between ``a`` and ``b`` (a missing key counts as None)."""
+    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 # what the checkpoint's ``hyper`` may set in this run's config (all of it but the optimizer kind)
