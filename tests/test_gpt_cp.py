@@ -3,6 +3,7 @@ cp = 2 (2 ranks), and at dp x cp x tp = 2 x 2 x 2 (8 ranks, tensor-parallel with
 sequence parallelism), five AdamW steps in float64, every gradient averaged over dp x cp on
 ``mesh.dp_cp_comm`` (our DDP buckets have no float64; tests/test_train.py runs it at cp = 2)."""
 
+import pytest
 import torch
 from mp_pool import run_ranks
 from test_gpt_tp import CONFIG, LLAMA, SEED, max_param_diff
@@ -93,11 +94,18 @@ def test_gpt_at_cp2_trains_like_one_process():
     _check(run_ranks(2, _rank_gpt_cp, 1, 1, 2, [False], timeout=300), dp=1)
 
 
-def test_llama_style_gpt_at_cp2_trains_like_one_process():
+# YaRN stretched 4x from a trained length of 8: every pair's frequency and the attention
+# factor differ from plain rope's
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+
+
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["rope", "rope-yarn"])
+def test_llama_style_gpt_at_cp2_trains_like_one_process(scaling):
     """Rotary embeddings on zig-zag shards: each rank turns its queries and keys by their
-    global positions (a rank's shard holds positions 0-3 and 12-15 at cp = 2)."""
+    global positions (a rank's shard holds positions 0-3 and 12-15 at cp = 2), scaled or not."""
     print("seed", SEED)
-    _check(run_ranks(2, _rank_gpt_cp, 1, 1, 2, [False], False, LLAMA, timeout=300), dp=1)
+    options = {**LLAMA, "rope_scaling": scaling}
+    _check(run_ranks(2, _rank_gpt_cp, 1, 1, 2, [False], False, options, timeout=300), dp=1)
 
 
 def test_gpt_at_cp2_without_the_cp_reduction_differs():

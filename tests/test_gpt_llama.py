@@ -134,7 +134,7 @@ def test_rope_model_has_no_position_table_and_gpt2_model_is_unchanged():
         (dict(position_embedding="alibi"),
          r"position_embedding must be one of \('learned', 'rope'\)"),
         (dict(position_embedding="rope", dim=36, n_heads=4),
-         r"head size dim\(36\) / n_heads\(4\) = 9 is odd"),
+         r"head size 9 \(dim\(36\) / n_heads\(4\)\) is odd"),
         (dict(n_heads=4, n_kv_heads=3),
          r"n_kv_heads\(3\) must be a positive divisor of n_heads\(4\)"),
     ],

@@ -45,6 +45,22 @@ MODELS = {
     "qwen3-wide-heads": GPTConfig(  # heads twice d_model / n_heads wide (Qwen3's head_dim)
         **SMALL, **LLAMA, n_kv_heads=2, qk_norm=True, kv_channels=16, tie_embeddings=False
     ),
+    "llama3-rope-scaled": GPTConfig(  # Llama 3.1's scaling, all three bands at head_dim 8
+        **SMALL,
+        **LLAMA,
+        n_kv_heads=2,
+        rope_theta=1e4,
+        tie_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64},
+    ),
+    "qwen3-yarn": GPTConfig(  # Qwen3's long-context setting: yarn, attention factor 1.14
+        **SMALL,
+        **LLAMA,
+        n_kv_heads=2,
+        qk_norm=True,
+        tie_embeddings=True,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    ),
     "mixtral-gqa-ffn40": GPTConfig(
         **SMALL, **LLAMA, **MIXTRAL_MOE, n_kv_heads=2, ffn_hidden_size=40, tie_embeddings=False
     ),
@@ -97,6 +113,7 @@ def test_our_weights_give_the_hf_model_our_logits(tmp_path, name):
     torch.testing.assert_close(theirs, ours, rtol=0, atol=TOLERANCE[_family(config)])
     back_config, back = dk_hf.load_pretrained(str(tmp_path))
     assert back_config.ffn_dim == config.ffn_dim and back_config.kv_heads == config.kv_heads
+    assert back_config.rope_scaling == config.rope_scaling
     for k, v in state.items():
         if k.endswith("bias") and not config.bias:
             continue
@@ -114,6 +131,13 @@ HF_BUILT = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),  # 2 x d / heads
+    "llama-rope-llama3": ("LlamaConfig", dict(rope_parameters={  # Llama 3.1's config.json
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3-rope-yarn": ("Qwen3Config", dict(rope_parameters={  # beside a non-default mscale
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "mscale": 1.0,
+        "mscale_all_dim": 0.5, "original_max_position_embeddings": 512, "beta_fast": 16})),
+    "llama-rope-linear": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "mixtral": ("MixtralConfig", dict(intermediate_size=40, num_local_experts=4,
                                       num_experts_per_tok=2, tie_word_embeddings=False)),
 }  # fmt: skip
@@ -169,9 +193,12 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
         dk_hf.to_hf(mixed, GPT(mixed).state_dict())
     with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2', 'llama', 'qwen2',"):
         dk_hf.from_hf({"model_type": "bert"}, {})
-    scaled = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}
-    with pytest.raises(ValueError, match=r"rope_type 'llama3': only the default"):
-        dk_hf.from_hf({**scaled, "hidden_size": 32, "num_attention_heads": 4}, {})
+    shape = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4}
+    for kind in ("dynamic", "longrope"):  # scalings that change with the sequence's length
+        with pytest.raises(ValueError, match=rf"rope_type '{kind}': only the default, 'linear',"):
+            dk_hf.from_hf({**shape, "rope_parameters": {"rope_type": kind}}, {})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0.5: rope turns every dim"):
+        dk_hf.from_hf({**shape, "rope_parameters": {"partial_rotary_factor": 0.5}}, {})
     with pytest.raises(ValueError, match=r"has no config.json"):
         dk_hf.load_pretrained(str(tmp_path))
     assert export_main([str(tmp_path), str(tmp_path / "x"), "--format", "hf"]) == 2
@@ -252,6 +279,60 @@ def _hf_gpt2(directory, vocab, positions):
     return model
 
 
+def _starts_at_hf_loss(hf_model, cfg, tokens, layout):
+    """The run of ``cfg`` (--init-from ``hf_model``'s directory, a vocabulary of 100 padded to
+    128) begins at the Hugging Face model's cross entropy on its first batch, and at
+    ``layout`` as on one process. Returns the one-process config and the corpus."""
+    one = dataclasses.replace(cfg, grad_accum=0).with_layout(1)
+    corpus = data.build_corpus(tokens, cfg.model.block_size, 100)
+    sampler = driver.samplers(one, corpus)[0]
+    inputs, targets = sampler.replica_batch(0, 0, one.global_batch)
+    with torch.no_grad():
+        logits = hf_model(inputs).logits  # [b, s, 100]: pad to 128 with the zeros' logits
+        padded = torch.cat([logits, logits.new_zeros(*logits.shape[:2], 28)], dim=-1)
+    want = torch.nn.functional.cross_entropy(padded.flatten(0, 1), targets.flatten()).item()
+    ranks = run_ranks(2, _on_ranks, dataclasses.replace(cfg, **layout), timeout=300)
+    single = run_ranks(1, _on_ranks, cfg, timeout=300)[0]
+    assert single["losses"][0] == pytest.approx(want, rel=1e-5)
+    torch.testing.assert_close(ranks[0]["losses"], single["losses"], rtol=1e-5, atol=0)
+    return one, corpus
+
+
+def test_init_from_a_llama31_directory_with_the_flags_its_refusal_prints(tmp_path):
+    """A Llama of 3.1's kind (llama3 rope scaling) transformers built: --init-from with the
+    rope flags left out is refused and the message prints the model's flags; with them the
+    run starts at transformers' loss, at cp 2 (each rank's rope at its global positions) as
+    on one process."""
+    from dist_kernels.train.cli import build_parser, config_from_args
+
+    torch.manual_seed(SEED)
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # fmt: skip
+    hf_config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=88, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_parameters=rope, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    hf_dir = str(tmp_path / "llama31")
+    hf_model.save_pretrained(hf_dir)
+    tokens = str(tmp_path / "tokens.npy")
+    np.save(tokens, np.random.default_rng(SEED).integers(0, 100, size=4000).astype(np.int64))
+    unscaled = ["--n-layer", "1", "--n-head", "4", "--d-model", "32", "--num-query-groups", "2",
+                "--ffn-hidden-size", "88", "--normalization", "rmsnorm", "--norm-epsilon",
+                "1e-06", "--position-embedding-type", "rope", "--rotary-base", "500000.0",
+                "--swiglu", "--disable-bias-linear", "--seq-len", "16"]  # fmt: skip
+    without = config_from_args(build_parser().parse_args(unscaled)).model
+    with pytest.raises(ConfigError, match=r"rope_scaling=.*--rope-scaling llama3 "
+                       r"--rope-scaling-factor 8.0 --rope-original-max-positions 8 "):  # fmt: skip
+        load_exported(hf_dir, dataclasses.replace(without, vocab_size=128))
+    argv = [*unscaled, "--use-rope-scaling", "--rope-original-max-positions", "8"]
+    model = config_from_args(build_parser().parse_args(argv)).model
+    assert model.rope_scaling["rope_type"] == "llama3"
+    cfg = _cfg(global_batch=8, model=model, data=tokens, vocab_size=100, init_from=hf_dir)
+    _starts_at_hf_loss(hf_model.double().eval(), cfg, tokens, dict(cp=2))
+
+
 def test_init_from_a_hf_model_directory(tmp_path):
     """--init-from a GPT-2 directory (vocabulary 100, padded to the run's 128 with zero rows;
     32 positions, cut to --seq-len 16; its tied head untied): the run's first loss is the
@@ -266,18 +347,7 @@ def test_init_from_a_hf_model_directory(tmp_path):
         gelu_approximate="tanh",
     )  # fmt: skip
     cfg = _cfg(global_batch=8, model=model, data=tokens, vocab_size=100, init_from=hf_dir)
-    one = dataclasses.replace(cfg, grad_accum=0).with_layout(1)
-    corpus = data.build_corpus(tokens, 16, 100)
-    sampler = driver.samplers(one, corpus)[0]
-    inputs, targets = sampler.replica_batch(0, 0, one.global_batch)
-    with torch.no_grad():
-        logits = hf_model(inputs).logits  # [b, s, 100]: pad to 128 with the zeros' logits
-        padded = torch.cat([logits, logits.new_zeros(*logits.shape[:2], 28)], dim=-1)
-    want = torch.nn.functional.cross_entropy(padded.flatten(0, 1), targets.flatten()).item()
-    ranks = run_ranks(2, _on_ranks, dataclasses.replace(cfg, dp=2), timeout=300)
-    single = run_ranks(1, _on_ranks, cfg, timeout=300)[0]
-    assert single["losses"][0] == pytest.approx(want, rel=1e-5)
-    torch.testing.assert_close(ranks[0]["losses"], single["losses"], rtol=1e-5, atol=0)
+    one, corpus = _starts_at_hf_loss(hf_model, cfg, tokens, dict(dp=2))
     state = load_exported(hf_dir, driver.model_config(one, corpus))
     assert state["head.lm_head.weight"].data_ptr() != state["embedding.wte.weight"].data_ptr()
     built, _ = build_model(driver.model_config(one, corpus), cfg.seed, init_state=state)
@@ -320,6 +390,43 @@ def test_the_flags_that_describe_hf_shapes():
         GPT(odd).tp_plan(2)
     with pytest.raises(ValueError, match=r"gelu_approximate must be one of \('none', 'tanh'\)"):
         GPTConfig(**SMALL, gelu_approximate="erf")
+
+
+def test_the_rope_scaling_flags():
+    """Megatron's two spellings and ours reach GPTConfig.rope_scaling; contradictions and
+    orphans are refused, naming the flags."""
+    from dist_kernels.train.cli import build_parser, config_from_args
+
+    def scaling(*argv):
+        args = build_parser().parse_args(["--position-embedding-type", "rope", *argv])
+        return config_from_args(args).model.rope_scaling
+
+    assert scaling() is None
+    assert scaling("--rotary-seq-len-interpolation-factor", "2") == {
+        "rope_type": "linear",
+        "factor": 2.0,
+    }
+    llama3 = scaling("--use-rope-scaling")
+    assert (llama3["factor"], llama3["original_max_position_embeddings"]) == (8.0, 8192)
+    yarn = scaling(
+        *("--rope-scaling", "yarn", "--rope-scaling-factor", "4"),
+        *("--rope-original-max-positions", "512", "--rope-scaling-param", "beta_fast=16"),
+        *("--rope-scaling-param", "truncate=false"),
+    )
+    assert (yarn["factor"], yarn["beta_fast"], yarn["truncate"]) == (4.0, 16.0, False)
+    refused = [
+        (["--use-rope-scaling", "--rotary-seq-len-interpolation-factor", "2"],
+         "--rotary-seq-len-interpolation-factor is linear scaling"),
+        (["--rope-scaling-factor", "4"], "need --rope-scaling TYPE"),
+        (["--rope-scaling", "linear", "--rope-scaling-factor", "2", "--rope-scaling-param", "x"],
+         "KEY=VALUE of a key no other flag sets, got 'x'"),
+        (["--use-rope-scaling", "--rope-scaling-param", "beta_fast=fast"], "not a number"),
+    ]  # fmt: skip
+    for argv, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            scaling(*argv)
+    with pytest.raises(ValueError, match=r"'yarn': original_max_position_embeddings is required"):
+        scaling("--rope-scaling", "yarn", "--rope-scaling-factor", "4")
 
 
 def test_model_flags_rebuild_each_mapped_architecture(tmp_path):

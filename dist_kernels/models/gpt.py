@@ -43,6 +43,7 @@ import torch.utils.checkpoint
 from .. import context_parallel as cp
 from .. import moe as moe_lib
 from .. import tensor_parallel as tp
+from .rope import apply_rope, rope_scaling_checked, rope_tables
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -111,6 +112,11 @@ class GPTConfig:
     (rotary embedding of queries and keys, Su et al. 2021, as Llama and Megatron apply it)."""
     rope_theta: float = 10000.0
     """The rotary embedding's base: dimension pair ``i`` turns by ``pos / theta^(2i / d)``."""
+    rope_scaling: Optional[Dict[str, Any]] = None
+    """Rope stretched for a longer context than the model was trained on, as Hugging Face's
+    ``rope_parameters`` say it: ``{"rope_type": "linear" | "llama3" | "yarn", "factor": ...}``
+    and each kind's keys (:mod:`dist_kernels.models.rope`); completed with the defaults when
+    built. None: unscaled."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     n_experts: int = 0
@@ -172,11 +178,21 @@ class GPTConfig:
                 f"GPTConfig: n_kv_heads({self.n_kv_heads}) must be a positive divisor of "
                 f"n_heads({self.n_heads})"
             )
-        if self.position_embedding == "rope" and (self.dim // self.n_heads) % 2:
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            of = "kv_channels" if self.kv_channels else f"dim({self.dim}) / n_heads({self.n_heads})"
             raise ValueError(
-                f"GPTConfig: rope turns pairs of dimensions, but the head size dim({self.dim}) "
-                f"/ n_heads({self.n_heads}) = {self.dim // self.n_heads} is odd"
+                f"GPTConfig: rope turns pairs of dimensions, but the head size "
+                f"{self.head_dim} ({of}) is odd"
             )
+        if self.rope_scaling is not None and self.position_embedding != "rope":
+            raise ValueError(
+                f"GPTConfig: rope_scaling needs position_embedding='rope', got "
+                f"{self.position_embedding!r}"
+            )
+        try:
+            self.rope_scaling = rope_scaling_checked(self.rope_scaling)
+        except ValueError as e:
+            raise ValueError(f"GPTConfig: {e}") from None
         if self.n_experts and (not isinstance(self.moe_every, int) or self.moe_every < 1):
             raise ValueError(f"GPTConfig: moe_every must be a positive int, got {self.moe_every}")
 
@@ -210,6 +226,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
         self.group = cfg.n_heads // cfg.kv_heads  # query heads per key / value head
         self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
+        self.rope_scaling = cfg.rope_scaling
         qkv_heads = cfg.n_heads + 2 * cfg.kv_heads
         self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias or cfg.qkv_bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
@@ -235,7 +252,8 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:  # [b, heads, s, d], turned by the tokens' positions
             pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
-            cos, sin = rope_tables(pos.to(q.device), self.head_dim, self.rope_theta)
+            cos, sin = rope_tables(pos.to(q.device), self.head_dim, self.rope_theta,
+                                   self.rope_scaling)  # fmt: skip
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
         if r > 1 and not _SDPA_GQA:  # SDPA before torch 2.5 has no groups: repeat each key
@@ -249,26 +267,6 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * d]
         return self.drop(self.proj(y))
-
-
-def rope_tables(pos: torch.Tensor, head_dim: int, theta: float):
-    """``(cos, sin)``, each ``[len(pos), head_dim]`` in FP64: position ``p`` turns dimension
-    ``i`` and ``i + head_dim / 2`` together by ``p / theta^(2i / head_dim)`` (the halves
-    layout of Llama's Hugging Face port and Megatron's default)."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [..., s, d]`` turned by the tables of its ``s`` positions, computed in FP32 (FP64
-    for an FP64 ``x``) and returned in ``x``'s dtype."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    half = x.shape[-1] // 2
-    xf = x.to(dtype)
-    turned = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos.to(dtype) + turned * sin.to(dtype)).to(x.dtype)
 
 
 class MLP(nn.Module):

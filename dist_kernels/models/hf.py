@@ -17,7 +17,8 @@ GPT option          GPT-2 (``GPT2LMHeadModel``)                  Llama (``LlamaF
 normalization       layernorm (biases zero when ``bias=False``)  rmsnorm
 MLP                 ``proj(gelu(fc(x)))``: ``gelu`` /            swiglu: gate_proj, up_proj
                     ``gelu_pytorch_tanh`` (``gelu_approximate``)  (= fc), down_proj (= proj)
-positions           learned (``wpe``, ``n_positions`` rows)      rope (``rope_theta``)
+positions           learned (``wpe``, ``n_positions`` rows)      rope (``rope_parameters``:
+                                                                 theta; linear, llama3, yarn)
 attention           every head its key and value                 grouped (``n_kv_heads``)
 ==================  ===========================================  ===========================
 
@@ -39,6 +40,7 @@ depends on, the weights).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -218,6 +220,7 @@ def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
         "max_position_embeddings": config.block_size,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
+        "rope_parameters": _rope_parameters(config),
         "attention_bias": config.bias,
         "mlp_bias": config.bias,
         "attention_dropout": config.dropout,
@@ -353,12 +356,49 @@ def _from_gpt2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     return config, out
 
 
-def _rope_theta(hf: Dict[str, Any]) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"hf: Llama rope_type {kind!r}: only the default rotary embedding")
-    return float(_get(rope, "rope_theta", default=_get(hf, "rope_theta", default=10000.0)))
+def _rope(hf: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
+    """``(rope_theta, rope_scaling)`` of a configuration in transformers 5's
+    ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``, with transformers'
+    defaults for what it leaves out (the trained length: ``max_position_embeddings``; yarn's
+    attention factor from ``mscale`` / ``mscale_all_dim`` when both are given)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    theta = float(_get(rope, "rope_theta", default=_get(hf, "rope_theta", default=10000.0)))
+    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"hf: partial_rotary_factor {partial}: rope turns every dimension here")
+    rope.pop("rope_theta", None)
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ValueError(
+            f"hf: rope_type {kind!r}: only the default, 'linear', 'llama3' and 'yarn' rotary "
+            "embeddings"
+        )
+    if kind in ("llama3", "yarn"):
+        trained = hf.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", trained)
+    if kind == "yarn":
+        mscale, mscale_all_dim = rope.pop("mscale", None), rope.pop("mscale_all_dim", None)
+        if rope.get("factor") is None:
+            rope["factor"] = (
+                hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
+            )
+        if rope.get("attention_factor") is None and mscale and mscale_all_dim:
+
+            def m(scale: float) -> float:  # YaRN's 0.1 * scale * ln(factor) + 1
+                return 0.1 * scale * math.log(rope["factor"]) + 1.0 if rope["factor"] > 1 else 1.0
+
+            rope["attention_factor"] = m(mscale) / m(mscale_all_dim)
+        for beta in ("beta_fast", "beta_slow"):  # transformers reads a None as the default
+            if rope.get(beta) is None:
+                rope.pop(beta, None)
+    return theta, {"rope_type": kind, **rope}
+
+
+def _rope_parameters(config: GPTConfig) -> Dict[str, Any]:
+    """transformers 5's ``rope_parameters`` of ``config``'s rope."""
+    return {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})}
 
 
 def _from_llama(
@@ -374,7 +414,7 @@ def _from_llama(
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     kv_channels = None if head_dim in (None, dim // heads) else head_dim
-    bias, theta = bool(hf.get("attention_bias", False)), _rope_theta(hf)
+    bias, (theta, scaling) = bool(hf.get("attention_bias", False)), _rope(hf)
     config = GPTConfig(
         vocab_size=hf["vocab_size"],
         block_size=hf["max_position_embeddings"],
@@ -389,6 +429,7 @@ def _from_llama(
         swiglu=True,
         position_embedding="rope",
         rope_theta=theta,
+        rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=bias,
         **(moe or {}),

@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from ..lr import WSD_STYLES
 from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
+from ..models.rope import ROPE_SCALINGS, rope_scaling_checked
 from ..pipeline.schedules import SCHEDULES
 from .config import (
     DECAYS,
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a learned position table (GPT-2) or rotary embeddings of queries and keys",
     )
     add("--rotary-base", type=float, default=m.rope_theta, help="rope: the angles' base theta")
+    _rope_scaling_flags(p)
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     field("--keep-last", int, "complete checkpoints kept, the newest (0: all)")
@@ -362,6 +364,85 @@ def _data(values: Optional[List[str]]) -> Tuple[Optional[str], Tuple[Tuple[float
     return None, blend
 
 
+def _rope_scaling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rope scaling (a longer context than the model was trained on)")
+    g.add_argument(
+        "--rope-scaling",
+        choices=ROPE_SCALINGS,
+        default=None,
+        help="stretch rope's frequencies: linear interpolation, Llama 3.1's or YaRN",
+    )
+    g.add_argument(
+        "--use-rope-scaling",
+        dest="rope_scaling",
+        action="store_const",
+        const="llama3",
+        help="Megatron's: --rope-scaling llama3",
+    )
+    g.add_argument(
+        "--rope-scaling-factor",
+        type=float,
+        default=None,
+        help="how many times longer (llama3: 8 unless given, as Megatron)",
+    )
+    g.add_argument(
+        "--rotary-seq-len-interpolation-factor",
+        type=float,
+        default=None,
+        help="Megatron's: --rope-scaling linear --rope-scaling-factor F",
+    )
+    g.add_argument(
+        "--rope-original-max-positions",
+        type=int,
+        default=None,
+        help="llama3 / yarn: the length the model was trained on (llama3: 8192)",
+    )
+    g.add_argument(
+        "--rope-scaling-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another key of the scaling (low_freq_factor, high_freq_factor, "
+        "beta_fast, beta_slow, attention_factor, truncate); repeatable",
+    )
+
+
+def _rope_scaling(args: argparse.Namespace) -> Optional[dict]:
+    """The ``rope_scaling`` the rope flags describe (checked by GPTConfig), or None."""
+    kind, factor = args.rope_scaling, args.rope_scaling_factor
+    if args.rotary_seq_len_interpolation_factor is not None:
+        if kind not in (None, "linear") or factor is not None:
+            raise ConfigError(
+                "--rotary-seq-len-interpolation-factor is linear scaling by that "
+                "factor: give it without --rope-scaling / --rope-scaling-factor"
+            )
+        kind, factor = "linear", args.rotary_seq_len_interpolation_factor
+    if kind is None:
+        if factor is not None or args.rope_original_max_positions or args.rope_scaling_param:
+            raise ConfigError(
+                "--rope-scaling-factor / --rope-original-max-positions / "
+                "--rope-scaling-param need --rope-scaling TYPE"
+            )
+        return None
+    scaling = {"rope_type": kind, "factor": 8.0 if factor is None and kind == "llama3" else factor}
+    if args.rope_original_max_positions is not None:
+        scaling["original_max_position_embeddings"] = args.rope_original_max_positions
+    for item in args.rope_scaling_param:
+        key, sep, value = item.partition("=")
+        if not sep or key in scaling:
+            raise ConfigError(
+                f"--rope-scaling-param: KEY=VALUE of a key no other flag sets, got {item!r}"
+            )
+        if value.lower() in ("true", "false"):
+            scaling[key] = value.lower() == "true"
+            continue
+        try:
+            scaling[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"--rope-scaling-param {item!r}: not a number") from None
+    return scaling
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     data, blend = _data(args.data)
     model = dataclasses.replace(
@@ -387,6 +468,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         norm_eps=args.norm_epsilon,
         position_embedding=args.position_embedding_type,
         rope_theta=args.rotary_base,
+        rope_scaling=_rope_scaling(args),
     )
     return TrainConfig(
         dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
@@ -450,6 +532,7 @@ def model_flags(model: GPTConfig) -> List[str]:
         flags += ["--position-embedding-type", model.position_embedding]
     if model.position_embedding == "rope" and model.rope_theta != default.rope_theta:
         flags += ["--rotary-base", repr(model.rope_theta)]
+    flags += _rope_scaling_to_flags(model.rope_scaling)
     switches = [
         (model.swiglu, "--swiglu"), (model.gelu_approximate == "tanh", "--openai-gelu"),
         (not model.bias, "--disable-bias-linear"), (model.qkv_bias, "--add-qkv-bias"),
@@ -461,6 +544,21 @@ def model_flags(model: GPTConfig) -> List[str]:
                   "--moe-every", str(model.moe_every)]  # fmt: skip
         if model.moe_norm_topk:
             flags.append("--moe-norm-topk")
+    return flags
+
+
+def _rope_scaling_to_flags(scaling: Optional[dict]) -> List[str]:
+    if scaling is None:
+        return []
+    kind, factor = scaling["rope_type"], scaling["factor"]
+    flags = ["--rope-scaling", kind, "--rope-scaling-factor", repr(factor)]
+    given = {k: v for k, v in scaling.items() if k == "original_max_position_embeddings"}
+    if given:
+        flags += ["--rope-original-max-positions", str(given["original_max_position_embeddings"])]
+    defaults = rope_scaling_checked({"rope_type": kind, "factor": factor, **given})
+    for key, value in scaling.items():  # the rest where they differ from the defaults
+        if value != defaults[key]:
+            flags += ["--rope-scaling-param", f"{key}={value!r}".lower()]
     return flags
 
 
