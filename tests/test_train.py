@@ -248,12 +248,15 @@ def _counted_flops_per_token(cfg: TrainConfig) -> int:
     return total // inputs.numel() + 6 * biases
 
 
-def test_flops_per_token_follows_the_heads_width():
-    """--kv-channels wider than d_model / heads: the driver's FLOPs per token (6 N + 12 L T
-    n_heads head_dim) equals torch's count, as it does at the default width."""
+def test_flops_per_token_follows_the_heads_width_and_the_routed_experts():
+    """--kv-channels wider than d_model / heads, and MoE blocks (each token through top_k of
+    the experts): the driver's FLOPs per token (6 N + 12 L T n_heads head_dim, N counting
+    top_k experts) equals torch's count, as it does for the default model."""
     from dist_kernels.train.model import flops_per_token
 
-    for model in (TINY, dataclasses.replace(TINY, kv_channels=32)):
+    moe = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
+    every_other = dataclasses.replace(TINY, n_experts=8, top_k=1, moe_every=2)
+    for model in (TINY, dataclasses.replace(TINY, kv_channels=32), moe, every_other):
         cfg = _cfg(model=model)
         one = _one_process(cfg)
         corpus = data.CharCorpus.build(one.data, model.block_size)

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models import GPT, GPTConfig
+from ..moe import MoE
 
 
 def build_model(
@@ -103,11 +104,20 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_params(model: nn.Module) -> int:
-    """Parameters that take part in a matmul: the weights and biases of every ``nn.Linear``
-    (the embeddings are lookups, norms a rounding error)."""
-    return sum(
-        p.numel() for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()
+    """Parameters that take part in a token's matmuls: the weights and biases of every
+    ``nn.Linear`` (the embeddings are lookups, norms a rounding error), an MoE's experts as the
+    ``top_k`` of them each token passes through (the router whole)."""
+    routed = [m for m in model.modules() if isinstance(m, MoE)]
+    expert_linears = {id(x) for m in routed for e in m.experts for x in e.modules()}
+    dense = sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and id(m) not in expert_linears
+        for p in m.parameters()
     )
+    per_expert = [sum(p.numel() for p in m.experts[0].parameters()) for m in routed]
+    routers = sum(p.numel() for m in routed for p in m.router.parameters())  # not nn.Linear
+    return dense + routers + sum(m.top_k * n for m, n in zip(routed, per_expert))
 
 
 def flops_per_token(cfg: GPTConfig, model: nn.Module) -> int:  # model: unsharded
