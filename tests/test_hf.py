@@ -61,6 +61,17 @@ MODELS = {
         tie_embeddings=True,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
     ),
+    "qwen3-moe-every-2-experts24": GPTConfig(  # dense and MoE blocks, experts narrower
+        **SMALL,
+        **LLAMA,
+        n_kv_heads=2,
+        qk_norm=True,
+        n_experts=4,
+        top_k=2,
+        moe_every=2,
+        moe_ffn_hidden_size=24,
+        tie_embeddings=False,
+    ),
     "mixtral-gqa-ffn40": GPTConfig(
         **SMALL, **LLAMA, **MIXTRAL_MOE, n_kv_heads=2, ffn_hidden_size=40, tie_embeddings=False
     ),
@@ -138,6 +149,12 @@ HF_BUILT = {
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "mscale": 1.0,
         "mscale_all_dim": 0.5, "original_max_position_embeddings": 512, "beta_fast": 16})),
     "llama-rope-linear": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, head_dim=16,
+                                         moe_intermediate_size=24, norm_topk_prob=True,
+                                         tie_word_embeddings=False)),  # every block MoE
+    "qwen3_moe-sparse-step-2": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=1,
+                                                       decoder_sparse_step=2,
+                                                       moe_intermediate_size=40)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=40, num_local_experts=4,
                                       num_experts_per_tok=2, tie_word_embeddings=False)),
 }  # fmt: skip
@@ -185,6 +202,12 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     sliding = {"model_type": "qwen3", "use_sliding_window": True}
     with pytest.raises(ValueError, match=r"use_sliding_window=True has no counterpart"):
         dk_hf.from_hf(sliding, {})
+    dense_only = {"model_type": "qwen3_moe", "mlp_only_layers": [0]}
+    with pytest.raises(ValueError, match=r"Qwen3-MoE mlp_only_layers \[0\]: dense blocks"):
+        dk_hf.from_hf(dense_only, {})
+    capped = GPTConfig(**SMALL, **LLAMA, qk_norm=True, n_experts=4, moe_capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"for Qwen3-MoE \{'moe_router': 'softmax', 'moe_cap"):
+        dk_hf.to_hf(capped, GPT(capped).state_dict())
     jitter = {"model_type": "mixtral", "router_jitter_noise": 0.1}
     with pytest.raises(ValueError, match=r"router_jitter_noise 0.1: no counterpart"):
         dk_hf.from_hf(jitter, {})
@@ -237,16 +260,24 @@ def _trained_and_exported(tmp_path, cfg, world):
     return out, gpt, config, state
 
 
-def test_a_trained_mixtral_style_checkpoint_exports_to_hf_and_back(tmp_path):
-    """An MoE model in Mixtral's form trained at dp 2 x ep 2 (each rank half the experts),
-    exported with --format hf: transformers' MixtralForCausalLM gives our GPT's logits; the
+TRAINED_MOE = {
+    "mixtral": dict(**MIXTRAL_MOE, ffn_hidden_size=40),
+    # a dense block, then an MoE block of narrower experts; raw top-k weights
+    "qwen3_moe": dict(qk_norm=True, n_experts=4, top_k=2, moe_every=2, moe_ffn_hidden_size=24),
+}
+
+
+@pytest.mark.parametrize("family", list(TRAINED_MOE))
+def test_a_trained_moe_checkpoint_exports_to_hf_and_back(tmp_path, family):
+    """An MoE model in Mixtral's or Qwen3-MoE's form trained at dp 2 x ep 2 (each rank half
+    the experts), exported with --format hf: transformers' model gives our GPT's logits; the
     directory then starts a run (--init-from) whose first loss is the one the export ended
     with, at ep 2 as on one process."""
-    model = GPTConfig(**{**SMALL, **LLAMA, **MIXTRAL_MOE, "vocab_size": 256}, n_kv_heads=2,
-                      ffn_hidden_size=40, tie_embeddings=False)  # fmt: skip
+    model = GPTConfig(**{**SMALL, **LLAMA, "vocab_size": 256}, n_kv_heads=2,
+                      tie_embeddings=False, **TRAINED_MOE[family])  # fmt: skip
     cfg = _cfg(global_batch=8, dp=2, ep=2, model=model)
     out, gpt, config, state = _trained_and_exported(tmp_path, cfg, 2)
-    assert transformers.AutoConfig.from_pretrained(out).model_type == "mixtral"
+    assert transformers.AutoConfig.from_pretrained(out).model_type == family
     start = dataclasses.replace(cfg, init_from=out, steps=1)
     one = dataclasses.replace(start, dp=0, ep=1, grad_accum=0).with_layout(1)
     corpus = data.CharCorpus.build(one.data, config.block_size)
@@ -377,10 +408,13 @@ def test_the_flags_that_describe_hf_shapes():
     assert (model.ffn_dim, model.gelu_approximate, model.norm_eps) == (72, "tanh", 1e-6)
     assert model.moe_norm_topk
     flags = ["--qk-layernorm", "--add-qkv-bias", "--kv-channels", "24", "--disable-bias-linear",
-             "--moe-aux-loss-coeff", "0.001"]  # fmt: skip
+             "--moe-aux-loss-coeff", "0.001", "--experts", "4",
+             "--moe-ffn-hidden-size", "24"]  # fmt: skip
     model = config_from_args(build_parser().parse_args(flags)).model
     assert (model.qk_norm, model.qkv_bias, model.kv_channels) == (True, True, 24)
     assert (model.bias, model.moe_aux_loss_coeff) == (False, 0.001)
+    blocks = GPT(model).blocks  # block 0 dense at 4 x d_model, block 1's experts 24 wide
+    assert (blocks[0].mlp.fc.out_features, blocks[1].mlp.experts[0].w1.out_features) == (512, 24)
     default = config_from_args(build_parser().parse_args([])).model
     assert (default.ffn_dim, default.gelu_approximate, default.norm_eps) == (512, "none", 1e-5)
     assert not default.moe_norm_topk

@@ -768,7 +768,7 @@ def test_llama_style_flags_reach_the_model():
         "layernorm", False, "learned"
     )  # fmt: skip
     odd = ["--position-embedding-type", "rope", "--d-model", "36", "--n-head", "4"]
-    with pytest.raises(ValueError, match=r"head size dim\(36\) / n_heads\(4\) = 9 is odd"):
+    with pytest.raises(ValueError, match=r"head size 9 \(dim\(36\) / n_heads\(4\)\) is odd"):
         config_from_args(build_parser().parse_args(odd))
 
 

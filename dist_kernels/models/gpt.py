@@ -126,6 +126,9 @@ class GPTConfig:
     moe_every: int = 2
     """Every ``moe_every``-th block (blocks ``moe_every - 1, 2 * moe_every - 1, ...``) has an
     MoE in place of its MLP; 1: every block."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Each expert's hidden size when it is not the MLP's (Megatron's ``--moe-ffn-hidden-size``;
+    Qwen3-MoE's ``moe_intermediate_size``); None: ``ffn_dim``."""
     moe_capacity_factor: Optional[float] = None
     """None: no token dropped; a float: Megatron's capacity, drops before the exchange."""
     moe_router: str = "softmax"
@@ -143,12 +146,10 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
-        if self.ffn_hidden_size is not None and (
-            not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 1
-        ):
-            raise ValueError(
-                f"GPTConfig: ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}"
-            )
+        for name in ("ffn_hidden_size", "moe_ffn_hidden_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
         if self.gelu_approximate not in GELU_APPROXIMATIONS:
             raise ValueError(
                 f"GPTConfig: gelu_approximate must be one of {GELU_APPROXIMATIONS}, got "
@@ -204,6 +205,11 @@ class GPTConfig:
     def ffn_dim(self) -> int:
         """The MLP's hidden size."""
         return self.ffn_hidden_size or self.mlp_ratio * self.dim
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        """Each expert's hidden size."""
+        return self.moe_ffn_hidden_size or self.ffn_dim
 
     @property
     def head_dim(self) -> int:
@@ -299,10 +305,11 @@ def _norm(cfg: GPTConfig, size: Optional[int] = None) -> nn.Module:
 
 
 def _moe(cfg: GPTConfig) -> moe_lib.MoE:
-    """An unsharded MoE whose experts have the MLP's hidden size (``shard_experts`` later)."""
+    """An unsharded MoE whose experts have ``moe_ffn_dim`` hidden units (``shard_experts``
+    later)."""
     return moe_lib.MoE(
         cfg.dim,
-        cfg.ffn_dim,
+        cfg.moe_ffn_dim,
         cfg.n_experts,
         cfg.top_k,
         None,

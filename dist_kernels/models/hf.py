@@ -3,13 +3,16 @@
     hf_config, hf_state = to_hf(config, state)       # GPT -> GPT2LMHeadModel / LlamaForCausalLM
                                                      #   / Qwen2ForCausalLM / Qwen3ForCausalLM
                                                      #   / MixtralForCausalLM
+                                                     #   / Qwen3MoeForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Five families map one to one (Qwen2 is Llama with biased query / key / value projections,
+Six families map one to one (Qwen2 is Llama with biased query / key / value projections,
 ``qkv_bias``; Qwen3 is Llama with per-head query / key norms, ``qk_norm``; Mixtral is Llama
-with an MoE in every block):
+with an MoE in every block; Qwen3-MoE is Qwen3 with an MoE in every ``decoder_sparse_step``-th
+block, our ``moe_every``, its experts ``moe_intermediate_size`` wide, our
+``moe_ffn_hidden_size``):
 
 ==================  ===========================================  ===========================
 GPT option          GPT-2 (``GPT2LMHeadModel``)                  Llama (``LlamaForCausalLM``)
@@ -60,6 +63,9 @@ State = Dict[str, torch.Tensor]
 _MIXTRAL_MOE = dict(
     moe_every=1, moe_router="softmax", moe_norm_topk=True, moe_capacity_factor=None, bias=False
 )
+# Qwen3-MoE's router: softmax, top-k (renormalised or not: norm_topk_prob), no capacity; MoE in
+# blocks (i + 1) % decoder_sparse_step == 0, as our moe_every
+_QWEN3_MOE = dict(moe_router="softmax", moe_capacity_factor=None)
 
 
 def _family(config: GPTConfig) -> str:
@@ -75,12 +81,15 @@ def _family(config: GPTConfig) -> str:
             f"hf: qkv_bias without bias maps to Qwen2 only: {llama} without qk_norm or MoE; "
             f"this one has {mine}, qk_norm={config.qk_norm}, n_experts={config.n_experts}"
         )
-    if config.qk_norm:  # Qwen3: Llama with per-head query / key norms, no biases, no MoE
+    if config.qk_norm:  # Qwen3: Llama with per-head query / key norms, no biases
+        routed = {k: getattr(config, k) for k in _QWEN3_MOE}
         if mine == llama and not config.bias and not config.n_experts:
             return "qwen3"
+        if mine == llama and not config.bias and routed == _QWEN3_MOE:  # MoE every n blocks
+            return "qwen3_moe"
         raise ValueError(
-            f"hf: qk_norm maps to Qwen3 only: {llama} without biases or MoE; this one has "
-            f"{mine}, bias={config.bias}, n_experts={config.n_experts}"
+            f"hf: qk_norm maps to Qwen3 only: {llama} without biases, and for Qwen3-MoE "
+            f"{_QWEN3_MOE}; this one has {mine}, bias={config.bias}, {routed}"
         )
     if config.n_experts:
         moe = {k: getattr(config, k) for k in _MIXTRAL_MOE}
@@ -125,7 +134,7 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     (with ``model_type``) and the model's weights under its names."""
     family = _family(config)
     to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
-          "mixtral": _to_mixtral}  # fmt: skip
+          "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe}  # fmt: skip
     return to[family](config, state)
 
 
@@ -250,8 +259,16 @@ def _to_mixtral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]
         router_aux_loss_coef=config.moe_aux_loss_coeff,
         router_jitter_noise=0.0,
         sliding_window=None,
+        intermediate_size=config.moe_ffn_dim,  # every block's MLP is the MoE
     )
-    for i in range(config.n_layers):
+    _experts_to_hf(config, state, out)
+    return hf, out
+
+
+def _experts_to_hf(config: GPTConfig, state: State, out: State) -> None:
+    """Each MoE block's router (their ``gate``) and experts, stacked as transformers 5 keeps
+    them: ``gate_up_proj`` ``[E, 2F, D]`` (each ``[w1; w3]``), ``down_proj`` ``[E, D, F]``."""
+    for i in (i for i in range(config.n_layers) if config.is_moe_block(i)):
         ours, theirs = f"blocks.{i}.mlp", f"model.layers.{i}.mlp"
         expert = [f"{ours}.experts.{e}" for e in range(config.n_experts)]
         out[f"{theirs}.gate.weight"] = state[f"{ours}.router.weight"]
@@ -259,7 +276,19 @@ def _to_mixtral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]
             [torch.cat([state[f"{x}.w1.weight"], state[f"{x}.w3.weight"]]) for x in expert]
         )
         out[f"{theirs}.experts.down_proj"] = torch.stack([state[f"{x}.w2.weight"] for x in expert])
-    return hf, out
+
+
+def _experts_from_hf(config: GPTConfig, state: State, out: State) -> None:
+    f = config.moe_ffn_dim
+    for i in (i for i in range(config.n_layers) if config.is_moe_block(i)):
+        ours, theirs = f"blocks.{i}.mlp", f"model.layers.{i}.mlp"
+        out[f"{ours}.router.weight"] = state[f"{theirs}.gate.weight"]
+        gate_up = state[f"{theirs}.experts.gate_up_proj"]
+        down = state[f"{theirs}.experts.down_proj"]
+        for e in range(config.n_experts):
+            out[f"{ours}.experts.{e}.w1.weight"] = gate_up[e, :f].contiguous()
+            out[f"{ours}.experts.{e}.w3.weight"] = gate_up[e, f:].contiguous()
+            out[f"{ours}.experts.{e}.w2.weight"] = down[e].contiguous()
 
 
 def _to_qwen2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
@@ -279,6 +308,22 @@ def _to_qwen3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
             out[f"model.layers.{i}.self_attn.{norm}.weight"] = state[
                 f"blocks.{i}.attn.{norm}.weight"
             ]
+    return hf, out
+
+
+def _to_qwen3_moe(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_qwen3(config, state)
+    hf.update(
+        model_type="qwen3_moe",
+        num_experts=config.n_experts,
+        num_experts_per_tok=config.top_k,
+        moe_intermediate_size=config.moe_ffn_dim,
+        decoder_sparse_step=config.moe_every,
+        mlp_only_layers=[],
+        norm_topk_prob=config.moe_norm_topk,
+        router_aux_loss_coef=config.moe_aux_loss_coeff,
+    )
+    _experts_to_hf(config, state, out)
     return hf, out
 
 
@@ -303,9 +348,11 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_qwen2(hf, state)
     if model_type == "qwen3":
         return _from_qwen3(hf, state)
+    if model_type == "qwen3_moe":
+        return _from_qwen3_moe(hf, state)
     raise ValueError(
-        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'qwen2', 'qwen3' and 'mixtral' "
-        "are mapped"
+        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral' and "
+        "'qwen3_moe' are mapped"
     )
 
 
@@ -454,12 +501,14 @@ def _from_qwen2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     )
 
 
-def _from_qwen3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+def _from_qwen3(
+    hf: Dict[str, Any], state: State, moe: Optional[Dict[str, Any]] = None
+) -> Tuple[GPTConfig, State]:
     if hf.get("use_sliding_window"):
         raise ValueError("hf: Qwen3 with use_sliding_window=True has no counterpart here")
     if hf.get("attention_bias"):
         raise ValueError("hf: Qwen3 with attention_bias=True (biased attention, unbiased MLP)")
-    config, out = _from_llama({**hf, "mlp_bias": False}, state, {"qk_norm": True})
+    config, out = _from_llama({**hf, "mlp_bias": False}, state, {"qk_norm": True, **(moe or {})})
     for i in range(config.n_layers):
         for norm in ("q_norm", "k_norm"):
             out[f"blocks.{i}.attn.{norm}.weight"] = state[
@@ -481,16 +530,28 @@ def _from_mixtral(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     )
     del moe["bias"]
     config, out = _from_llama({**hf, "attention_bias": False, "mlp_bias": False}, state, moe)
-    f = config.ffn_dim
-    for i in range(config.n_layers):
-        ours, theirs = f"blocks.{i}.mlp", f"model.layers.{i}.mlp"
-        out[f"{ours}.router.weight"] = state[f"{theirs}.gate.weight"]
-        gate_up = state[f"{theirs}.experts.gate_up_proj"]
-        down = state[f"{theirs}.experts.down_proj"]
-        for e in range(config.n_experts):
-            out[f"{ours}.experts.{e}.w1.weight"] = gate_up[e, :f].contiguous()
-            out[f"{ours}.experts.{e}.w3.weight"] = gate_up[e, f:].contiguous()
-            out[f"{ours}.experts.{e}.w2.weight"] = down[e].contiguous()
+    _experts_from_hf(config, state, out)
+    return config, out
+
+
+def _from_qwen3_moe(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    if hf.get("mlp_only_layers"):
+        raise ValueError(
+            f"hf: Qwen3-MoE mlp_only_layers {hf['mlp_only_layers']}: dense blocks are every "
+            "block but each decoder_sparse_step-th here"
+        )
+    moe = dict(
+        _QWEN3_MOE,
+        n_experts=_get(hf, "num_local_experts", "num_experts"),
+        top_k=hf["num_experts_per_tok"],
+        moe_every=hf.get("decoder_sparse_step", 1),
+        moe_norm_topk=bool(hf.get("norm_topk_prob", False)),
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 1e-3)),
+    )
+    if hf["moe_intermediate_size"] != hf["intermediate_size"]:
+        moe["moe_ffn_hidden_size"] = hf["moe_intermediate_size"]
+    config, out = _from_qwen3(hf, state, moe)
+    _experts_from_hf(config, state, out)
     return config, out
 
 

@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="MoE: the top-k routing weights divided by their sum (Mixtral; norm_topk_prob)",
     )
+    add(
+        "--moe-ffn-hidden-size",
+        type=int,
+        default=None,
+        help="MoE: each expert's hidden size (default --ffn-hidden-size; Megatron's)",
+    )
     add("--pp", type=int, default=1, help="pipeline stages")
     add("--zero", type=int, default=0, choices=(0, 1, 2, 3), help=_STRATEGY_HELP)
     add(
@@ -456,6 +462,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         top_k=args.top_k,
         moe_every=args.moe_every,
         moe_norm_topk=args.moe_norm_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         qk_norm=args.qk_layernorm,
         kv_channels=args.kv_channels,
@@ -544,6 +551,8 @@ def model_flags(model: GPTConfig) -> List[str]:
                   "--moe-every", str(model.moe_every)]  # fmt: skip
         if model.moe_norm_topk:
             flags.append("--moe-norm-topk")
+        if model.moe_ffn_dim != model.ffn_dim:
+            flags += ["--moe-ffn-hidden-size", str(model.moe_ffn_dim)]
     return flags
 
 

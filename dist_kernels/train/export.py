@@ -301,9 +301,13 @@ def _architecture(config: GPTConfig) -> Dict[str, Any]:
     """What must agree between a Hugging Face model and the run's, equivalent spellings made
     one (the MLP's hidden size; key / value heads)."""
     out = {k: v for k, v in dataclasses.asdict(config).items() if k not in _HF_FREE}
-    for k in ("mlp_ratio", "ffn_hidden_size", "n_kv_heads"):
+    for k in ("mlp_ratio", "ffn_hidden_size", "moe_ffn_hidden_size", "n_kv_heads"):
         del out[k]
-    return {**out, "ffn_dim": config.ffn_dim, "kv_heads": config.kv_heads}
+    dense = any(not config.is_moe_block(i) for i in range(config.n_layers))
+    sizes = {"ffn_dim": config.ffn_dim} if dense else {}  # what is built: no dense MLP, no size
+    if config.n_experts:
+        sizes["moe_ffn_dim"] = config.moe_ffn_dim
+    return {**out, **sizes, "kv_heads": config.kv_heads}
 
 
 def _load_hf(path: str, config: Optional[GPTConfig]) -> Dict[str, torch.Tensor]:
