@@ -72,6 +72,19 @@ MODELS = {
         moe_ffn_hidden_size=24,
         tie_embeddings=False,
     ),
+    "qwen2-moe-shared-gated": GPTConfig(  # biased q / k / v, a gated shared expert
+        **SMALL,
+        **LLAMA,
+        n_kv_heads=2,
+        qkv_bias=True,
+        n_experts=4,
+        top_k=2,
+        moe_every=1,
+        moe_ffn_hidden_size=24,
+        moe_shared_expert_intermediate_size=40,
+        moe_shared_expert_gate=True,
+        tie_embeddings=False,
+    ),
     "mixtral-gqa-ffn40": GPTConfig(
         **SMALL, **LLAMA, **MIXTRAL_MOE, n_kv_heads=2, ffn_hidden_size=40, tie_embeddings=False
     ),
@@ -155,6 +168,9 @@ HF_BUILT = {
     "qwen3_moe-sparse-step-2": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=1,
                                                        decoder_sparse_step=2,
                                                        moe_intermediate_size=40)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, decoder_sparse_step=2,
+                                         shared_expert_intermediate_size=40)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=40, num_local_experts=4,
                                       num_experts_per_tok=2, tie_word_embeddings=False)),
 }  # fmt: skip
@@ -202,6 +218,10 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     sliding = {"model_type": "qwen3", "use_sliding_window": True}
     with pytest.raises(ValueError, match=r"use_sliding_window=True has no counterpart"):
         dk_hf.from_hf(sliding, {})
+    ungated = GPTConfig(**SMALL, **LLAMA, n_experts=4, moe_shared_expert_intermediate_size=8)
+    with pytest.raises(ValueError, match=r"a shared expert maps to Qwen2-MoE only.*'moe_shared"
+                       r"_expert_gate': False"):  # fmt: skip
+        dk_hf.to_hf(ungated, GPT(ungated).state_dict())
     dense_only = {"model_type": "qwen3_moe", "mlp_only_layers": [0]}
     with pytest.raises(ValueError, match=r"Qwen3-MoE mlp_only_layers \[0\]: dense blocks"):
         dk_hf.from_hf(dense_only, {})
@@ -264,6 +284,16 @@ TRAINED_MOE = {
     "mixtral": dict(**MIXTRAL_MOE, ffn_hidden_size=40),
     # a dense block, then an MoE block of narrower experts; raw top-k weights
     "qwen3_moe": dict(qk_norm=True, n_experts=4, top_k=2, moe_every=2, moe_ffn_hidden_size=24),
+    # every block MoE with a gated shared expert, renormalised top-k, biased q / k / v
+    "qwen2_moe": dict(
+        qkv_bias=True,
+        n_experts=4,
+        top_k=2,
+        moe_every=1,
+        moe_norm_topk=True,
+        moe_shared_expert_intermediate_size=40,
+        moe_shared_expert_gate=True,
+    ),
 }
 
 

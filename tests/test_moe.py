@@ -152,6 +152,57 @@ def test_unsharded_layer_equals_the_reference(router, capacity, policy, top_k):
         assert max(stats["tokens_per_expert"]) <= cap
 
 
+@pytest.mark.parametrize("gate", [False, True], ids=["shared", "shared-gated"])
+def test_shared_expert_adds_its_mlp_to_every_token(gate):
+    """A shared expert (DeepSeek's; with the sigmoid gate Qwen2-MoE's): the routed reference
+    plus ``w2(silu(w1 x) * w3 x)``, times ``sigmoid(x . g)`` when gated, for every token;
+    every gradient, the shared weights' included, against that float64 definition; and the
+    layer sharded over ep 2 holds the same shared expert on both ranks, not expert_parallel."""
+    print("seed", SEED)
+    torch.manual_seed(SEED)
+    layer = MoE(DIM, FFN, EXPERTS, 2, aux_loss_coeff=1e-2, shared_ffn_dim=10, shared_gate=gate)
+    layer = layer.double()
+    gen = torch.Generator().manual_seed(SEED + 1)
+    x = torch.randn(23, DIM, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(23, DIM, generator=gen, dtype=torch.float64)
+    sx = layer.shared_expert
+    shared_params = [*sx.parameters(), *([layer.shared_expert_gate.weight] if gate else [])]
+    routed, aux = _reference(layer, x)
+    mlp = F.linear(F.silu(F.linear(x, sx.w1.weight)) * F.linear(x, sx.w3.weight), sx.w2.weight)
+    scale = torch.sigmoid(x @ layer.shared_expert_gate.weight.t()) if gate else 1.0
+    want = routed + scale * mlp
+    y = layer(x)
+    params = [x, layer.router.weight, *layer.experts.parameters(), *shared_params]
+    ours = torch.autograd.grad((y * g).sum() + layer.aux_loss, params)
+    theirs = torch.autograd.grad((want * g).sum() + aux, params)
+    assert float((y - want).detach().abs().max()) <= TOL
+    assert _max_error(ours, theirs) <= TOL
+    assert float((y - routed).detach().abs().min()) > 0  # every token got its share
+    names = [n for n, _ in layer.named_parameters()]
+    assert "shared_expert.w1.weight" in names and ("shared_expert_gate.weight" in names) == gate
+
+
+def _rank_shared(gate):
+    comm = dk.Communicator()
+    torch.manual_seed(SEED)
+    dense = MoE(DIM, FFN, EXPERTS, 2, shared_ffn_dim=10, shared_gate=gate).double()
+    moe = shard_experts(dense, comm)
+    x = _tokens("random", comm.rank, comm.world_size, SEED)
+    with torch.no_grad():
+        error = float((moe(x) - dense(x)).abs().max())
+    shared = [n for n, p in moe.named_parameters() if n.startswith("shared")]
+    marked = [n for n, p in moe.named_parameters() if getattr(p, "expert_parallel", False)]
+    return error, shared, marked
+
+
+def test_sharded_layer_keeps_the_shared_expert_dense():
+    for error, shared, marked in run_ranks(2, _rank_shared, True, timeout=300):
+        assert error <= TOL
+        assert shared == ["shared_expert.w1.weight", "shared_expert.w2.weight",
+                          "shared_expert.w3.weight", "shared_expert_gate.weight"]  # fmt: skip
+        assert marked and all(n.startswith("experts.") for n in marked)
+
+
 def test_aux_loss_is_megatrons_formula():
     """switch_load_balancing_loss_func: sum(probs.sum(0) * tokens_per_expert) * E * coeff /
     (k * T^2), with tokens_per_expert the routing map's column sums; z-loss by definition."""
@@ -280,6 +331,8 @@ class _FakeComm:
         ({"router": "relu"}, None, r"router must be one of"),
         ({"drop_policy": "random"}, None, r"drop_policy must be one of"),
         ({"capacity_factor": 0.0}, None, r"capacity_factor must be > 0"),
+        ({"shared_gate": True}, None, r"shared_gate needs a shared expert \(shared_ffn_dim\)"),
+        ({"shared_ffn_dim": 0}, None, r"shared_ffn_dim must be a positive int or None, got 0"),
     ],
 )
 def test_bad_configuration_raises_with_the_arithmetic(kwargs, comm, message):

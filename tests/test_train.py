@@ -256,7 +256,9 @@ def test_flops_per_token_follows_the_heads_width_and_the_routed_experts():
 
     moe = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_every=1)
     every_other = dataclasses.replace(TINY, n_experts=8, top_k=1, moe_every=2)
-    for model in (TINY, dataclasses.replace(TINY, kv_channels=32), moe, every_other):
+    shared = dataclasses.replace(moe, moe_ffn_hidden_size=48, moe_shared_expert_gate=True,
+                                 moe_shared_expert_intermediate_size=24)  # fmt: skip
+    for model in (TINY, dataclasses.replace(TINY, kv_channels=32), moe, every_other, shared):
         cfg = _cfg(model=model)
         one = _one_process(cfg)
         corpus = data.CharCorpus.build(one.data, model.block_size)

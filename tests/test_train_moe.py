@@ -159,3 +159,34 @@ def test_moe_pipeline_resumes_at_another_ep(tmp_path):
     resumed = run_ranks(4, _on_ranks, dataclasses.replace(cfg, ep=1, **ckpt), timeout=300)
     assert resumed[0]["start"] == 3
     torch.testing.assert_close(resumed[0]["losses"], straight[0]["losses"][3:], rtol=1e-5, atol=0)
+
+
+SHARED = dataclasses.replace(
+    MOE, moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True
+)  # Qwen2-MoE's block: a gated shared expert beside the routed ones
+
+
+def test_shared_expert_is_dense_under_expert_parallelism(tmp_path):
+    """A gated shared expert in every MoE block: at dp 2 x ep 2 (the routed experts split,
+    the shared one on both ranks) the run trains as with every expert local, the shared
+    expert's weights equal on both ranks (reduced over all of dp, as dense weights are);
+    ZeRO-2 over the expert groups trains as DDP; saved at ep 2 and resumed at ep 1, the run
+    ends where the straight ep 2 run does (the shared expert read as a dense weight)."""
+    cfg = _cfg(dp=2, ep=2, steps=6, global_batch=4, warmup=1, log_every=3, model=SHARED)
+    local = run_ranks(2, _on_ranks, dataclasses.replace(cfg, ep=1), timeout=300)
+    sharded = run_ranks(2, _on_ranks, cfg, timeout=300)
+    torch.testing.assert_close(sharded[0]["losses"], local[0]["losses"], rtol=1e-5, atol=0)
+    shared = [k for k in sharded[0]["params"] if ".shared_expert" in k]
+    assert len(shared) == 4 * MOE.n_layers, sorted(sharded[0]["params"])
+    for k in shared:
+        assert torch.equal(sharded[0]["params"][k], sharded[1]["params"][k]), k
+        torch.testing.assert_close(
+            sharded[0]["params"][k], local[0]["params"][k], rtol=1e-4, atol=1e-6
+        )
+    zero = run_ranks(2, _on_ranks, dataclasses.replace(cfg, zero=2), timeout=300)
+    assert zero[0]["losses"] == pytest.approx(sharded[0]["losses"], rel=1e-5, abs=0)
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto")
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, stop_after=4, **ckpt), timeout=300)
+    resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, ep=1, **ckpt), timeout=300)
+    assert resumed[0]["start"] == 4
+    assert resumed[0]["losses"][-1] == pytest.approx(sharded[0]["losses"][-1], rel=1e-5, abs=0)

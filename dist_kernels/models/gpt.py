@@ -129,6 +129,13 @@ class GPTConfig:
     moe_ffn_hidden_size: Optional[int] = None
     """Each expert's hidden size when it is not the MLP's (Megatron's ``--moe-ffn-hidden-size``;
     Qwen3-MoE's ``moe_intermediate_size``); None: ``ffn_dim``."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """A shared expert of that hidden size in every MoE block, which every token passes through
+    beside its routed experts (DeepSeek's, Qwen2-MoE's; Megatron's
+    ``--moe-shared-expert-intermediate-size``); None: none."""
+    moe_shared_expert_gate: bool = False
+    """The shared expert's output scaled by ``sigmoid(x . g)`` (Qwen2-MoE's
+    ``shared_expert_gate``; Megatron's ``--moe-shared-expert-gate``)."""
     moe_capacity_factor: Optional[float] = None
     """None: no token dropped; a float: Megatron's capacity, drops before the exchange."""
     moe_router: str = "softmax"
@@ -146,7 +153,11 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
-        for name in ("ffn_hidden_size", "moe_ffn_hidden_size"):
+        for name in (
+            "ffn_hidden_size",
+            "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
@@ -194,6 +205,11 @@ class GPTConfig:
             self.rope_scaling = rope_scaling_checked(self.rope_scaling)
         except ValueError as e:
             raise ValueError(f"GPTConfig: {e}") from None
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ValueError(
+                "GPTConfig: moe_shared_expert_gate needs a shared expert "
+                "(moe_shared_expert_intermediate_size)"
+            )
         if self.n_experts and (not isinstance(self.moe_every, int) or self.moe_every < 1):
             raise ValueError(f"GPTConfig: moe_every must be a positive int, got {self.moe_every}")
 
@@ -317,6 +333,8 @@ def _moe(cfg: GPTConfig) -> moe_lib.MoE:
         cfg.moe_router,
         cfg.moe_aux_loss_coeff,
         cfg.moe_z_loss_coeff,
+        shared_ffn_dim=cfg.moe_shared_expert_intermediate_size,
+        shared_gate=cfg.moe_shared_expert_gate,
         norm_topk=cfg.moe_norm_topk,
     )
 

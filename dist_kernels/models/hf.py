@@ -3,16 +3,18 @@
     hf_config, hf_state = to_hf(config, state)       # GPT -> GPT2LMHeadModel / LlamaForCausalLM
                                                      #   / Qwen2ForCausalLM / Qwen3ForCausalLM
                                                      #   / MixtralForCausalLM
+                                                     #   / Qwen2MoeForCausalLM
                                                      #   / Qwen3MoeForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Six families map one to one (Qwen2 is Llama with biased query / key / value projections,
+Seven families map one to one (Qwen2 is Llama with biased query / key / value projections,
 ``qkv_bias``; Qwen3 is Llama with per-head query / key norms, ``qk_norm``; Mixtral is Llama
 with an MoE in every block; Qwen3-MoE is Qwen3 with an MoE in every ``decoder_sparse_step``-th
 block, our ``moe_every``, its experts ``moe_intermediate_size`` wide, our
-``moe_ffn_hidden_size``):
+``moe_ffn_hidden_size``; Qwen2-MoE is that with Qwen2's attention and a shared expert scaled
+by a sigmoid gate, ``moe_shared_expert_intermediate_size`` and ``moe_shared_expert_gate``):
 
 ==================  ===========================================  ===========================
 GPT option          GPT-2 (``GPT2LMHeadModel``)                  Llama (``LlamaForCausalLM``)
@@ -61,11 +63,16 @@ State = Dict[str, torch.Tensor]
 
 
 _MIXTRAL_MOE = dict(
-    moe_every=1, moe_router="softmax", moe_norm_topk=True, moe_capacity_factor=None, bias=False
-)
+    moe_every=1, moe_router="softmax", moe_norm_topk=True, moe_capacity_factor=None,
+    moe_shared_expert_intermediate_size=None, bias=False,
+)  # fmt: skip
 # Qwen3-MoE's router: softmax, top-k (renormalised or not: norm_topk_prob), no capacity; MoE in
 # blocks (i + 1) % decoder_sparse_step == 0, as our moe_every
-_QWEN3_MOE = dict(moe_router="softmax", moe_capacity_factor=None)
+_QWEN3_MOE = dict(
+    moe_router="softmax", moe_capacity_factor=None, moe_shared_expert_intermediate_size=None
+)
+# Qwen2-MoE's: Qwen3-MoE's router beside a shared expert scaled by a sigmoid gate
+_QWEN2_MOE = dict(moe_router="softmax", moe_capacity_factor=None, moe_shared_expert_gate=True)
 
 
 def _family(config: GPTConfig) -> str:
@@ -74,6 +81,15 @@ def _family(config: GPTConfig) -> str:
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    if config.n_experts and config.moe_shared_expert_intermediate_size:  # Qwen2-MoE
+        routed = {k: getattr(config, k) for k in _QWEN2_MOE}
+        if mine == llama and not config.bias and not config.qk_norm and routed == _QWEN2_MOE:
+            return "qwen2_moe"
+        raise ValueError(
+            f"hf: a shared expert maps to Qwen2-MoE only: {llama} without biases or qk_norm, "
+            f"with {_QWEN2_MOE}; this one has {mine}, bias={config.bias}, "
+            f"qk_norm={config.qk_norm}, {routed}"
+        )
     if config.qkv_bias and not config.bias:  # Qwen2: Llama with biased q, k, v projections
         if mine == llama and not config.qk_norm and not config.n_experts:
             return "qwen2"
@@ -134,7 +150,8 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     (with ``model_type``) and the model's weights under its names."""
     family = _family(config)
     to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
-          "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe}  # fmt: skip
+          "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe,
+          "qwen2_moe": _to_qwen2_moe}  # fmt: skip
     return to[family](config, state)
 
 
@@ -276,6 +293,19 @@ def _experts_to_hf(config: GPTConfig, state: State, out: State) -> None:
             [torch.cat([state[f"{x}.w1.weight"], state[f"{x}.w3.weight"]]) for x in expert]
         )
         out[f"{theirs}.experts.down_proj"] = torch.stack([state[f"{x}.w2.weight"] for x in expert])
+        for mine, hf_name in _shared_pairs(config):
+            out[f"{theirs}.{hf_name}"] = state[f"{ours}.{mine}"]
+
+
+def _shared_pairs(config: GPTConfig) -> List[Tuple[str, str]]:
+    """(ours, Qwen2-MoE's) names of an MoE block's shared expert and its gate."""
+    if not config.moe_shared_expert_intermediate_size:
+        return []
+    pairs = [(f"shared_expert.{w}.weight", f"shared_expert.{p}_proj.weight")
+             for w, p in (("w1", "gate"), ("w3", "up"), ("w2", "down"))]  # fmt: skip
+    if config.moe_shared_expert_gate:
+        pairs.append(("shared_expert_gate.weight", "shared_expert_gate.weight"))
+    return pairs
 
 
 def _experts_from_hf(config: GPTConfig, state: State, out: State) -> None:
@@ -289,6 +319,8 @@ def _experts_from_hf(config: GPTConfig, state: State, out: State) -> None:
             out[f"{ours}.experts.{e}.w1.weight"] = gate_up[e, :f].contiguous()
             out[f"{ours}.experts.{e}.w3.weight"] = gate_up[e, f:].contiguous()
             out[f"{ours}.experts.{e}.w2.weight"] = down[e].contiguous()
+        for mine, hf_name in _shared_pairs(config):
+            out[f"{ours}.{mine}"] = state[f"{theirs}.{hf_name}"]
 
 
 def _to_qwen2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
@@ -311,10 +343,25 @@ def _to_qwen3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     return hf, out
 
 
-def _to_qwen3_moe(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
-    hf, out = _to_qwen3(config, state)
+def _to_qwen2_moe(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama(config, state)
+    for key in ("attention_bias", "mlp_bias"):
+        del hf[key]
     hf.update(
-        model_type="qwen3_moe",
+        model_type="qwen2_moe",
+        qkv_bias=config.qkv_bias,
+        use_sliding_window=False,
+        sliding_window=None,
+        shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        **_routed_to_hf(config),
+    )
+    _experts_to_hf(config, state, out)
+    return hf, out
+
+
+def _routed_to_hf(config: GPTConfig) -> Dict[str, Any]:
+    """Qwen-MoE's routing settings (Qwen2-MoE's and Qwen3-MoE's alike)."""
+    return dict(
         num_experts=config.n_experts,
         num_experts_per_tok=config.top_k,
         moe_intermediate_size=config.moe_ffn_dim,
@@ -323,6 +370,11 @@ def _to_qwen3_moe(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], Stat
         norm_topk_prob=config.moe_norm_topk,
         router_aux_loss_coef=config.moe_aux_loss_coeff,
     )
+
+
+def _to_qwen3_moe(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_qwen3(config, state)
+    hf.update(model_type="qwen3_moe", **_routed_to_hf(config))
     _experts_to_hf(config, state, out)
     return hf, out
 
@@ -350,9 +402,11 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_qwen3(hf, state)
     if model_type == "qwen3_moe":
         return _from_qwen3_moe(hf, state)
+    if model_type == "qwen2_moe":
+        return _from_qwen2_moe(hf, state)
     raise ValueError(
-        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral' and "
-        "'qwen3_moe' are mapped"
+        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', "
+        "'qwen2_moe' and 'qwen3_moe' are mapped"
     )
 
 
@@ -534,14 +588,14 @@ def _from_mixtral(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     return config, out
 
 
-def _from_qwen3_moe(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+def _routed_from_hf(hf: Dict[str, Any], family: str) -> Dict[str, Any]:
+    """GPTConfig's MoE fields of a Qwen-MoE configuration (Qwen2-MoE's or Qwen3-MoE's)."""
     if hf.get("mlp_only_layers"):
         raise ValueError(
-            f"hf: Qwen3-MoE mlp_only_layers {hf['mlp_only_layers']}: dense blocks are every "
+            f"hf: {family} mlp_only_layers {hf['mlp_only_layers']}: dense blocks are every "
             "block but each decoder_sparse_step-th here"
         )
     moe = dict(
-        _QWEN3_MOE,
         n_experts=_get(hf, "num_local_experts", "num_experts"),
         top_k=hf["num_experts_per_tok"],
         moe_every=hf.get("decoder_sparse_step", 1),
@@ -550,7 +604,25 @@ def _from_qwen3_moe(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]
     )
     if hf["moe_intermediate_size"] != hf["intermediate_size"]:
         moe["moe_ffn_hidden_size"] = hf["moe_intermediate_size"]
-    config, out = _from_qwen3(hf, state, moe)
+    return moe
+
+
+def _from_qwen3_moe(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    config, out = _from_qwen3(hf, state, {**_QWEN3_MOE, **_routed_from_hf(hf, "Qwen3-MoE")})
+    _experts_from_hf(config, state, out)
+    return config, out
+
+
+def _from_qwen2_moe(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    if hf.get("use_sliding_window"):
+        raise ValueError("hf: Qwen2-MoE with use_sliding_window=True has no counterpart here")
+    moe = dict(
+        _QWEN2_MOE,
+        **_routed_from_hf(hf, "Qwen2-MoE"),
+        moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+        qkv_bias=bool(hf.get("qkv_bias", True)),
+    )
+    config, out = _from_llama({**hf, "attention_bias": False, "mlp_bias": False}, state, moe)
     _experts_from_hf(config, state, out)
     return config, out
 

@@ -26,6 +26,12 @@ local permutation.
 
 With ``comm`` None (or of one rank) every expert is local and steps 2, 4 and 7 move nothing:
 the unsharded layer, the reference the sharded one must equal.
+
+A shared expert (``shared_ffn_dim``: DeepSeek's, Qwen2-MoE's, Megatron's
+``--moe-shared-expert-intermediate-size``) is one more SwiGLU that every token passes through,
+beside the routed ones, its output added to theirs; with ``shared_gate`` it is first scaled by
+``sigmoid(x . g)`` (Qwen2-MoE's ``shared_expert_gate``). It is dense: the same on every ep
+rank, not ``expert_parallel``, reduced over all of dp as the attention is.
 """
 
 from __future__ import annotations
@@ -59,6 +65,20 @@ class Expert(nn.Module):
 
 def _ep_size(comm: Any) -> int:
     return 1 if comm is None else comm.world_size
+
+
+def _check_shared(shared_ffn_dim: Optional[int], shared_gate: bool, comm: Any) -> None:
+    who = f"[rank {0 if comm is None else comm.rank}] MoE"
+    if shared_ffn_dim is not None and (
+        not isinstance(shared_ffn_dim, int)
+        or isinstance(shared_ffn_dim, bool)
+        or shared_ffn_dim < 1
+    ):
+        raise ValueError(
+            f"{who}: shared_ffn_dim must be a positive int or None, got {shared_ffn_dim!r}"
+        )
+    if shared_gate and not shared_ffn_dim:
+        raise ValueError(f"{who}: shared_gate needs a shared expert (shared_ffn_dim)")
 
 
 def _check_config(dim: int, ffn_dim: int, n_experts: int, top_k: int, comm: Any) -> None:
@@ -102,9 +122,12 @@ class MoE(nn.Module):
         z_loss_coeff: float = 0.0,
         drop_policy: str = "probs",
         norm_topk: bool = False,
+        shared_ffn_dim: Optional[int] = None,
+        shared_gate: bool = False,
     ) -> None:
         super().__init__()
         _check_config(dim, ffn_dim, n_experts, top_k, comm)
+        _check_shared(shared_ffn_dim, shared_gate, comm)
         self.dim, self.ffn_dim, self.n_experts, self.top_k = dim, ffn_dim, n_experts, top_k
         self.comm = None if _ep_size(comm) == 1 else comm
         self.router = Router(
@@ -122,6 +145,8 @@ class MoE(nn.Module):
         self.num_local = n_experts // ep
         self.local_expert_ids = list(range(rank * self.num_local, (rank + 1) * self.num_local))
         self.experts = nn.ModuleList(Expert(dim, ffn_dim) for _ in self.local_expert_ids)
+        self.shared_expert = Expert(dim, shared_ffn_dim) if shared_ffn_dim else None
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self._mark_experts()
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_stats: Dict[str, Any] = {}
@@ -140,6 +165,11 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         self.aux_loss = routing.aux_loss
         y = self._dispatch_and_combine(tokens, routing)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            y = y + shared
         return y.reshape(shape)
 
     def _who(self) -> str:
@@ -210,7 +240,10 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         sizes = f"dim={self.dim}, ffn_dim={self.ffn_dim}, n_experts={self.n_experts}"
-        return f"{sizes}, top_k={self.top_k}, ep={_ep_size(self.comm)}"
+        shared = (
+            "" if self.shared_expert is None else f", shared={self.shared_expert.w1.out_features}"
+        )
+        return f"{sizes}, top_k={self.top_k}, ep={_ep_size(self.comm)}{shared}"
 
 
 class _ExchangePlan:
@@ -271,8 +304,12 @@ def shard_experts(dense: MoE, comm: Any) -> MoE:
         r.z_loss_coeff,
         r.drop_policy,
         r.norm_topk,
+        None if dense.shared_expert is None else dense.shared_expert.w1.out_features,
+        dense.shared_expert_gate is not None,
     ).to(r.weight.device, r.weight.dtype)
     moe.router.load_state_dict(r.state_dict())
     moe.experts = nn.ModuleList(copy.deepcopy(dense.experts[e]) for e in moe.local_expert_ids)
+    moe.shared_expert = copy.deepcopy(dense.shared_expert)  # dense: the same on every ep rank
+    moe.shared_expert_gate = copy.deepcopy(dense.shared_expert_gate)
     moe._mark_experts()
     return moe

@@ -109,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="MoE: each expert's hidden size (default --ffn-hidden-size; Megatron's)",
     )
+    add(
+        "--moe-shared-expert-intermediate-size",
+        type=int,
+        default=None,
+        help="MoE: a shared expert of that hidden size beside the routed ones (Megatron's)",
+    )
+    add(
+        "--moe-shared-expert-gate",
+        action="store_true",
+        help="MoE: the shared expert's output scaled by sigmoid(x . g) (Qwen2-MoE's)",
+    )
     add("--pp", type=int, default=1, help="pipeline stages")
     add("--zero", type=int, default=0, choices=(0, 1, 2, 3), help=_STRATEGY_HELP)
     add(
@@ -463,6 +474,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         moe_every=args.moe_every,
         moe_norm_topk=args.moe_norm_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         qk_norm=args.qk_layernorm,
         kv_channels=args.kv_channels,
@@ -553,6 +566,11 @@ def model_flags(model: GPTConfig) -> List[str]:
             flags.append("--moe-norm-topk")
         if model.moe_ffn_dim != model.ffn_dim:
             flags += ["--moe-ffn-hidden-size", str(model.moe_ffn_dim)]
+        if model.moe_shared_expert_intermediate_size:
+            shared = str(model.moe_shared_expert_intermediate_size)
+            flags += ["--moe-shared-expert-intermediate-size", shared]
+        if model.moe_shared_expert_gate:
+            flags.append("--moe-shared-expert-gate")
     return flags
 
 
