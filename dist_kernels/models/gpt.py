@@ -43,6 +43,7 @@ import torch.utils.checkpoint
 from .. import context_parallel as cp
 from .. import moe as moe_lib
 from .. import tensor_parallel as tp
+from .documents import DocumentMasking
 from .rope import apply_rope, rope_scaling_checked, rope_tables
 
 __all__ = ["GPTConfig", "GPT"]
@@ -256,6 +257,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
+        self.documents: Optional[DocumentMasking] = None  # set by GPT.document_masking
 
     def fused_qkv(self) -> Tuple[torch.Tensor, int, int]:
         """``(weight, query heads per group, head_dim)``: how the fused projection's rows are
@@ -273,22 +275,32 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None:  # per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:  # [b, heads, s, d], turned by the tokens' positions
-            pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
-            cos, sin = rope_tables(pos.to(q.device), self.head_dim, self.rope_theta,
-                                   self.rope_scaling)  # fmt: skip
+            cos, sin = self._rope_tables(s, b, q.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
         if r > 1 and not _SDPA_GQA:  # SDPA before torch 2.5 has no groups: repeat each key
             # / value head for the r query heads of its group
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        mask = None if self.documents is None else self.documents.mask  # [b, 1, s, s]
         if self.sequence is not None:
             y = self.sequence.attention(q, k, v, causal=True)
         else:  # heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn)
             gqa = {"enable_gqa": True} if r > 1 else {}  # no repeated copies of k and v
+            causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
             with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal, **gqa)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * d]
         return self.drop(self.proj(y))
+
+    def _rope_tables(self, s: int, b: int, device: torch.device):
+        """cos / sin ``[s, d]`` of positions 0..s-1 (this shard's under cp), or ``[b, 1, s, d]``
+        of each token's position in its document when positions reset."""
+        reset = None if self.documents is None else self.documents.positions
+        if reset is None:
+            pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
+            return rope_tables(pos.to(device), self.head_dim, self.rope_theta, self.rope_scaling)
+        cos, sin = rope_tables(reset.reshape(-1), self.head_dim, self.rope_theta, self.rope_scaling)
+        return (t.view(b, 1, s, self.head_dim) for t in (cos, sin))
 
 
 class MLP(nn.Module):
@@ -376,22 +388,28 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.dim) if learned else None
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
+        self.documents: Optional[DocumentMasking] = None  # set by GPT.document_masking
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids.shape[1]
         seq = local if self.sequence is None else local * self.sequence.size
         if seq > self.block_size:
             raise ValueError(f"GPT: sequence length {seq} > block_size({self.block_size})")
+        if self.documents is not None:  # for the attention layers, until the next forward
+            self.documents.observe(ids)
         x = self.wte(ids.t())
         if self.wpe is None:
             return self.drop(x)
-        if self.sequence is None:
-            pos = self.wpe.weight[:seq]
+        reset = None if self.documents is None else self.documents.positions
+        if reset is not None:  # each token's position in its document: [s, b, h]
+            pos = self.wpe(reset.t())
+        elif self.sequence is None:
+            pos = self.wpe.weight[:seq].unsqueeze(1)
         else:  # the rows of this shard's global positions
-            pos = self.wpe.weight[self.sequence.positions(local).to(ids.device)]
+            pos = self.wpe.weight[self.sequence.positions(local).to(ids.device)].unsqueeze(1)
         if getattr(self.wte, "sequence_parallel", False):
             pos = pos.chunk(self.wte.tp_size)[self.wte.tp_rank]  # this rank's positions
-        return self.drop(x + pos.unsqueeze(1).to(x.dtype))
+        return self.drop(x + pos.to(x.dtype))
 
 
 class Head(nn.Module):
@@ -573,7 +591,29 @@ class GPT(nn.Module):
                 f"GPT.context_parallel: dropout({self.config.dropout}) > 0, but ring "
                 "attention has no attention dropout (torch's CPU flash kernel has none)"
             )
+        if self.embedding.documents is not None:
+            raise ValueError(
+                "GPT.context_parallel: document masking is on, but ring attention has no "
+                "per-document mask"
+            )
         sequence = cp.SequenceSharding(comm, load_balance)
         for module in (self.embedding, *(b.attn for b in self.blocks), self.head):
             module.sequence = sequence
+        return self
+
+    def document_masking(
+        self, eod: int, reset_attention_mask: bool = True, reset_position_ids: bool = True
+    ) -> GPT:
+        """Keeps the documents of a packed sequence apart (:mod:`dist_kernels.models.documents`):
+        with ``reset_attention_mask`` each token attends within its own document only, with
+        ``reset_position_ids`` its position counts from its document's start; documents end
+        with token ``eod``. Returns the model. Not with context parallelism."""
+        if self.embedding.sequence is not None:
+            raise ValueError(
+                "GPT.document_masking: the model is context-parallel, and ring attention has "
+                "no per-document mask"
+            )
+        documents = DocumentMasking(eod, reset_attention_mask, reset_position_ids)
+        for module in (self.embedding, *(b.attn for b in self.blocks)):
+            module.documents = documents
         return self

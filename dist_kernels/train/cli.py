@@ -258,6 +258,28 @@ def build_parser() -> argparse.ArgumentParser:
         "Python sources)",
     )
     field("--vocab-size", int, "with a token file: the vocabulary size (0: largest id + 1)")
+    docs = p.add_argument_group("documents packed into a sample, kept apart (Megatron's)")
+    docs.add_argument(
+        "--eod-token",
+        type=int,
+        default=None,
+        help="the end-of-document token id the options below look for",
+    )
+    docs.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="each token attends within its own document only (not with cp, pp)",
+    )
+    docs.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="each token's position counts from its document's start",
+    )
+    docs.add_argument(
+        "--eod-mask-loss",
+        action="store_true",
+        help="no loss on the prediction made at an end-of-document token",
+    )
     add("--n-layer", type=int, default=m.n_layers, help="transformer blocks")
     add("--n-head", type=int, default=m.n_heads, help="attention heads per block")
     add(
@@ -508,6 +530,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         compile_backend=args.compile_backend,
         sequence_parallel=args.sequence_parallel,
         data=data, data_blend=blend, vocab_size=args.vocab_size, model=model,
+        eod_token=args.eod_token, reset_attention_mask=args.reset_attention_mask,
+        reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_last=args.keep_last, resume=args.resume,
         init_from=args.init_from,
@@ -602,6 +626,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.engine != "dk" and cfg.checkpoint_dir is not None:
         raise ConfigError(f"checkpoints are written by --engine dk only (engine={cfg.engine!r})")
     corpus = build_blend(cfg.data, cfg.data_blend, cfg.model.block_size, cfg.vocab_size)
+    if cfg.eod_token is not None and cfg.eod_token >= corpus.vocab_size:
+        raise ConfigError(
+            f"--eod-token {cfg.eod_token} is not in the data's vocabulary of {corpus.vocab_size}"
+        )
     model = model_config(cfg, corpus)
     data_fp = samplers(cfg, corpus)[2]  # the samplers' checks too (a held-out span too small)
     resume = resolve_resume(cfg, identity(cfg, describe(model), data_fp))

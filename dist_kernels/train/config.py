@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Tuple
+from typing import Any, Dict, Literal, Optional, Tuple
 
 from ..lr import WSD_STYLES
 from ..models import GPTConfig
@@ -192,6 +192,19 @@ class TrainConfig:
     vocab_size: int = 0
     """With a token file: the vocabulary's size (every id must be below it); 0 = the largest
     id + 1. A text corpus's vocabulary is its characters."""
+    eod_token: Optional[int] = None
+    """The end-of-document token id that the three options below look for (Megatron takes its
+    tokenizer's ``eod``); None: documents are not told apart."""
+    reset_attention_mask: bool = False
+    """Each token attends within its own document only (Megatron's ``--reset-attention-mask``;
+    ``GPT.document_masking``): a sample packing the end of one document and the start of the
+    next does not let the second see the first. Not with cp or pp."""
+    reset_position_ids: bool = False
+    """Each token's position counts from its document's start (``--reset-position-ids``)."""
+    eod_mask_loss: bool = False
+    """No loss on the prediction made at an EOD token (the next document's first token is not
+    predictable from the last): those targets become ``-100``, and each micro-batch's loss is
+    the mean over the rest (``--eod-mask-loss``)."""
     model: GPTConfig = field(default_factory=driver_model)
     """The character-level GPT; ``block_size`` is the characters per sample, and
     ``vocab_size`` is replaced by the corpus's (padded: ``driver.model_config``)."""
@@ -310,6 +323,30 @@ class TrainConfig:
         cfg._check_layout()
         return cfg
 
+    @property
+    def documents(self) -> Optional[Dict[str, Any]]:
+        """``GPT.document_masking``'s arguments, or None when neither reset is on."""
+        if not (self.reset_attention_mask or self.reset_position_ids):
+            return None
+        return dict(eod=self.eod_token, reset_attention_mask=self.reset_attention_mask,
+                    reset_position_ids=self.reset_position_ids)  # fmt: skip
+
+    def _check_documents(self) -> None:
+        named = [f for f in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+                 if getattr(self, f)]  # fmt: skip
+        if named and self.eod_token is None:
+            raise ConfigError(f"{', '.join(named)}: needs eod_token (the end-of-document id)")
+        if self.eod_token is not None and (
+            not isinstance(self.eod_token, int) or self.eod_token < 0
+        ):
+            raise ConfigError(f"eod_token must be a token id >= 0, got {self.eod_token!r}")
+        if self.documents is not None and (self.cp > 1 or self.pp > 1):
+            raise ConfigError(
+                f"reset_attention_mask / reset_position_ids with cp({self.cp}) or pp({self.pp}) "
+                "> 1: ring attention has no per-document mask, and a pipeline's later stages "
+                "never see the token ids the documents are read from"
+            )
+
     def check(self) -> None:
         """Ranges and choices of single options."""
         for name in ("tp", "cp", "pp", "ep", "micro_batch", "steps", "log_every", "lr_base_batch"):
@@ -421,6 +458,7 @@ class TrainConfig:
             raise ConfigError(f"engine={self.engine!r} supports pp=1 only (pp={self.pp})")
         if self.pp > 1:
             self._check_schedule()
+        self._check_documents()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel splits the sequence over tp ranks: needs tp > 1")
         if self.sequence_parallel and self.model.n_experts:

@@ -153,6 +153,7 @@ class _Run:
             recompute=cfg.recompute,
             compile_backend=compile_backend,
             init_state=init_state,
+            documents=cfg.documents,
         )
         self.flops_per_token = flops_per_token(cfg.model, full)  # the whole model, not a shard
         sharded = any(c is not None for c in (world.tp_comm, world.cp_comm, world.ep_comm))
@@ -167,6 +168,7 @@ class _Run:
                 cfg.sequence_parallel,
                 compile_backend,
                 init_state,
+                cfg.documents,
             )
             if sharded
             else (full, _)

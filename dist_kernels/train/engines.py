@@ -43,6 +43,8 @@ def replica_batch(engine: Any, sampler: Sampler, step: int):
     cfg, mesh = engine.cfg, engine.mesh
     count = cfg.micro_batch * cfg.grad_accum
     inputs, targets = sampler.replica_batch(step, engine.dp_rank, count)
+    if cfg.eod_mask_loss:  # no loss on what follows an end of document (cross entropy's -100)
+        targets = targets.masked_fill(inputs == cfg.eod_token, -100)
     if mesh is None or mesh.cp == 1:
         return inputs, targets
     from ..context_parallel import shard_sequence

@@ -31,6 +31,7 @@ def build_model(
     sequence_parallel: bool = False,
     compile_backend: Optional[str] = None,
     init_state: Optional[Dict[str, torch.Tensor]] = None,
+    documents: Optional[Dict[str, Any]] = None,
 ) -> Tuple[nn.Sequential, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """``(model, loss)``: the model initialised from ``seed`` alone (the same on every rank and
     layout), sharded over ``tp_comm`` when given (then the loss is vocabulary-parallel), on
@@ -41,7 +42,8 @@ def build_model(
     compiled by ``torch.compile`` with ``compile_backend`` when given (after the sharding,
     which replaces layers; compiling is lazy, at the first forward). ``init_state`` (the
     whole model's weights under GPT's names: ``export.load_exported``) replaces the seed's
-    initialisation before any sharding, so every layout slices the same weights."""
+    initialisation before any sharding, so every layout slices the same weights.
+    ``documents`` (``GPT.document_masking``'s arguments) keeps packed documents apart."""
     if cfg.vocab_size < 1:
         raise ValueError("model.vocab_size is not set (build the corpus first)")
     with torch.random.fork_rng(devices=[]):
@@ -56,6 +58,8 @@ def build_model(
         gpt.context_parallel(cp_comm)
     if ep_comm is not None and ep_comm.world_size > 1:
         gpt.expert_parallel(ep_comm)
+    if documents is not None:
+        gpt.document_masking(**documents)
     gpt.recompute_blocks(recompute)
     if compile_backend is not None:
         gpt.compile_blocks(compile_backend)
