@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from mp_pool import run_ranks
-from test_train import SEED, _cfg, _on_ranks
+from test_train import LLAMA_TINY, SEED, _cfg, _on_ranks
 
 from dist_kernels.models import GPT, GPTConfig
 from dist_kernels.models.documents import document_positions
@@ -24,6 +24,7 @@ MODELS = {
     "llama-gqa-rope": GPTConfig(**SMALL, **LLAMA, n_kv_heads=2),
     "llama-rope-yarn": GPTConfig(**SMALL, **LLAMA, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    "mistral-window-5": GPTConfig(**SMALL, **LLAMA, sliding_window=5),  # both masks at once
 }  # fmt: skip
 
 
@@ -134,7 +135,7 @@ def test_document_masking_refusals():
     with pytest.raises(ValueError, match=r"neither the attention mask nor the positions reset"):
         DocumentMasking(0, reset_attention_mask=False, reset_position_ids=False)
     gpt = GPT(MODELS["llama-gqa-rope"]).document_masking(EOD)
-    with pytest.raises(ValueError, match=r"ring attention has no per-document mask"):
+    with pytest.raises(ValueError, match=r"ring attention has no per-document or windowed mask"):
         gpt.context_parallel(object())
     base = _cfg(reset_attention_mask=True)
     with pytest.raises(ConfigError, match=r"reset_attention_mask: needs eod_token"):
@@ -196,3 +197,23 @@ def test_driver_keeps_documents_apart_in_every_layout(tmp_path):
     torch.testing.assert_close(ranks[0]["losses"], accumulated["losses"], rtol=1e-5, atol=0)
     with pytest.raises(ConfigError, match=r"--eod-token 64 is not in the data's vocabulary of 64"):
         preflight(dataclasses.replace(cfg, eod_token=64), 1)
+
+
+@pytest.mark.parametrize(
+    "layout,world",
+    [(dict(tp=2, sequence_parallel=True), 2), (dict(pp=2, micro_batch=2), 2),
+     (dict(dp=2, zero=3), 2)],
+    ids=["tp2-sp", "pp2", "dp2-zero3"],
+)  # fmt: skip
+def test_driver_with_a_sliding_window_trains_as_one_process(layout, world):
+    """--sliding-window 5 (a 16-token sequence): the layouts train to one process's losses;
+    cp is refused (ring attention has no windowed mask)."""
+    model = dataclasses.replace(LLAMA_TINY, sliding_window=5)
+    cfg = _cfg(global_batch=8, model=model)
+    single = run_ranks(1, _on_ranks, cfg, timeout=300)[0]
+    plain = run_ranks(1, _on_ranks, _cfg(global_batch=8, model=LLAMA_TINY), timeout=300)[0]
+    assert single["losses"] != plain["losses"]  # the window is narrower than the sequence
+    ranks = run_ranks(world, _on_ranks, dataclasses.replace(cfg, **layout), timeout=300)
+    torch.testing.assert_close(ranks[0]["losses"], single["losses"], rtol=1e-5, atol=0)
+    with pytest.raises(ConfigError, match=r"sliding_window\(5\) with cp\(2\) > 1"):
+        dataclasses.replace(cfg, cp=2).with_layout(2)

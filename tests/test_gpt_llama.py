@@ -142,3 +142,30 @@ def test_rope_model_has_no_position_table_and_gpt2_model_is_unchanged():
 def test_bad_options_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**kwargs)
+
+
+def test_sliding_window_sees_only_its_window():
+    """One block with rope and a window of 5 (Mistral's ``sliding_window``): the logits at
+    position i are those of the window's tokens ``ids[i - 4 : i + 1]`` run alone (rope's
+    scores depend on relative positions only), and not those of the whole prefix; a window
+    as long as the sequence is the plain causal model, bit for bit."""
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    base = dict(n_layers=1, n_heads=4, n_kv_heads=2, dim=32, vocab_size=40, block_size=16,
+                bias=False, **LLAMA)  # fmt: skip
+    windowed = GPT(GPTConfig(**base, sliding_window=5)).double().eval()
+    ids = torch.randint(0, 40, (2, 16))
+    with torch.no_grad():
+        logits = windowed(ids)
+        for i in range(16):
+            alone = windowed(ids[:, max(0, i - 4) : i + 1])[:, -1]
+            torch.testing.assert_close(logits[:, i], alone, rtol=0, atol=1e-12)
+        plain = GPT(GPTConfig(**base)).double().eval()
+        plain.load_state_dict(windowed.state_dict())
+        assert (plain(ids)[:, 5:] - logits[:, 5:]).abs().min() > 0  # the prefix mattered there
+        torch.testing.assert_close(plain(ids)[:, :5], logits[:, :5], rtol=0, atol=1e-12)
+        whole = GPT(GPTConfig(**base, sliding_window=16)).double().eval()
+        whole.load_state_dict(windowed.state_dict())
+        assert torch.equal(whole(ids), plain(ids))
+    with pytest.raises(ValueError, match=r"sliding_window must be a positive int, got 0"):
+        GPTConfig(**base, sliding_window=0)

@@ -85,6 +85,12 @@ MODELS = {
         moe_shared_expert_gate=True,
         tie_embeddings=False,
     ),
+    "mistral-window-6": GPTConfig(  # each token sees itself and the 5 before it
+        **SMALL, **LLAMA, n_kv_heads=2, sliding_window=6, tie_embeddings=False
+    ),
+    "mixtral-window-5": GPTConfig(
+        **SMALL, **LLAMA, **MIXTRAL_MOE, n_kv_heads=2, sliding_window=5, tie_embeddings=False
+    ),
     "mixtral-gqa-ffn40": GPTConfig(
         **SMALL, **LLAMA, **MIXTRAL_MOE, n_kv_heads=2, ffn_hidden_size=40, tie_embeddings=False
     ),
@@ -171,6 +177,7 @@ HF_BUILT = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=24, decoder_sparse_step=2,
                                          shared_expert_intermediate_size=40)),
+    "mistral": ("MistralConfig", dict(sliding_window=5, tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=40, num_local_experts=4,
                                       num_experts_per_tok=2, tie_word_embeddings=False)),
 }  # fmt: skip
@@ -218,6 +225,9 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     sliding = {"model_type": "qwen3", "use_sliding_window": True}
     with pytest.raises(ValueError, match=r"use_sliding_window=True has no counterpart"):
         dk_hf.from_hf(sliding, {})
+    windowed_qwen = GPTConfig(**SMALL, **LLAMA, qk_norm=True, sliding_window=4)
+    with pytest.raises(ValueError, match=r"a sliding window maps to Mistral or Mixtral only"):
+        dk_hf.to_hf(windowed_qwen, GPT(windowed_qwen).state_dict())
     ungated = GPTConfig(**SMALL, **LLAMA, n_experts=4, moe_shared_expert_intermediate_size=8)
     with pytest.raises(ValueError, match=r"a shared expert maps to Qwen2-MoE only.*'moe_shared"
                        r"_expert_gate': False"):  # fmt: skip
@@ -234,7 +244,7 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     mixed = GPTConfig(**SMALL, position_embedding="rope")  # rope with GPT-2's GELU MLP
     with pytest.raises(ValueError, match=r"neither GPT-2's .* nor Llama's"):
         dk_hf.to_hf(mixed, GPT(mixed).state_dict())
-    with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2', 'llama', 'qwen2',"):
+    with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2', 'llama', 'mistral',"):
         dk_hf.from_hf({"model_type": "bert"}, {})
     shape = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4}
     for kind in ("dynamic", "longrope"):  # scalings that change with the sequence's length

@@ -118,6 +118,10 @@ class GPTConfig:
     ``rope_parameters`` say it: ``{"rope_type": "linear" | "llama3" | "yarn", "factor": ...}``
     and each kind's keys (:mod:`dist_kernels.models.rope`); completed with the defaults when
     built. None: unscaled."""
+    sliding_window: Optional[int] = None
+    """Each token attends to itself and the ``sliding_window - 1`` tokens before it only
+    (Mistral's ``sliding_window``; Megatron's ``--window-size (W - 1, 0)``); None: to every
+    earlier token. Not with context parallelism."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     n_experts: int = 0
@@ -158,6 +162,7 @@ class GPTConfig:
             "ffn_hidden_size",
             "moe_ffn_hidden_size",
             "moe_shared_expert_intermediate_size",
+            "sliding_window",
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -258,6 +263,7 @@ class CausalSelfAttention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
         self.documents: Optional[DocumentMasking] = None  # set by GPT.document_masking
+        self.window = cfg.sliding_window
 
     def fused_qkv(self) -> Tuple[torch.Tensor, int, int]:
         """``(weight, query heads per group, head_dim)``: how the fused projection's rows are
@@ -281,7 +287,7 @@ class CausalSelfAttention(nn.Module):
         if r > 1 and not _SDPA_GQA:  # SDPA before torch 2.5 has no groups: repeat each key
             # / value head for the r query heads of its group
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-        mask = None if self.documents is None else self.documents.mask  # [b, 1, s, s]
+        mask = self._mask(s, q.device)  # None: causal
         if self.sequence is not None:
             y = self.sequence.attention(q, k, v, causal=True)
         else:  # heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn)
@@ -291,6 +297,16 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal, **gqa)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * d]
         return self.drop(self.proj(y))
+
+    def _mask(self, s: int, device: torch.device) -> Optional[torch.Tensor]:
+        """True where a query may attend: the documents' mask ``[b, 1, s, s]`` and / or the
+        sliding window's band ``[s, s]``; None when that is just causal (SDPA's flag)."""
+        mask = None if self.documents is None else self.documents.mask
+        if self.window is None or s <= self.window:
+            return mask
+        q, k = torch.arange(s, device=device)[:, None], torch.arange(s, device=device)[None, :]
+        band = (k <= q) & (k > q - self.window)  # itself and the window - 1 before it
+        return band if mask is None else mask & band
 
     def _rope_tables(self, s: int, b: int, device: torch.device):
         """cos / sin ``[s, d]`` of positions 0..s-1 (this shard's under cp), or ``[b, 1, s, d]``
@@ -591,10 +607,10 @@ class GPT(nn.Module):
                 f"GPT.context_parallel: dropout({self.config.dropout}) > 0, but ring "
                 "attention has no attention dropout (torch's CPU flash kernel has none)"
             )
-        if self.embedding.documents is not None:
+        if self.embedding.documents is not None or self.config.sliding_window is not None:
             raise ValueError(
-                "GPT.context_parallel: document masking is on, but ring attention has no "
-                "per-document mask"
+                "GPT.context_parallel: document masking or a sliding window is on, but ring "
+                "attention has no per-document or windowed mask"
             )
         sequence = cp.SequenceSharding(comm, load_balance)
         for module in (self.embedding, *(b.attn for b in self.blocks), self.head):

@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` checkpoints of :class:`~dist_kernels.models.GPT`, both ways.
 
     hf_config, hf_state = to_hf(config, state)       # GPT -> GPT2LMHeadModel / LlamaForCausalLM
+                                                     #   / MistralForCausalLM
                                                      #   / Qwen2ForCausalLM / Qwen3ForCausalLM
                                                      #   / MixtralForCausalLM
                                                      #   / Qwen2MoeForCausalLM
@@ -9,12 +10,13 @@
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Seven families map one to one (Qwen2 is Llama with biased query / key / value projections,
-``qkv_bias``; Qwen3 is Llama with per-head query / key norms, ``qk_norm``; Mixtral is Llama
-with an MoE in every block; Qwen3-MoE is Qwen3 with an MoE in every ``decoder_sparse_step``-th
-block, our ``moe_every``, its experts ``moe_intermediate_size`` wide, our
-``moe_ffn_hidden_size``; Qwen2-MoE is that with Qwen2's attention and a shared expert scaled
-by a sigmoid gate, ``moe_shared_expert_intermediate_size`` and ``moe_shared_expert_gate``):
+Eight families map one to one (Mistral is Llama with a ``sliding_window``; Qwen2 is Llama with
+biased query / key / value projections, ``qkv_bias``; Qwen3 is Llama with per-head query / key
+norms, ``qk_norm``; Mixtral is Llama with an MoE in every block; Qwen3-MoE is Qwen3 with an MoE
+in every ``decoder_sparse_step``-th block, our ``moe_every``, its experts
+``moe_intermediate_size`` wide, our ``moe_ffn_hidden_size``; Qwen2-MoE is that with Qwen2's
+attention and a shared expert scaled by a sigmoid gate, ``moe_shared_expert_intermediate_size``
+and ``moe_shared_expert_gate``):
 
 ==================  ===========================================  ===========================
 GPT option          GPT-2 (``GPT2LMHeadModel``)                  Llama (``LlamaForCausalLM``)
@@ -81,6 +83,15 @@ def _family(config: GPTConfig) -> str:
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    if config.sliding_window is not None:  # Mistral, or Mixtral
+        plain = not (config.bias or config.qkv_bias or config.qk_norm)
+        moe = {k: getattr(config, k) for k in _MIXTRAL_MOE}
+        if mine != llama or not plain or (config.n_experts and moe != _MIXTRAL_MOE):
+            raise ValueError(
+                f"hf: a sliding window maps to Mistral or Mixtral only: {llama} without biases "
+                f"or qk_norm; this one has {mine}, bias={config.bias}, qkv_bias="
+                f"{config.qkv_bias}, qk_norm={config.qk_norm}, n_experts={config.n_experts}"
+            )
     if config.n_experts and config.moe_shared_expert_intermediate_size:  # Qwen2-MoE
         routed = {k: getattr(config, k) for k in _QWEN2_MOE}
         if mine == llama and not config.bias and not config.qk_norm and routed == _QWEN2_MOE:
@@ -118,7 +129,7 @@ def _family(config: GPTConfig) -> str:
     if mine == gpt2 and config.kv_heads == config.n_heads and config.kv_channels is None:
         return "gpt2"
     if mine == llama:
-        return "llama"
+        return "llama" if config.sliding_window is None else "mistral"
     raise ValueError(
         f"hf: {mine} (n_kv_heads {config.kv_heads} of {config.n_heads}, kv_channels "
         f"{config.kv_channels}) is neither GPT-2's {gpt2} with every head its own key and "
@@ -151,7 +162,7 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     family = _family(config)
     to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
           "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe,
-          "qwen2_moe": _to_qwen2_moe}  # fmt: skip
+          "qwen2_moe": _to_qwen2_moe, "mistral": _to_mistral}  # fmt: skip
     return to[family](config, state)
 
 
@@ -275,7 +286,7 @@ def _to_mixtral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]
         num_experts_per_tok=config.top_k,
         router_aux_loss_coef=config.moe_aux_loss_coeff,
         router_jitter_noise=0.0,
-        sliding_window=None,
+        sliding_window=config.sliding_window,
         intermediate_size=config.moe_ffn_dim,  # every block's MLP is the MoE
     )
     _experts_to_hf(config, state, out)
@@ -321,6 +332,14 @@ def _experts_from_hf(config: GPTConfig, state: State, out: State) -> None:
             out[f"{ours}.experts.{e}.w2.weight"] = down[e].contiguous()
         for mine, hf_name in _shared_pairs(config):
             out[f"{ours}.{mine}"] = state[f"{theirs}.{hf_name}"]
+
+
+def _to_mistral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama(config, state)
+    for key in ("attention_bias", "mlp_bias"):
+        del hf[key]
+    hf.update(model_type="mistral", sliding_window=config.sliding_window)
+    return hf, out
 
 
 def _to_qwen2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
@@ -396,6 +415,8 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_llama(hf, state)
     if model_type == "mixtral":
         return _from_mixtral(hf, state)
+    if model_type == "mistral":
+        return _from_mistral(hf, state)
     if model_type == "qwen2":
         return _from_qwen2(hf, state)
     if model_type == "qwen3":
@@ -405,8 +426,8 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     if model_type == "qwen2_moe":
         return _from_qwen2_moe(hf, state)
     raise ValueError(
-        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral', "
-        "'qwen2_moe' and 'qwen3_moe' are mapped"
+        f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', "
+        "'mixtral', 'qwen2_moe' and 'qwen3_moe' are mapped"
     )
 
 
@@ -547,6 +568,13 @@ def _from_llama(
     return config, out
 
 
+def _from_mistral(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    if hf.get("layer_types") and len(set(hf["layer_types"])) > 1:
+        raise ValueError(f"hf: Mistral with mixed layer_types {sorted(set(hf['layer_types']))}")
+    plain = {**hf, "attention_bias": False, "mlp_bias": False}
+    return _from_llama(plain, state, {"sliding_window": hf.get("sliding_window")})
+
+
 def _from_qwen2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     if hf.get("use_sliding_window"):
         raise ValueError("hf: Qwen2 with use_sliding_window=True has no counterpart here")
@@ -581,6 +609,7 @@ def _from_mixtral(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         n_experts=hf["num_local_experts"],
         top_k=hf["num_experts_per_tok"],
         moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 1e-2)),
+        sliding_window=hf.get("sliding_window"),
     )
     del moe["bias"]
     config, out = _from_llama({**hf, "attention_bias": False, "mlp_bias": False}, state, moe)

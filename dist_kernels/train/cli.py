@@ -312,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a learned position table (GPT-2) or rotary embeddings of queries and keys",
     )
     add("--rotary-base", type=float, default=m.rope_theta, help="rope: the angles' base theta")
+    add(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="each token attends to itself and the W - 1 before it (Mistral's; not with cp)",
+    )
     _rope_scaling_flags(p)
     add("--checkpoint-dir", default=None)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
@@ -511,6 +517,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         position_embedding=args.position_embedding_type,
         rope_theta=args.rotary_base,
         rope_scaling=_rope_scaling(args),
+        sliding_window=args.sliding_window,
     )
     return TrainConfig(
         dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
@@ -577,6 +584,8 @@ def model_flags(model: GPTConfig) -> List[str]:
     if model.position_embedding == "rope" and model.rope_theta != default.rope_theta:
         flags += ["--rotary-base", repr(model.rope_theta)]
     flags += _rope_scaling_to_flags(model.rope_scaling)
+    if model.sliding_window is not None:
+        flags += ["--sliding-window", str(model.sliding_window)]
     switches = [
         (model.swiglu, "--swiglu"), (model.gelu_approximate == "tanh", "--openai-gelu"),
         (not model.bias, "--disable-bias-linear"), (model.qkv_bias, "--add-qkv-bias"),

@@ -340,6 +340,11 @@ class TrainConfig:
             not isinstance(self.eod_token, int) or self.eod_token < 0
         ):
             raise ConfigError(f"eod_token must be a token id >= 0, got {self.eod_token!r}")
+        if self.model.sliding_window is not None and self.cp > 1:
+            raise ConfigError(
+                f"sliding_window({self.model.sliding_window}) with cp({self.cp}) > 1: ring "
+                "attention has no windowed mask"
+            )
         if self.documents is not None and (self.cp > 1 or self.pp > 1):
             raise ConfigError(
                 f"reset_attention_mask / reset_position_ids with cp({self.cp}) or pp({self.pp}) "
