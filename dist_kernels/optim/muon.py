@@ -53,6 +53,8 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw as _adamw_step
 
+from .exchange import as_comm, gather_along, share, size_rank
+
 __all__ = ["Muon", "muon_param_groups", "newton_schulz", "adjusted_lr", "deal_matrices"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
@@ -217,7 +219,7 @@ class Muon(torch.optim.Optimizer):
             use_muon=True,
         )
         super().__init__(groups, defaults)
-        self.comm, self.tp_comm, self.expert_comm = map(_as_comm, (comm, tp_comm, expert_comm))
+        self.comm, self.tp_comm, self.expert_comm = map(as_comm, (comm, tp_comm, expert_comm))
         self.tp_mode, self.ns_dtype = tp_mode, ns_dtype
         self.shard_state, self.split_qkv = bool(shard_state), bool(split_qkv)
         self.last_orthogonalized = 0  # matrices this rank ran Newton-Schulz on in the last step
@@ -235,7 +237,7 @@ class Muon(torch.optim.Optimizer):
         for use_muon in (True, False):
             kind = [p for g in self.param_groups if g["use_muon"] == use_muon for p in g["params"]]
             for comm, params in self._by_replicas(kind):
-                size, own = _size_rank(comm)
+                size, own = size_rank(comm)
                 shapes = [self._ns_shape(p) if use_muon else (p.numel(), 1) for p in params]
                 if not use_muon and not self.shard_state:  # every replica steps AdamW's
                     owner.update((id(p), own) for p in params)
@@ -253,7 +255,7 @@ class Muon(torch.optim.Optimizer):
     def _owns(self, p: torch.Tensor) -> bool:
         """Whether this rank steps ``p`` (without ``shard_state`` every replica steps
         AdamW's parameters; Muon's matrices are always dealt)."""
-        return self._owner[id(p)] == _size_rank(self._replicas(p))[1]
+        return self._owner[id(p)] == size_rank(self._replicas(p))[1]
 
     # -- the step -------------------------------------------------------------------------
 
@@ -289,7 +291,7 @@ class Muon(torch.optim.Optimizer):
     def _share_stepped(self, params: List[torch.Tensor]) -> None:
         """``shard_state``: AdamW's parameters, from the replicas that stepped them."""
         for comm, group in self._by_replicas(params):
-            if _size_rank(comm)[0] == 1:
+            if size_rank(comm)[0] == 1:
                 continue
             by_dtype: Dict[torch.dtype, List[torch.Tensor]] = defaultdict(list)
             for p in group:
@@ -297,7 +299,7 @@ class Muon(torch.optim.Optimizer):
             for dtype, same in by_dtype.items():
                 owners = [self._owner[id(p)] for p in same]
                 values: List[Optional[torch.Tensor]] = [p.detach() for p in same]
-                _share(comm, values, owners, dtype)
+                share(comm, values, owners, dtype)
                 for p, value, o in zip(same, values, owners):
                     if o != comm.rank:
                         p.copy_(value)
@@ -338,10 +340,10 @@ class Muon(torch.optim.Optimizer):
                     group = group_of[id(p)]
                     done[id(p)] = self._orthogonalize(p, group, self._update(p, group))
                     self.last_orthogonalized += 1
-            if _size_rank(comm)[0] > 1:
+            if size_rank(comm)[0] > 1:
                 owners = [self._owner[id(p)] for p in params]
                 values = [done.get(id(p)) for p in params]
-                _share(comm, values, owners, self.ns_dtype, shapes=[p.shape for p in params])
+                share(comm, values, owners, self.ns_dtype, shapes=[p.shape for p in params])
                 done.update({id(p): v for p, v in zip(params, values)})
         return [done[id(p)] for p, _ in matrices]
 
@@ -349,7 +351,7 @@ class Muon(torch.optim.Optimizer):
         if not self._joined(p):
             return self._newton_schulz(p, group, update)
         dim = p.tensor_parallel_dim
-        whole = _gather_along(self.tp_comm, update, dim)
+        whole = gather_along(self.tp_comm, update, dim)
         ortho = self._newton_schulz(p, group, whole)
         size = p.shape[dim]  # every tp rank ran the same NS and keeps its own slice
         return ortho.narrow(dim, self.tp_comm.rank * size, size).contiguous()
@@ -398,13 +400,13 @@ class Muon(torch.optim.Optimizer):
             return
         for group in self.param_groups:
             for comm, params in self._by_replicas(list(group["params"])):
-                if _size_rank(comm)[0] > 1:
+                if size_rank(comm)[0] > 1:
                     for p in params:
                         self._broadcast_state(comm, p, group)
         self._consolidated = True
 
     def _broadcast_state(self, comm: Any, p: torch.Tensor, group: Dict[str, Any]) -> None:
-        owner, rank = self._owner[id(p)], _size_rank(comm)[1]
+        owner, rank = self._owner[id(p)], size_rank(comm)[1]
         present = torch.tensor([1 if self.state.get(p) else 0], dtype=torch.int32)
         comm.broadcast(present, src=owner)
         if not present.item():
@@ -420,9 +422,9 @@ class Muon(torch.optim.Optimizer):
             comm.broadcast(state[key], src=owner)
 
     def state_dict(self) -> Dict[str, Any]:
-        if self.shard_state and _size_rank(self.comm)[0] > 1 and not self._consolidated:
+        if self.shard_state and size_rank(self.comm)[0] > 1 and not self._consolidated:
             raise RuntimeError(
-                f"Muon (rank {_size_rank(self.comm)[1]}): state_dict() with shard_state "
+                f"Muon (rank {size_rank(self.comm)[1]}): state_dict() with shard_state "
                 "needs consolidate_state_dict() on every replica first (each holds its part)"
             )
         return super().state_dict()
@@ -444,9 +446,9 @@ class Muon(torch.optim.Optimizer):
     def _replicas(self, p: torch.Tensor) -> Any:
         if not getattr(p, "expert_parallel", False):
             return self.comm
-        if self.expert_comm is None and _size_rank(self.comm)[0] > 1:
+        if self.expert_comm is None and size_rank(self.comm)[0] > 1:
             raise ValueError(
-                f"Muon (rank {_size_rank(self.comm)[1]}): a parameter of shape "
+                f"Muon (rank {size_rank(self.comm)[1]}): a parameter of shape "
                 f"{tuple(p.shape)} is an expert shard (expert_parallel) and expert_comm is "
                 "None: its replicas are the expert-data-parallel group (mesh.expert_dp_comm)"
             )
@@ -509,80 +511,8 @@ class Muon(torch.optim.Optimizer):
         )
 
 
-def _share(comm: Any, values: List[Optional[torch.Tensor]], owners: List[int], dtype, shapes=None):
-    """One all_gather over ``comm``: each rank's own ``values`` (those it owns, in order),
-    packed and padded to the largest rank's total; on return ``values`` holds every rank's
-    (the others' as views of the received buffer). ``shapes``: the values' shapes (default:
-    the owned values' own, which every rank then must hold: AdamW's parameters)."""
-    size, rank = _size_rank(comm)
-    shapes = shapes or [v.shape for v in values]
-    numel = [0] * size
-    for shape, o in zip(shapes, owners):
-        numel[o] += math.prod(shape)
-    width = max(numel)
-    send = torch.zeros(width, dtype=dtype)
-    offset = 0
-    for value, o in zip(values, owners):
-        if o == rank:
-            n = value.numel()
-            send[offset : offset + n].copy_(value.reshape(-1))
-            offset += n
-    received = torch.empty(size * width, dtype=dtype)
-    comm.all_gather(received, send)
-    offsets = [r * width for r in range(size)]
-    for i, (shape, o) in enumerate(zip(shapes, owners)):
-        n = math.prod(shape)
-        if o != rank:
-            values[i] = received[offsets[o] : offsets[o] + n].view(shape)
-        offsets[o] += n
-
-
 def _with_grad(group: Dict[str, Any]) -> List[torch.Tensor]:
     return [p for p in group["params"] if p.grad is not None]
-
-
-class _TorchGroup:
-    """A ``torch.distributed`` process group seen as the two collectives Muon calls (a torch
-    DDP script's group: gloo, NCCL, or our ``"dk"`` backend)."""
-
-    def __init__(self, group: Any) -> None:
-        import torch.distributed as dist
-
-        self.group, self._dist = group, dist
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._dist.all_gather_into_tensor(output, input, group=self.group)
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        self._dist.broadcast(
-            tensor, src=self._dist.get_global_rank(self.group, src), group=self.group
-        )
-
-
-def _as_comm(comm: Any) -> Any:
-    """Our Communicator as it is; a torch ProcessGroup (or ``torch.distributed.group.WORLD``)
-    through :class:`_TorchGroup`."""
-    import torch.distributed as dist
-
-    if comm is not None and isinstance(comm, dist.ProcessGroup):
-        return _TorchGroup(comm)
-    return comm
-
-
-def _size_rank(comm: Any) -> Tuple[int, int]:
-    return (1, 0) if comm is None else (comm.world_size, comm.rank)
-
-
-def _gather_along(comm: Any, shard: torch.Tensor, dim: int) -> torch.Tensor:
-    """The tp group's shards of a matrix joined along ``dim``, in tp-rank order."""
-    size = comm.world_size
-    whole = torch.empty((size, *shard.shape), dtype=shard.dtype)
-    comm.all_gather(whole, shard.contiguous())
-    if dim == 0:
-        return whole.reshape(size * shard.shape[0], shard.shape[1])
-    return whole.permute(1, 0, 2).reshape(shard.shape[0], size * shard.shape[1])
 
 
 def _adamw_defaults(group: Dict[str, Any], betas, eps) -> Dict[str, Any]:
