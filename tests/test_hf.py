@@ -212,7 +212,8 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     moe = GPTConfig(**SMALL, n_experts=4)
     with pytest.raises(ValueError, match=r"an MoE model maps to Mixtral only"):
         dk_hf.to_hf(moe, GPT(moe).state_dict())
-    for wrong in (dict(moe_every=2), dict(moe_norm_topk=False), dict(moe_router="sigmoid")):
+    for wrong in (dict(moe_every=2), dict(moe_norm_topk=False), dict(moe_router="sigmoid"),
+                  dict(moe_router_enable_expert_bias=True)):  # fmt: skip
         other = GPTConfig(**SMALL, **LLAMA, **{**MIXTRAL_MOE, **wrong})
         with pytest.raises(ValueError, match=r"an MoE model maps to Mixtral only"):
             dk_hf.to_hf(other, GPT(other).state_dict())

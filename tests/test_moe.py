@@ -344,3 +344,104 @@ def test_bad_configuration_raises_with_the_arithmetic(kwargs, comm, message):
 def test_wrong_input_width_raises():
     with pytest.raises(ValueError, match=r"MoE: input's last dim 5 != dim\(8\)"):
         MoE(DIM, FFN)(torch.zeros(3, 5))
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_expert_bias_steers_the_choice_not_the_weights(router):
+    """DeepSeek-V3's auxiliary-loss-free balancing: the top-k chosen by scores + bias, the
+    weights the chosen experts' own scores (sigmoid: normalised over the k), against a float64
+    loop; a bias pushing one expert up puts it in every token's top-k; the counts accumulate
+    in training only, and update_expert_bias moves each bias by the rate toward the mean and
+    restarts them."""
+    from dist_kernels.moe import update_expert_bias
+
+    print("seed", SEED)
+    torch.manual_seed(SEED)
+    layer = MoE(DIM, FFN, EXPERTS, 2, router=router, expert_bias=True, bias_update_rate=0.01)
+    layer = layer.double()
+    r = layer.router
+    gen = torch.Generator().manual_seed(SEED + 5)
+    with torch.no_grad():
+        r.expert_bias.copy_(torch.randn(EXPERTS, generator=gen) * 0.05)
+        r.expert_bias[3] = 10.0  # every token's top-k
+    x = torch.randn(29, DIM, generator=gen, dtype=torch.float64)
+    routing = r(x)
+    logits = x @ r.weight.t()
+    for t in range(29):
+        s = torch.softmax(logits[t], -1) if router == "softmax" else torch.sigmoid(logits[t])
+        chosen = torch.topk(s + r.expert_bias.double(), 2).indices
+        w = s[chosen] if router == "softmax" else s[chosen] / s[chosen].sum()
+        assert routing.experts[t].tolist() == chosen.tolist()
+        torch.testing.assert_close(routing.weights[t], w, rtol=0, atol=1e-15)
+        assert 3 in chosen.tolist()
+    counts = torch.bincount(routing.experts.reshape(-1), minlength=EXPERTS)
+    assert torch.equal(r.tokens_per_expert, counts)  # training mode, grad enabled
+    with torch.no_grad():
+        r(x)
+    layer.eval()
+    r(x)
+    assert torch.equal(r.tokens_per_expert, counts)  # neither counted
+    before = r.expert_bias.clone()
+    update_expert_bias(layer)
+    mean = counts.sum() / EXPERTS
+    want = before + 0.01 * torch.sign(mean - counts.double()).float()
+    assert torch.equal(r.expert_bias, want) and int(r.tokens_per_expert.sum()) == 0
+    assert "expert_bias" in r.state_dict() and "tokens_per_expert" not in r.state_dict()
+
+
+def _rank_bias_update(seed):
+    from dist_kernels.moe import update_expert_bias
+
+    comm = dk.Communicator()
+    torch.manual_seed(seed)
+    dense = MoE(DIM, FFN, EXPERTS, 2, expert_bias=True).double()
+    moe = shard_experts(dense, comm)
+    x = _tokens("random", comm.rank, comm.world_size, seed)
+    moe(x)
+    mine = moe.router.tokens_per_expert.clone()
+    update_expert_bias(moe, comm)
+    return mine, moe.router.expert_bias.clone()
+
+
+def test_expert_bias_updates_from_every_ranks_counts():
+    """At ep 2 each rank counts its own tokens' choices; the update sums them over the ranks,
+    so both ranks move every bias the same way: by the sign of the summed counts' mean minus
+    each expert's summed count."""
+    results = run_ranks(2, _rank_bias_update, SEED, timeout=300)
+    total = results[0][0] + results[1][0]
+    assert not torch.equal(results[0][0], results[1][0])  # the ranks saw different tokens
+    want = 1e-3 * torch.sign(total.sum() / EXPERTS - total.double()).float()
+    for _, bias in results:
+        assert torch.equal(bias, want)
+
+
+def test_expert_bias_balances_a_skewed_router():
+    """The balancing itself, with DeepSeek-V3's sigmoid router made to prefer two of the eight
+    experts (every token's logits for them raised by 3: max / mean assignments 2.6 at first):
+    updated after each batch of fresh tokens, the bias spreads the assignments until the
+    busiest expert gets under 1.4x the mean; with the rate 0 nothing changes."""
+    from dist_kernels.moe import update_expert_bias
+
+    print("seed", SEED)
+    imbalance = {}
+    for rate in (0.0, 0.003):
+        torch.manual_seed(SEED)
+        layer = MoE(DIM, FFN, EXPERTS, 2, router="sigmoid", expert_bias=True,
+                    bias_update_rate=rate).double()  # fmt: skip
+        with torch.no_grad():  # feature 0 is a constant 1: experts 0 and 1 get +3
+            layer.router.weight.normal_(0.0, 1.0)
+            layer.router.weight[:, 0] = 0.0
+            layer.router.weight[:2, 0] = 3.0
+        gen = torch.Generator().manual_seed(SEED + 6)
+        history = []
+        for _ in range(400):
+            x = torch.randn(512, DIM, generator=gen, dtype=torch.float64)
+            x[:, 0] = 1.0
+            routed = layer.router(x).routed
+            history.append(float(routed.max()) / float(routed.float().mean()))
+            update_expert_bias(layer)
+        imbalance[rate] = history
+    print(f"imbalance: {imbalance[0.003][0]:.2f} -> {max(imbalance[0.003][-50:]):.2f}")
+    assert imbalance[0.003][0] == imbalance[0.0][0] > 2.2
+    assert min(imbalance[0.0]) > 2.2  # no bias update: as skewed as ever
+    assert max(imbalance[0.003][-50:]) < 1.4

@@ -190,3 +190,41 @@ def test_shared_expert_is_dense_under_expert_parallelism(tmp_path):
     resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, ep=1, **ckpt), timeout=300)
     assert resumed[0]["start"] == 4
     assert resumed[0]["losses"][-1] == pytest.approx(sharded[0]["losses"][-1], rel=1e-5, abs=0)
+
+
+BIASED = dataclasses.replace(
+    MOE, n_experts=8, moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=0.01,
+)  # fmt: skip
+
+
+def test_expert_bias_is_the_same_at_every_layout(tmp_path):
+    """--moe-router-enable-expert-bias without an aux loss: dp 2 x ep 2 trains as dp 2 with
+    every expert local and as one process (each step's counts summed over the replicas: the
+    same biases), the biases equal on both ranks and moved, and off the unbiased run; a resume
+    is bit for bit the straight run (the bias is checkpointed)."""
+    cfg = _cfg(dp=2, ep=2, steps=12, global_batch=8, warmup=1, log_every=1, model=BIASED)
+    biased = run_ranks(2, _on_ranks, cfg, timeout=300)
+    off = dataclasses.replace(BIASED, moe_router_enable_expert_bias=False)
+    plain = run_ranks(2, _on_ranks, dataclasses.replace(cfg, model=off), timeout=300)
+    assert biased[0]["losses"][-1] != plain[0]["losses"][-1]
+    biases = [k for k in biased[0]["params"] if k.endswith("router.expert_bias")]
+    assert len(biases) == MOE.n_layers
+    for k in biases:
+        assert torch.equal(biased[0]["params"][k], biased[1]["params"][k]), k
+        assert biased[0]["params"][k].abs().max() >= 0.01  # it moved
+    local = run_ranks(2, _on_ranks, dataclasses.replace(cfg, ep=1), timeout=300)
+    single = run_ranks(1, _on_ranks, dataclasses.replace(cfg, dp=0, ep=1), timeout=300)[0]
+    # FP32 layouts sum each expert's rows in their own orders; a rounding that flips one
+    # token's choice moves a count across the mean and a bias by the rate, so the runs agree
+    # to 1e-3 over 12 steps, not to the last bits
+    for other in (local[0], single):
+        torch.testing.assert_close(other["losses"], biased[0]["losses"], rtol=1e-3, atol=0)
+    ckpt = dict(checkpoint_dir=str(tmp_path), resume="auto", log_every=3)
+    straight = run_ranks(2, _on_ranks, dataclasses.replace(cfg, log_every=3), timeout=300)
+    run_ranks(2, _on_ranks, dataclasses.replace(cfg, stop_after=6, **ckpt), timeout=300)
+    resumed = run_ranks(2, _on_ranks, dataclasses.replace(cfg, **ckpt), timeout=300)
+    assert resumed[0]["start"] == 6
+    for rank in range(2):
+        for k, v in straight[rank]["params"].items():
+            assert torch.equal(resumed[rank]["params"][k], v), (rank, k)

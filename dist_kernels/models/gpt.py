@@ -141,6 +141,12 @@ class GPTConfig:
     moe_shared_expert_gate: bool = False
     """The shared expert's output scaled by ``sigmoid(x . g)`` (Qwen2-MoE's
     ``shared_expert_gate``; Megatron's ``--moe-shared-expert-gate``)."""
+    moe_router_enable_expert_bias: bool = False
+    """DeepSeek-V3's auxiliary-loss-free balancing (Megatron's
+    ``--moe-router-enable-expert-bias``): the top-k chosen by the scores plus a per-expert bias
+    that the trainer moves toward balance after each step (``dk.moe.update_expert_bias``)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """How far each step moves an expert's bias (``--moe-router-bias-update-rate``)."""
     moe_capacity_factor: Optional[float] = None
     """None: no token dropped; a float: Megatron's capacity, drops before the exchange."""
     moe_router: str = "softmax"
@@ -363,6 +369,8 @@ def _moe(cfg: GPTConfig) -> moe_lib.MoE:
         cfg.moe_z_loss_coeff,
         shared_ffn_dim=cfg.moe_shared_expert_intermediate_size,
         shared_gate=cfg.moe_shared_expert_gate,
+        expert_bias=cfg.moe_router_enable_expert_bias,
+        bias_update_rate=cfg.moe_router_bias_update_rate,
         norm_topk=cfg.moe_norm_topk,
     )
 

@@ -66,15 +66,19 @@ State = Dict[str, torch.Tensor]
 
 _MIXTRAL_MOE = dict(
     moe_every=1, moe_router="softmax", moe_norm_topk=True, moe_capacity_factor=None,
-    moe_shared_expert_intermediate_size=None, bias=False,
+    moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False, bias=False,
 )  # fmt: skip
 # Qwen3-MoE's router: softmax, top-k (renormalised or not: norm_topk_prob), no capacity; MoE in
 # blocks (i + 1) % decoder_sparse_step == 0, as our moe_every
 _QWEN3_MOE = dict(
-    moe_router="softmax", moe_capacity_factor=None, moe_shared_expert_intermediate_size=None
-)
+    moe_router="softmax", moe_capacity_factor=None, moe_shared_expert_intermediate_size=None,
+    moe_router_enable_expert_bias=False,
+)  # fmt: skip
 # Qwen2-MoE's: Qwen3-MoE's router beside a shared expert scaled by a sigmoid gate
-_QWEN2_MOE = dict(moe_router="softmax", moe_capacity_factor=None, moe_shared_expert_gate=True)
+_QWEN2_MOE = dict(
+    moe_router="softmax", moe_capacity_factor=None, moe_shared_expert_gate=True,
+    moe_router_enable_expert_bias=False,
+)  # fmt: skip
 
 
 def _family(config: GPTConfig) -> str:

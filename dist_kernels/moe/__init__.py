@@ -3,7 +3,13 @@
 from . import checkpoint
 from .layer import Expert, MoE, aux_loss_of, shard_experts
 from .push import RowPlan, push_rows
-from .router import Router, expert_capacity, switch_load_balancing_loss, z_loss
+from .router import (
+    Router,
+    expert_capacity,
+    switch_load_balancing_loss,
+    update_expert_bias,
+    z_loss,
+)
 
 __all__ = [
     "Expert",
@@ -16,5 +22,6 @@ __all__ = [
     "push_rows",
     "shard_experts",
     "switch_load_balancing_loss",
+    "update_expert_bias",
     "z_loss",
 ]

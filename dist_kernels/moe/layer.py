@@ -124,6 +124,8 @@ class MoE(nn.Module):
         norm_topk: bool = False,
         shared_ffn_dim: Optional[int] = None,
         shared_gate: bool = False,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__()
         _check_config(dim, ffn_dim, n_experts, top_k, comm)
@@ -140,6 +142,8 @@ class MoE(nn.Module):
             aux_loss_coeff,
             z_loss_coeff,
             norm_topk,
+            expert_bias,
+            bias_update_rate,
         )
         ep, rank = _ep_size(comm), 0 if comm is None else comm.rank
         self.num_local = n_experts // ep
@@ -306,6 +310,8 @@ def shard_experts(dense: MoE, comm: Any) -> MoE:
         r.norm_topk,
         None if dense.shared_expert is None else dense.shared_expert.w1.out_features,
         dense.shared_expert_gate is not None,
+        r.expert_bias is not None,
+        r.bias_update_rate,
     ).to(r.weight.device, r.weight.dtype)
     moe.router.load_state_dict(r.state_dict())
     moe.experts = nn.ModuleList(copy.deepcopy(dense.experts[e]) for e in moe.local_expert_ids)

@@ -14,6 +14,11 @@ Megatron-Core's semantics (``megatron/core/transformer/moe/router.py``, ``moe_ut
                 (switch_load_balancing_loss_func: p the scores, for sigmoid normalised over
                 experts; f_e the assignments to expert e before drops; T the tokens)
     z-loss    = coeff * mean_t logsumexp(logits[t])^2
+    expert bias (DeepSeek-V3's auxiliary-loss-free balancing, Megatron's
+              ``--moe-router-enable-expert-bias``): the top-k chosen by ``scores + b`` while the
+              weights stay the chosen experts' scores; after each step
+              :func:`update_expert_bias` moves ``b_e`` by ``rate * sign(mean_e' n_e' - n_e)``
+              from the assignments ``n`` every data-parallel rank counted since the last update
 
 Everything here is per rank, on this rank's tokens, before any exchange: drops happen before
 the all-to-all, as in Megatron, so a dropped assignment never travels.
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -33,6 +38,7 @@ __all__ = [
     "Router",
     "expert_capacity",
     "switch_load_balancing_loss",
+    "update_expert_bias",
     "z_loss",
 ]
 
@@ -87,8 +93,12 @@ class Router(nn.Module):
         aux_loss_coeff: float = 1e-2,
         z_loss_coeff: float = 0.0,
         norm_topk: bool = False,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__()
+        if not bias_update_rate >= 0:
+            raise ValueError(f"MoE: bias_update_rate must be >= 0, got {bias_update_rate}")
         if kind not in ROUTERS:
             raise ValueError(f"MoE: router must be one of {ROUTERS}, got {kind!r}")
         if drop_policy not in DROP_POLICIES:
@@ -103,6 +113,16 @@ class Router(nn.Module):
         self.norm_topk = bool(norm_topk)
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         nn.init.normal_(self.weight, std=0.02)
+        self.bias_update_rate = bias_update_rate
+        # the bias is model state (checkpointed); the counts only live between two updates
+        self.expert_bias: Optional[torch.Tensor]
+        self.tokens_per_expert: Optional[torch.Tensor]
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+            counts = torch.zeros(n_experts, dtype=torch.int64)
+            self.register_buffer("tokens_per_expert", counts, persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
 
     def forward(self, x: torch.Tensor) -> Routing:
         """Routes ``x`` [T, dim]."""
@@ -110,16 +130,20 @@ class Router(nn.Module):
         logits = x.to(dtype) @ self.weight.to(dtype).t()
         if self.kind == "softmax":
             scores = torch.softmax(logits, dim=-1)
-            weights, experts = torch.topk(scores, self.top_k, dim=-1)
+            weights, experts = self._top_k(scores)
             if self.norm_topk:  # the k weights sum to 1 (a softmax over the chosen logits)
                 weights = weights / weights.sum(-1, keepdim=True)
             balance_scores = scores
         else:
             scores = torch.sigmoid(logits)
-            top, experts = torch.topk(scores, self.top_k, dim=-1)
+            top, experts = self._top_k(scores)
             weights = top / (top.sum(-1, keepdim=True) + 1e-20)
             balance_scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
         routed = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+            # (a recomputed forward counts its micro-batch again: every count doubles, and
+            # the update reads only which side of the mean each expert is on)
+            self.tokens_per_expert += routed
         if x.shape[0] == 0:  # no tokens here: no loss (the formulas divide by T)
             lb = zl = logits.sum()
         else:
@@ -127,6 +151,22 @@ class Router(nn.Module):
             zl = z_loss(logits, self.z_loss_coeff)
         keep = self._capacity_mask(experts, weights.detach())
         return Routing(experts, weights, keep, lb + zl, lb, zl, routed)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .double() / .half() move the weight; the bias stays FP32, as Megatron
+        # keeps it: steps of 1e-3 on a bias of ~1 vanish in BF16's 8 bits
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
+    def _top_k(self, scores: torch.Tensor):
+        """``(the chosen experts' scores, the experts)``: chosen by the scores, or by the scores
+        plus the expert bias (which steers the choice and never the weights)."""
+        if self.expert_bias is None:
+            return torch.topk(scores, self.top_k, dim=-1)
+        experts = torch.topk(scores + self.expert_bias.to(scores.dtype), self.top_k, dim=-1)[1]
+        return scores.gather(-1, experts), experts
 
     def _capacity_mask(self, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Which assignments each expert accepts (all of them without a capacity)."""
@@ -146,3 +186,36 @@ class Router(nn.Module):
         rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[flat_e[order]]
         flat_keep[order] = rank_in_expert < capacity
         return keep
+
+
+@torch.no_grad()
+def update_expert_bias(module: nn.Module, comm: Any = None) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing step, for every router of ``module`` with an
+    expert bias: the assignments counted since the last call are summed over ``comm`` (the
+    data-parallel ranks that hold the same routers: ``mesh.dp_cp_comm``; a torch process group;
+    None: torch.distributed's world when initialised, else this process alone), each expert's
+    bias moves by ``bias_update_rate`` up when it got fewer than the mean, down when more
+    (Megatron's ``get_updated_expert_bias``), and the counts restart. Collective over
+    ``comm``; call it after each optimizer step."""
+    routers = [m for m in module.modules() if isinstance(m, Router) and m.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])  # [routers, E], int64
+    _sum_over(counts, comm)
+    for router, n in zip(routers, counts):
+        mean = n.sum().double() / router.n_experts
+        step = torch.sign(mean - n.double()) * router.bias_update_rate
+        router.expert_bias += step.to(router.expert_bias.dtype)
+        router.tokens_per_expert.zero_()
+
+
+def _sum_over(tensor: torch.Tensor, comm: Any) -> None:
+    import torch.distributed as dist
+
+    if comm is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tensor)
+    elif isinstance(comm, dist.ProcessGroup):
+        dist.all_reduce(tensor, group=comm)
+    elif comm.world_size > 1:
+        comm.all_reduce(tensor, op="sum")

@@ -120,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="MoE: the shared expert's output scaled by sigmoid(x . g) (Qwen2-MoE's)",
     )
+    add(
+        "--moe-router-enable-expert-bias",
+        action="store_true",
+        help="MoE: DeepSeek-V3's auxiliary-loss-free balancing, a per-expert routing bias",
+    )
+    add(
+        "--moe-router-bias-update-rate",
+        type=float,
+        default=m.moe_router_bias_update_rate,
+        help="MoE: each step's move of an expert's bias (Megatron's, 1e-3)",
+    )
     add("--pp", type=int, default=1, help="pipeline stages")
     add("--zero", type=int, default=0, choices=(0, 1, 2, 3), help=_STRATEGY_HELP)
     add(
@@ -504,6 +515,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         qk_norm=args.qk_layernorm,
         kv_channels=args.kv_channels,
@@ -604,6 +617,8 @@ def model_flags(model: GPTConfig) -> List[str]:
             flags += ["--moe-shared-expert-intermediate-size", shared]
         if model.moe_shared_expert_gate:
             flags.append("--moe-shared-expert-gate")
+        if model.moe_router_enable_expert_bias:
+            flags.append("--moe-router-enable-expert-bias")
     return flags
 
 

@@ -178,6 +178,15 @@ def _optimizer_step(
     return lr
 
 
+def _balance_experts(cfg: TrainConfig, module: nn.Module, replicas: Any) -> None:
+    """--moe-router-enable-expert-bias: each router's bias one step toward balance, from the
+    assignments every replica of this rank's layers counted (``dk.moe.update_expert_bias``)."""
+    if cfg.model.moe_router_enable_expert_bias:
+        from ..moe import update_expert_bias
+
+        update_expert_bias(module, replicas)
+
+
 class _Delay:
     """--simulate-straggler: this rank sleeps ``ms`` in the first forward of every step."""
 
@@ -209,6 +218,7 @@ class DataParallel:
         self.dp_rank = mesh.dp_rank if mesh is not None else rank
         self.replica_rank, expert_comm = _replicas(cfg, mesh, rank)
         dp_comm = mesh.dp_cp_comm if mesh is not None else None  # dp x cp hold the same weights
+        self.replicas = dp_comm  # (None under torch's engine: its world)
         self.delay = _Delay(cfg, rank)
         world_size = cfg.dp * cfg.cp
         self.forward, self.optimizer, self._no_sync = self._wrap(
@@ -295,6 +305,7 @@ class DataParallel:
         self._last_lr = _optimizer_step(
             self.optimizer, self.scheduler, times, begin, self.clip, self.scaler
         )
+        _balance_experts(cfg, self.module, self.replicas)
         return loss_sum, times
 
     def _micro_step(self, x, y, times: StepTimes, first: bool) -> float:
@@ -451,6 +462,7 @@ class Pipelined:
         self._last_lr = _optimizer_step(
             self.optimizer, self.scheduler, times, begin, self.clip, self.scaler
         )
+        _balance_experts(cfg, self.module, self.mesh.dp_cp_comm)
         return loss, times
 
     def evaluate(self, sampler: Sampler, index: int) -> float:
