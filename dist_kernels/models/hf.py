@@ -280,10 +280,16 @@ def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     return hf, out
 
 
-def _to_mixtral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+def _to_llama_unbiased(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    """Llama's configuration less its bias switches, for the families that have none."""
     hf, out = _to_llama(config, state)
     for key in ("attention_bias", "mlp_bias"):
         del hf[key]
+    return hf, out
+
+
+def _to_mixtral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama_unbiased(config, state)
     hf.update(
         model_type="mixtral",
         num_local_experts=config.n_experts,
@@ -339,17 +345,13 @@ def _experts_from_hf(config: GPTConfig, state: State, out: State) -> None:
 
 
 def _to_mistral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
-    hf, out = _to_llama(config, state)
-    for key in ("attention_bias", "mlp_bias"):
-        del hf[key]
+    hf, out = _to_llama_unbiased(config, state)
     hf.update(model_type="mistral", sliding_window=config.sliding_window)
     return hf, out
 
 
 def _to_qwen2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
-    hf, out = _to_llama(config, state)
-    for key in ("attention_bias", "mlp_bias"):
-        del hf[key]
+    hf, out = _to_llama_unbiased(config, state)
     hf.update(model_type="qwen2", use_sliding_window=False, sliding_window=None)
     return hf, out
 
@@ -367,9 +369,7 @@ def _to_qwen3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
 
 
 def _to_qwen2_moe(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
-    hf, out = _to_llama(config, state)
-    for key in ("attention_bias", "mlp_bias"):
-        del hf[key]
+    hf, out = _to_llama_unbiased(config, state)
     hf.update(
         model_type="qwen2_moe",
         qkv_bias=config.qkv_bias,
