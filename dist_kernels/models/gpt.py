@@ -322,7 +322,7 @@ class CausalSelfAttention(nn.Module):
             pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
             return rope_tables(pos.to(device), self.head_dim, self.rope_theta, self.rope_scaling)
         cos, sin = rope_tables(reset.reshape(-1), self.head_dim, self.rope_theta, self.rope_scaling)
-        return (t.view(b, 1, s, self.head_dim) for t in (cos, sin))
+        return cos.view(b, 1, s, self.head_dim), sin.view(b, 1, s, self.head_dim)
 
 
 class MLP(nn.Module):

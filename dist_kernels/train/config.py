@@ -331,7 +331,7 @@ class TrainConfig:
         return dict(eod=self.eod_token, reset_attention_mask=self.reset_attention_mask,
                     reset_position_ids=self.reset_position_ids)  # fmt: skip
 
-    def _check_documents(self) -> None:
+    def _check_attention_masks(self) -> None:
         named = [f for f in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
                  if getattr(self, f)]  # fmt: skip
         if named and self.eod_token is None:
@@ -463,7 +463,7 @@ class TrainConfig:
             raise ConfigError(f"engine={self.engine!r} supports pp=1 only (pp={self.pp})")
         if self.pp > 1:
             self._check_schedule()
-        self._check_documents()
+        self._check_attention_masks()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel splits the sequence over tp ranks: needs tp > 1")
         if self.sequence_parallel and self.model.n_experts:
