@@ -32,7 +32,7 @@ view may be modified in place (``ReLU(inplace=True)``): its edge stays in the gr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -167,10 +167,13 @@ class LinearWeightGradient:
                     and held is not None
                     and held.dtype == grad_out.dtype
                 ):
-                    # Into the held gradient in one GEMM (beta = 1), as Megatron's gradient
-                    # accumulation fusion does: no 1 MiB product per 512 x 512 layer to
-                    # allocate, write and add back.
-                    held.addmm_(grad_out.t(), x)
+                    # Into a product buffer kept per shape, then added as AccumulateGrad adds:
+                    # no 1 MiB product per 512 x 512 layer to allocate. (Megatron's fusion,
+                    # held.addmm_(grad_out^T, x) with beta = 1, sums in another order on some
+                    # BLAS paths, MKL's AVX2 one among them: not a full backward's bits.)
+                    product = _product_buffer(held)
+                    torch.mm(grad_out.t(), x, out=product)
+                    held.add_(product)
                 elif weight.requires_grad:
                     # What AddmmBackward / MmBackward compute for weight.t() (then transposed
                     # back): grad_output^T @ input, one matmul.
@@ -187,6 +190,19 @@ class LinearWeightGradient:
             # The parameters' own AccumulateGrad nodes, as roots: .grad and hooks as in any
             # backward (a Linear called twice in the micro-batch gets both, summed here).
             torch.autograd.backward(params, grads)
+
+
+# One product buffer per (shape, dtype, device) of weight: W runs on the rank's one thread,
+# and a stage's Linears come in few shapes, so this holds about one weight of each.
+_PRODUCTS: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _product_buffer(like: torch.Tensor) -> torch.Tensor:
+    key = (tuple(like.shape), like.dtype, like.device)
+    buffer = _PRODUCTS.get(key)
+    if buffer is None:
+        buffer = _PRODUCTS[key] = torch.empty_like(like, memory_format=torch.contiguous_format)
+    return buffer
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
