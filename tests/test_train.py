@@ -914,7 +914,7 @@ def test_every_option_a_user_sets_has_a_flag():
         "--vocab-size", "300", "--lr-decay-style", "wsd", "--lr-wsd-decay-steps", "3",
         "--lr-wsd-decay-style", "cosine", "--keep-last", "2", "--exit-signal-handler",
         "--exit-duration-in-mins", "30", "--eod-token", "3", "--reset-attention-mask",
-        "--reset-position-ids", "--eod-mask-loss",
+        "--reset-position-ids", "--eod-mask-loss", "--calculate-per-token-loss",
     ]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     want = dict(weight_decay=0.1, min_lr_ratio=0.05, straggler_min_ms=5.0, straggler_patience=3,
@@ -925,7 +925,8 @@ def test_every_option_a_user_sets_has_a_flag():
                 adam_beta2=0.99, adam_eps=1e-6, vocab_size=300, decay="wsd",
                 wsd_decay_steps=3, wsd_decay_style="cosine", keep_last=2,
                 exit_signal_handler=True, exit_duration_in_mins=30.0, eod_token=3,
-                reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)  # fmt: skip
+                reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True,
+                calculate_per_token_loss=True)  # fmt: skip
     assert {k: getattr(cfg, k) for k in want} == want
     default = config_from_args(build_parser().parse_args([]))
     assert all(getattr(default, k) != v for k, v in want.items())  # each flag changed something

@@ -33,6 +33,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from ..comm.groups import sum_over
+
 __all__ = [
     "Routing",
     "Router",
@@ -201,21 +203,9 @@ def update_expert_bias(module: nn.Module, comm: Any = None) -> None:
     if not routers:
         return
     counts = torch.stack([r.tokens_per_expert for r in routers])  # [routers, E], int64
-    _sum_over(counts, comm)
+    sum_over(counts, comm)
     for router, n in zip(routers, counts):
         mean = n.sum().double() / router.n_experts
         step = torch.sign(mean - n.double()) * router.bias_update_rate
         router.expert_bias += step.to(router.expert_bias.dtype)
         router.tokens_per_expert.zero_()
-
-
-def _sum_over(tensor: torch.Tensor, comm: Any) -> None:
-    import torch.distributed as dist
-
-    if comm is None:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(tensor)
-    elif isinstance(comm, dist.ProcessGroup):
-        dist.all_reduce(tensor, group=comm)
-    elif comm.world_size > 1:
-        comm.all_reduce(tensor, op="sum")

@@ -287,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="each token's position counts from its document's start",
     )
     docs.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="the step's loss is the mean over every kept target of the global batch (Megatron's)",
+    )
+    docs.add_argument(
         "--eod-mask-loss",
         action="store_true",
         help="no loss on the prediction made at an end-of-document token",
@@ -552,6 +557,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         data=data, data_blend=blend, vocab_size=args.vocab_size, model=model,
         eod_token=args.eod_token, reset_attention_mask=args.reset_attention_mask,
         reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_last=args.keep_last, resume=args.resume,
         init_from=args.init_from,

@@ -205,6 +205,12 @@ class TrainConfig:
     """No loss on the prediction made at an EOD token (the next document's first token is not
     predictable from the last): those targets become ``-100``, and each micro-batch's loss is
     the mean over the rest (``--eod-mask-loss``)."""
+    calculate_per_token_loss: bool = False
+    """The step's loss is the mean over every non-masked target of the global batch (Megatron's
+    ``--calculate-per-token-loss``), not the mean of the micro-batches' means: with
+    ``eod_mask_loss`` micro-batches keep different numbers of targets, and only this makes the
+    result independent of how the batch is split over micro-batches and replicas. One int64
+    all-reduce of the count a step. Not with cp or MoE."""
     model: GPTConfig = field(default_factory=driver_model)
     """The character-level GPT; ``block_size`` is the characters per sample, and
     ``vocab_size`` is replaced by the corpus's (padded: ``driver.model_config``)."""
@@ -344,6 +350,12 @@ class TrainConfig:
             raise ConfigError(
                 f"sliding_window({self.model.sliding_window}) with cp({self.cp}) > 1: ring "
                 "attention has no windowed mask"
+            )
+        if self.calculate_per_token_loss and (self.cp > 1 or self.model.n_experts):
+            raise ConfigError(
+                f"calculate_per_token_loss with cp({self.cp}) > 1 or MoE blocks: the loss under "
+                "cp is already a mean over the cp group's tokens, and the MoE aux losses would be "
+                "weighted with it"
             )
         if self.documents is not None and (self.cp > 1 or self.pp > 1):
             raise ConfigError(

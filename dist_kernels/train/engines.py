@@ -16,6 +16,7 @@ With cp > 1 both take this rank's sequence shard of the replica's samples (zig-z
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from .. import lr as dk_lr
+from ..comm.groups import sum_over
 from .clipping import make_clipper
 from .config import TrainConfig
 from .data import Sampler
@@ -187,6 +189,34 @@ def _balance_experts(cfg: TrainConfig, module: nn.Module, replicas: Any) -> None
         update_expert_bias(module, replicas)
 
 
+class _TokenWeights:
+    """--calculate-per-token-loss: each micro-batch's mean loss weighted by its share of the
+    step's non-masked targets over every replica, times dp x grad_accum (which the gradient
+    average over the replicas and the division by grad_accum take back): the step's gradient
+    is then that of the mean over all of the global batch's targets, however it is split."""
+
+    def __init__(self, cfg: TrainConfig, replicas: Any) -> None:
+        self.on, self.replicas = cfg.calculate_per_token_loss, replicas
+        self.scale = cfg.dp * cfg.grad_accum
+        self.total = 0
+
+    def start(self, targets: torch.Tensor) -> None:
+        """Counts the step's targets (this replica's batch) over the replicas. Collective."""
+        if self.on:
+            count = (targets != -100).sum().reshape(1).to(torch.int64)
+            sum_over(count, self.replicas)
+            self.total = max(int(count), 1)
+
+    def __call__(self, loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self.on:
+            return loss
+        return loss * (float((targets != -100).sum()) * self.scale / self.total)
+
+
+def _weighted(loss_fn: Callable, weights: _TokenWeights, output: Any, target: Any):
+    return weights(loss_fn(output, target), target)
+
+
 class _Delay:
     """--simulate-straggler: this rank sleeps ``ms`` in the first forward of every step."""
 
@@ -219,6 +249,7 @@ class DataParallel:
         self.replica_rank, expert_comm = _replicas(cfg, mesh, rank)
         dp_comm = mesh.dp_cp_comm if mesh is not None else None  # dp x cp hold the same weights
         self.replicas = dp_comm  # (None under torch's engine: its world)
+        self.weights = _TokenWeights(cfg, dp_comm)
         self.delay = _Delay(cfg, rank)
         world_size = cfg.dp * cfg.cp
         self.forward, self.optimizer, self._no_sync = self._wrap(
@@ -297,6 +328,7 @@ class DataParallel:
         cfg, times = self.cfg, StepTimes()
         begin = time.perf_counter()
         inputs, targets = replica_batch(self, sampler, step)
+        self.weights.start(targets)
         loss_sum = 0.0
         for k in range(cfg.grad_accum):
             part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
@@ -313,7 +345,7 @@ class DataParallel:
         if first:
             self.delay()
         with _autocast(self.cfg.dtype):
-            loss = self.loss_fn(self.forward(x), y) / self.cfg.grad_accum
+            loss = self.weights(self.loss_fn(self.forward(x), y), y) / self.cfg.grad_accum
         t1 = time.perf_counter()
         self.clock.stamp = None
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
@@ -403,6 +435,8 @@ class Pipelined:
         self.delay = _Delay(cfg, rank)
         self.lm_loss = lm_loss(model)
         loss_fn, stage_loss = pipeline_losses(model, loss_fn)  # MoE: aux losses per stage
+        self.weights = _TokenWeights(cfg, mesh.dp_cp_comm)
+        loss_fn = functools.partial(_weighted, loss_fn, self.weights)
         self.pipe = Pipeline(
             model,
             mesh,
@@ -453,6 +487,7 @@ class Pipelined:
         times.phases["optimizer"] = 0.0
         begin = time.perf_counter()
         inputs, targets = replica_batch(self, sampler, step)
+        self.weights.start(targets)
         self.delay()
         # ZeRO: the micro-batches' gradients add up locally; the optimizer's step reduces them
         no_sync = self.optimizer.no_sync() if cfg.flat_shards else contextlib.nullcontext()
