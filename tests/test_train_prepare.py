@@ -86,6 +86,51 @@ def test_prepare_errors(tmp_path, tokenizer_dir):
     assert prepare_main(["--tokenizer", directory, "--out", str(tmp_path / "y.csv"), *paths]) == 2
 
 
+def test_prepare_writes_megatrons_indexed_dataset(tmp_path, tokenizer_dir):
+    """--output-prefix: Megatron-Core's own reader finds one document per text file and per
+    JSON line, each the tokenizer's ids and the EOS, under Megatron's file names; two JSON
+    keys make two datasets; the driver reads them."""
+    import json
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    directory, bpe = tokenizer_dir
+    paths, texts = _documents(tmp_path)
+    lines = [{"text": t[:200], "title": t[200:230]} for t in texts + ("a short one",)]
+    jsonl = str(tmp_path / "web.jsonl")
+    with open(jsonl, "w", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    eos = bpe.token_to_id(EOS)
+    encode = lambda t: np.asarray(bpe.encode(t).ids + [eos])  # noqa: E731
+    prefix = str(tmp_path / "out" / "corpus")
+    os.makedirs(os.path.dirname(prefix))
+    argv = ["--tokenizer", directory, "--output-prefix", prefix, "--append-eod"]
+    assert prepare_main([*argv, *paths, jsonl]) == 0
+    theirs = megatron.IndexedDataset(prefix + "_text_document")
+    want = [encode(t) for t in texts] + [encode(line["text"]) for line in lines]
+    assert len(theirs) == len(want) == 5
+    for i, doc in enumerate(want):
+        assert np.array_equal(theirs[i].astype(np.int64), doc)
+    assert theirs.index.dtype == np.uint16  # Megatron's choice for 300 ids
+    assert data.build_corpus(prefix + "_text_document", 16).vocab_size <= 300
+    assert prepare_main([*argv[:-1], jsonl, "--json-keys", "text", "title"]) == 0
+    titles = megatron.IndexedDataset(prefix + "_title_document")
+    for i, line in enumerate(lines):
+        assert np.array_equal(titles[i].astype(np.int64), encode(line["title"]))
+    assert not [n for n in os.listdir(tmp_path / "out") if ".tmp" in n]
+    with open(jsonl, "a", encoding="utf-8") as f:
+        f.write('{"body": "no text key"}\n')
+    with pytest.raises(DataError, match=r"web.jsonl line 5 has no string under 'text'"):
+        data_out = str(tmp_path / "x.npy")
+        prepare([jsonl], directory, data_out)
+    assert not os.path.exists(data_out)
+    assert prepare_main([*argv[:-1], *paths, "--json-keys", "text", "title"]) == 2
+    with pytest.raises(SystemExit):
+        prepare_main([*argv, "--no-eos", *paths])
+
+
 def test_tokenize_train_export_and_generate_offline(tmp_path, tokenizer_dir):
     """prepare -> train a Llama-style model 4 steps on the ids -> export --format hf ->
     transformers loads it with the tokenizer and generates; its first-batch loss from the

@@ -264,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="[WEIGHT] FILE",
-        help="text file, or token ids (.bin: uint16, nanoGPT's; .npy), or a blend of token "
-        "files as weight / file pairs (0.3 a.bin 0.7 b.bin) (default: the package's own "
+        help="text file, or token ids (.bin: uint16, nanoGPT's; .npy; a Megatron indexed "
+        "dataset's PREFIX, with PREFIX.bin and PREFIX.idx), or a blend of token files as "
+        "weight / file pairs (0.3 a.bin 0.7 b_text_document) (default: the package's own "
         "Python sources)",
     )
     field("--vocab-size", int, "with a token file: the vocabulary size (0: largest id + 1)")

@@ -184,8 +184,9 @@ class TrainConfig:
     """Seeds the model's initialisation and the data order (both independent of layout)."""
     data: Optional[str] = None
     """A text file to train on (its characters are the tokens), or a file of token ids
-    (``.bin``: uint16, nanoGPT's format; ``.npy``: any integer array); None = the package's
-    own Python sources."""
+    (``.bin``: uint16, nanoGPT's format; ``.npy``: any integer array; a Megatron indexed
+    dataset's prefix, ``PREFIX.bin`` with ``PREFIX.idx``); None = the package's own Python
+    sources."""
     data_blend: Tuple[Tuple[float, str], ...] = ()
     """``(weight, token file)`` pairs to sample from in proportion (Megatron's ``--data-path
     0.3 a 0.7 b``), in place of ``data``; weights are normalised."""

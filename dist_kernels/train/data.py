@@ -4,8 +4,10 @@ The corpus is a text file the user names (characters are the tokens), or else th
 own Python sources and, in a source checkout, its ``docs/`` and README: a few hundred
 kilobytes of English and code, enough for a small model's loss to fall visibly in a few
 hundred steps. Or it is a file of token ids a tokenizer wrote beforehand (:class:`TokenCorpus`):
-``.bin``, raw little-endian uint16 (nanoGPT's ``prepare.py`` format), or ``.npy``, any integer
-array; it is memory-mapped, so its size is the disk's business, not the ranks' memory.
+``.bin``, raw little-endian uint16 (nanoGPT's ``prepare.py`` format), ``.npy``, any integer
+array, or Megatron's indexed dataset (``PREFIX`` naming ``PREFIX.bin`` and ``PREFIX.idx``, the
+dtype read from the index: ``indexed.py``); it is memory-mapped, so its size is the disk's
+business, not the ranks' memory.
 
 Sampling is a pure function of ``(seed, step)``: step ``t`` draws ``global_batch`` window
 offsets from a generator seeded with ``seed`` and ``t``, and replica ``d`` takes the slice
@@ -35,12 +37,10 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from .indexed import DataError, IndexedTokens, indexed_prefix, read_indexed
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MIN_CHARS = 1024
-
-
-class DataError(ValueError):
-    """The corpus cannot be read or is too small for the sequence length."""
 
 
 def default_sources() -> List[str]:
@@ -104,26 +104,42 @@ TOKEN_SUFFIXES = (".bin", ".npy")
 _FINGERPRINT_EDGE = 1 << 16  # tokens hashed at each end of a token file
 
 
+def is_token_file(path: str) -> bool:
+    """Whether ``path`` names token ids (a suffix of ``TOKEN_SUFFIXES`` or a Megatron prefix)
+    rather than text."""
+    return path.endswith(TOKEN_SUFFIXES) or indexed_prefix(path) is not None
+
+
+def _load_tokens(path: str) -> Tuple[np.ndarray, Optional[IndexedTokens]]:
+    """The ids of a token file, memory-mapped, and its Megatron index if it has one."""
+    prefix = indexed_prefix(path)
+    if prefix is not None:  # before .bin: the index says the dtype (int32 above 65,500 ids)
+        indexed = read_indexed(prefix)
+        return indexed.tokens, indexed
+    if not os.path.isfile(path):
+        raise DataError(f"data: {path!r} does not exist or is not a file")
+    try:
+        if path.endswith(".npy"):
+            return np.load(path, mmap_mode="r"), None
+        return np.memmap(path, dtype="<u2", mode="r"), None
+    except (OSError, ValueError) as e:
+        raise DataError(f"data: cannot read tokens from {path}: {e}") from None
+
+
 @dataclass
 class TokenCorpus:
-    """A file of token ids (``TOKEN_SUFFIXES``), memory-mapped, and its vocabulary size."""
+    """A file of token ids (``TOKEN_SUFFIXES`` or a Megatron prefix), memory-mapped, and its
+    vocabulary size."""
 
     tokens: np.ndarray  # [n], any integer dtype, memory-mapped
     vocab_size: int
     description: str
+    document_starts: Optional[np.ndarray] = None  # a Megatron index's: each document's offset
 
     @classmethod
     def build(cls, path: str, seq_len: int, vocab_size: int = 0) -> TokenCorpus:
         """``vocab_size`` 0: the largest id + 1 (read once); else every id must be below it."""
-        if not os.path.isfile(path):
-            raise DataError(f"data: {path!r} does not exist or is not a file")
-        try:
-            if path.endswith(".npy"):
-                tokens = np.load(path, mmap_mode="r")
-            else:
-                tokens = np.memmap(path, dtype="<u2", mode="r")
-        except (OSError, ValueError) as e:
-            raise DataError(f"data: cannot read tokens from {path}: {e}") from None
+        tokens, indexed = _load_tokens(path)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise DataError(
                 f"data: {path} holds {tokens.dtype} of shape {tokens.shape}; token ids are a "
@@ -140,7 +156,13 @@ class TokenCorpus:
                 f"data: {path} holds token ids in [{low}, {high}], outside [0, "
                 f"vocab_size({vocab_size or high + 1}))"
             )
-        return cls(tokens, vocab_size or high + 1, f"{path} ({len(tokens)} tokens)")
+        if indexed is None:
+            return cls(tokens, vocab_size or high + 1, f"{path} ({len(tokens)} tokens)")
+        described = (
+            f"{indexed.prefix} (Megatron indexed dataset: {len(tokens)} {tokens.dtype.name} "
+            f"tokens, {indexed.n_documents} documents)"
+        )
+        return cls(tokens, vocab_size or high + 1, described, indexed.document_starts)
 
     def fingerprint(self) -> str:
         """Identifies the corpus in checkpoints: its size, vocabulary and both ends."""
@@ -152,12 +174,13 @@ class TokenCorpus:
 
 def build_corpus(path: Optional[str], seq_len: int, vocab_size: int = 0) -> Corpus:
     """A :class:`TokenCorpus` for a token file (by its suffix), else a :class:`CharCorpus`."""
-    if path is not None and path.endswith(TOKEN_SUFFIXES):
+    if path is not None and is_token_file(path):
         return TokenCorpus.build(path, seq_len, vocab_size)
     if vocab_size:
         raise DataError(
             f"data: vocab_size({vocab_size}) is for files of token ids "
-            f"({', '.join(TOKEN_SUFFIXES)}); a text corpus's vocabulary is its characters"
+            f"({', '.join(TOKEN_SUFFIXES)}, a Megatron prefix); a text corpus's vocabulary is "
+            "its characters"
         )
     return CharCorpus.build(path, seq_len)
 
@@ -178,10 +201,11 @@ class BlendedCorpus:
         if not blend or any(not (w > 0 and math.isfinite(w)) for w, _ in blend):
             raise DataError(f"data: a blend needs positive weights, got {list(blend)}")
         for _, path in blend:
-            if not path.endswith(TOKEN_SUFFIXES):
+            if not is_token_file(path):
                 raise DataError(
                     f"data: {path} in a blend is not a file of token ids "
-                    f"({', '.join(TOKEN_SUFFIXES)}): blends are of tokenized files"
+                    f"({', '.join(TOKEN_SUFFIXES)}, a Megatron prefix): blends are of "
+                    "tokenized files"
                 )
         parts = [TokenCorpus.build(path, seq_len, vocab_size) for _, path in blend]
         total = sum(w for w, _ in blend)
@@ -210,19 +234,28 @@ def build_blend(
     return build_corpus(path, seq_len, vocab_size)
 
 
-def _split_one(n: int, valid_fraction: float) -> Tuple[Span, Span]:
+def _split_one(part: TokenCorpus | CharCorpus, valid_fraction: float) -> Tuple[Span, Span]:
+    """The cut at the corpus's last ``valid_fraction``, moved to the nearest document start
+    when the corpus knows its documents (a Megatron index), so that no document is trained on
+    in part and validated on in part (Megatron splits by documents too)."""
+    n = len(part.tokens)
     cut = n - max(1, round(n * valid_fraction))
+    starts = getattr(part, "document_starts", None)
+    if starts is not None:
+        inner = starts[(starts > 0) & (starts < n)]
+        if len(inner):
+            cut = int(inner[np.abs(inner - cut).argmin()])
     return (0, cut), (cut, n)
 
 
 def split(corpus: Corpus, valid_fraction: float):
     """``(train span, validation span)`` of token indices: the validation text is the
-    corpus's last ``valid_fraction``, so no training window overlaps it. A blend: a list of
-    spans each, every file split so."""
+    corpus's last ``valid_fraction`` (whole documents where they are known), so no training
+    window overlaps it. A blend: a list of spans each, every file split so."""
     if isinstance(corpus, BlendedCorpus):
-        spans = [_split_one(len(p.tokens), valid_fraction) for p in corpus.parts]
+        spans = [_split_one(p, valid_fraction) for p in corpus.parts]
         return [t for t, _ in spans], [v for _, v in spans]
-    return _split_one(len(corpus.tokens), valid_fraction)
+    return _split_one(corpus, valid_fraction)
 
 
 class Sampler:
