@@ -40,8 +40,8 @@ from dist_kernels.train import (  # noqa: E402
     metrics,
     train,
 )
+from dist_kernels.train.cli import build_parser, config_from_args, preflight  # noqa: E402
 from dist_kernels.train.cli import main as cli_main  # noqa: E402
-from dist_kernels.train.cli import preflight  # noqa: E402
 from dist_kernels.train.model import build_model  # noqa: E402
 from dist_kernels.train.stragglers import StragglerDetector  # noqa: E402
 
@@ -134,6 +134,7 @@ def _on_ranks(cfg: TrainConfig, engine: str = "dk"):
         "stragglers": [(s.rank, s.phase, s.interval) for s in r.stragglers],
         "params": r.params,
         "evals": r.evals,
+        "test": r.test,
         "start": r.start_step,
         "consumed": consumed,
         "wall_s": wall_s,
@@ -1072,17 +1073,21 @@ def test_a_diverged_run_stops_on_every_rank_naming_the_step(layout):
 # ------------------------------------------------------------------ validation
 
 EVAL = dict(eval_interval=2, eval_iters=2, steps=4, log_every=1)
+EVAL_FLAGS = ["--eval-interval", "2", "--eval-iters", "2", "--steps", "4"]
 
 
-def _plain_validation_loss(cfg: TrainConfig, params: Dict[str, torch.Tensor]) -> float:
-    """The validation loss of ``params`` computed here, with nothing of the driver's but the
-    split: the model's forward in plain torch, the mean cross-entropy over the held-out
-    windows of every validation batch."""
+def _plain_validation_loss(
+    cfg: TrainConfig, params: Dict[str, torch.Tensor], held_out: str = "valid"
+) -> float:
+    """The validation (or test) loss of ``params`` computed here, with nothing of the driver's
+    but the split: the model's forward in plain torch, the mean cross-entropy over the
+    held-out windows of every validation batch."""
     corpus = data.CharCorpus.build(cfg.data, cfg.model.block_size)
     model, _ = build_model(driver.model_config(cfg, corpus), cfg.seed)
     model.load_state_dict(params)
-    _, valid_span = data.split(corpus, cfg.valid_fraction)
-    sampler = data.Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed, valid_span)
+    spans = data.split(corpus, cfg.valid_fraction, cfg.test_fraction)
+    span = spans[1] if held_out == "valid" else spans[2]
+    sampler = data.Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed, span)
     losses = []
     with torch.no_grad():
         for k in range(cfg.eval_iters):
@@ -1130,6 +1135,58 @@ def test_validation_loss_in_every_layout_equals_one_process(valid_reference, lay
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
+def test_split_holds_out_a_test_share_for_one_loss_at_the_end():
+    """Megatron's --split 90,6,4: training windows stop before the validation text, which
+    stops before the test text; the test loss, once at the end, is a plain forward of the
+    final parameters over the test windows, and dp 2 gives one process's."""
+    args = build_parser().parse_args(["--split", "90,6,4", *EVAL_FLAGS])
+    cfg = config_from_args(args)
+    assert (cfg.valid_fraction, cfg.test_fraction) == (0.06, 0.04)
+    cfg = _cfg(global_batch=8, **EVAL, valid_fraction=0.06, test_fraction=0.04)
+    single = _single(cfg)
+    corpus = data.CharCorpus.build(cfg.data, cfg.model.block_size)
+    train_span, valid_span, test_span = data.split(corpus, 0.06, 0.04)
+    n = len(corpus.tokens)
+    assert train_span[1] == valid_span[0] and valid_span[1] == test_span[0]
+    assert test_span == (n - round(n * 0.04), n)
+    seen = driver.samplers(_one_process(cfg), corpus).train
+    high = max(int(seen.step_offsets(s).max()) for s in range(cfg.steps))
+    assert high + cfg.model.block_size + 1 <= train_span[1]  # never a held-out token
+    test = single.test
+    assert test is not None and test["step"] == cfg.steps and single.summary["test_loss"]
+    plain = _plain_validation_loss(_one_process(cfg), single.params, "test")
+    print(f"test loss {test['test_loss']}; plain forward {plain}")
+    assert test["test_loss"] == pytest.approx(plain, rel=1e-6)
+    assert test["test_loss"] != pytest.approx(single.evals[-1]["valid_loss"], rel=1e-4)
+    ranks = run_ranks(2, _on_ranks, dataclasses.replace(cfg, dp=2), timeout=180)
+    assert ranks[0]["test"]["test_loss"] == pytest.approx(test["test_loss"], rel=1e-5)
+    stopped = train(dataclasses.replace(_one_process(cfg), stop_after=2))
+    assert stopped.test is None  # the test is of the finished run only
+
+
+@pytest.mark.parametrize(
+    "flags,want",
+    [(["--split", "969, 30, 1"], (0.03, 0.001)), (["--split", "98/2"], (0.02, 0.0)),
+     (["--split", "100"], (0.05, 0.0)), (["--split", "95,0,5"], (0.05, 0.05))],
+)  # fmt: skip
+def test_split_flag_reads_megatrons_forms(flags, want):
+    cfg = config_from_args(build_parser().parse_args(flags))
+    assert (cfg.valid_fraction, cfg.test_fraction) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--split", "90,10", "--valid-fraction", "0.2"], r"both set the validation share"),
+     (["--split", "a,b"], r"expected weights such as 969,30,1"),
+     (["--split", "0,5,5"], r"the training share above 0"),
+     (["--split", "1,2,3,4"], r"one to three weights"),
+     (["--split", "95,0,5", "--eval-interval", "2"], r"gives validation no share")],
+)  # fmt: skip
+def test_split_flag_errors(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_args(build_parser().parse_args(flags))
+
+
 def test_evaluate_runs_in_eval_mode_and_puts_train_back():
     """The engines' validation forward switches dropout off (the driver's own models have none,
     so the layout tests cannot see it): the same held-out batch twice gives the same loss, that
@@ -1142,7 +1199,7 @@ def test_evaluate_runs_in_eval_mode_and_puts_train_back():
     sized = driver.model_config(cfg, corpus)
     model, loss = build_model(dataclasses.replace(sized, dropout=0.5), SEED)
     engine = DataParallel(cfg, model, loss, "dk", None, 0)
-    _, valid_span = data.split(corpus, cfg.valid_fraction)
+    _, valid_span, _ = data.split(corpus, cfg.valid_fraction)
     sampler = data.Sampler(corpus, cfg.model.block_size, cfg.global_batch, cfg.seed, valid_span)
     first, second = engine.evaluate(sampler, 0), engine.evaluate(sampler, 0)
     assert model.training and all(m.training for m in model.modules())
@@ -1165,7 +1222,7 @@ def test_validation_errors(tmp_path):
     text = tmp_path / "small.txt"
     text.write_text("abcdefgh" * 200)  # 1,600 characters: 0.5% is 8, less than a window
     corpus = data.CharCorpus.build(str(text), 16)
-    _, valid = data.split(corpus, 0.005)
+    _, valid, _ = data.split(corpus, 0.005)
     assert valid == (1592, 1600)
     with pytest.raises(data.DataError, match=r"tokens \[1592, 1600\) of .* hold 8 characters; "):
         data.Sampler(corpus, 16, 4, 0, span=valid)

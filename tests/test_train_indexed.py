@@ -89,15 +89,26 @@ def test_validation_holds_out_whole_documents(tmp_path):
     prefix = str(tmp_path / "d")
     _megatron_writes(prefix, docs, np.uint16)
     corpus = data.build_corpus(prefix, 16)
-    assert data.split(corpus, 0.2) == ((0, 750), (750, 1050))  # token cut 840: start 750 nearer
-    assert data.split(corpus, 0.05) == ((0, 750), (750, 1050))  # 998: 750 is the last start
-    assert data.split(corpus, 0.45) == ((0, 650), (650, 1050))  # 578: 650 nearer than 400
+    assert data.split(corpus, 0.2) == (
+        (0, 750),
+        (750, 1050),
+        (1050, 1050),
+    )  # token cut 840: start 750 nearer
+    assert data.split(corpus, 0.05) == (
+        (0, 750),
+        (750, 1050),
+        (1050, 1050),
+    )  # 998: 750 is the last start
+    assert data.split(corpus, 0.45) == ((0, 650), (650, 1050), (1050, 1050))  # 578: 650 nearer
+    # --split 70,20,10: the test cut 945 moves to 750, then the validation cut 735 to the
+    # nearest start below it
+    assert data.split(corpus, 0.2, 0.1) == ((0, 650), (650, 750), (750, 1050))
     one = str(tmp_path / "one")
     _megatron_writes(one, [np.concatenate(docs)], np.uint16)
-    assert data.split(data.build_corpus(one, 16), 0.2) == ((0, 840), (840, 1050))
+    assert data.split(data.build_corpus(one, 16), 0.2) == ((0, 840), (840, 1050), (1050, 1050))
     npy = str(tmp_path / "same.npy")
     np.save(npy, np.concatenate(docs))
-    assert data.split(data.build_corpus(npy, 16), 0.2) == ((0, 840), (840, 1050))
+    assert data.split(data.build_corpus(npy, 16), 0.2) == ((0, 840), (840, 1050), (1050, 1050))
 
 
 def test_the_driver_trains_on_a_prefix_as_on_the_same_ids(tmp_path):

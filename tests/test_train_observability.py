@@ -27,7 +27,7 @@ def _train(cfg: TrainConfig):
     import torch.distributed as dist
 
     result = train(cfg.with_layout(dist.get_world_size()))
-    return result.records, result.evals
+    return result.records, result.evals, result.test
 
 
 def test_tensorboard_scalars_and_profiled_steps(tmp_path):
@@ -37,16 +37,19 @@ def test_tensorboard_scalars_and_profiled_steps(tmp_path):
     cfg = TrainConfig(
         model=TINY, steps=4, micro_batch=2, dp=2, seed=7, progress=False,
         tensorboard=board, profile_steps=(2, 3), profile_dir=profile, clip_grad=1.0,
-        eval_interval=2,
+        eval_interval=2, test_fraction=0.02,
     )  # fmt: skip
-    (records, evals), _ = run_ranks(2, _train, cfg, timeout=600)
+    (records, evals, test), _ = run_ranks(2, _train, cfg, timeout=600)
     events = EventAccumulator(board)
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert tags == set(scalars(records[0])) | {"valid/loss", "valid/ppl"}
+    held_out = {"valid/loss", "valid/ppl", "test/loss", "test/ppl"}
+    assert tags == set(scalars(records[0])) | held_out
     for key in ("loss", "ppl"):
         got = [(e.step, e.value) for e in events.Scalars(f"valid/{key}")]
         assert got == [(r["step"], float(np.float32(r[f"valid_{key}"]))) for r in evals], key
+        got = [(e.step, e.value) for e in events.Scalars(f"test/{key}")]
+        assert got == [(4, float(np.float32(test[f"test_{key}"])))], key
     assert [r["step"] for r in evals] == [2, 4]
     assert {
         "loss",

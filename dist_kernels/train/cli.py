@@ -18,7 +18,7 @@ import datetime
 import os
 import signal
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..lr import WSD_STYLES
 from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
@@ -375,6 +375,14 @@ def build_parser() -> argparse.ArgumentParser:
     field("--eval-interval", int, "steps between validation losses on held-out text (0: none)")
     field("--eval-iters", int, "global batches per validation")
     field("--valid-fraction", float, "share of the corpus held out (with --eval-interval)")
+    add(
+        "--split",
+        default=None,
+        metavar="TRAIN,VALID,TEST",
+        help="Megatron's split of the corpus into train / validation / test shares, in that "
+        "order (969,30,1; missing parts are 0): sets --valid-fraction, and holds the test "
+        "share out for one test loss at the end",
+    )
     add("--json", default=None, help="write one JSON object per logged step here")
     add("--plot", default=None, help="write loss, tokens/s and per-rank step times to a PNG")
     add("--engine", default=d.engine, choices=("dk", "torch", "both"))
@@ -505,6 +513,35 @@ def _rope_scaling(args: argparse.Namespace) -> Optional[dict]:
     return scaling
 
 
+def _split(text: Optional[str], valid_fraction: float, eval_interval: int) -> Dict[str, float]:
+    """``--split A,B,C`` (Megatron's: weights, ``,`` or ``/`` between, missing ones 0) as
+    ``valid_fraction`` and ``test_fraction``; without it, ``--valid-fraction`` alone."""
+    if text is None:
+        return {"valid_fraction": valid_fraction}
+    if valid_fraction != TrainConfig.valid_fraction:
+        raise ConfigError("--split and --valid-fraction both set the validation share: give one")
+    try:
+        parts = [float(p) for p in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise ConfigError(f"--split {text!r}: expected weights such as 969,30,1") from None
+    if not 1 <= len(parts) <= 3 or min(parts) < 0 or not parts[0] > 0:
+        raise ConfigError(
+            f"--split {text!r}: one to three weights >= 0 (train, validation, test), the "
+            "training share above 0"
+        )
+    train, valid, test = parts + [0.0] * (3 - len(parts))
+    total = train + valid + test
+    if not valid and eval_interval:
+        raise ConfigError(
+            f"--split {text!r} gives validation no share, and --eval-interval asks for it"
+        )
+    # no validation share: the field keeps its default, unused without --eval-interval
+    return {
+        "valid_fraction": valid / total if valid else TrainConfig.valid_fraction,
+        "test_fraction": test / total,
+    }
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     data, blend = _data(args.data)
     model = dataclasses.replace(
@@ -573,7 +610,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         muon_adjust_lr=args.muon_adjust_lr, muon_tp_mode=args.muon_tp_mode,
         muon_ns_dtype=args.muon_ns_dtype, muon_split_qkv=args.muon_split_qkv,
         eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters, valid_fraction=args.valid_fraction,
+        eval_iters=args.eval_iters, **_split(args.split, args.valid_fraction, args.eval_interval),
         reference_tokens_per_s=args.reference_tokens_per_s,
         exit_signal_handler=args.exit_signal_handler,
         exit_duration_in_mins=args.exit_duration_in_mins, signal_after=args.signal_after,
@@ -662,7 +699,9 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"--eod-token {cfg.eod_token} is not in the data's vocabulary of {corpus.vocab_size}"
         )
     model = model_config(cfg, corpus)
-    data_fp = samplers(cfg, corpus)[2]  # the samplers' checks too (a held-out span too small)
+    data_fp = samplers(
+        cfg, corpus
+    ).fingerprint  # the samplers' checks too (a held-out span too small)
     resume = resolve_resume(cfg, identity(cfg, describe(model), data_fp))
     if cfg.init_from is not None and resume is None:  # (a resumed run ignores it)
         from .export import load_exported

@@ -242,7 +242,11 @@ class TrainConfig:
     eval_iters: int = 2
     """Global batches of held-out windows per validation (the same ones every time)."""
     valid_fraction: float = 0.05
-    """With ``eval_interval``: the share of the corpus, at its end, that validation reads."""
+    """With ``eval_interval``: the share of the corpus, at its end (before the test share),
+    that validation reads."""
+    test_fraction: float = 0.0
+    """The share of the corpus, at its very end, held out of training and validation for one
+    test loss when the run completes (Megatron's ``--split``'s third part); 0 = none."""
     log_every: int = 1
     """Steps per logging interval (metrics, straggler check)."""
     json: Optional[str] = None
@@ -413,6 +417,14 @@ class TrainConfig:
         _at_least("eval_iters", self.eval_iters, 1)
         if not 0 < self.valid_fraction < 1:
             raise ConfigError(f"valid_fraction must lie in (0, 1), got {self.valid_fraction}")
+        if not 0 <= self.test_fraction < 1:
+            raise ConfigError(f"test_fraction must lie in [0, 1), got {self.test_fraction}")
+        held = self.test_fraction + (self.valid_fraction if self.eval_interval else 0.0)
+        if held >= 1:
+            raise ConfigError(
+                f"valid_fraction({self.valid_fraction}) + test_fraction({self.test_fraction}) "
+                "leave nothing to train on"
+            )
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:

@@ -234,28 +234,37 @@ def build_blend(
     return build_corpus(path, seq_len, vocab_size)
 
 
-def _split_one(part: TokenCorpus | CharCorpus, valid_fraction: float) -> Tuple[Span, Span]:
-    """The cut at the corpus's last ``valid_fraction``, moved to the nearest document start
-    when the corpus knows its documents (a Megatron index), so that no document is trained on
-    in part and validated on in part (Megatron splits by documents too)."""
+def _at_document(part: TokenCorpus | CharCorpus, cut: int, below: int) -> int:
+    """``cut`` moved to the nearest document start below ``below`` when the corpus knows its
+    documents (a Megatron index), so that no document lies on both sides (Megatron splits by
+    documents)."""
     n = len(part.tokens)
-    cut = n - max(1, round(n * valid_fraction))
     starts = getattr(part, "document_starts", None)
-    if starts is not None:
-        inner = starts[(starts > 0) & (starts < n)]
-        if len(inner):
-            cut = int(inner[np.abs(inner - cut).argmin()])
-    return (0, cut), (cut, n)
+    if starts is None or not 0 < cut < n:
+        return cut
+    inner = starts[(starts > 0) & (starts < below)]
+    return int(inner[np.abs(inner - cut).argmin()]) if len(inner) else cut
 
 
-def split(corpus: Corpus, valid_fraction: float):
-    """``(train span, validation span)`` of token indices: the validation text is the
-    corpus's last ``valid_fraction`` (whole documents where they are known), so no training
-    window overlaps it. A blend: a list of spans each, every file split so."""
+def _split_one(part, valid_fraction: float, test_fraction: float) -> Tuple[Span, Span, Span]:
+    n = len(part.tokens)
+    test = n - max(1, round(n * test_fraction)) if test_fraction else n
+    valid = test - max(1, round(n * valid_fraction)) if valid_fraction else test
+    test = _at_document(part, test, n)
+    valid = _at_document(part, min(valid, test), test) if valid_fraction else test
+    return (0, valid), (valid, test), (test, n)
+
+
+def split(corpus: Corpus, valid_fraction: float, test_fraction: float = 0.0):
+    """``(train, validation, test)`` spans of token indices, in that order (Megatron's
+    ``--split``): the test text is the corpus's last ``test_fraction``, the validation text
+    the ``valid_fraction`` before it (whole documents where they are known), so no training
+    window overlaps either; a fraction of 0 gives an empty span. A blend: a list of spans
+    each, every file split so."""
     if isinstance(corpus, BlendedCorpus):
-        spans = [_split_one(p, valid_fraction) for p in corpus.parts]
-        return [t for t, _ in spans], [v for _, v in spans]
-    return _split_one(corpus, valid_fraction)
+        spans = [_split_one(p, valid_fraction, test_fraction) for p in corpus.parts]
+        return tuple([s[i] for s in spans] for i in range(3))
+    return _split_one(corpus, valid_fraction, test_fraction)
 
 
 class Sampler:
@@ -280,7 +289,7 @@ class Sampler:
                 raise DataError(
                     f"data: tokens [{lo}, {hi}) of {part.description} hold {hi - lo} "
                     f"characters; a window needs {seq_len + 2} (seq_len {seq_len}): a larger "
-                    "corpus or valid_fraction"
+                    "corpus, valid_fraction or test_fraction"
                 )
             self.parts.append(part.tokens[lo:hi])
         self.weights = getattr(corpus, "weights", [1.0])

@@ -16,7 +16,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -44,6 +44,7 @@ class RunResult:
     stragglers: List[StragglerReport] = field(default_factory=list)
     params: Dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's stage, at the end
     evals: List[Dict[str, Any]] = field(default_factory=list)  # validation records (rank 0)
+    test: Optional[Dict[str, Any]] = None  # the test record at the end (rank 0; --split)
     summary: Dict[str, Any] = field(default_factory=dict)
     exit_reason: Optional[str] = None  # why the run stopped before its end (exits.py)
 
@@ -132,7 +133,8 @@ class _Run:
         self, cfg: TrainConfig, engine: str, world: World, corpus: Corpus, append_log: bool
     ) -> None:
         self.cfg, self.engine_name, self.world = cfg, engine, world
-        self.sampler, self.valid_sampler, data_fp = samplers(cfg, corpus)
+        self.data = samplers(cfg, corpus)
+        self.sampler, data_fp = self.data.train, self.data.fingerprint
         self.ident = checkpoints.identity(cfg, describe(cfg.model), data_fp)
         resume = checkpoints.resolve_resume(cfg, self.ident)
         cfg = self.cfg = checkpoints.adopt_hyper(cfg, resume)  # the checkpoint's schedule
@@ -220,7 +222,7 @@ class _Run:
             self.tensorboard.close()
             self.engine.close()
         summary = _summary(self.result.records, self.start_step)
-        self.result.summary = _with_validation(summary, self.result.evals)
+        self.result.summary = _with_validation(summary, self.result.evals, self.result.test)
         return self.result
 
     def _loop(self) -> None:
@@ -251,6 +253,8 @@ class _Run:
             if reason is not None:
                 self._exit_early(done, reason, loss, interval, time.perf_counter() - wall)
                 return
+        if self.data.test is not None and end == cfg.steps:  # Megatron's test at the end
+            self._evaluate(end, "test")
 
     def _save(self, done: int) -> str:
         cfg = self.cfg
@@ -272,22 +276,28 @@ class _Run:
             where = f"; checkpoint {saved}" if saved else "; no --checkpoint-dir: nothing saved"
             self.progress.write(f"stopped after step {done} of {self.cfg.steps} ({reason}){where}")
 
-    def _evaluate(self, done: int) -> None:
-        """The validation loss: ``eval_iters`` held-out global batches (the same each time),
-        every replica its share, averaged over the ranks (a replica's ranks agree)."""
+    def _evaluate(self, done: int, split: str = "valid") -> None:
+        """The validation (or test) loss: ``eval_iters`` held-out global batches (the same
+        each time), every replica its share, averaged over the ranks (a replica's ranks
+        agree)."""
         cfg = self.cfg
-        mine = sum(self.engine.evaluate(self.valid_sampler, k) for k in range(cfg.eval_iters))
+        sampler = self.data.valid if split == "valid" else self.data.test
+        mine = sum(self.engine.evaluate(sampler, k) for k in range(cfg.eval_iters))
         rows = self.world.gather(torch.tensor([mine / cfg.eval_iters], dtype=torch.float64))
         if not self.is_rank0:
             return
         loss = float(rows.mean())
-        record = {"step": done, "engine": self.engine_name, "valid_loss": loss}
-        record["valid_ppl"] = math.exp(min(loss, 700.0))
-        self.result.evals.append(record)
+        record = {"step": done, "engine": self.engine_name, f"{split}_loss": loss}
+        record[f"{split}_ppl"] = math.exp(min(loss, 700.0))
+        if split == "valid":
+            self.result.evals.append(record)
+        else:
+            self.result.test = record
         self.json.write(record)
-        self.tensorboard.write_valid(record)
+        self.tensorboard.write_eval(record, split)
+        name = "validation" if split == "valid" else "test"
         self.progress.write(
-            f"step {done} | validation loss {loss:.4f} | ppl {record['valid_ppl']:.2f}"
+            f"step {done} | {name} loss {loss:.4f} | ppl {record[f'{split}_ppl']:.2f}"
         )
 
     def _checkpoint_due(self, done: int) -> bool:
@@ -371,18 +381,31 @@ class _Run:
             self.progress.write(str(report))
 
 
-def samplers(cfg: TrainConfig, corpus: Corpus):
-    """(training sampler, validation sampler or None, the data's fingerprint): with
-    ``eval_interval`` the corpus's tail is held out, which the fingerprint records (a resume
-    must train on the same text; the command line's preflight checks it with this too)."""
+class Samplers(NamedTuple):
+    """The run's samplers: training, validation (with ``eval_interval``), test (with
+    ``test_fraction``), and the data's fingerprint."""
+
+    train: Sampler
+    valid: Optional[Sampler]
+    test: Optional[Sampler]
+    fingerprint: str
+
+
+def samplers(cfg: TrainConfig, corpus: Corpus) -> Samplers:
+    """The run's :class:`Samplers`: with ``eval_interval`` (and ``test_fraction``) the
+    corpus's tail is held out, which the fingerprint records (a resume must train on the same
+    text; the command line's preflight checks it with this too)."""
     seq, batch = cfg.model.block_size, cfg.global_batch
-    if not cfg.eval_interval:
-        return Sampler(corpus, seq, batch, cfg.seed), None, corpus.fingerprint()
-    train_span, valid_span = split(corpus, cfg.valid_fraction)
-    train = Sampler(corpus, seq, batch, cfg.seed, span=train_span)
-    valid = Sampler(corpus, seq, batch, cfg.seed, span=valid_span)
+    valid = cfg.valid_fraction if cfg.eval_interval else 0.0
+    if not valid and not cfg.test_fraction:
+        return Samplers(Sampler(corpus, seq, batch, cfg.seed), None, None, corpus.fingerprint())
+    spans = split(corpus, valid, cfg.test_fraction)
+    made = [Sampler(corpus, seq, batch, cfg.seed, span=spans[0])]
+    for fraction, span in zip((valid, cfg.test_fraction), spans[1:]):
+        made.append(Sampler(corpus, seq, batch, cfg.seed, span=span) if fraction else None)
+    train_span = spans[0]
     ends = [s[1] for s in train_span] if isinstance(train_span, list) else train_span[1]
-    return train, valid, f"{corpus.fingerprint()}:train{ends}"
+    return Samplers(*made, f"{corpus.fingerprint()}:train{ends}")
 
 
 def _minmax(done: int, rows: torch.Tensor) -> str:
@@ -436,10 +459,14 @@ def _summary(records: List[Dict[str, Any]], start_step: int) -> Dict[str, Any]:
     return out
 
 
-def _with_validation(summary: Dict[str, Any], evals: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The summary with the last validation loss (when there was one)."""
+def _with_validation(
+    summary: Dict[str, Any], evals: List[Dict[str, Any]], test: Optional[Dict[str, Any]]
+) -> Dict[str, Any]:
+    """The summary with the last validation loss and the test loss (when there were)."""
     if evals:
         summary["valid_loss"] = evals[-1]["valid_loss"]
+    if test is not None:
+        summary["test_loss"] = test["test_loss"]
     return summary
 
 

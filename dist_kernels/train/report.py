@@ -16,6 +16,7 @@ _COLUMNS = (
     ("MFU", "mfu", "{:.2%}"),
     ("final loss", "final_loss", "{:.4f}"),
     ("valid loss", "valid_loss", "{:.4f}"),
+    ("test loss", "test_loss", "{:.4f}"),
     ("peak MB", "peak_mem_mb", "{:.0f}"),
 )
 

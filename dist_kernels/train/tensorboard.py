@@ -51,9 +51,10 @@ class TensorBoardLog:
     def write(self, record: Dict[str, Any]) -> None:
         self._add(scalars(record), record["step"])
 
-    def write_valid(self, record: Dict[str, Any]) -> None:
-        """A validation record: ``valid/loss`` and ``valid/ppl`` (Megatron's "validation")."""
-        self._add({f"valid/{k}": record[f"valid_{k}"] for k in ("loss", "ppl")}, record["step"])
+    def write_eval(self, record: Dict[str, Any], split: str = "valid") -> None:
+        """A validation or test record: ``valid/loss`` and ``valid/ppl`` (Megatron's
+        "validation"), or ``test/loss`` and ``test/ppl``."""
+        self._add({f"{split}/{k}": record[f"{split}_{k}"] for k in ("loss", "ppl")}, record["step"])
 
     def _add(self, values: Dict[str, float], step: int) -> None:
         if self._writer is None:
