@@ -99,12 +99,17 @@ def test_gpt_at_cp2_trains_like_one_process():
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
 
 
-@pytest.mark.parametrize("scaling", [None, YARN], ids=["rope", "rope-yarn"])
-def test_llama_style_gpt_at_cp2_trains_like_one_process(scaling):
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"rope_scaling": YARN}, {"rotary_percent": 0.5, "kv_channels": 4}],
+    ids=["rope", "rope-yarn", "rope-partial"],
+)
+def test_llama_style_gpt_at_cp2_trains_like_one_process(extra):
     """Rotary embeddings on zig-zag shards: each rank turns its queries and keys by their
-    global positions (a rank's shard holds positions 0-3 and 12-15 at cp = 2), scaled or not."""
+    global positions (a rank's shard holds positions 0-3 and 12-15 at cp = 2), scaled or not,
+    over every dimension of a head or its first half (Phi's partial rotary)."""
     print("seed", SEED)
-    options = {**LLAMA, "rope_scaling": scaling}
+    options = {**LLAMA, **extra}
     _check(run_ranks(2, _rank_gpt_cp, 1, 1, 2, [False], False, options, timeout=300), dp=1)
 
 

@@ -94,6 +94,12 @@ MODELS = {
     "mixtral-gqa-ffn40": GPTConfig(
         **SMALL, **LLAMA, **MIXTRAL_MOE, n_kv_heads=2, ffn_hidden_size=40, tie_embeddings=False
     ),
+    "phi3-partial-rotary-window-6": GPTConfig(  # Phi-4-mini's 0.75 of the 8 dims: 6 turned
+        **SMALL, **LLAMA, n_kv_heads=2, rotary_percent=0.75, sliding_window=6, tie_embeddings=True
+    ),
+    "phi3-partial-rotary-half-ffn40": GPTConfig(
+        **SMALL, **LLAMA, rotary_percent=0.5, ffn_hidden_size=40, tie_embeddings=False
+    ),
 }
 # HF's Llama computes its rotary tables in FP32 whatever the model's dtype (its
 # LlamaRotaryEmbedding), so a float64 comparison ends at FP32's rounding of the angles; a
@@ -144,6 +150,7 @@ def test_our_weights_give_the_hf_model_our_logits(tmp_path, name):
     back_config, back = dk_hf.load_pretrained(str(tmp_path))
     assert back_config.ffn_dim == config.ffn_dim and back_config.kv_heads == config.kv_heads
     assert back_config.rope_scaling == config.rope_scaling
+    assert back_config.rotary_percent == config.rotary_percent
     for k, v in state.items():
         if k.endswith("bias") and not config.bias:
             continue
@@ -178,6 +185,10 @@ HF_BUILT = {
                                          moe_intermediate_size=24, decoder_sparse_step=2,
                                          shared_expert_intermediate_size=40)),
     "mistral": ("MistralConfig", dict(sliding_window=5, tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False, pad_token_id=None)),  # full rotary
+    "phi3-partial-rotary-window": ("Phi3Config", dict(sliding_window=5, pad_token_id=None,
+                                                      rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
     "mixtral": ("MixtralConfig", dict(intermediate_size=40, num_local_experts=4,
                                       num_experts_per_tok=2, tie_word_embeddings=False)),
 }  # fmt: skip
@@ -253,6 +264,14 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
             dk_hf.from_hf({**shape, "rope_parameters": {"rope_type": kind}}, {})
     with pytest.raises(ValueError, match=r"partial_rotary_factor 0.5: rope turns every dim"):
         dk_hf.from_hf({**shape, "rope_parameters": {"partial_rotary_factor": 0.5}}, {})
+    scaled_partial = GPTConfig(**SMALL, **LLAMA, rotary_percent=0.5, rope_scaling={
+        "rope_type": "linear", "factor": 2.0})  # fmt: skip
+    with pytest.raises(ValueError, match=r"partial rotary \(rotary_percent 0.5\) maps to Phi-3"):
+        dk_hf.to_hf(scaled_partial, GPT(scaled_partial).state_dict())
+    longrope = {**shape, "model_type": "phi3", "num_hidden_layers": 0, "rope_parameters": {
+        "rope_type": "longrope", "partial_rotary_factor": 0.75}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"rope_type 'longrope': only the default"):
+        dk_hf.from_hf(longrope, {})
     with pytest.raises(ValueError, match=r"has no config.json"):
         dk_hf.load_pretrained(str(tmp_path))
     assert export_main([str(tmp_path), str(tmp_path / "x"), "--format", "hf"]) == 2

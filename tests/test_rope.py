@@ -107,6 +107,13 @@ def test_rope_scaling_dicts_are_completed_and_checked():
         GPTConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ValueError, match=r"the head size 5 \(kv_channels\) is odd"):
         GPTConfig(position_embedding="rope", kv_channels=5)
+    with pytest.raises(ValueError, match=r"head size 8 \(dim\(32\) / n_heads\(4\)\) x "
+                       r"rotary_percent\(0.375\) = 3 is odd"):  # fmt: skip
+        GPTConfig(position_embedding="rope", dim=32, n_heads=4, rotary_percent=0.375)
+    with pytest.raises(ValueError, match=r"rotary_percent must lie in \(0, 1\], got 1.5"):
+        GPTConfig(position_embedding="rope", rotary_percent=1.5)
+    with pytest.raises(ValueError, match=r"rotary_percent\(0.5\) needs position_embedding"):
+        GPTConfig(rotary_percent=0.5)
 
 
 @pytest.mark.parametrize("name", ["linear", "llama3", "yarn"])

@@ -113,6 +113,11 @@ class GPTConfig:
     (rotary embedding of queries and keys, Su et al. 2021, as Llama and Megatron apply it)."""
     rope_theta: float = 10000.0
     """The rotary embedding's base: dimension pair ``i`` turns by ``pos / theta^(2i / d)``."""
+    rotary_percent: float = 1.0
+    """The share of each head's dimensions the rotary embedding turns, the first ones; the
+    rest pass unturned (Megatron's ``--rotary-percent``, Hugging Face's
+    ``partial_rotary_factor``: Phi-4-mini's 0.75). The frequencies are those of a head of
+    ``int(head_dim * rotary_percent)`` dimensions."""
     rope_scaling: Optional[Dict[str, Any]] = None
     """Rope stretched for a longer context than the model was trained on, as Hugging Face's
     ``rope_parameters`` say it: ``{"rope_type": "linear" | "llama3" | "yarn", "factor": ...}``
@@ -202,11 +207,23 @@ class GPTConfig:
                 f"GPTConfig: n_kv_heads({self.n_kv_heads}) must be a positive divisor of "
                 f"n_heads({self.n_heads})"
             )
-        if self.position_embedding == "rope" and self.head_dim % 2:
-            of = "kv_channels" if self.kv_channels else f"dim({self.dim}) / n_heads({self.n_heads})"
+        if not 0 < self.rotary_percent <= 1:
             raise ValueError(
-                f"GPTConfig: rope turns pairs of dimensions, but the head size "
-                f"{self.head_dim} ({of}) is odd"
+                f"GPTConfig: rotary_percent must lie in (0, 1], got {self.rotary_percent}"
+            )
+        if self.position_embedding == "rope" and (self.rotary_dim % 2 or not self.rotary_dim):
+            of = "kv_channels" if self.kv_channels else f"dim({self.dim}) / n_heads({self.n_heads})"
+            size = f"the head size {self.head_dim} ({of})"
+            if self.rotary_percent < 1:
+                size += f" x rotary_percent({self.rotary_percent}) = {self.rotary_dim}"
+            raise ValueError(
+                f"GPTConfig: rope turns pairs of dimensions, but {size} is "
+                f"{'odd' if self.rotary_dim % 2 else 'none'}"
+            )
+        if self.rotary_percent != 1 and self.position_embedding != "rope":
+            raise ValueError(
+                f"GPTConfig: rotary_percent({self.rotary_percent}) needs "
+                f"position_embedding='rope', got {self.position_embedding!r}"
             )
         if self.rope_scaling is not None and self.position_embedding != "rope":
             raise ValueError(
@@ -244,6 +261,11 @@ class GPTConfig:
         return self.kv_channels or self.dim // self.n_heads
 
     @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head the rotary embedding turns (the first ones)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
     def kv_heads(self) -> int:
         """Key / value heads: ``n_kv_heads``, or ``n_heads`` without grouping."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
@@ -260,7 +282,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
         self.group = cfg.n_heads // cfg.kv_heads  # query heads per key / value head
         self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
-        self.rope_scaling = cfg.rope_scaling
+        self.rope_scaling, self.rotary_dim = cfg.rope_scaling, cfg.rotary_dim
         qkv_heads = cfg.n_heads + 2 * cfg.kv_heads
         self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias or cfg.qkv_bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
@@ -315,14 +337,16 @@ class CausalSelfAttention(nn.Module):
         return band if mask is None else mask & band
 
     def _rope_tables(self, s: int, b: int, device: torch.device):
-        """cos / sin ``[s, d]`` of positions 0..s-1 (this shard's under cp), or ``[b, 1, s, d]``
-        of each token's position in its document when positions reset."""
+        """cos / sin ``[s, r]`` of positions 0..s-1 (this shard's under cp), or ``[b, 1, s, r]``
+        of each token's position in its document when positions reset (``r`` the rotary
+        dimensions)."""
         reset = None if self.documents is None else self.documents.positions
         if reset is None:
             pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
-            return rope_tables(pos.to(device), self.head_dim, self.rope_theta, self.rope_scaling)
-        cos, sin = rope_tables(reset.reshape(-1), self.head_dim, self.rope_theta, self.rope_scaling)
-        return cos.view(b, 1, s, self.head_dim), sin.view(b, 1, s, self.head_dim)
+            return rope_tables(pos.to(device), self.rotary_dim, self.rope_theta, self.rope_scaling)
+        d = self.rotary_dim
+        cos, sin = rope_tables(reset.reshape(-1), d, self.rope_theta, self.rope_scaling)
+        return cos.view(b, 1, s, d), sin.view(b, 1, s, d)
 
 
 class MLP(nn.Module):

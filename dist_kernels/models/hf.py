@@ -6,11 +6,16 @@
                                                      #   / MixtralForCausalLM
                                                      #   / Qwen2MoeForCausalLM
                                                      #   / Qwen3MoeForCausalLM
+                                                     #   / Phi3ForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Eight families map one to one (Mistral is Llama with a ``sliding_window``; Qwen2 is Llama with
+Nine families map one to one (Mistral is Llama with a ``sliding_window``; Phi-3 (Phi-4,
+Phi-4-mini) is Llama with its query / key / value projections fused in one ``qkv_proj`` and
+its gate and up projections in one ``gate_up_proj``, and the rotary embedding over the first
+``partial_rotary_factor`` of each head, our ``rotary_percent``: a model with partial rotary
+exports as Phi-3, a Phi-3 with full rotary as the Llama or Mistral it equals; Qwen2 is Llama with
 biased query / key / value projections, ``qkv_bias``; Qwen3 is Llama with per-head query / key
 norms, ``qk_norm``; Mixtral is Llama with an MoE in every block; Qwen3-MoE is Qwen3 with an MoE
 in every ``decoder_sparse_step``-th block, our ``moe_every``, its experts
@@ -87,6 +92,16 @@ def _family(config: GPTConfig) -> str:
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    if config.rotary_percent != 1:  # partial rotary: Phi-3's (Phi-4-mini)
+        plain = not (config.bias or config.qkv_bias or config.qk_norm or config.n_experts)
+        if mine == llama and plain and config.rope_scaling is None:
+            return "phi3"
+        raise ValueError(
+            f"hf: partial rotary (rotary_percent {config.rotary_percent}) maps to Phi-3 only: "
+            f"{llama} without biases, qk_norm, MoE or rope_scaling; this one has {mine}, "
+            f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
+            f"n_experts={config.n_experts}, rope_scaling={config.rope_scaling}"
+        )
     if config.sliding_window is not None:  # Mistral, or Mixtral
         plain = not (config.bias or config.qkv_bias or config.qk_norm)
         moe = {k: getattr(config, k) for k in _MIXTRAL_MOE}
@@ -166,7 +181,7 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     family = _family(config)
     to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
           "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe,
-          "qwen2_moe": _to_qwen2_moe, "mistral": _to_mistral}  # fmt: skip
+          "qwen2_moe": _to_qwen2_moe, "mistral": _to_mistral, "phi3": _to_phi3}  # fmt: skip
     return to[family](config, state)
 
 
@@ -350,6 +365,26 @@ def _to_mistral(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]
     return hf, out
 
 
+def _to_phi3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama_unbiased(config, state)
+    hf.update(
+        model_type="phi3",
+        sliding_window=config.sliding_window,
+        original_max_position_embeddings=config.block_size,
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        pad_token_id=None,  # Phi3Config's default, 32000, names an id of Phi-3's vocabulary
+    )
+    hf["rope_parameters"]["partial_rotary_factor"] = config.rotary_percent
+    for i in range(config.n_layers):
+        at = f"model.layers.{i}"
+        qkv = [out.pop(f"{at}.self_attn.{n}_proj.weight") for n in "qkv"]
+        out[f"{at}.self_attn.qkv_proj.weight"] = torch.cat(qkv)  # [q heads | k heads | v heads]
+        gate_up = [out.pop(f"{at}.mlp.{n}_proj.weight") for n in ("gate", "up")]
+        out[f"{at}.mlp.gate_up_proj.weight"] = torch.cat(gate_up)  # chunk(2): gate, then up
+    return hf, out
+
+
 def _to_qwen2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     hf, out = _to_llama_unbiased(config, state)
     hf.update(model_type="qwen2", use_sliding_window=False, sliding_window=None)
@@ -429,9 +464,11 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_qwen3_moe(hf, state)
     if model_type == "qwen2_moe":
         return _from_qwen2_moe(hf, state)
+    if model_type == "phi3":
+        return _from_phi3(hf, state)
     raise ValueError(
         f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', "
-        "'mixtral', 'qwen2_moe' and 'qwen3_moe' are mapped"
+        "'mixtral', 'qwen2_moe', 'qwen3_moe' and 'phi3' are mapped"
     )
 
 
@@ -577,6 +614,28 @@ def _from_mistral(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         raise ValueError(f"hf: Mistral with mixed layer_types {sorted(set(hf['layer_types']))}")
     plain = {**hf, "attention_bias": False, "mlp_bias": False}
     return _from_llama(plain, state, {"sliding_window": hf.get("sliding_window")})
+
+
+def _from_phi3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    """Phi-3's fused projections split into Llama's, then Llama with Phi-3's window and
+    partial rotary (longrope, the 128k variants' scaling, is refused by the rope mapping)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    partial = rope.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
+    plain = {**hf, "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": None}
+    plain["rope_parameters"], plain["rope_scaling"] = rope, None
+    heads, dim = hf["num_attention_heads"], hf["hidden_size"]
+    kv = _get(hf, "num_key_value_heads", default=heads)
+    d = hf.get("head_dim") or dim // heads
+    llama = dict(state)
+    for i in range(hf["num_hidden_layers"]):
+        at = f"model.layers.{i}"
+        q, k, v = llama.pop(f"{at}.self_attn.qkv_proj.weight").split([heads * d, kv * d, kv * d])
+        for name, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            llama[f"{at}.self_attn.{name}.weight"] = value
+        gate, up = llama.pop(f"{at}.mlp.gate_up_proj.weight").chunk(2)
+        llama[f"{at}.mlp.gate_proj.weight"], llama[f"{at}.mlp.up_proj.weight"] = gate, up
+    extra = {"sliding_window": hf.get("sliding_window"), "rotary_percent": float(partial)}
+    return _from_llama(plain, llama, extra)
 
 
 def _from_qwen2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:

@@ -164,7 +164,11 @@ def rope_tables(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x [..., s, d]`` turned by the tables of its ``s`` positions, computed in FP32 (FP64
-    for an FP64 ``x``) and returned in ``x``'s dtype."""
+    for an FP64 ``x``) and returned in ``x``'s dtype. Tables narrower than ``d`` (``r``
+    columns: partial rotary) turn the first ``r`` dimensions and pass the rest."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     dtype = torch.promote_types(x.dtype, torch.float32)
     half = x.shape[-1] // 2
     xf = x.to(dtype)

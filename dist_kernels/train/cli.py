@@ -330,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--rotary-base", type=float, default=m.rope_theta, help="rope: the angles' base theta")
     add(
+        "--rotary-percent",
+        type=float,
+        default=m.rotary_percent,
+        help="rope: the share of each head's dimensions turned, the first ones (Phi's partial "
+        "rotary)",
+    )
+    add(
         "--sliding-window",
         type=int,
         default=None,
@@ -572,6 +579,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         norm_eps=args.norm_epsilon,
         position_embedding=args.position_embedding_type,
         rope_theta=args.rotary_base,
+        rotary_percent=args.rotary_percent,
         rope_scaling=_rope_scaling(args),
         sliding_window=args.sliding_window,
     )
@@ -640,6 +648,8 @@ def model_flags(model: GPTConfig) -> List[str]:
         flags += ["--position-embedding-type", model.position_embedding]
     if model.position_embedding == "rope" and model.rope_theta != default.rope_theta:
         flags += ["--rotary-base", repr(model.rope_theta)]
+    if model.rotary_percent != default.rotary_percent:
+        flags += ["--rotary-percent", repr(model.rotary_percent)]
     flags += _rope_scaling_to_flags(model.rope_scaling)
     if model.sliding_window is not None:
         flags += ["--sliding-window", str(model.sliding_window)]
