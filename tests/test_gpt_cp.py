@@ -97,12 +97,21 @@ def test_gpt_at_cp2_trains_like_one_process():
 # YaRN stretched 4x from a trained length of 8: every pair's frequency and the attention
 # factor differ from plain rope's
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+# LongRoPE trained on 12 positions: the 16-long sequence takes the long factors, which a rank
+# that judged by its own shard (positions 4-11 on rank 1 at cp = 2) would not
+LONGROPE = {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 12,
+            "short_factor": [1.0, 1.5], "long_factor": [3.0, 17.0]}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"rope_scaling": YARN}, {"rotary_percent": 0.5, "kv_channels": 4}],
-    ids=["rope", "rope-yarn", "rope-partial"],
+    [
+        {},
+        {"rope_scaling": YARN},
+        {"rotary_percent": 0.5, "kv_channels": 4},
+        {"rope_scaling": LONGROPE, "kv_channels": 4},
+    ],
+    ids=["rope", "rope-yarn", "rope-partial", "rope-longrope"],
 )
 def test_llama_style_gpt_at_cp2_trains_like_one_process(extra):
     """Rotary embeddings on zig-zag shards: each rank turns its queries and keys by their

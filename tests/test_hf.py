@@ -27,6 +27,9 @@ SMALL = dict(n_layers=2, n_heads=4, dim=32, block_size=16, vocab_size=64)
 LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope", bias=False)
 # Mixtral: an MoE in every block, softmax router with the top-k weights renormalised
 MIXTRAL_MOE = dict(n_experts=4, top_k=2, moe_every=1, moe_norm_topk=True)
+# LongRoPE's per-pair factors (Phi-3.5 / Phi-4-mini's form), for two pairs; trained length 16
+LONGROPE = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0, 1.7], "long_factor": [2.5, 7.0]}  # fmt: skip
 MODELS = {
     "gpt2": GPTConfig(**SMALL, tie_embeddings=False),
     "gpt2-tied-tanh-ffn72-nobias": GPTConfig(
@@ -99,6 +102,24 @@ MODELS = {
     ),
     "phi3-partial-rotary-half-ffn40": GPTConfig(
         **SMALL, **LLAMA, rotary_percent=0.5, ffn_hidden_size=40, tie_embeddings=False
+    ),
+    # longrope on 4 of 8 dimensions: trained on 8 positions, run on 16 (the long factors)
+    "phi3-longrope-long": GPTConfig(
+        **SMALL,
+        **LLAMA,
+        n_kv_heads=2,
+        rotary_percent=0.5,
+        rope_scaling={**LONGROPE, "original_max_position_embeddings": 8},
+    ),
+    # the same within the trained length (the short factors), every dimension turned
+    "llama-longrope-short": GPTConfig(
+        **SMALL,
+        **LLAMA,
+        rope_scaling={
+            **LONGROPE,
+            "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [1.0, 3.0, 5.0, 9.0],
+        },
     ),
 }
 # HF's Llama computes its rotary tables in FP32 whatever the model's dtype (its
@@ -186,6 +207,14 @@ HF_BUILT = {
                                          shared_expert_intermediate_size=40)),
     "mistral": ("MistralConfig", dict(sliding_window=5, tie_word_embeddings=False)),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False, pad_token_id=None)),  # full rotary
+    "phi3-longrope-long": ("Phi3Config", dict(  # Phi-4-mini's form: 16 positions > 8 trained
+        pad_token_id=None, original_max_position_embeddings=8, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3], "long_factor": [3.0, 11.0]})),
+    "phi3-su-short": ("Phi3Config", dict(  # the older "su" name; 16 positions of 16 trained
+        pad_token_id=None, original_max_position_embeddings=16, max_position_embeddings=64,
+        rope_scaling={"type": "su", "short_factor": [1.0, 1.1, 1.4, 2.0],
+                      "long_factor": [4.0, 6.0, 9.0, 20.0]})),
     "phi3-partial-rotary-window": ("Phi3Config", dict(sliding_window=5, pad_token_id=None,
                                                       rope_parameters={
         "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
@@ -259,19 +288,19 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     with pytest.raises(ValueError, match=r"model_type 'bert': only 'gpt2', 'llama', 'mistral',"):
         dk_hf.from_hf({"model_type": "bert"}, {})
     shape = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4}
-    for kind in ("dynamic", "longrope"):  # scalings that change with the sequence's length
-        with pytest.raises(ValueError, match=rf"rope_type '{kind}': only the default, 'linear',"):
-            dk_hf.from_hf({**shape, "rope_parameters": {"rope_type": kind}}, {})
+    with pytest.raises(ValueError, match=r"rope_type 'dynamic': only the default, 'linear',"):
+        dk_hf.from_hf({**shape, "rope_parameters": {"rope_type": "dynamic"}}, {})
     with pytest.raises(ValueError, match=r"partial_rotary_factor 0.5: rope turns every dim"):
         dk_hf.from_hf({**shape, "rope_parameters": {"partial_rotary_factor": 0.5}}, {})
     scaled_partial = GPTConfig(**SMALL, **LLAMA, rotary_percent=0.5, rope_scaling={
         "rope_type": "linear", "factor": 2.0})  # fmt: skip
     with pytest.raises(ValueError, match=r"partial rotary \(rotary_percent 0.5\) maps to Phi-3"):
         dk_hf.to_hf(scaled_partial, GPT(scaled_partial).state_dict())
-    longrope = {**shape, "model_type": "phi3", "num_hidden_layers": 0, "rope_parameters": {
-        "rope_type": "longrope", "partial_rotary_factor": 0.75}}  # fmt: skip
-    with pytest.raises(ValueError, match=r"rope_type 'longrope': only the default"):
-        dk_hf.from_hf(longrope, {})
+    with pytest.raises(ValueError, match=r"'longrope': 3 factors for a rotary embedding of 4 "):
+        GPTConfig(**SMALL, **LLAMA, rotary_percent=0.5, rope_scaling={
+            **LONGROPE, "short_factor": [1, 2, 3], "long_factor": [1, 2, 3]})  # fmt: skip
+    with pytest.raises(ValueError, match=r"short_factor has 2 entries and long_factor 1"):
+        GPTConfig(**SMALL, **LLAMA, rope_scaling={**LONGROPE, "long_factor": [1.0]})
     with pytest.raises(ValueError, match=r"has no config.json"):
         dk_hf.load_pretrained(str(tmp_path))
     assert export_main([str(tmp_path), str(tmp_path / "x"), "--format", "hf"]) == 2

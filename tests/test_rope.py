@@ -56,6 +56,38 @@ def test_frequencies_match_transformers(name, head_dim, theta):
     assert torch.all(ours <= plain * (1 + 1e-12))  # every scaling slows the turns, none speeds
 
 
+@pytest.mark.parametrize("length", [None, 4096, 4097, 131072])
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_frequencies_match_transformers(length, partial):
+    """LongRoPE (Phi-4-mini's form: 0.75 of a 128-wide head, trained on 4,096 positions, run
+    to 131,072): the short factors up to the trained length, the long ones beyond, and the
+    attention factor, against transformers' ``_compute_longrope_parameters``."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary = int(128 * partial)
+    gen = torch.Generator().manual_seed(SEED)
+    print(f"seed {SEED}")
+    short = (1 + torch.rand(rotary // 2, generator=gen, dtype=torch.float64)).tolist()
+    long = (1 + 40 * torch.rand(rotary // 2, generator=gen, dtype=torch.float64)).tolist()
+    given = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+             "original_max_position_embeddings": 4096}  # fmt: skip
+    hf = transformers.Phi3Config(
+        hidden_size=128 * 4, num_attention_heads=4, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, pad_token_id=None,
+        rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": partial, **given},
+    )  # fmt: skip
+    theirs, their_factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=length)
+    scaling = rope_scaling_checked({**given, "factor": 131072 / 4096})
+    ours, our_factor = rope_frequencies(rotary, 1e4, scaling, length)
+    torch.testing.assert_close(ours, theirs.double(), rtol=1e-6, atol=0)
+    assert our_factor == pytest.approx(their_factor, rel=1e-12)
+    assert our_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-12)
+    plain, _ = rope_frequencies(rotary, 1e4)
+    used = long if length is not None and length > 4096 else short
+    torch.testing.assert_close(ours, plain / torch.tensor(used, dtype=torch.float64))
+
+
 def test_llama3_bands_against_float64_formula():
     """Llama 3.1's three bands, each by its rule, in float64 written out here."""
     s = rope_scaling_checked(CASES["llama3"])
@@ -90,7 +122,7 @@ def test_rope_scaling_dicts_are_completed_and_checked():
     assert config.rope_scaling["original_max_position_embeddings"] == 8192  # Llama 3.1's
     bad = [
         ({"rope_type": "dynamic", "factor": 2.0},
-         r"rope_type is one of \('linear', 'llama3', 'yarn'\)"),
+         r"rope_type is one of \('linear', 'llama3', 'yarn', 'longrope'\)"),
         ({"rope_type": "linear"}, r"'linear': factor is required"),
         ({"rope_type": "linear", "factor": 0}, r"factor must be a positive number, got 0"),
         ({"rope_type": "yarn", "factor": 4.0}, r"original_max_position_embeddings is required"),
@@ -159,7 +191,7 @@ def test_linear_scaling_is_the_unscaled_model_at_divided_positions(monkeypatch):
         want, unscaled = scaled.eval()(ids), plain(ids)
         calls = []
 
-        def tables_at_half(pos, head_dim, theta, scaling=None):
+        def tables_at_half(pos, head_dim, theta, scaling=None, length=None):
             calls.append(scaling)
             return rope_tables(pos.to(torch.float64) / 2, head_dim, theta, scaling)
 

@@ -44,7 +44,7 @@ from .. import context_parallel as cp
 from .. import moe as moe_lib
 from .. import tensor_parallel as tp
 from .documents import DocumentMasking
-from .rope import apply_rope, rope_scaling_checked, rope_tables
+from .rope import apply_rope, pairs_checked, rope_scaling_checked, rope_tables
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -232,6 +232,7 @@ class GPTConfig:
             )
         try:
             self.rope_scaling = rope_scaling_checked(self.rope_scaling)
+            pairs_checked(self.rope_scaling, self.rotary_dim)
         except ValueError as e:
             raise ValueError(f"GPTConfig: {e}") from None
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
@@ -341,11 +342,15 @@ class CausalSelfAttention(nn.Module):
         of each token's position in its document when positions reset (``r`` the rotary
         dimensions)."""
         reset = None if self.documents is None else self.documents.positions
+        d, theta, scaling = self.rotary_dim, self.rope_theta, self.rope_scaling
+        by_length = scaling is not None and scaling["rope_type"] == "longrope"
         if reset is None:
             pos = torch.arange(s) if self.sequence is None else self.sequence.positions(s)
-            return rope_tables(pos.to(device), self.rotary_dim, self.rope_theta, self.rope_scaling)
-        d = self.rotary_dim
-        cos, sin = rope_tables(reset.reshape(-1), d, self.rope_theta, self.rope_scaling)
+            # longrope's factors follow the whole sequence's length (every cp rank's alike)
+            length = s * (1 if self.sequence is None else self.sequence.size)
+            return rope_tables(pos.to(device), d, theta, scaling, length if by_length else None)
+        length = int(reset.max()) + 1 if by_length else None  # as transformers: max position
+        cos, sin = rope_tables(reset.reshape(-1), d, theta, scaling, length)
         return cos.view(b, 1, s, d), sin.view(b, 1, s, d)
 
 

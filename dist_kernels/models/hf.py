@@ -30,7 +30,8 @@ normalization       layernorm (biases zero when ``bias=False``)  rmsnorm
 MLP                 ``proj(gelu(fc(x)))``: ``gelu`` /            swiglu: gate_proj, up_proj
                     ``gelu_pytorch_tanh`` (``gelu_approximate``)  (= fc), down_proj (= proj)
 positions           learned (``wpe``, ``n_positions`` rows)      rope (``rope_parameters``:
-                                                                 theta; linear, llama3, yarn)
+                                                                 theta; linear, llama3, yarn,
+                                                                 longrope)
 attention           every head its key and value                 grouped (``n_kv_heads``)
 ==================  ===========================================  ===========================
 
@@ -94,11 +95,13 @@ def _family(config: GPTConfig) -> str:
     mine = {k: getattr(config, k) for k in gpt2}
     if config.rotary_percent != 1:  # partial rotary: Phi-3's (Phi-4-mini)
         plain = not (config.bias or config.qkv_bias or config.qk_norm or config.n_experts)
-        if mine == llama and plain and config.rope_scaling is None:
+        scaled = config.rope_scaling is not None and config.rope_scaling["rope_type"] != "longrope"
+        if mine == llama and plain and not scaled:
             return "phi3"
         raise ValueError(
             f"hf: partial rotary (rotary_percent {config.rotary_percent}) maps to Phi-3 only: "
-            f"{llama} without biases, qk_norm, MoE or rope_scaling; this one has {mine}, "
+            f"{llama} without biases, qk_norm, MoE or a rope_scaling but longrope; this one has "
+            f"{mine}, "
             f"bias={config.bias}, qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, "
             f"n_experts={config.n_experts}, rope_scaling={config.rope_scaling}"
         )
@@ -370,7 +373,9 @@ def _to_phi3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     hf.update(
         model_type="phi3",
         sliding_window=config.sliding_window,
-        original_max_position_embeddings=config.block_size,
+        original_max_position_embeddings=(config.rope_scaling or {}).get(
+            "original_max_position_embeddings", config.block_size
+        ),
         resid_pdrop=config.dropout,
         embd_pdrop=config.dropout,
         pad_token_id=None,  # Phi3Config's default, 32000, names an id of Phi-3's vocabulary
@@ -533,14 +538,17 @@ def _rope(hf: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     rope.pop("rope_theta", None)
     if kind == "default":
         return theta, None
-    if kind not in ("linear", "llama3", "yarn"):
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
+    if kind not in ("linear", "llama3", "yarn", "longrope"):
         raise ValueError(
-            f"hf: rope_type {kind!r}: only the default, 'linear', 'llama3' and 'yarn' rotary "
-            "embeddings"
+            f"hf: rope_type {kind!r}: only the default, 'linear', 'llama3', 'yarn' and "
+            "'longrope' rotary embeddings"
         )
-    if kind in ("llama3", "yarn"):
+    if kind in ("llama3", "yarn", "longrope"):
         trained = hf.get("original_max_position_embeddings") or hf["max_position_embeddings"]
         rope.setdefault("original_max_position_embeddings", trained)
+    if kind == "longrope" and rope.get("factor") is None:  # transformers' default
+        rope["factor"] = hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
     if kind == "yarn":
         mscale, mscale_all_dim = rope.pop("mscale", None), rope.pop("mscale_all_dim", None)
         if rope.get("factor") is None:
@@ -618,7 +626,7 @@ def _from_mistral(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
 
 def _from_phi3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     """Phi-3's fused projections split into Llama's, then Llama with Phi-3's window and
-    partial rotary (longrope, the 128k variants' scaling, is refused by the rope mapping)."""
+    partial rotary (and longrope, the 128k variants' scaling, through the rope mapping)."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     partial = rope.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
     plain = {**hf, "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": None}

@@ -17,17 +17,29 @@ angles training saw, and are named as Hugging Face's ``rope_parameters`` name th
             dimensions between; and ``cos`` / ``sin`` multiplied by ``attention_factor``
             (``0.1 ln(factor) + 1`` unless given), which scales the attention logits by its
             square (Qwen3's and DeepSeek's long-context setting).
+``longrope`` LongRoPE (Ding et al. 2024; Phi-3's 128k models, Phi-3.5, Phi-4-mini): each pair's
+            frequency divided by its own searched factor, ``short_factor[i]`` while the
+            sequence (the largest position + 1) is within ``L``, ``long_factor[i]`` beyond it,
+            so the same weights run the two regimes; ``cos`` / ``sin`` multiplied by
+            ``attention_factor`` (``sqrt(1 + ln(factor) / ln(L))`` unless given).
 
 The tables are computed in FP64 and applied in FP32 (FP64 for an FP64 input)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["ROPE_SCALINGS", "rope_scaling_checked", "rope_frequencies", "rope_tables", "apply_rope"]
+__all__ = [
+    "ROPE_SCALINGS",
+    "apply_rope",
+    "pairs_checked",
+    "rope_frequencies",
+    "rope_scaling_checked",
+    "rope_tables",
+]
 
 # Each kind's keys and their defaults (None: required). llama3's are Llama 3.1's release values
 # (also Megatron's fixed ones); yarn's betas are the paper's.
@@ -46,6 +58,13 @@ _KEYS: Dict[str, Dict[str, Any]] = {
         "beta_slow": 1.0,
         "attention_factor": None,  # resolved from factor
         "truncate": True,
+    },
+    "longrope": {
+        "factor": None,
+        "original_max_position_embeddings": None,
+        "short_factor": None,
+        "long_factor": None,
+        "attention_factor": None,  # resolved from factor and the trained length
     },
 }
 ROPE_SCALINGS = tuple(_KEYS)
@@ -89,6 +108,14 @@ def rope_scaling_checked(scaling: Optional[Dict[str, Any]]) -> Optional[Dict[str
         attention = _positive(kind, "attention_factor", out["attention_factor"])
         out.update(beta_fast=fast, beta_slow=slow, attention_factor=attention)
         out["truncate"] = bool(out["truncate"])
+    if kind == "longrope":
+        out["short_factor"] = _factors(out["short_factor"], "short_factor")
+        out["long_factor"] = _factors(out["long_factor"], "long_factor")
+        if len(out["short_factor"]) != len(out["long_factor"]):
+            raise ValueError(
+                f"rope_scaling 'longrope': short_factor has {len(out['short_factor'])} entries "
+                f"and long_factor {len(out['long_factor'])}; one per dimension pair each"
+            )
     if "original_max_position_embeddings" in out:
         length = out["original_max_position_embeddings"]
         if isinstance(length, float) and length.is_integer():
@@ -97,7 +124,33 @@ def rope_scaling_checked(scaling: Optional[Dict[str, Any]]) -> Optional[Dict[str
             raise ValueError(f"rope_scaling {kind!r}: original_max_position_embeddings must "
                              f"be a positive int, got {length!r}")  # fmt: skip
         out["original_max_position_embeddings"] = length
+    if kind == "longrope":
+        if out["attention_factor"] is None:  # the paper's; transformers' default
+            factor, length = out["factor"], out["original_max_position_embeddings"]
+            stretch = math.log(factor) / math.log(length) if factor > 1 and length > 1 else 0.0
+            out["attention_factor"] = math.sqrt(1 + stretch)
+        out["attention_factor"] = _positive(kind, "attention_factor", out["attention_factor"])
     return out
+
+
+def _factors(values: Any, key: str) -> List[float]:
+    """A longrope factor list as floats, each positive."""
+    if not isinstance(values, (list, tuple)) or not values:
+        raise ValueError(
+            f"rope_scaling 'longrope': {key} must be a list of numbers, got {values!r}"
+        )
+    return [_positive("longrope", key, v) for v in values]
+
+
+def pairs_checked(scaling: Optional[Dict[str, Any]], rotary_dim: int) -> None:
+    """A ValueError when a longrope scaling's factor lists are not one per dimension pair of
+    a rotary embedding ``rotary_dim`` wide."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        if len(scaling["short_factor"]) != rotary_dim // 2:
+            raise ValueError(
+                f"rope_scaling 'longrope': {len(scaling['short_factor'])} factors for a rotary "
+                f"embedding of {rotary_dim} dimensions ({rotary_dim // 2} pairs)"
+            )
 
 
 def _positive(kind: str, key: str, value: Any) -> float:
@@ -107,11 +160,15 @@ def _positive(kind: str, key: str, value: Any) -> float:
 
 
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None
+    head_dim: int,
+    theta: float,
+    scaling: Optional[Dict[str, Any]] = None,
+    length: Optional[int] = None,
 ) -> Tuple[torch.Tensor, float]:
     """``(f, attention_factor)``: each dimension pair's turn per position (FP64,
-    ``[head_dim / 2]``) and the factor on ``cos`` / ``sin`` (1 but for yarn), for a complete
-    ``scaling`` (:func:`rope_scaling_checked`) or None."""
+    ``[head_dim / 2]``) and the factor on ``cos`` / ``sin`` (1 but for yarn and longrope), for
+    a complete ``scaling`` (:func:`rope_scaling_checked`) or None. ``length``: the sequence's
+    (its largest position + 1), which longrope's choice of factors depends on (None: short)."""
     freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling is None:
         return freq, 1.0
@@ -120,6 +177,11 @@ def rope_frequencies(
         return freq / factor, 1.0
     if kind == "llama3":
         return _llama3(freq, scaling), 1.0
+    if kind == "longrope":
+        pairs_checked(scaling, head_dim)
+        long = length is not None and length > scaling["original_max_position_embeddings"]
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=freq.dtype)
+        return freq / ext, scaling["attention_factor"]
     return _yarn(freq, head_dim, theta, scaling), scaling["attention_factor"]
 
 
@@ -151,12 +213,16 @@ def _yarn(freq: torch.Tensor, head_dim: int, theta: float, s: Dict[str, Any]) ->
 
 
 def rope_tables(
-    pos: torch.Tensor, head_dim: int, theta: float, scaling: Optional[Dict[str, Any]] = None
+    pos: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    scaling: Optional[Dict[str, Any]] = None,
+    length: Optional[int] = None,
 ):
     """``(cos, sin)``, each ``[len(pos), head_dim]`` in FP64: position ``p`` turns dimension
-    ``i`` and ``i + head_dim / 2`` together by ``p * f_i`` (:func:`rope_frequencies`), both
-    multiplied by the scaling's attention factor."""
-    freq, attention_factor = rope_frequencies(head_dim, theta, scaling)
+    ``i`` and ``i + head_dim / 2`` together by ``p * f_i`` (:func:`rope_frequencies`, given
+    ``length``), both multiplied by the scaling's attention factor."""
+    freq, attention_factor = rope_frequencies(head_dim, theta, scaling, length)
     angles = pos.to(torch.float64)[:, None] * freq.to(pos.device)[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos() * attention_factor, angles.sin() * attention_factor

@@ -447,7 +447,8 @@ def _rope_scaling_flags(p: argparse.ArgumentParser) -> None:
         "--rope-scaling",
         choices=ROPE_SCALINGS,
         default=None,
-        help="stretch rope's frequencies: linear interpolation, Llama 3.1's or YaRN",
+        help="stretch rope's frequencies: linear interpolation, Llama 3.1's, YaRN or LongRoPE "
+        "(its short_factor and long_factor by --rope-scaling-param)",
     )
     g.add_argument(
         "--use-rope-scaling",
@@ -480,8 +481,12 @@ def _rope_scaling_flags(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="another key of the scaling (low_freq_factor, high_freq_factor, "
-        "beta_fast, beta_slow, attention_factor, truncate); repeatable",
+        "beta_fast, beta_slow, attention_factor, truncate; longrope's short_factor=1.0,1.2,... "
+        "and long_factor=...); repeatable",
     )
+
+
+_FACTOR_LISTS = ("short_factor", "long_factor")  # longrope's, one number per dimension pair
 
 
 def _rope_scaling(args: argparse.Namespace) -> Optional[dict]:
@@ -513,10 +518,13 @@ def _rope_scaling(args: argparse.Namespace) -> Optional[dict]:
         if value.lower() in ("true", "false"):
             scaling[key] = value.lower() == "true"
             continue
-        try:
-            scaling[key] = float(value)
+        try:  # longrope's per-pair factors: comma-separated
+            numbers = [float(v) for v in value.split(",")]
         except ValueError:
             raise ConfigError(f"--rope-scaling-param {item!r}: not a number") from None
+        scaling[key] = numbers if key in _FACTOR_LISTS else numbers[0]
+        if len(numbers) > 1 and key not in _FACTOR_LISTS:
+            raise ConfigError(f"--rope-scaling-param {item!r}: one number, not a list")
     return scaling
 
 
@@ -684,7 +692,10 @@ def _rope_scaling_to_flags(scaling: Optional[dict]) -> List[str]:
     given = {k: v for k, v in scaling.items() if k == "original_max_position_embeddings"}
     if given:
         flags += ["--rope-original-max-positions", str(given["original_max_position_embeddings"])]
-    defaults = rope_scaling_checked({"rope_type": kind, "factor": factor, **given})
+    lists = {k: v for k, v in scaling.items() if k in _FACTOR_LISTS}
+    for key, value in lists.items():
+        flags += ["--rope-scaling-param", f"{key}={','.join(repr(v) for v in value)}"]
+    defaults = rope_scaling_checked({"rope_type": kind, "factor": factor, **given, **lists})
     for key, value in scaling.items():  # the rest where they differ from the defaults
         if value != defaults[key]:
             flags += ["--rope-scaling-param", f"{key}={value!r}".lower()]
