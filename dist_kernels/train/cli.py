@@ -18,7 +18,7 @@ import datetime
 import os
 import signal
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..lr import WSD_STYLES
 from ..models.gpt import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
@@ -65,12 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
         add(flag, type=kind, default=getattr(d, flag[2:].replace("-", "_")), help=help)
 
     add("--dp", type=int, default=0, help="data-parallel replicas (0: world / (tp x cp x pp))")
-    add("--tp", type=int, default=1, help="tensor-parallel ranks")
-    add("--cp", type=int, default=1, help="context-parallel ranks (sequence split, ring attention)")
-    add("--ep", type=int, default=1, help="expert-parallel ranks (carved from dp)")
+    add("--tp", "--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks")
+    add(
+        "--cp",
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="context-parallel ranks (sequence split, ring attention)",
+    )
+    add(
+        "--ep",
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (carved from dp)",
+    )
     add("--experts", type=int, default=0, help="experts per MoE block (0: no MoE blocks)")
-    add("--top-k", type=int, default=2, help="experts per token in MoE blocks")
-    add("--moe-every", type=int, default=2, help="every n-th block is an MoE block")
+    add("--top-k", "--moe-router-topk", type=int, default=2, help="experts per token in MoE blocks")
+    add(
+        "--moe-every",
+        type=int,
+        default=None,
+        help="every n-th block is an MoE block (default 2; 1 with --num-experts, Megatron's)",
+    )
     add(
         "--kv-channels",
         type=int,
@@ -131,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=m.moe_router_bias_update_rate,
         help="MoE: each step's move of an expert's bias (Megatron's, 1e-3)",
     )
-    add("--pp", type=int, default=1, help="pipeline stages")
+    add("--pp", "--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages")
     add("--zero", type=int, default=0, choices=(0, 1, 2, 3), help=_STRATEGY_HELP)
     add(
         "--schedule",
@@ -139,9 +156,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCHEDULES,
         help="pipeline schedule (interleaved-1f1b, zb-v and dualpipe-v: 2 stages per rank)",
     )
-    add("--micro-batch", type=int, default=d.micro_batch, help="samples per forward per rank")
+    add(
+        "--micro-batch",
+        "--micro-batch-size",
+        type=int,
+        default=d.micro_batch,
+        help="samples per forward per rank",
+    )
     add("--grad-accum", type=int, default=0, help="micro-batches per step (0: derived)")
-    add("--global-batch", type=int, default=0, help="samples per step (0: derived)")
+    add(
+        "--global-batch",
+        "--global-batch-size",
+        type=int,
+        default=0,
+        help="samples per step (0: derived)",
+    )
     add(
         "--bucket-cap-mb",
         type=float,
@@ -154,12 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     field("--loss-scale-window", int, "fp16: clean steps before the loss scale doubles")
     field("--hysteresis", int, "fp16: overflowing steps in a row before the loss scale halves")
     field("--min-loss-scale", float, "fp16: the loss scale's floor (an overflow there stops)")
-    add("--steps", type=int, default=d.steps)
+    add("--steps", "--train-iters", type=int, default=d.steps)
     add("--stop-after", type=int, default=None, help="stop after this step (resume later)")
     add("--lr", type=float, default=d.lr, help="peak learning rate at --lr-base-batch")
     add("--lr-scaling", default=d.lr_scaling, choices=("none", "linear", "sqrt"))
     add("--lr-base-batch", type=int, default=d.lr_base_batch)
-    add("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
+    add("--warmup", "--lr-warmup-iters", type=int, default=d.warmup, help="linear warm-up steps")
     add(
         "--decay",
         "--lr-decay-style",
@@ -297,19 +326,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no loss on the prediction made at an end-of-document token",
     )
-    add("--n-layer", type=int, default=m.n_layers, help="transformer blocks")
-    add("--n-head", type=int, default=m.n_heads, help="attention heads per block")
+    add("--n-layer", "--num-layers", type=int, default=m.n_layers, help="transformer blocks")
+    add(
+        "--n-head",
+        "--num-attention-heads",
+        type=int,
+        default=m.n_heads,
+        help="attention heads per block",
+    )
     add(
         "--num-query-groups",
         type=int,
         default=None,
         help="grouped-query attention: key / value heads (default: --n-head)",
     )
-    add("--d-model", type=int, default=m.dim, help="width of the residual stream")
-    add("--seq-len", type=int, default=m.block_size, help="characters per sample")
+    add("--d-model", "--hidden-size", type=int, default=m.dim, help="width of the residual stream")
+    add("--seq-len", "--seq-length", type=int, default=m.block_size, help="characters per sample")
     add(
         "--normalization",
         default=m.normalization,
+        type=str.lower,  # Megatron's LayerNorm / RMSNorm
         choices=NORMALIZATIONS,
         help="the blocks' and the head's norm (rmsnorm: Llama's)",
     )
@@ -325,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--position-embedding-type",
         default=m.position_embedding,
+        type=lambda v: "learned" if v == "learned_absolute" else v,  # Megatron's name
         choices=POSITION_EMBEDDINGS,
         help="a learned position table (GPT-2) or rotary embeddings of queries and keys",
     )
@@ -344,7 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _rope_scaling_flags(p)
     add("--checkpoint-dir", default=None)
-    add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    add(
+        "--checkpoint-every",
+        "--save-interval",
+        type=int,
+        default=0,
+        help="steps between checkpoints",
+    )
     field("--keep-last", int, "complete checkpoints kept, the newest (0: all)")
     add(
         "--resume",
@@ -378,7 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from the weights of python -m dist_kernels.train.export (any layout) or "
         "of a local Hugging Face GPT-2 / Llama model directory",
     )
-    add("--log-every", type=int, default=d.log_every, help="steps per logging interval")
+    add(
+        "--log-every",
+        "--log-interval",
+        type=int,
+        default=d.log_every,
+        help="steps per logging interval",
+    )
     field("--eval-interval", int, "steps between validation losses on held-out text (0: none)")
     field("--eval-iters", int, "global batches per validation")
     field("--valid-fraction", float, "share of the corpus held out (with --eval-interval)")
@@ -416,8 +465,133 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeout", type=float, default=d.timeout, help="seconds a collective may wait")
     add("--profile-steps", type=_span, default=None, metavar="A:B", help="torch.profiler steps")
     add("--profile-dir", default=d.profile_dir, help="traces of --profile-steps go here")
-    add("--tensorboard", default=None, metavar="DIR", help="write TensorBoard scalars here")
+    add(
+        "--tensorboard",
+        "--tensorboard-dir",
+        default=None,
+        metavar="DIR",
+        help="write TensorBoard scalars here",
+    )
+    _megatron_spellings(p)
     return p
+
+
+def _megatron_spellings(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags that are not plain aliases of ours (those are on the flags
+    themselves: --num-layers, --hidden-size, --micro-batch-size, --train-iters, ...), so that
+    a pretrain_gpt.py command line runs here; :func:`_from_megatron` turns them into ours."""
+    g = p.add_argument_group("Megatron-LM's spellings (translated to the flags above)")
+    add = g.add_argument
+    add("--num-experts", type=int, default=None, help="--experts N with --moe-every 1")
+    add("--bf16", dest="dtype", action="store_const", const="bf16", help="--dtype bf16")
+    add("--fp16", dest="dtype", action="store_const", const="fp16", help="--dtype fp16")
+    add("--min-lr", type=float, default=None, help="--min-lr-ratio MIN_LR / --lr")
+    add(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="--warmup as this fraction of the decay horizon",
+    )
+    add("--save", default=None, metavar="DIR", help="--checkpoint-dir DIR")
+    add("--load", default=None, metavar="DIR", help="resume from DIR's newest checkpoint")
+    add("--recompute-granularity", choices=("full", "selective"), default=None)
+    add("--recompute-method", choices=("uniform", "block"), default=None)
+    add("--recompute-num-layers", type=int, default=None)
+    add("--use-distributed-optimizer", action="store_true", help="--zero 1")
+    add("--hidden-dropout", type=float, default=None, help="the model's dropout")
+    add("--attention-dropout", type=float, default=None, help="the same (they must agree)")
+    add("--init-method-std", type=float, default=None, help="the weights' initial std")
+    add("--group-query-attention", action="store_true", help="--num-query-groups (default 1)")
+    add("--max-position-embeddings", type=int, default=None, help="the model's positions")
+    add(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="accepted: the driver always trains the head apart from the embedding",
+    )
+
+
+def _from_megatron(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with Megatron-LM's spellings turned into the driver's flags; a ConfigError
+    where one contradicts a flag of ours or has no counterpart."""
+    out = argparse.Namespace(**vars(args))
+    d = TrainConfig()
+    out.moe_every = args.moe_every
+    if args.num_experts is not None:
+        if args.experts and args.experts != args.num_experts:
+            raise ConfigError(f"--num-experts {args.num_experts} and --experts {args.experts}")
+        out.experts = args.num_experts
+        out.moe_every = 1 if args.moe_every is None else args.moe_every  # every layer, as there
+    if out.moe_every is None:
+        out.moe_every = 2
+    if args.min_lr is not None:
+        if args.min_lr_ratio != d.min_lr_ratio:
+            raise ConfigError("--min-lr and --min-lr-ratio both set the final rate: give one")
+        out.min_lr_ratio = args.min_lr / args.lr
+    if args.lr_warmup_fraction is not None:
+        if args.warmup != d.warmup:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters / --warmup: give one")
+        out.warmup = round(args.lr_warmup_fraction * (args.lr_decay_steps or args.steps))
+    _checkpoint_dirs(args, out)
+    _recompute(args, out)
+    if args.use_distributed_optimizer and not args.zero:
+        out.zero = 1  # optimizer state sharded over the data-parallel ranks
+    dropouts = {args.hidden_dropout, args.attention_dropout} - {None}
+    if len(dropouts) > 1:
+        raise ConfigError(
+            f"--hidden-dropout {args.hidden_dropout} and --attention-dropout "
+            f"{args.attention_dropout}: this model has one dropout rate"
+        )
+    out.dropout = dropouts.pop() if dropouts else None
+    if args.group_query_attention and args.num_query_groups is None:
+        out.num_query_groups = 1  # Megatron's default number of groups
+    max_pos = args.max_position_embeddings
+    if max_pos is not None and max_pos != args.seq_len and args.position_embedding_type != "rope":
+        raise ConfigError(
+            f"--max-position-embeddings {max_pos} with learned positions: the table here has "
+            f"--seq-length ({args.seq_len}) rows"
+        )
+    return out
+
+
+def _checkpoint_dirs(args: argparse.Namespace, out: argparse.Namespace) -> None:
+    """--save DIR as --checkpoint-dir; --load DIR as --resume from DIR's newest checkpoint
+    (``auto`` when it is the --save directory; nothing there: a fresh start, as Megatron)."""
+    from .checkpoints import newest_complete
+
+    if args.save is not None:
+        if args.checkpoint_dir not in (None, args.save):
+            raise ConfigError("--save and --checkpoint-dir name different directories")
+        out.checkpoint_dir = args.save
+    if args.load is None:
+        return
+    if args.resume is not None:
+        raise ConfigError("--load and --resume both say what to resume: give one")
+    if out.checkpoint_dir in (None, args.load):
+        out.checkpoint_dir, out.resume = args.load, "auto"
+    else:
+        out.resume = newest_complete(args.load)
+
+
+def _recompute(args: argparse.Namespace, out: argparse.Namespace) -> None:
+    """Megatron's full recompute of every layer is --recompute; other settings have none."""
+    if args.recompute_granularity is None:
+        if args.recompute_method or args.recompute_num_layers:
+            raise ConfigError(
+                "--recompute-method / --recompute-num-layers need --recompute-granularity"
+            )
+        return
+    if args.recompute_granularity == "selective":
+        raise ConfigError(
+            "--recompute-granularity selective (the attention's core only) has no counterpart "
+            "here: --recompute-granularity full recomputes every block"
+        )
+    method, layers = args.recompute_method or "uniform", args.recompute_num_layers or 1
+    if (method, layers) != ("uniform", 1):
+        raise ConfigError(
+            f"--recompute-method {method} --recompute-num-layers {layers}: only every block "
+            "recomputed on its own (uniform, 1) has a counterpart here"
+        )
+    out.recompute = True
 
 
 def _span(text: str) -> Tuple[int, int]:
@@ -528,11 +702,11 @@ def _rope_scaling(args: argparse.Namespace) -> Optional[dict]:
     return scaling
 
 
-def _split(text: Optional[str], valid_fraction: float, eval_interval: int) -> Dict[str, float]:
+def _split(text: Optional[str], valid_fraction: float, eval_interval: int) -> Tuple[float, float]:
     """``--split A,B,C`` (Megatron's: weights, ``,`` or ``/`` between, missing ones 0) as
-    ``valid_fraction`` and ``test_fraction``; without it, ``--valid-fraction`` alone."""
+    ``(valid_fraction, test_fraction)``; without it, ``--valid-fraction`` and no test."""
     if text is None:
-        return {"valid_fraction": valid_fraction}
+        return valid_fraction, 0.0
     if valid_fraction != TrainConfig.valid_fraction:
         raise ConfigError("--split and --valid-fraction both set the validation share: give one")
     try:
@@ -551,16 +725,18 @@ def _split(text: Optional[str], valid_fraction: float, eval_interval: int) -> Di
             f"--split {text!r} gives validation no share, and --eval-interval asks for it"
         )
     # no validation share: the field keeps its default, unused without --eval-interval
-    return {
-        "valid_fraction": valid / total if valid else TrainConfig.valid_fraction,
-        "test_fraction": test / total,
-    }
+    return (valid / total if valid else TrainConfig.valid_fraction), test / total
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    args = _from_megatron(args)
     data, blend = _data(args.data)
+    held_out = _split(args.split, args.valid_fraction, args.eval_interval)
+    base = TrainConfig().model
     model = dataclasses.replace(
-        TrainConfig().model,
+        base,
+        dropout=base.dropout if args.dropout is None else args.dropout,
+        init_std=base.init_std if args.init_method_std is None else args.init_method_std,
         n_layers=args.n_layer,
         n_heads=args.n_head,
         n_kv_heads=args.num_query_groups,
@@ -626,7 +802,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         muon_adjust_lr=args.muon_adjust_lr, muon_tp_mode=args.muon_tp_mode,
         muon_ns_dtype=args.muon_ns_dtype, muon_split_qkv=args.muon_split_qkv,
         eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters, **_split(args.split, args.valid_fraction, args.eval_interval),
+        eval_iters=args.eval_iters, valid_fraction=held_out[0], test_fraction=held_out[1],
         reference_tokens_per_s=args.reference_tokens_per_s,
         exit_signal_handler=args.exit_signal_handler,
         exit_duration_in_mins=args.exit_duration_in_mins, signal_after=args.signal_after,

@@ -1,0 +1,118 @@
+"""Megatron-LM's command-line spellings: a ``pretrain_gpt.py`` command line builds the same
+TrainConfig as the driver's own flags (the reference: our flags, each meaning written out
+here), and the spellings without a counterpart are refused, naming why."""
+
+import dataclasses
+import os
+
+import pytest
+
+from dist_kernels.train import ConfigError
+from dist_kernels.train.cli import build_parser, config_from_args
+from dist_kernels.train.cli import main as cli_main
+
+
+def _cfg(argv):
+    return config_from_args(build_parser().parse_args(argv))
+
+
+def test_a_gpt2_pretraining_command_line(tmp_path):
+    """Megatron's GPT-2 recipe (scaled down): parallel sizes, shapes, batches, schedule,
+    precision, data, intervals, checkpoint directories, distributed optimizer, dropout and
+    initialisation, learned absolute positions."""
+    ckpt = str(tmp_path / "ckpt")
+    megatron = (
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --num-layers 4 "
+        "--hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --lr 0.00015 --train-iters 20 "
+        "--lr-decay-iters 16 --lr-decay-style cosine --min-lr 1.5e-5 --weight-decay 1e-2 "
+        "--lr-warmup-fraction .25 --clip-grad 1.0 --bf16 --split 949,50,1 --log-interval 5 "
+        f"--save-interval 10 --eval-interval 10 --eval-iters 2 --save {ckpt} --load {ckpt} "
+        "--use-distributed-optimizer --init-method-std 0.006 --hidden-dropout 0.1 "
+        "--attention-dropout 0.1 --normalization LayerNorm --position-embedding-type "
+        "learned_absolute --untie-embeddings-and-output-weights"
+    ).split()
+    ours = (
+        "--pp 2 --n-layer 4 --d-model 64 --n-head 4 --seq-len 32 --micro-batch 2 "
+        "--global-batch 8 --lr 0.00015 --steps 20 --lr-decay-steps 16 --decay cosine "
+        "--min-lr-ratio 0.1 --weight-decay 1e-2 --warmup 4 --clip-grad 1.0 --dtype bf16 "
+        f"--split 949,50,1 --log-every 5 --checkpoint-every 10 --eval-interval 10 --eval-iters "
+        f"2 --checkpoint-dir {ckpt} --resume auto --zero 1 --normalization layernorm "
+        "--position-embedding-type learned"
+    ).split()
+    want = _cfg(ours)
+    want = dataclasses.replace(
+        want, model=dataclasses.replace(want.model, dropout=0.1, init_std=0.006)
+    )
+    got = _cfg(megatron)
+    assert got.min_lr_ratio == pytest.approx(0.1, rel=1e-12)
+    assert dataclasses.replace(got, min_lr_ratio=0.1) == want
+
+
+def test_a_llama_moe_command_line():
+    """Megatron's Llama / MoE spellings: RMSNorm, rope, grouped queries, experts in every
+    layer (Megatron's default --moe-layer-freq 1), full recompute, fp16."""
+    megatron = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 4096 --swiglu --normalization RMSNorm "
+        "--position-embedding-type rope --rotary-base 500000 --group-query-attention "
+        "--num-query-groups 2 --disable-bias-linear --num-experts 4 --moe-router-topk 2 "
+        "--expert-model-parallel-size 2 --recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers 1 --fp16 --context-parallel-size 1 --train-iters 5 "
+        "--lr-warmup-iters 2"
+    ).split()
+    ours = (
+        "--n-layer 2 --d-model 64 --n-head 4 --seq-len 32 --swiglu --normalization rmsnorm "
+        "--position-embedding-type rope --rotary-base 500000 --num-query-groups 2 "
+        "--disable-bias-linear --experts 4 --moe-every 1 --top-k 2 --ep 2 --recompute "
+        "--dtype fp16 --cp 1 --steps 5 --warmup 2"
+    ).split()
+    assert _cfg(megatron) == _cfg(ours)
+    assert _cfg(["--group-query-attention"]).model.n_kv_heads == 1  # Megatron's default
+    assert _cfg(["--num-experts", "4", "--moe-every", "2"]).model.moe_every == 2
+    assert _cfg(["--experts", "4"]).model.moe_every == 2  # ours unchanged
+
+
+def test_load_from_another_directory_resumes_its_newest_checkpoint(tmp_path):
+    """--load DIR beside another --save: the newest complete step of DIR; an empty DIR starts
+    afresh, as Megatron does."""
+    load, save = tmp_path / "pretrained", str(tmp_path / "run")
+    for step, complete in ((4, True), (8, True), (12, False)):
+        os.makedirs(load / f"step-{step:08d}")
+        if complete:
+            (load / f"step-{step:08d}" / "COMPLETE.json").write_text("{}")
+    cfg = _cfg(["--save", save, "--load", str(load)])
+    assert cfg.checkpoint_dir == save and cfg.resume == str(load / "step-00000008")
+    assert _cfg(["--save", save, "--load", str(tmp_path / "empty")]).resume is None
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--recompute-granularity", "selective"], r"selective \(the attention's core only\)"),
+     (["--recompute-granularity", "full", "--recompute-method", "block",
+       "--recompute-num-layers", "2"], r"only every block recomputed on its own"),
+     (["--recompute-num-layers", "1"], r"need --recompute-granularity"),
+     (["--hidden-dropout", "0.1", "--attention-dropout", "0"], r"one dropout rate"),
+     (["--min-lr", "1e-5", "--min-lr-ratio", "0.2"], r"--min-lr and --min-lr-ratio"),
+     (["--lr-warmup-fraction", "0.1", "--warmup", "3"], r"--lr-warmup-fraction and"),
+     (["--max-position-embeddings", "64", "--seq-length", "32"], r"the table here has"),
+     (["--save", "a", "--checkpoint-dir", "b"], r"--save and --checkpoint-dir"),
+     (["--load", "a", "--resume", "auto"], r"--load and --resume"),
+     (["--num-experts", "4", "--experts", "8"], r"--num-experts 4 and --experts 8")],
+)  # fmt: skip
+def test_spellings_without_a_counterpart_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(flags)
+
+
+def test_the_driver_runs_a_megatron_command_line(tmp_path, capsys):
+    """The command itself, one process: trains and writes its checkpoint where --save says."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = (
+        "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+        "--micro-batch-size 2 --global-batch-size 2 --train-iters 2 --log-interval 1 "
+        f"--save-interval 2 --save {ckpt} --no-progress"
+    ).split()
+    assert cli_main(argv) == 0
+    assert os.path.isfile(os.path.join(ckpt, "step-00000002", "COMPLETE.json"))
+    assert "final loss" in capsys.readouterr().out
