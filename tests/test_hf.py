@@ -30,6 +30,8 @@ MIXTRAL_MOE = dict(n_experts=4, top_k=2, moe_every=1, moe_norm_topk=True)
 # LongRoPE's per-pair factors (Phi-3.5 / Phi-4-mini's form), for two pairs; trained length 16
 LONGROPE = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
             "short_factor": [1.0, 1.7], "long_factor": [2.5, 7.0]}  # fmt: skip
+GEMMA3 = dict(norm_unit_offset=True, post_norms=True, qk_norm=True, glu_activation="gelu",
+              embedding_multiplier=32**0.5)  # fmt: skip
 MODELS = {
     "gpt2": GPTConfig(**SMALL, tie_embeddings=False),
     "gpt2-tied-tanh-ffn72-nobias": GPTConfig(
@@ -111,6 +113,22 @@ MODELS = {
         rotary_percent=0.5,
         rope_scaling={**LONGROPE, "original_max_position_embeddings": 8},
     ),
+    # Gemma 3: every second block global, the other windowed with its own rope base; heads
+    # 16 wide; an attention scale of its own; tied
+    "gemma3-window-every-2": GPTConfig(
+        **SMALL,
+        **LLAMA,
+        **GEMMA3,
+        n_kv_heads=2,
+        kv_channels=16,
+        gelu_approximate="tanh",
+        softmax_scale=12**-0.5,
+        sliding_window=6,
+        global_attention_every=2,
+        rope_local_theta=500.0,
+        tie_embeddings=True,
+    ),
+    "gemma3-global-exact-gelu": GPTConfig(**SMALL, **LLAMA, **GEMMA3, tie_embeddings=False),
     # the same within the trained length (the short factors), every dimension turned
     "llama-longrope-short": GPTConfig(
         **SMALL,
@@ -207,6 +225,14 @@ HF_BUILT = {
                                          shared_expert_intermediate_size=40)),
     "mistral": ("MistralConfig", dict(sliding_window=5, tie_word_embeddings=False)),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False, pad_token_id=None)),  # full rotary
+    "gemma3_text": ("Gemma3TextConfig", dict(  # one windowed block, one global, scaled
+        head_dim=16, sliding_window=5, query_pre_attn_scalar=12, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    "gemma3_text-pattern-every-1": ("Gemma3TextConfig", dict(  # all global, exact GELU
+        head_dim=8, hidden_activation="gelu", pad_token_id=None, sliding_window_pattern=1,
+        tie_word_embeddings=False)),
     "phi3-longrope-long": ("Phi3Config", dict(  # Phi-4-mini's form: 16 positions > 8 trained
         pad_token_id=None, original_max_position_embeddings=8, rope_parameters={
             "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
@@ -301,6 +327,19 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
             **LONGROPE, "short_factor": [1, 2, 3], "long_factor": [1, 2, 3]})  # fmt: skip
     with pytest.raises(ValueError, match=r"short_factor has 2 entries and long_factor 1"):
         GPTConfig(**SMALL, **LLAMA, rope_scaling={**LONGROPE, "long_factor": [1.0]})
+    scaled_llama = GPTConfig(**SMALL, **LLAMA, softmax_scale=0.5)  # Gemma 3's option alone
+    with pytest.raises(ValueError, match=r"\['softmax_scale'\] map to Gemma 3 only"):
+        dk_hf.to_hf(scaled_llama, GPT(scaled_llama).state_dict())
+    unscaled = GPTConfig(**SMALL, **LLAMA, **{**GEMMA3, "embedding_multiplier": 2.0})
+    with pytest.raises(ValueError, match=r"map to Gemma 3 only.*'embedding_multiplier': 5.65"):
+        dk_hf.to_hf(unscaled, GPT(unscaled).state_dict())
+    gemma = {"model_type": "gemma3_text", "num_hidden_layers": 3, "hidden_size": 32,
+             "num_attention_heads": 4}  # fmt: skip
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping 50.0: no counterpart"):
+        dk_hf.from_hf({**gemma, "attn_logit_softcapping": 50.0}, {})
+    odd = ["full_attention", "sliding_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match=r"not every n-th block global"):
+        dk_hf.from_hf({**gemma, "layer_types": odd}, {})
     with pytest.raises(ValueError, match=r"has no config.json"):
         dk_hf.load_pretrained(str(tmp_path))
     assert export_main([str(tmp_path), str(tmp_path / "x"), "--format", "hf"]) == 2

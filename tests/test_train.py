@@ -732,6 +732,72 @@ def test_llama_style_model_matches_single_process(llama_reference, layout, world
     assert any(k.endswith("mlp.gate.weight") for r in ranks for k in r["params"])
 
 
+# Gemma 3's choices on the Llama-style model: norms of 1 + w (also the per-head q / k norms),
+# norms of the branches' outputs, scaled embeddings, GeGLU with tanh GELU, its own attention
+# scale, and a window of 4 over 16 positions in the first of every two blocks, whose rope has
+# its own base
+GEMMA_TINY = dataclasses.replace(
+    LLAMA_TINY, n_layers=2, norm_unit_offset=True, post_norms=True, qk_norm=True,
+    embedding_multiplier=32**0.5, glu_activation="gelu", gelu_approximate="tanh",
+    softmax_scale=0.3, sliding_window=4, global_attention_every=2, rope_local_theta=100.0,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma_reference():
+    print(f"seed {SEED}")
+    result = _single(_cfg(global_batch=8, model=GEMMA_TINY))
+    return [rec["loss"] for rec in result.records], result.params, 0.0
+
+
+@pytest.mark.parametrize(
+    "layout,world",
+    [(dict(dp=2, zero=3), 2), (dict(tp=2, sequence_parallel=True), 2),
+     (dict(pp=2, micro_batch=2), 2)],
+    ids=["dp2-zero3", "tp2-sp", "pp2"],
+)  # fmt: skip
+def test_gemma_style_model_matches_single_process(gemma_reference, layout, world):
+    """--apply-layernorm-1p --post-norms --geglu --embedding-multiplier --softmax-scale
+    --global-attention-every --rotary-base-local: every layout trains to the single
+    process's losses and parameters (the output norms sequence-parallel under tp with SP)."""
+    cfg = _cfg(global_batch=8, model=GEMMA_TINY, **layout)
+    ranks = run_ranks(world, _on_ranks, cfg, timeout=240)
+    _assert_layout_matches(ranks, gemma_reference, tp=layout.get("tp", 1))
+    assert any(k.endswith("post_mlp_norm.weight") for r in ranks for k in r["params"])
+
+
+def test_gemma_style_options_change_the_model():
+    """Each option changes the loss of the same weights (none is silently ignored), and
+    the unit-offset norm's weights start at 0 and multiply by 1 + w."""
+    from dist_kernels.models import GPT
+
+    torch.manual_seed(SEED)
+    ids = torch.randint(0, 64, (2, 16))
+    base = dataclasses.replace(GEMMA_TINY, vocab_size=64)
+    full = GPT(base)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    state = full.state_dict()
+    torch.set_grad_enabled(False)
+    want = full(ids, ids)
+    options = dict(post_norms=False, embedding_multiplier=1.0, glu_activation="silu",
+                   softmax_scale=None, global_attention_every=0, rope_local_theta=None,
+                   norm_unit_offset=False)  # fmt: skip
+    for key, value in options.items():
+        other = GPT(dataclasses.replace(base, **{key: value}))
+        other.load_state_dict(state, strict=False)
+        assert float(other(ids, ids)) != pytest.approx(float(want), rel=1e-6), key
+    norm = GPT(base).blocks[0].ln_1
+    assert torch.equal(norm.weight, torch.zeros(32))
+    x = torch.randn(3, 32, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.fill_(0.5)
+    rms = x / torch.sqrt((x * x).mean(-1, keepdim=True) + base.norm_eps)
+    torch.testing.assert_close(norm.double()(x), rms * 1.5)
+    torch.set_grad_enabled(True)
+
+
 COMPILE = dict(compile=True, compile_backend="aot_eager")
 
 

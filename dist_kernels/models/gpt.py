@@ -11,7 +11,7 @@ parallelism dimension 0 is what is split. The model is three kinds of children, 
 ``model.as_sequential()`` feeds :class:`~dist_kernels.Pipeline`::
 
     embedding  ids [b, s] -> x [s, b, h]       token + position embedding, dropout
-    blocks[i]  x -> x + attn(ln_1(x)) -> x + mlp(ln_2(x))
+    blocks[i]  x -> x + attn(ln_1(x)) -> x + mlp(ln_2(x))   (post_norms: x + post(attn(..)))
     head       x -> logits [b, s, vocab (/ tp)]  final norm, linear head
 
 Llama's block is three options away: ``GPTConfig(normalization="rmsnorm", swiglu=True,
@@ -99,6 +99,22 @@ class GPTConfig:
     """The head reuses the token embedding's weight (not across pipeline stages)."""
     norm_eps: float = 1e-5
     """The norms' epsilon."""
+    norm_unit_offset: bool = False
+    """Every norm multiplies by ``1 + w``, its weight ``w`` starting at 0 (Megatron's
+    ``--apply-layernorm-1p``; Gemma's RMSNorm): weight decay then pulls towards the identity."""
+    post_norms: bool = False
+    """Each block's attention and MLP outputs normalised too, before their residual adds
+    (Gemma 2 / 3's ``post_attention_layernorm`` and ``post_feedforward_layernorm``):
+    ``x + post(attn(ln_1(x)))``."""
+    embedding_multiplier: float = 1.0
+    """The token embeddings multiplied by this before the first block (Gemma's
+    ``sqrt(hidden_size)``)."""
+    glu_activation: str = "silu"
+    """With ``swiglu``, the gate's activation: ``"silu"`` (SwiGLU, Llama's) or ``"gelu"``
+    (GeGLU, Gemma's; ``gelu_approximate`` applies)."""
+    softmax_scale: Optional[float] = None
+    """The attention scores' scale; None: ``1 / sqrt(head_dim)`` (Gemma's
+    ``query_pre_attn_scalar ** -0.5``; Megatron's ``softmax_scale``)."""
     normalization: str = "layernorm"
     """``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (Llama; no bias, no mean subtracted)."""
     qk_norm: bool = False
@@ -127,6 +143,13 @@ class GPTConfig:
     """Each token attends to itself and the ``sliding_window - 1`` tokens before it only
     (Mistral's ``sliding_window``; Megatron's ``--window-size (W - 1, 0)``); None: to every
     earlier token. Not with context parallelism."""
+    global_attention_every: int = 0
+    """With ``sliding_window``: every n-th block (block ``i`` with ``(i + 1) % n == 0``)
+    attends to the whole prefix, the others through the window (Gemma 3: 6, Gemma 2: 2);
+    0: every block windowed (Mistral)."""
+    rope_local_theta: Optional[float] = None
+    """The windowed blocks' rotary base, unscaled (Gemma 3's ``rope_local_base_freq``); None:
+    theirs is the model's ``rope_theta`` and ``rope_scaling``."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     n_experts: int = 0
@@ -220,6 +243,30 @@ class GPTConfig:
                 f"GPTConfig: rope turns pairs of dimensions, but {size} is "
                 f"{'odd' if self.rotary_dim % 2 else 'none'}"
             )
+        if self.glu_activation not in ("silu", "gelu"):
+            raise ValueError(
+                f"GPTConfig: glu_activation must be 'silu' or 'gelu', got {self.glu_activation!r}"
+            )
+        if self.softmax_scale is not None and not self.softmax_scale > 0:
+            raise ValueError(f"GPTConfig: softmax_scale must be > 0, got {self.softmax_scale}")
+        if not self.embedding_multiplier > 0:
+            raise ValueError(
+                f"GPTConfig: embedding_multiplier must be > 0, got {self.embedding_multiplier}"
+            )
+        if self.global_attention_every < 0 or (
+            self.global_attention_every and self.sliding_window is None
+        ):
+            raise ValueError(
+                f"GPTConfig: global_attention_every({self.global_attention_every}) is a count "
+                ">= 0 of the blocks between global ones, for a model with a sliding_window"
+            )
+        if self.rope_local_theta is not None and (
+            self.sliding_window is None or self.position_embedding != "rope"
+        ):
+            raise ValueError(
+                "GPTConfig: rope_local_theta is the windowed blocks' rotary base: it needs "
+                "position_embedding='rope' and a sliding_window"
+            )
         if self.rotary_percent != 1 and self.position_embedding != "rope":
             raise ValueError(
                 f"GPTConfig: rotary_percent({self.rotary_percent}) needs "
@@ -242,6 +289,19 @@ class GPTConfig:
             )
         if self.n_experts and (not isinstance(self.moe_every, int) or self.moe_every < 1):
             raise ValueError(f"GPTConfig: moe_every must be a positive int, got {self.moe_every}")
+
+    def window_of(self, i: int) -> Optional[int]:
+        """Block ``i``'s attention window (None: the whole prefix)."""
+        every = self.global_attention_every
+        if self.sliding_window is None or (every and (i + 1) % every == 0):
+            return None
+        return self.sliding_window
+
+    def rope_of(self, i: int) -> Tuple[float, Optional[Dict[str, Any]]]:
+        """Block ``i``'s rotary ``(theta, scaling)``."""
+        if self.rope_local_theta is not None and self.window_of(i) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block ``i`` has an MoE in place of its MLP."""
@@ -278,12 +338,17 @@ class CausalSelfAttention(nn.Module):
     group, then its key and its value head), so a sharded ``qkv`` holds whole groups and
     nothing here depends on how many this rank has."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
         self.group = cfg.n_heads // cfg.kv_heads  # query heads per key / value head
-        self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
-        self.rope_scaling, self.rotary_dim = cfg.rope_scaling, cfg.rotary_dim
+        theta, self.rope_scaling = cfg.rope_of(layer)
+        self.rope_theta = theta if cfg.position_embedding == "rope" else None
+        self.rotary_dim = cfg.rotary_dim
+        # a scale other than SDPA's 1 / sqrt(d), applied to the queries: every attention
+        # path (SDPA, ring attention) then scores with it
+        scale = cfg.softmax_scale
+        self.query_scale = None if scale is None else scale * cfg.head_dim**0.5
         qkv_heads = cfg.n_heads + 2 * cfg.kv_heads
         self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias or cfg.qkv_bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
@@ -292,7 +357,7 @@ class CausalSelfAttention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
         self.documents: Optional[DocumentMasking] = None  # set by GPT.document_masking
-        self.window = cfg.sliding_window
+        self.window = cfg.window_of(layer)
 
     def fused_qkv(self) -> Tuple[torch.Tensor, int, int]:
         """``(weight, query heads per group, head_dim)``: how the fused projection's rows are
@@ -312,6 +377,8 @@ class CausalSelfAttention(nn.Module):
         if self.rope_theta is not None:  # [b, heads, s, d], turned by the tokens' positions
             cos, sin = self._rope_tables(s, b, q.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.query_scale is not None:
+            q = q * self.query_scale
         p = self.dropout if self.training else 0.0
         if r > 1 and not _SDPA_GQA:  # SDPA before torch 2.5 has no groups: repeat each key
             # / value head for the r query heads of its group
@@ -362,6 +429,7 @@ class MLP(nn.Module):
         super().__init__()
         hidden = cfg.ffn_dim
         self.approximate = cfg.gelu_approximate
+        self.glu = cfg.glu_activation
         self.fc = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.gate = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if cfg.swiglu else None
         self.proj = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
@@ -370,15 +438,41 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is None:
             return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
-        return self.drop(self.proj(F.silu(self.gate(x)) * self.fc(x)))
+        if self.glu == "gelu":  # GeGLU
+            gated = F.gelu(self.gate(x), approximate=self.approximate)
+        else:
+            gated = F.silu(self.gate(x))
+        return self.drop(self.proj(gated * self.fc(x)))
+
+
+class UnitOffsetNorm(nn.Module):
+    """LayerNorm or RMSNorm multiplying by ``1 + weight``, the weight starting at 0
+    (``GPTConfig.norm_unit_offset``). Computed in FP32 at least, as Gemma's RMSNorm."""
+
+    def __init__(self, size: int, eps: float, rms: bool, bias: bool) -> None:
+        super().__init__()
+        self.rms, self.eps, self.shape = rms, eps, (size,)
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias and not rms else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf, scale = x.to(dtype), 1 + self.weight.to(dtype)
+        if self.rms:
+            return (F.rms_norm(xf, self.shape, eps=self.eps) * scale).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.layer_norm(xf, self.shape, scale, bias, self.eps).to(x.dtype)
 
 
 def _norm(cfg: GPTConfig, size: Optional[int] = None) -> nn.Module:
     """The model's norm over ``size`` features (default: ``dim``)."""
     size = size or cfg.dim
-    if cfg.normalization == "rmsnorm":
-        if not hasattr(nn, "RMSNorm"):
-            raise ValueError("GPT: normalization='rmsnorm' needs torch >= 2.4 (nn.RMSNorm)")
+    rms = cfg.normalization == "rmsnorm"
+    if rms and not hasattr(nn, "RMSNorm"):
+        raise ValueError("GPT: normalization='rmsnorm' needs torch >= 2.4 (nn.RMSNorm)")
+    if cfg.norm_unit_offset:
+        return UnitOffsetNorm(size, cfg.norm_eps, rms, cfg.bias)
+    if rms:
         return nn.RMSNorm(size, eps=cfg.norm_eps)
     return nn.LayerNorm(size, eps=cfg.norm_eps, bias=cfg.bias)
 
@@ -407,12 +501,15 @@ def _moe(cfg: GPTConfig) -> moe_lib.MoE:
 class Block(nn.Module):
     """Pre-norm transformer block; ``mlp`` is an MoE in MoE blocks."""
 
-    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
+    def __init__(self, cfg: GPTConfig, moe: bool = False, layer: int = 0) -> None:
         super().__init__()
         self.ln_1 = _norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = _norm(cfg)
         self.mlp = _moe(cfg) if moe else MLP(cfg)
+        # Gemma's norms of the branches' outputs (GPTConfig.post_norms)
+        self.post_attn_norm = _norm(cfg) if cfg.post_norms else None
+        self.post_mlp_norm = _norm(cfg) if cfg.post_norms else None
         self.recompute = False  # GPT.recompute_blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -425,8 +522,11 @@ class Block(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        if self.post_attn_norm is None:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+        x = x + self.post_attn_norm(self.attn(self.ln_1(x)))
+        return x + self.post_mlp_norm(self.mlp(self.ln_2(x)))
 
 
 class Embedding(nn.Module):
@@ -437,6 +537,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.block_size = cfg.block_size
         self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.multiplier = cfg.embedding_multiplier
         learned = cfg.position_embedding == "learned"  # rope: positions turn q and k instead
         self.wpe = nn.Embedding(cfg.block_size, cfg.dim) if learned else None
         self.drop = nn.Dropout(cfg.dropout)
@@ -451,6 +552,8 @@ class Embedding(nn.Module):
         if self.documents is not None:  # for the attention layers, until the next forward
             self.documents.observe(ids)
         x = self.wte(ids.t())
+        if self.multiplier != 1.0:
+            x = x * self.multiplier
         if self.wpe is None:
             return self.drop(x)
         reset = None if self.documents is None else self.documents.positions
@@ -503,7 +606,7 @@ class GPT(nn.Module):
         self.config = config
         self.embedding = Embedding(config)
         self.blocks = nn.ModuleList(
-            Block(config, config.is_moe_block(i)) for i in range(config.n_layers)
+            Block(config, config.is_moe_block(i), i) for i in range(config.n_layers)
         )
         self.head = Head(config)
         self.apply(self._init_weights)
@@ -627,6 +730,8 @@ class GPT(nn.Module):
                 "head.ln_f",
             ):
                 plan[pattern] = tp.SequenceParallel()
+            if cfg.post_norms:
+                plan["blocks.*.post_*_norm"] = tp.SequenceParallel()
         return plan
 
     def parallelize(self, comm: Any, sequence_parallel: bool = False) -> GPT:

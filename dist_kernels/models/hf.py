@@ -7,11 +7,15 @@
                                                      #   / Qwen2MoeForCausalLM
                                                      #   / Qwen3MoeForCausalLM
                                                      #   / Phi3ForCausalLM
+                                                     #   / Gemma3ForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Nine families map one to one (Mistral is Llama with a ``sliding_window``; Phi-3 (Phi-4,
+Ten families map one to one (Mistral is Llama with a ``sliding_window``; Gemma 3's text model
+is Llama with norms of ``1 + w`` (``norm_unit_offset``), the branches' outputs normalised too
+(``post_norms``), per-head query / key norms, GeGLU, embeddings scaled by ``sqrt(hidden)``,
+its own attention scale and windowed blocks between every n-th global one; Phi-3 (Phi-4,
 Phi-4-mini) is Llama with its query / key / value projections fused in one ``qkv_proj`` and
 its gate and up projections in one ``gate_up_proj``, and the rotary embedding over the first
 ``partial_rotary_factor`` of each head, our ``rotary_percent``: a model with partial rotary
@@ -87,12 +91,34 @@ _QWEN2_MOE = dict(
 )  # fmt: skip
 
 
+# Gemma 3's fixed options, and the values every other family has of the options only Gemma 3
+# sets (its embedding multiplier must be sqrt(dim); its scale, window pattern and local rope
+# base are free)
+_GEMMA3 = dict(norm_unit_offset=True, post_norms=True, qk_norm=True, glu_activation="gelu")
+_GEMMA_ONLY = dict(
+    norm_unit_offset=False, post_norms=False, glu_activation="silu", embedding_multiplier=1.0,
+    softmax_scale=None, global_attention_every=0, rope_local_theta=None,
+)  # fmt: skip
+
+
 def _family(config: GPTConfig) -> str:
     """``"gpt2"``, ``"llama"``, ``"qwen3"`` or ``"mixtral"``; ValueError naming what matches
     none."""
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    gemma_only = sorted(k for k, v in _GEMMA_ONLY.items() if getattr(config, k) != v)
+    if gemma_only:  # options of Gemma 3's only
+        gemma = {k: getattr(config, k) for k in (*_GEMMA3, "embedding_multiplier")}
+        wanted = {**_GEMMA3, "embedding_multiplier": config.dim**0.5}
+        plain = not (config.bias or config.qkv_bias or config.n_experts)
+        if mine == llama and plain and gemma == wanted and config.rotary_percent == 1:
+            return "gemma3_text"
+        raise ValueError(
+            f"hf: {gemma_only} map to Gemma 3 only: {llama} with {wanted}, no biases or MoE, "
+            f"full rotary; this one has {mine}, {gemma}, bias={config.bias}, "
+            f"n_experts={config.n_experts}, rotary_percent={config.rotary_percent}"
+        )
     if config.rotary_percent != 1:  # partial rotary: Phi-3's (Phi-4-mini)
         plain = not (config.bias or config.qkv_bias or config.qk_norm or config.n_experts)
         scaled = config.rope_scaling is not None and config.rope_scaling["rope_type"] != "longrope"
@@ -184,7 +210,8 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     family = _family(config)
     to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
           "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe,
-          "qwen2_moe": _to_qwen2_moe, "mistral": _to_mistral, "phi3": _to_phi3}  # fmt: skip
+          "qwen2_moe": _to_qwen2_moe, "mistral": _to_mistral, "phi3": _to_phi3,
+          "gemma3_text": _to_gemma3}  # fmt: skip
     return to[family](config, state)
 
 
@@ -390,6 +417,109 @@ def _to_phi3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     return hf, out
 
 
+_GEMMA3_NORMS = (  # ours, Gemma 3's (Llama's names give ln_2 to post_attention_layernorm)
+    ("ln_2", "pre_feedforward_layernorm"),
+    ("post_attn_norm", "post_attention_layernorm"),
+    ("post_mlp_norm", "post_feedforward_layernorm"),
+)
+
+
+def _to_gemma3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama_unbiased(config, state)
+    for key in ("hidden_act", "rope_theta"):
+        del hf[key]
+    scale = config.softmax_scale
+    scalar = config.head_dim if scale is None else 1.0 / scale**2
+    full = _rope_parameters(config)
+    local = full if config.rope_local_theta is None else {"rope_theta": config.rope_local_theta}
+    hf.update(
+        model_type="gemma3_text",
+        hidden_activation=_GELU[config.gelu_approximate],
+        query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+        # transformers builds the windowed mask even without windowed blocks: a window over
+        # the whole context then
+        sliding_window=config.sliding_window or config.block_size,
+        layer_types=[
+            "sliding_attention" if config.window_of(i) else "full_attention"
+            for i in range(config.n_layers)
+        ],
+        rope_parameters={
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", **local},
+        },
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        pad_token_id=None,
+    )
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+        for a, b in _GEMMA3_NORMS:
+            out[f"{theirs}.{b}.weight"] = state[f"{ours}.{a}.weight"]
+        for norm in ("q_norm", "k_norm"):
+            out[f"{theirs}.self_attn.{norm}.weight"] = state[f"{ours}.attn.{norm}.weight"]
+    return hf, out
+
+
+def _from_gemma3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    """Gemma 3's text model: Llama's layout with the norms of 1 + w, the branches' output
+    norms, q / k norms, GeGLU, scaled embeddings, its attention scale, and windowed blocks
+    (with their own rope base) between every n-th global one."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(f"hf: Gemma {key} {hf[key]}: no counterpart here (Gemma 2's)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("hf: Gemma 3 with use_bidirectional_attention: no counterpart here")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_FROM_HF:
+        raise ValueError(f"hf: Gemma 3 hidden_activation {act!r}: only GELU (exact or tanh)")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention"] * n
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    every = full[0] + 1 if full else 0
+    windowed = len(full) < n
+    if [t == "full_attention" for t in types] != [
+        bool(every) and (i + 1) % every == 0 for i in range(n)
+    ]:
+        raise ValueError(f"hf: Gemma 3 layer_types {types}: not every n-th block global")
+    rope = hf.get("rope_parameters") or {}
+    global_rope = dict(rope.get("full_attention") or {})
+    local = dict(rope.get("sliding_attention") or {})
+    same = {**local, "rope_type": local.get("rope_type", "default")} == {
+        **global_rope,
+        "rope_type": global_rope.get("rope_type", "default"),
+    }  # the windowed blocks turn as the global ones: one rope (ours without a local base)
+    if windowed and not same and local.get("rope_type", "default") != "default":
+        raise ValueError(f"hf: Gemma 3 with scaled rope on its windowed blocks ({local})")
+    plain = {**hf, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+    plain["rope_parameters"], plain["rope_scaling"] = global_rope, None
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    scalar = hf.get("query_pre_attn_scalar", head_dim)
+    llama = dict(state)
+    for i in range(n):
+        at = f"model.layers.{i}"
+        post_attn = llama.pop(f"{at}.post_attention_layernorm.weight")
+        llama[f"{at}.post_attention_layernorm.weight"] = llama.pop(
+            f"{at}.pre_feedforward_layernorm.weight"
+        )  # Llama's name for our ln_2
+        llama[f"{at}.gemma_post_attn"] = post_attn
+    extra = dict(
+        norm_unit_offset=True, post_norms=True, qk_norm=True, glu_activation="gelu",
+        gelu_approximate=_GELU_FROM_HF[act], embedding_multiplier=hf["hidden_size"] ** 0.5,
+        softmax_scale=None if scalar == head_dim else float(scalar) ** -0.5,
+        sliding_window=hf.get("sliding_window") if windowed else None,
+        global_attention_every=every if windowed else 0,
+        rope_local_theta=None if same or not windowed else float(local["rope_theta"]),
+    )  # fmt: skip
+    config, out = _from_llama(plain, llama, extra)
+    for i in range(n):
+        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+        out[f"{ours}.post_attn_norm.weight"] = llama[f"{theirs}.gemma_post_attn"]
+        out[f"{ours}.post_mlp_norm.weight"] = state[f"{theirs}.post_feedforward_layernorm.weight"]
+        for norm in ("q_norm", "k_norm"):
+            out[f"{ours}.attn.{norm}.weight"] = state[f"{theirs}.self_attn.{norm}.weight"]
+    return config, out
+
+
 def _to_qwen2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     hf, out = _to_llama_unbiased(config, state)
     hf.update(model_type="qwen2", use_sliding_window=False, sliding_window=None)
@@ -471,9 +601,11 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_qwen2_moe(hf, state)
     if model_type == "phi3":
         return _from_phi3(hf, state)
+    if model_type == "gemma3_text":
+        return _from_gemma3(hf, state)
     raise ValueError(
         f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', "
-        "'mixtral', 'qwen2_moe', 'qwen3_moe' and 'phi3' are mapped"
+        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'phi3' and 'gemma3_text' are mapped"
     )
 
 

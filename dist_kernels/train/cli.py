@@ -357,6 +357,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="the MLP's hidden size (default: 4 x --d-model)",
     )
     add("--openai-gelu", action="store_true", help="GPT-2's tanh approximation of GELU")
+    add(
+        "--geglu",
+        action="store_true",
+        help="a gated MLP with GELU on the gate (GeGLU, Gemma's; --openai-gelu: tanh GELU)",
+    )
+    add(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="norms multiply by 1 + w, w starting at 0 (Megatron's; Gemma's RMSNorm)",
+    )
+    add(
+        "--post-norms",
+        action="store_true",
+        help="the attention's and the MLP's outputs normalised before the residual add (Gemma)",
+    )
+    add(
+        "--embedding-multiplier",
+        type=float,
+        default=m.embedding_multiplier,
+        help="the token embeddings scaled by this (Gemma: sqrt(d_model))",
+    )
+    add(
+        "--softmax-scale",
+        type=float,
+        default=None,
+        help="the attention scores' scale (default 1 / sqrt(head size); Gemma's "
+        "query_pre_attn_scalar ** -0.5)",
+    )
     add("--norm-epsilon", type=float, default=m.norm_eps, help="the norms' epsilon")
     add(
         "--position-embedding-type",
@@ -378,6 +406,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="each token attends to itself and the W - 1 before it (Mistral's; not with cp)",
+    )
+    add(
+        "--global-attention-every",
+        type=int,
+        default=m.global_attention_every,
+        help="with --sliding-window: every n-th block attends to the whole prefix (Gemma 3: 6)",
+    )
+    add(
+        "--rotary-base-local",
+        type=float,
+        default=None,
+        help="the windowed blocks' rope base, unscaled (Gemma 3's rope_local_base_freq)",
     )
     _rope_scaling_flags(p)
     add("--checkpoint-dir", default=None)
@@ -757,7 +797,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         qkv_bias=args.add_qkv_bias,
         bias=not args.disable_bias_linear,
         normalization=args.normalization,
-        swiglu=args.swiglu,
+        swiglu=args.swiglu or args.geglu,
+        glu_activation="gelu" if args.geglu else "silu",
+        norm_unit_offset=args.apply_layernorm_1p,
+        post_norms=args.post_norms,
+        embedding_multiplier=args.embedding_multiplier,
+        softmax_scale=args.softmax_scale,
+        global_attention_every=args.global_attention_every,
+        rope_local_theta=args.rotary_base_local,
         ffn_hidden_size=args.ffn_hidden_size,
         gelu_approximate="tanh" if args.openai_gelu else "none",
         norm_eps=args.norm_epsilon,
@@ -837,11 +884,22 @@ def model_flags(model: GPTConfig) -> List[str]:
     flags += _rope_scaling_to_flags(model.rope_scaling)
     if model.sliding_window is not None:
         flags += ["--sliding-window", str(model.sliding_window)]
+    geglu = model.swiglu and model.glu_activation == "gelu"
     switches = [
-        (model.swiglu, "--swiglu"), (model.gelu_approximate == "tanh", "--openai-gelu"),
+        (model.swiglu and not geglu, "--swiglu"), (geglu, "--geglu"),
+        (model.gelu_approximate == "tanh", "--openai-gelu"),
         (not model.bias, "--disable-bias-linear"), (model.qkv_bias, "--add-qkv-bias"),
-        (model.qk_norm, "--qk-layernorm"),
+        (model.qk_norm, "--qk-layernorm"), (model.norm_unit_offset, "--apply-layernorm-1p"),
+        (model.post_norms, "--post-norms"),
     ]  # fmt: skip
+    if model.embedding_multiplier != default.embedding_multiplier:
+        flags += ["--embedding-multiplier", repr(model.embedding_multiplier)]
+    if model.softmax_scale is not None:
+        flags += ["--softmax-scale", repr(model.softmax_scale)]
+    if model.global_attention_every:
+        flags += ["--global-attention-every", str(model.global_attention_every)]
+    if model.rope_local_theta is not None:
+        flags += ["--rotary-base-local", repr(model.rope_local_theta)]
     flags += [flag for on, flag in switches if on]
     if model.n_experts:
         flags += ["--experts", str(model.n_experts), "--top-k", str(model.top_k),
