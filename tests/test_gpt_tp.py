@@ -72,6 +72,17 @@ LLAMA = dict(
 # query / key / value projection only
 QWEN = dict(qk_norm=True, kv_channels=4, bias=False, qkv_bias=True)
 
+# Gemma 2 / 3's options: norms of 1 + w and of the branches' outputs, GeGLU, scaled
+# embeddings, its own attention scale, every second block windowed with its own rope base, and
+# both soft-caps (tight, so that they bite): the capped scores per head, the capped logits per
+# vocabulary shard
+GEMMA = dict(
+    norm_unit_offset=True, post_norms=True, qk_norm=True, bias=False, glu_activation="gelu",
+    gelu_approximate="tanh", embedding_multiplier=4.0, softmax_scale=0.3, sliding_window=6,
+    global_attention_every=2, rope_local_theta=100.0, attn_logit_softcapping=1.0,
+    final_logit_softcapping=2.0,
+)  # fmt: skip
+
 
 def _rank_train(tie, drop_norm_styles=False, overrides=None):
     import torch.distributed as dist
@@ -109,8 +120,9 @@ def _rank_train(tie, drop_norm_styles=False, overrides=None):
         (False, None),
         (False, LLAMA),
         (False, {**LLAMA, **QWEN}),
+        (True, {**LLAMA, **GEMMA}),
     ],
-    ids=["tied", "untied", "llama", "llama-qwen-options"],
+    ids=["tied", "untied", "llama", "llama-qwen-options", "llama-gemma-options"],
 )
 def test_gpt_tp_trains_like_single_process(tie, overrides):
     print("seed", SEED)

@@ -129,6 +129,20 @@ MODELS = {
         tie_embeddings=True,
     ),
     "gemma3-global-exact-gelu": GPTConfig(**SMALL, **LLAMA, **GEMMA3, tie_embeddings=False),
+    # Gemma 2: no q / k norms, one rope, scores and logits soft-capped (tight caps: they bite)
+    "gemma2-softcapped-window": GPTConfig(
+        **SMALL,
+        **LLAMA,
+        **{**GEMMA3, "qk_norm": False},
+        n_kv_heads=2,
+        gelu_approximate="tanh",
+        softmax_scale=0.25,
+        sliding_window=6,
+        global_attention_every=2,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=1.0,
+        tie_embeddings=True,
+    ),
     # the same within the trained length (the short factors), every dimension turned
     "llama-longrope-short": GPTConfig(
         **SMALL,
@@ -230,6 +244,9 @@ HF_BUILT = {
         layer_types=["sliding_attention", "full_attention"], rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    "gemma2": ("Gemma2Config", dict(  # its alternating windows, soft-capped
+        head_dim=8, sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=0.5,
+        final_logit_softcapping=1.0, pad_token_id=None)),
     "gemma3_text-pattern-every-1": ("Gemma3TextConfig", dict(  # all global, exact GELU
         head_dim=8, hidden_activation="gelu", pad_token_id=None, sliding_window_pattern=1,
         tie_word_embeddings=False)),
@@ -328,15 +345,19 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     with pytest.raises(ValueError, match=r"short_factor has 2 entries and long_factor 1"):
         GPTConfig(**SMALL, **LLAMA, rope_scaling={**LONGROPE, "long_factor": [1.0]})
     scaled_llama = GPTConfig(**SMALL, **LLAMA, softmax_scale=0.5)  # Gemma 3's option alone
-    with pytest.raises(ValueError, match=r"\['softmax_scale'\] map to Gemma 3 only"):
+    with pytest.raises(ValueError, match=r"\['softmax_scale'\] map to Gemma 2 / 3 only"):
         dk_hf.to_hf(scaled_llama, GPT(scaled_llama).state_dict())
     unscaled = GPTConfig(**SMALL, **LLAMA, **{**GEMMA3, "embedding_multiplier": 2.0})
-    with pytest.raises(ValueError, match=r"map to Gemma 3 only.*'embedding_multiplier': 5.65"):
+    with pytest.raises(ValueError, match=r"map to Gemma 2 / 3 only.*'embedding_multiplier': 5.6"):
         dk_hf.to_hf(unscaled, GPT(unscaled).state_dict())
     gemma = {"model_type": "gemma3_text", "num_hidden_layers": 3, "hidden_size": 32,
              "num_attention_heads": 4}  # fmt: skip
-    with pytest.raises(ValueError, match=r"attn_logit_softcapping 50.0: no counterpart"):
-        dk_hf.from_hf({**gemma, "attn_logit_softcapping": 50.0}, {})
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention: no counterpart"):
+        dk_hf.from_hf({**gemma, "use_bidirectional_attention": True}, {})
+    local_gemma2 = GPTConfig(**SMALL, **LLAMA, **{**GEMMA3, "qk_norm": False}, sliding_window=4,
+                             rope_local_theta=100.0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"map to Gemma 2 / 3 only.*Gemma 2: no qk_norm or rope"):
+        dk_hf.to_hf(local_gemma2, GPT(local_gemma2).state_dict())
     odd = ["full_attention", "sliding_attention", "sliding_attention"]
     with pytest.raises(ValueError, match=r"not every n-th block global"):
         dk_hf.from_hf({**gemma, "layer_types": odd}, {})

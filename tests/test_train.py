@@ -759,7 +759,8 @@ def gemma_reference():
 def test_gemma_style_model_matches_single_process(gemma_reference, layout, world):
     """--apply-layernorm-1p --post-norms --geglu --embedding-multiplier --softmax-scale
     --global-attention-every --rotary-base-local: every layout trains to the single
-    process's losses and parameters (the output norms sequence-parallel under tp with SP)."""
+    process's losses and parameters (the output norms sequence-parallel under tp with SP).
+    The soft-caps under tp: test_gpt_tp.py, in float64."""
     cfg = _cfg(global_batch=8, model=GEMMA_TINY, **layout)
     ranks = run_ranks(world, _on_ranks, cfg, timeout=240)
     _assert_layout_matches(ranks, gemma_reference, tp=layout.get("tp", 1))
@@ -773,7 +774,9 @@ def test_gemma_style_options_change_the_model():
 
     torch.manual_seed(SEED)
     ids = torch.randint(0, 64, (2, 16))
-    base = dataclasses.replace(GEMMA_TINY, vocab_size=64)
+    base = dataclasses.replace(
+        GEMMA_TINY, vocab_size=64, attn_logit_softcapping=0.5, final_logit_softcapping=1.0
+    )
     full = GPT(base)
     with torch.no_grad():
         for p in full.parameters():
@@ -783,7 +786,8 @@ def test_gemma_style_options_change_the_model():
     want = full(ids, ids)
     options = dict(post_norms=False, embedding_multiplier=1.0, glu_activation="silu",
                    softmax_scale=None, global_attention_every=0, rope_local_theta=None,
-                   norm_unit_offset=False)  # fmt: skip
+                   norm_unit_offset=False, attn_logit_softcapping=None,
+                   final_logit_softcapping=None)  # fmt: skip
     for key, value in options.items():
         other = GPT(dataclasses.replace(base, **{key: value}))
         other.load_state_dict(state, strict=False)

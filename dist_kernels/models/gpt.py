@@ -115,6 +115,12 @@ class GPTConfig:
     softmax_scale: Optional[float] = None
     """The attention scores' scale; None: ``1 / sqrt(head_dim)`` (Gemma's
     ``query_pre_attn_scalar ** -0.5``; Megatron's ``softmax_scale``)."""
+    attn_logit_softcapping: Optional[float] = None
+    """Attention scores capped smoothly to ``(-c, c)`` as ``c * tanh(score / c)`` before the
+    softmax (Gemma 2's; an explicit attention, not SDPA's fused kernels; not with context
+    parallelism); None: uncapped."""
+    final_logit_softcapping: Optional[float] = None
+    """The head's logits capped the same way (Gemma 2's); None: uncapped."""
     normalization: str = "layernorm"
     """``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (Llama; no bias, no mean subtracted)."""
     qk_norm: bool = False
@@ -247,6 +253,10 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig: glu_activation must be 'silu' or 'gelu', got {self.glu_activation!r}"
             )
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, cap)
+            if value is not None and not value > 0:
+                raise ValueError(f"GPTConfig: {cap} must be > 0 (None: off), got {value}")
         if self.softmax_scale is not None and not self.softmax_scale > 0:
             raise ValueError(f"GPTConfig: softmax_scale must be > 0, got {self.softmax_scale}")
         if not self.embedding_multiplier > 0:
@@ -349,6 +359,7 @@ class CausalSelfAttention(nn.Module):
         # path (SDPA, ring attention) then scores with it
         scale = cfg.softmax_scale
         self.query_scale = None if scale is None else scale * cfg.head_dim**0.5
+        self.softcap = cfg.attn_logit_softcapping
         qkv_heads = cfg.n_heads + 2 * cfg.kv_heads
         self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias or cfg.qkv_bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
@@ -384,7 +395,10 @@ class CausalSelfAttention(nn.Module):
             # / value head for the r query heads of its group
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         mask = self._mask(s, q.device)  # None: causal
-        if self.sequence is not None:
+        if self.softcap is not None:  # SDPA has no cap: the scores written out
+            with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+                y = _capped_attention(q, k, v, mask, self.softcap, p)
+        elif self.sequence is not None:
             y = self.sequence.attention(q, k, v, causal=True)
         else:  # heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn)
             gqa = {"enable_gqa": True} if r > 1 else {}  # no repeated copies of k and v
@@ -419,6 +433,24 @@ class CausalSelfAttention(nn.Module):
         length = int(reset.max()) + 1 if by_length else None  # as transformers: max position
         cos, sin = rope_tables(reset.reshape(-1), d, theta, scaling, length)
         return cos.view(b, 1, s, d), sin.view(b, 1, s, d)
+
+
+def _capped_attention(q, k, v, mask, cap: float, dropout: float) -> torch.Tensor:
+    """Causal attention with the scores capped to ``(-cap, cap)`` by ``cap * tanh(s / cap)``
+    (Gemma 2's): ``q [b, h, s, d]``, ``k`` / ``v [b, g, s, d]`` (query head ``i`` on key /
+    value head ``i // (h / g)``), ``mask`` True where a query may attend (None: causal)."""
+    r = q.shape[1] // k.shape[1]
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        s = q.shape[-2]
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
+    weights = F.dropout(weights.to(q.dtype), p=dropout)
+    return weights @ v
 
 
 class MLP(nn.Module):
@@ -576,10 +608,14 @@ class Head(nn.Module):
         super().__init__()
         self.ln_f = _norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.softcap = cfg.final_logit_softcapping
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x)).transpose(0, 1)
+        logits = self.lm_head(self.ln_f(x))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.transpose(0, 1)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy; vocabulary-parallel (no gather) when the head is sharded; over
@@ -753,6 +789,11 @@ class GPT(nn.Module):
             raise ValueError(
                 "GPT.context_parallel: document masking or a sliding window is on, but ring "
                 "attention has no per-document or windowed mask"
+            )
+        if self.config.attn_logit_softcapping is not None:
+            raise ValueError(
+                "GPT.context_parallel: attn_logit_softcapping is on, but ring attention has no "
+                "capped scores"
             )
         sequence = cp.SequenceSharding(comm, load_balance)
         for module in (self.embedding, *(b.attn for b in self.blocks), self.head):

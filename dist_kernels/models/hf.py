@@ -7,15 +7,16 @@
                                                      #   / Qwen2MoeForCausalLM
                                                      #   / Qwen3MoeForCausalLM
                                                      #   / Phi3ForCausalLM
-                                                     #   / Gemma3ForCausalLM
+                                                     #   / Gemma2ForCausalLM / Gemma3ForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Ten families map one to one (Mistral is Llama with a ``sliding_window``; Gemma 3's text model
-is Llama with norms of ``1 + w`` (``norm_unit_offset``), the branches' outputs normalised too
-(``post_norms``), per-head query / key norms, GeGLU, embeddings scaled by ``sqrt(hidden)``,
-its own attention scale and windowed blocks between every n-th global one; Phi-3 (Phi-4,
+Eleven families map one to one (Mistral is Llama with a ``sliding_window``; Gemma 3's text
+model is Llama with norms of ``1 + w`` (``norm_unit_offset``), the branches' outputs
+normalised too (``post_norms``), per-head query / key norms, GeGLU, embeddings scaled by
+``sqrt(hidden)``, its own attention scale and windowed blocks between every n-th global one;
+Gemma 2 is that without the query / key norms, with soft-capped scores and logits; Phi-3 (Phi-4,
 Phi-4-mini) is Llama with its query / key / value projections fused in one ``qkv_proj`` and
 its gate and up projections in one ``gate_up_proj``, and the rotary embedding over the first
 ``partial_rotary_factor`` of each head, our ``rotary_percent``: a model with partial rotary
@@ -94,10 +95,11 @@ _QWEN2_MOE = dict(
 # Gemma 3's fixed options, and the values every other family has of the options only Gemma 3
 # sets (its embedding multiplier must be sqrt(dim); its scale, window pattern and local rope
 # base are free)
-_GEMMA3 = dict(norm_unit_offset=True, post_norms=True, qk_norm=True, glu_activation="gelu")
+_GEMMA = dict(norm_unit_offset=True, post_norms=True, glu_activation="gelu")
 _GEMMA_ONLY = dict(
     norm_unit_offset=False, post_norms=False, glu_activation="silu", embedding_multiplier=1.0,
     softmax_scale=None, global_attention_every=0, rope_local_theta=None,
+    attn_logit_softcapping=None, final_logit_softcapping=None,
 )  # fmt: skip
 
 
@@ -108,16 +110,20 @@ def _family(config: GPTConfig) -> str:
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
     gemma_only = sorted(k for k, v in _GEMMA_ONLY.items() if getattr(config, k) != v)
-    if gemma_only:  # options of Gemma 3's only
-        gemma = {k: getattr(config, k) for k in (*_GEMMA3, "embedding_multiplier")}
-        wanted = {**_GEMMA3, "embedding_multiplier": config.dim**0.5}
+    if gemma_only:  # options of Gemma's only: Gemma 3 with q / k norms, Gemma 2 without
+        gemma = {k: getattr(config, k) for k in (*_GEMMA, "embedding_multiplier")}
+        wanted = {**_GEMMA, "embedding_multiplier": config.dim**0.5}
         plain = not (config.bias or config.qkv_bias or config.n_experts)
         if mine == llama and plain and gemma == wanted and config.rotary_percent == 1:
-            return "gemma3_text"
+            if config.qk_norm:
+                return "gemma3_text"
+            if config.rope_local_theta is None:
+                return "gemma2"
         raise ValueError(
-            f"hf: {gemma_only} map to Gemma 3 only: {llama} with {wanted}, no biases or MoE, "
-            f"full rotary; this one has {mine}, {gemma}, bias={config.bias}, "
-            f"n_experts={config.n_experts}, rotary_percent={config.rotary_percent}"
+            f"hf: {gemma_only} map to Gemma 2 / 3 only: {llama} with {wanted}, no biases or "
+            f"MoE, full rotary (Gemma 2: no qk_norm or rope_local_theta); this one has {mine}, "
+            f"{gemma}, bias={config.bias}, n_experts={config.n_experts}, rotary_percent="
+            f"{config.rotary_percent}, qk_norm={config.qk_norm}"
         )
     if config.rotary_percent != 1:  # partial rotary: Phi-3's (Phi-4-mini)
         plain = not (config.bias or config.qkv_bias or config.qk_norm or config.n_experts)
@@ -211,7 +217,7 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
           "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe,
           "qwen2_moe": _to_qwen2_moe, "mistral": _to_mistral, "phi3": _to_phi3,
-          "gemma3_text": _to_gemma3}  # fmt: skip
+          "gemma3_text": _to_gemma3, "gemma2": _to_gemma2}  # fmt: skip
     return to[family](config, state)
 
 
@@ -447,16 +453,23 @@ def _to_gemma3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
             "full_attention": full,
             "sliding_attention": {"rope_type": "default", **local},
         },
-        final_logit_softcapping=None,
-        attn_logit_softcapping=None,
+        final_logit_softcapping=config.final_logit_softcapping,
+        attn_logit_softcapping=config.attn_logit_softcapping,
         pad_token_id=None,
     )
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
         for a, b in _GEMMA3_NORMS:
             out[f"{theirs}.{b}.weight"] = state[f"{ours}.{a}.weight"]
-        for norm in ("q_norm", "k_norm"):
+        for norm in ("q_norm", "k_norm") if config.qk_norm else ():
             out[f"{theirs}.self_attn.{norm}.weight"] = state[f"{ours}.attn.{norm}.weight"]
+    return hf, out
+
+
+def _to_gemma2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    """Gemma 3's mapping less the q / k norms, with one rope for every block."""
+    hf, out = _to_gemma3(config, state)
+    hf.update(model_type="gemma2", rope_parameters=hf["rope_parameters"]["full_attention"])
     return hf, out
 
 
@@ -464,11 +477,9 @@ def _from_gemma3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     """Gemma 3's text model: Llama's layout with the norms of 1 + w, the branches' output
     norms, q / k norms, GeGLU, scaled embeddings, its attention scale, and windowed blocks
     (with their own rope base) between every n-th global one."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise ValueError(f"hf: Gemma {key} {hf[key]}: no counterpart here (Gemma 2's)")
+    gemma2 = hf.get("model_type") == "gemma2"
     if hf.get("use_bidirectional_attention"):
-        raise ValueError("hf: Gemma 3 with use_bidirectional_attention: no counterpart here")
+        raise ValueError("hf: Gemma with use_bidirectional_attention: no counterpart here")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in _GELU_FROM_HF:
         raise ValueError(f"hf: Gemma 3 hidden_activation {act!r}: only GELU (exact or tanh)")
@@ -482,6 +493,8 @@ def _from_gemma3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     ]:
         raise ValueError(f"hf: Gemma 3 layer_types {types}: not every n-th block global")
     rope = hf.get("rope_parameters") or {}
+    if gemma2:  # one rope for every block
+        rope = {"full_attention": rope, "sliding_attention": rope}
     global_rope = dict(rope.get("full_attention") or {})
     local = dict(rope.get("sliding_attention") or {})
     same = {**local, "rope_type": local.get("rope_type", "default")} == {
@@ -503,7 +516,9 @@ def _from_gemma3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         )  # Llama's name for our ln_2
         llama[f"{at}.gemma_post_attn"] = post_attn
     extra = dict(
-        norm_unit_offset=True, post_norms=True, qk_norm=True, glu_activation="gelu",
+        norm_unit_offset=True, post_norms=True, qk_norm=not gemma2, glu_activation="gelu",
+        attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
         gelu_approximate=_GELU_FROM_HF[act], embedding_multiplier=hf["hidden_size"] ** 0.5,
         softmax_scale=None if scalar == head_dim else float(scalar) ** -0.5,
         sliding_window=hf.get("sliding_window") if windowed else None,
@@ -515,7 +530,7 @@ def _from_gemma3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
         out[f"{ours}.post_attn_norm.weight"] = llama[f"{theirs}.gemma_post_attn"]
         out[f"{ours}.post_mlp_norm.weight"] = state[f"{theirs}.post_feedforward_layernorm.weight"]
-        for norm in ("q_norm", "k_norm"):
+        for norm in ("q_norm", "k_norm") if not gemma2 else ():
             out[f"{ours}.attn.{norm}.weight"] = state[f"{theirs}.self_attn.{norm}.weight"]
     return config, out
 
@@ -601,11 +616,11 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_qwen2_moe(hf, state)
     if model_type == "phi3":
         return _from_phi3(hf, state)
-    if model_type == "gemma3_text":
+    if model_type in ("gemma3_text", "gemma2"):
         return _from_gemma3(hf, state)
     raise ValueError(
         f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', "
-        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'phi3' and 'gemma3_text' are mapped"
+        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'phi3', 'gemma2' and 'gemma3_text' are mapped"
     )
 
 

@@ -379,6 +379,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the token embeddings scaled by this (Gemma: sqrt(d_model))",
     )
     add(
+        "--attn-logit-softcapping",
+        type=float,
+        default=None,
+        help="attention scores capped as c * tanh(score / c) (Gemma 2's; not with cp)",
+    )
+    add(
+        "--final-logit-softcapping",
+        type=float,
+        default=None,
+        help="the logits capped as c * tanh(logit / c) (Gemma 2's)",
+    )
+    add(
         "--softmax-scale",
         type=float,
         default=None,
@@ -803,6 +815,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         post_norms=args.post_norms,
         embedding_multiplier=args.embedding_multiplier,
         softmax_scale=args.softmax_scale,
+        attn_logit_softcapping=args.attn_logit_softcapping,
+        final_logit_softcapping=args.final_logit_softcapping,
         global_attention_every=args.global_attention_every,
         rope_local_theta=args.rotary_base_local,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -896,6 +910,9 @@ def model_flags(model: GPTConfig) -> List[str]:
         flags += ["--embedding-multiplier", repr(model.embedding_multiplier)]
     if model.softmax_scale is not None:
         flags += ["--softmax-scale", repr(model.softmax_scale)]
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model, cap) is not None:
+            flags += [f"--{cap.replace('_', '-')}", repr(getattr(model, cap))]
     if model.global_attention_every:
         flags += ["--global-attention-every", str(model.global_attention_every)]
     if model.rope_local_theta is not None:

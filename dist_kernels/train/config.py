@@ -356,6 +356,11 @@ class TrainConfig:
                 f"sliding_window({self.model.sliding_window}) with cp({self.cp}) > 1: ring "
                 "attention has no windowed mask"
             )
+        if self.model.attn_logit_softcapping is not None and self.cp > 1:
+            raise ConfigError(
+                f"attn_logit_softcapping({self.model.attn_logit_softcapping}) with cp({self.cp}) "
+                "> 1: ring attention has no capped scores"
+            )
         if self.calculate_per_token_loss and (self.cp > 1 or self.model.n_experts):
             raise ConfigError(
                 f"calculate_per_token_loss with cp({self.cp}) > 1 or MoE blocks: the loss under "
