@@ -143,6 +143,17 @@ MODELS = {
         final_logit_softcapping=1.0,
         tie_embeddings=True,
     ),
+    # OLMo 2: no pre-norms, the outputs normalised, q / k norms over every head's features
+    "olmo2-gqa": GPTConfig(
+        **SMALL,
+        **LLAMA,
+        n_kv_heads=2,
+        pre_norms=False,
+        post_norms=True,
+        qk_norm=True,
+        qk_norm_scope="all",
+        tie_embeddings=False,
+    ),
     # the same within the trained length (the short factors), every dimension turned
     "llama-longrope-short": GPTConfig(
         **SMALL,
@@ -244,6 +255,7 @@ HF_BUILT = {
         layer_types=["sliding_attention", "full_attention"], rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    "olmo2": ("Olmo2Config", dict(pad_token_id=None, eos_token_id=None, rms_norm_eps=1e-6)),
     "gemma2": ("Gemma2Config", dict(  # its alternating windows, soft-capped
         head_dim=8, sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=0.5,
         final_logit_softcapping=1.0, pad_token_id=None)),

@@ -708,11 +708,17 @@ LLAMA_TINY = dataclasses.replace(
 )
 
 
+def _model_reference(model: GPTConfig):
+    """One process training ``model`` on the layout tests' global batch: (losses, params, key
+    bias bound 0: the Llama family has no biases)."""
+    print(f"seed {SEED}")
+    result = _single(_cfg(global_batch=8, model=model))
+    return [rec["loss"] for rec in result.records], result.params, 0.0
+
+
 @pytest.fixture(scope="module")
 def llama_reference():
-    print(f"seed {SEED}")
-    result = _single(_cfg(global_batch=8, model=LLAMA_TINY))
-    return [rec["loss"] for rec in result.records], result.params, 0.0
+    return _model_reference(LLAMA_TINY)
 
 
 @pytest.mark.parametrize(
@@ -745,9 +751,7 @@ GEMMA_TINY = dataclasses.replace(
 
 @pytest.fixture(scope="module")
 def gemma_reference():
-    print(f"seed {SEED}")
-    result = _single(_cfg(global_batch=8, model=GEMMA_TINY))
-    return [rec["loss"] for rec in result.records], result.params, 0.0
+    return _model_reference(GEMMA_TINY)
 
 
 @pytest.mark.parametrize(
@@ -765,6 +769,34 @@ def test_gemma_style_model_matches_single_process(gemma_reference, layout, world
     ranks = run_ranks(world, _on_ranks, cfg, timeout=240)
     _assert_layout_matches(ranks, gemma_reference, tp=layout.get("tp", 1))
     assert any(k.endswith("post_mlp_norm.weight") for r in ranks for k in r["params"])
+
+
+# OLMo 2's block on the Llama-style model: no pre-norms, the branches' outputs normalised,
+# the query / key norms over all the heads' features at once
+OLMO2_TINY = dataclasses.replace(
+    LLAMA_TINY, pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all"
+)
+
+
+@pytest.fixture(scope="module")
+def olmo2_reference():
+    return _model_reference(OLMO2_TINY)
+
+
+@pytest.mark.parametrize(
+    "layout,world",
+    [(dict(dp=2, zero=3), 2), (dict(cp=2), 2), (dict(pp=2, micro_batch=2), 2)],
+    ids=["dp2-zero3", "cp2", "pp2"],
+)  # fmt: skip
+def test_olmo2_style_model_matches_single_process(olmo2_reference, layout, world):
+    """--no-pre-norms --post-norms --qk-layernorm --qk-norm-scope all: every layout trains to
+    the single process's losses and parameters; tp is refused (a rank holds only its heads)."""
+    cfg = _cfg(global_batch=8, model=OLMO2_TINY, **layout)
+    ranks = run_ranks(world, _on_ranks, cfg, timeout=240)
+    _assert_layout_matches(ranks, olmo2_reference, tp=1)
+    assert not any(".ln_1." in k for r in ranks for k in r["params"])
+    with pytest.raises(ConfigError, match=r"qk_norm_scope 'all' with tp\(2\) > 1"):
+        _cfg(global_batch=8, model=OLMO2_TINY, tp=2).with_layout(2)
 
 
 def test_gemma_style_options_change_the_model():

@@ -102,6 +102,9 @@ class GPTConfig:
     norm_unit_offset: bool = False
     """Every norm multiplies by ``1 + w``, its weight ``w`` starting at 0 (Megatron's
     ``--apply-layernorm-1p``; Gemma's RMSNorm): weight decay then pulls towards the identity."""
+    pre_norms: bool = True
+    """The blocks normalise each branch's input (``ln_1``, ``ln_2``: pre-norm). False, with
+    ``post_norms``: only the branches' outputs (OLMo 2: ``x + post(attn(x))``)."""
     post_norms: bool = False
     """Each block's attention and MLP outputs normalised too, before their residual adds
     (Gemma 2 / 3's ``post_attention_layernorm`` and ``post_feedforward_layernorm``):
@@ -127,6 +130,10 @@ class GPTConfig:
     """Queries and keys normalised per head (the ``normalization`` over ``head_dim``, one
     weight shared by the heads) after the projection and before the rotary embedding: Qwen3's
     ``q_norm`` / ``k_norm``, Megatron's ``--qk-layernorm``."""
+    qk_norm_scope: str = "head"
+    """With ``qk_norm``: ``"head"`` (per head, above) or ``"all"``: one norm over the features
+    of all the query heads and one over all the key heads, each feature its own weight
+    (OLMo 2's ``q_norm`` / ``k_norm``). Not with tensor parallelism."""
     swiglu: bool = False
     """The MLP as Llama's SwiGLU, ``proj(silu(gate(x)) * fc(x))`` (hidden size still
     ``mlp_ratio * dim``), in place of GPT-2's ``proj(gelu(fc(x)))``."""
@@ -249,6 +256,15 @@ class GPTConfig:
                 f"GPTConfig: rope turns pairs of dimensions, but {size} is "
                 f"{'odd' if self.rotary_dim % 2 else 'none'}"
             )
+        if self.qk_norm_scope not in ("head", "all"):
+            raise ValueError(
+                f"GPTConfig: qk_norm_scope must be 'head' or 'all', got {self.qk_norm_scope!r}"
+            )
+        if not self.pre_norms and not self.post_norms:
+            raise ValueError(
+                "GPTConfig: pre_norms=False leaves the blocks without norms: set post_norms "
+                "(OLMo 2's blocks normalise the branches' outputs)"
+            )
         if self.glu_activation not in ("silu", "gelu"):
             raise ValueError(
                 f"GPTConfig: glu_activation must be 'silu' or 'gelu', got {self.glu_activation!r}"
@@ -362,8 +378,10 @@ class CausalSelfAttention(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
         qkv_heads = cfg.n_heads + 2 * cfg.kv_heads
         self.qkv = nn.Linear(cfg.dim, qkv_heads * cfg.head_dim, bias=cfg.bias or cfg.qkv_bias)
-        self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.qk_whole = cfg.qk_norm_scope == "all"  # OLMo 2: over every head's features
+        q_size, k_size = (cfg.n_heads, cfg.kv_heads) if self.qk_whole else (1, 1)
+        self.q_norm = _norm(cfg, q_size * cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, k_size * cfg.head_dim) if cfg.qk_norm else None
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
@@ -383,7 +401,9 @@ class CausalSelfAttention(nn.Module):
         qkv = qkv.view(s, b, -1, r + 2, self.head_dim).permute(1, 2, 3, 0, 4)  # [b,g,r+2,s,d]
         q = qkv[:, :, :r].flatten(1, 2)  # [b, heads, s, d]: group by group
         k, v = qkv[:, :, r], qkv[:, :, r + 1]  # [b, groups, s, d]
-        if self.q_norm is not None:  # per head, before the rotation
+        if self.q_norm is not None and self.qk_whole:  # all heads' features at once
+            q, k = _across_heads(self.q_norm, q), _across_heads(self.k_norm, k)
+        elif self.q_norm is not None:  # per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:  # [b, heads, s, d], turned by the tokens' positions
             cos, sin = self._rope_tables(s, b, q.device)
@@ -433,6 +453,12 @@ class CausalSelfAttention(nn.Module):
         length = int(reset.max()) + 1 if by_length else None  # as transformers: max position
         cos, sin = rope_tables(reset.reshape(-1), d, theta, scaling, length)
         return cos.view(b, 1, s, d), sin.view(b, 1, s, d)
+
+
+def _across_heads(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm`` over the features of all the heads of ``x [b, heads, s, d]`` at once."""
+    b, h, s, d = x.shape
+    return norm(x.transpose(1, 2).reshape(b, s, h * d)).view(b, s, h, d).transpose(1, 2)
 
 
 def _capped_attention(q, k, v, mask, cap: float, dropout: float) -> torch.Tensor:
@@ -535,9 +561,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, moe: bool = False, layer: int = 0) -> None:
         super().__init__()
-        self.ln_1 = _norm(cfg)
+        self.ln_1 = _norm(cfg) if cfg.pre_norms else None
         self.attn = CausalSelfAttention(cfg, layer)
-        self.ln_2 = _norm(cfg)
+        self.ln_2 = _norm(cfg) if cfg.pre_norms else None
         self.mlp = _moe(cfg) if moe else MLP(cfg)
         # Gemma's norms of the branches' outputs (GPTConfig.post_norms)
         self.post_attn_norm = _norm(cfg) if cfg.post_norms else None
@@ -557,6 +583,9 @@ class Block(nn.Module):
         if self.post_attn_norm is None:
             x = x + self.attn(self.ln_1(x))
             return x + self.mlp(self.ln_2(x))
+        if self.ln_1 is None:  # OLMo 2: the branches' outputs normalised only
+            x = x + self.post_attn_norm(self.attn(x))
+            return x + self.post_mlp_norm(self.mlp(x))
         x = x + self.post_attn_norm(self.attn(self.ln_1(x)))
         return x + self.post_mlp_norm(self.mlp(self.ln_2(x)))
 
@@ -754,17 +783,21 @@ class GPT(nn.Module):
             if cfg.swiglu:
                 plan[f"blocks.{i}.mlp.gate"] = tp.ColumnParallel(sequence_parallel=sp)
             plan[f"blocks.{i}.mlp.proj"] = tp.RowParallel(sequence_parallel=sp)
+        if cfg.qk_norm and cfg.qk_norm_scope == "all" and tp_size > 1:
+            raise ValueError(
+                "GPT: qk_norm_scope='all' (OLMo 2's norm over every head's features) with "
+                f"tp({tp_size}) > 1: a rank holds only its heads, and the norm's statistics would "
+                "need the other ranks'"
+            )
         if cfg.qk_norm:  # one weight over this rank's heads: its gradient is a partial sum
             plan["blocks.*.attn.?_norm"] = tp.ReplicatedOverShards()
         if sp:  # everything between the pairs runs on sequence shards
             if cfg.position_embedding == "learned":
                 plan["embedding.wpe"] = tp.SequenceParallel()
-            for pattern in (
-                "embedding.drop",
-                "blocks.*.ln_?",
-                "blocks.*.*.drop",
-                "head.ln_f",
-            ):
+            patterns = ["embedding.drop", "blocks.*.*.drop", "head.ln_f"]
+            if cfg.pre_norms:
+                patterns.append("blocks.*.ln_?")
+            for pattern in patterns:
                 plan[pattern] = tp.SequenceParallel()
             if cfg.post_norms:
                 plan["blocks.*.post_*_norm"] = tp.SequenceParallel()

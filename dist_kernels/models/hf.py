@@ -8,22 +8,25 @@
                                                      #   / Qwen3MoeForCausalLM
                                                      #   / Phi3ForCausalLM
                                                      #   / Gemma2ForCausalLM / Gemma3ForCausalLM
+                                                     #   / Olmo2ForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Eleven families map one to one (Mistral is Llama with a ``sliding_window``; Gemma 3's text
-model is Llama with norms of ``1 + w`` (``norm_unit_offset``), the branches' outputs
-normalised too (``post_norms``), per-head query / key norms, GeGLU, embeddings scaled by
-``sqrt(hidden)``, its own attention scale and windowed blocks between every n-th global one;
-Gemma 2 is that without the query / key norms, with soft-capped scores and logits; Phi-3 (Phi-4,
-Phi-4-mini) is Llama with its query / key / value projections fused in one ``qkv_proj`` and
-its gate and up projections in one ``gate_up_proj``, and the rotary embedding over the first
+Twelve families map one to one (Mistral is Llama with a ``sliding_window``; OLMo 2 is Llama
+without the pre-norms (``pre_norms=False``), the branches' outputs normalised (``post_norms``)
+and the query / key norms over every head's features (``qk_norm_scope="all"``); Gemma 3's text
+model is Llama with norms of ``1 + w`` (``norm_unit_offset``), the branches' outputs normalised
+too (``post_norms``), per-head query / key norms, GeGLU, embeddings scaled by ``sqrt(hidden)``,
+its own attention scale and windowed blocks between every n-th global one; Gemma 2 is that
+without the query / key norms, with soft-capped scores and logits; Phi-3 (Phi-4, Phi-4-mini) is
+Llama with its query / key / value projections fused in one ``qkv_proj`` and its gate and up
+projections in one ``gate_up_proj``, and the rotary embedding over the first
 ``partial_rotary_factor`` of each head, our ``rotary_percent``: a model with partial rotary
-exports as Phi-3, a Phi-3 with full rotary as the Llama or Mistral it equals; Qwen2 is Llama with
-biased query / key / value projections, ``qkv_bias``; Qwen3 is Llama with per-head query / key
-norms, ``qk_norm``; Mixtral is Llama with an MoE in every block; Qwen3-MoE is Qwen3 with an MoE
-in every ``decoder_sparse_step``-th block, our ``moe_every``, its experts
+exports as Phi-3, a Phi-3 with full rotary as the Llama or Mistral it equals; Qwen2 is Llama
+with biased query / key / value projections, ``qkv_bias``; Qwen3 is Llama with per-head query /
+key norms, ``qk_norm``; Mixtral is Llama with an MoE in every block; Qwen3-MoE is Qwen3 with an
+MoE in every ``decoder_sparse_step``-th block, our ``moe_every``, its experts
 ``moe_intermediate_size`` wide, our ``moe_ffn_hidden_size``; Qwen2-MoE is that with Qwen2's
 attention and a shared expert scaled by a sigmoid gate, ``moe_shared_expert_intermediate_size``
 and ``moe_shared_expert_gate``):
@@ -95,6 +98,7 @@ _QWEN2_MOE = dict(
 # Gemma 3's fixed options, and the values every other family has of the options only Gemma 3
 # sets (its embedding multiplier must be sqrt(dim); its scale, window pattern and local rope
 # base are free)
+_OLMO2 = dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
 _GEMMA = dict(norm_unit_offset=True, post_norms=True, glu_activation="gelu")
 _GEMMA_ONLY = dict(
     norm_unit_offset=False, post_norms=False, glu_activation="silu", embedding_multiplier=1.0,
@@ -109,6 +113,17 @@ def _family(config: GPTConfig) -> str:
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    if not config.pre_norms or config.qk_norm_scope == "all":  # OLMo 2's options
+        olmo = {k: getattr(config, k) for k in _OLMO2}
+        others = {k: getattr(config, k) for k in _GEMMA_ONLY if k != "post_norms"}
+        plain = not (config.bias or config.qkv_bias or config.n_experts or config.sliding_window)
+        unscaled = others == {k: v for k, v in _GEMMA_ONLY.items() if k != "post_norms"}
+        if mine == llama and plain and olmo == _OLMO2 and unscaled and config.rotary_percent == 1:
+            return "olmo2"
+        raise ValueError(
+            f"hf: pre_norms=False or qk_norm_scope='all' map to OLMo 2 only: {llama} with "
+            f"{_OLMO2}, no biases, MoE, window or Gemma's options; this one has {mine}, {olmo}"
+        )
     gemma_only = sorted(k for k, v in _GEMMA_ONLY.items() if getattr(config, k) != v)
     if gemma_only:  # options of Gemma's only: Gemma 3 with q / k norms, Gemma 2 without
         gemma = {k: getattr(config, k) for k in (*_GEMMA, "embedding_multiplier")}
@@ -217,7 +232,7 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
           "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe,
           "qwen2_moe": _to_qwen2_moe, "mistral": _to_mistral, "phi3": _to_phi3,
-          "gemma3_text": _to_gemma3, "gemma2": _to_gemma2}  # fmt: skip
+          "gemma3_text": _to_gemma3, "gemma2": _to_gemma2, "olmo2": _to_olmo2}  # fmt: skip
     return to[family](config, state)
 
 
@@ -281,14 +296,15 @@ def _to_gpt2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     return hf, out
 
 
-def _llama_pairs(i: int, bias: bool, mlp: bool = True) -> List[Tuple[str, str]]:
+def _llama_pairs(i: int, bias: bool, mlp: bool = True, norms: bool = True) -> List[Tuple[str, str]]:
     """Block ``i``'s tensors that Llama names otherwise, ``(ours, theirs)`` (the fused
-    ``qkv`` apart; ``mlp=False``: an MoE block's, whose experts Mixtral stacks)."""
+    ``qkv`` apart; ``mlp=False``: an MoE block's, whose experts Mixtral stacks; ``norms=False``:
+    a block without pre-norms, OLMo 2's)."""
     ours, theirs = f"blocks.{i}", f"model.layers.{i}"
     pairs = [
         (f"{ours}.ln_1.weight", f"{theirs}.input_layernorm.weight"),
         (f"{ours}.ln_2.weight", f"{theirs}.post_attention_layernorm.weight"),
-    ]
+    ] if norms else []  # fmt: skip
     renamed = {"attn.proj": "self_attn.o_proj", "mlp.fc": "mlp.up_proj",
                "mlp.gate": "mlp.gate_proj", "mlp.proj": "mlp.down_proj"}  # fmt: skip
     if not mlp:
@@ -320,7 +336,8 @@ def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     }
     out = {"model.embed_tokens.weight": state["embedding.wte.weight"]}
     for i in range(config.n_layers):
-        for ours, theirs in _llama_pairs(i, config.bias, mlp=not config.is_moe_block(i)):
+        pairs = _llama_pairs(i, config.bias, not config.is_moe_block(i), config.pre_norms)
+        for ours, theirs in pairs:
             out[theirs] = state[ours]
         for kind in ("weight", "bias") if config.bias or config.qkv_bias else ("weight",):
             q, k, v = _split_qkv(config, state[f"blocks.{i}.attn.qkv.{kind}"])
@@ -464,6 +481,32 @@ def _to_gemma3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
         for norm in ("q_norm", "k_norm") if config.qk_norm else ():
             out[f"{theirs}.self_attn.{norm}.weight"] = state[f"{ours}.attn.{norm}.weight"]
     return hf, out
+
+
+def _to_olmo2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf, out = _to_llama_unbiased(config, state)
+    hf.update(model_type="olmo2", pad_token_id=None)
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+        for a, b in _GEMMA3_NORMS[1:]:  # the outputs' norms: Gemma's names
+            out[f"{theirs}.{b}.weight"] = state[f"{ours}.{a}.weight"]
+        for norm in ("q_norm", "k_norm"):  # over every head's features
+            out[f"{theirs}.self_attn.{norm}.weight"] = state[f"{ours}.attn.{norm}.weight"]
+    return hf, out
+
+
+def _from_olmo2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    """OLMo 2: Llama without the pre-norms, the branches' outputs normalised, and the query /
+    key norms over every head's features."""
+    extra = dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
+    config, out = _from_llama({**hf, "attention_bias": False, "mlp_bias": False}, state, extra)
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+        for a, b in _GEMMA3_NORMS[1:]:
+            out[f"{ours}.{a}.weight"] = state[f"{theirs}.{b}.weight"]
+        for norm in ("q_norm", "k_norm"):
+            out[f"{ours}.attn.{norm}.weight"] = state[f"{theirs}.self_attn.{norm}.weight"]
+    return config, out
 
 
 def _to_gemma2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
@@ -618,9 +661,12 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_phi3(hf, state)
     if model_type in ("gemma3_text", "gemma2"):
         return _from_gemma3(hf, state)
+    if model_type == "olmo2":
+        return _from_olmo2(hf, state)
     raise ValueError(
         f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', "
-        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'phi3', 'gemma2' and 'gemma3_text' are mapped"
+        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'phi3', 'gemma2', 'gemma3_text' and 'olmo2' are "
+        "mapped"
     )
 
 
@@ -754,7 +800,7 @@ def _from_llama(
     )
     out = {"embedding.wte.weight": state["model.embed_tokens.weight"]}
     for i in range(config.n_layers):
-        for ours, theirs in _llama_pairs(i, bias, mlp=not config.is_moe_block(i)):
+        for ours, theirs in _llama_pairs(i, bias, not config.is_moe_block(i), config.pre_norms):
             out[ours] = state[theirs]
         for kind in ("weight", "bias") if bias or config.qkv_bias else ("weight",):
             names = (f"model.layers.{i}.self_attn.{n}_proj.{kind}" for n in "qkv")

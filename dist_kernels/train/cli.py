@@ -368,6 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="norms multiply by 1 + w, w starting at 0 (Megatron's; Gemma's RMSNorm)",
     )
     add(
+        "--no-pre-norms",
+        action="store_true",
+        help="with --post-norms: the branches' inputs not normalised (OLMo 2's blocks)",
+    )
+    add(
+        "--qk-norm-scope",
+        choices=("head", "all"),
+        default=m.qk_norm_scope,
+        help="--qk-layernorm per head, or over all heads' features at once (OLMo 2; no --tp)",
+    )
+    add(
         "--post-norms",
         action="store_true",
         help="the attention's and the MLP's outputs normalised before the residual add (Gemma)",
@@ -813,6 +824,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         glu_activation="gelu" if args.geglu else "silu",
         norm_unit_offset=args.apply_layernorm_1p,
         post_norms=args.post_norms,
+        pre_norms=not args.no_pre_norms,
+        qk_norm_scope=args.qk_norm_scope,
         embedding_multiplier=args.embedding_multiplier,
         softmax_scale=args.softmax_scale,
         attn_logit_softcapping=args.attn_logit_softcapping,
@@ -904,8 +917,10 @@ def model_flags(model: GPTConfig) -> List[str]:
         (model.gelu_approximate == "tanh", "--openai-gelu"),
         (not model.bias, "--disable-bias-linear"), (model.qkv_bias, "--add-qkv-bias"),
         (model.qk_norm, "--qk-layernorm"), (model.norm_unit_offset, "--apply-layernorm-1p"),
-        (model.post_norms, "--post-norms"),
+        (model.post_norms, "--post-norms"), (not model.pre_norms, "--no-pre-norms"),
     ]  # fmt: skip
+    if model.qk_norm_scope != default.qk_norm_scope:
+        flags += ["--qk-norm-scope", model.qk_norm_scope]
     if model.embedding_multiplier != default.embedding_multiplier:
         flags += ["--embedding-multiplier", repr(model.embedding_multiplier)]
     if model.softmax_scale is not None:

@@ -356,6 +356,11 @@ class TrainConfig:
                 f"sliding_window({self.model.sliding_window}) with cp({self.cp}) > 1: ring "
                 "attention has no windowed mask"
             )
+        if self.model.qk_norm and self.model.qk_norm_scope == "all" and self.tp > 1:
+            raise ConfigError(
+                f"qk_norm_scope 'all' with tp({self.tp}) > 1: the norm over every head's "
+                "features would need the other tp ranks' heads"
+            )
         if self.model.attn_logit_softcapping is not None and self.cp > 1:
             raise ConfigError(
                 f"attn_logit_softcapping({self.model.attn_logit_softcapping}) with cp({self.cp}) "
