@@ -986,9 +986,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"--eod-token {cfg.eod_token} is not in the data's vocabulary of {corpus.vocab_size}"
         )
     model = model_config(cfg, corpus)
-    data_fp = samplers(
-        cfg, corpus
-    ).fingerprint  # the samplers' checks too (a held-out span too small)
+    # the samplers' checks too (a held-out span too small)
+    data_fp = samplers(cfg, corpus).fingerprint
     resume = resolve_resume(cfg, identity(cfg, describe(model), data_fp))
     if cfg.init_from is not None and resume is None:  # (a resumed run ignores it)
         from .export import load_exported
