@@ -440,11 +440,13 @@ def _to_phi3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     return hf, out
 
 
-_GEMMA3_NORMS = (  # ours, Gemma 3's (Llama's names give ln_2 to post_attention_layernorm)
-    ("ln_2", "pre_feedforward_layernorm"),
+# the branches' output norms, ours and Gemma's / OLMo 2's names
+_OUTPUT_NORMS = (
     ("post_attn_norm", "post_attention_layernorm"),
     ("post_mlp_norm", "post_feedforward_layernorm"),
 )
+# Gemma's block norms (Llama's names give our ln_2 to post_attention_layernorm)
+_GEMMA3_NORMS = (("ln_2", "pre_feedforward_layernorm"), *_OUTPUT_NORMS)
 
 
 def _to_gemma3(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
@@ -488,7 +490,7 @@ def _to_olmo2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     hf.update(model_type="olmo2", pad_token_id=None)
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        for a, b in _GEMMA3_NORMS[1:]:  # the outputs' norms: Gemma's names
+        for a, b in _OUTPUT_NORMS:
             out[f"{theirs}.{b}.weight"] = state[f"{ours}.{a}.weight"]
         for norm in ("q_norm", "k_norm"):  # over every head's features
             out[f"{theirs}.self_attn.{norm}.weight"] = state[f"{ours}.attn.{norm}.weight"]
@@ -502,7 +504,7 @@ def _from_olmo2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     config, out = _from_llama({**hf, "attention_bias": False, "mlp_bias": False}, state, extra)
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        for a, b in _GEMMA3_NORMS[1:]:
+        for a, b in _OUTPUT_NORMS:
             out[f"{ours}.{a}.weight"] = state[f"{theirs}.{b}.weight"]
         for norm in ("q_norm", "k_norm"):
             out[f"{ours}.attn.{norm}.weight"] = state[f"{theirs}.self_attn.{norm}.weight"]
@@ -516,48 +518,53 @@ def _to_gemma2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     return hf, out
 
 
+def _gemma_windows(hf: Dict[str, Any]) -> Tuple[int, bool]:
+    """``(global_attention_every, any block windowed)`` of Gemma's ``layer_types``."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention"] * n
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    every = full[0] + 1 if full else 0
+    if [i in full for i in range(n)] != [bool(every) and (i + 1) % every == 0 for i in range(n)]:
+        raise ValueError(f"hf: Gemma layer_types {types}: not every n-th block global")
+    return every, len(full) < n
+
+
+def _gemma_ropes(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[float]]:
+    """``(the global blocks' rope parameters, the windowed blocks' own base or None)``:
+    Gemma 3 has one rope per layer type, Gemma 2 one for all."""
+    rope = hf.get("rope_parameters") or {}
+    if hf.get("model_type") == "gemma2":
+        return dict(rope), None
+    full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    kind = lambda r: {**r, "rope_type": r.get("rope_type", "default")}  # noqa: E731
+    if kind(local) == kind(full):  # the windowed blocks turn as the global ones
+        return full, None
+    if kind(local)["rope_type"] != "default":
+        raise ValueError(f"hf: Gemma 3 with scaled rope on its windowed blocks ({local})")
+    return full, float(local["rope_theta"])
+
+
 def _from_gemma3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
-    """Gemma 3's text model: Llama's layout with the norms of 1 + w, the branches' output
-    norms, q / k norms, GeGLU, scaled embeddings, its attention scale, and windowed blocks
-    (with their own rope base) between every n-th global one."""
+    """Gemma 3's text model (and Gemma 2, without the q / k norms): Llama's layout with the
+    norms of 1 + w, the branches' output norms, GeGLU, scaled embeddings, its attention scale,
+    soft-caps, and windowed blocks (with their own rope base) between every n-th global one."""
     gemma2 = hf.get("model_type") == "gemma2"
     if hf.get("use_bidirectional_attention"):
         raise ValueError("hf: Gemma with use_bidirectional_attention: no counterpart here")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in _GELU_FROM_HF:
-        raise ValueError(f"hf: Gemma 3 hidden_activation {act!r}: only GELU (exact or tanh)")
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["full_attention"] * n
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    every = full[0] + 1 if full else 0
-    windowed = len(full) < n
-    if [t == "full_attention" for t in types] != [
-        bool(every) and (i + 1) % every == 0 for i in range(n)
-    ]:
-        raise ValueError(f"hf: Gemma 3 layer_types {types}: not every n-th block global")
-    rope = hf.get("rope_parameters") or {}
-    if gemma2:  # one rope for every block
-        rope = {"full_attention": rope, "sliding_attention": rope}
-    global_rope = dict(rope.get("full_attention") or {})
-    local = dict(rope.get("sliding_attention") or {})
-    same = {**local, "rope_type": local.get("rope_type", "default")} == {
-        **global_rope,
-        "rope_type": global_rope.get("rope_type", "default"),
-    }  # the windowed blocks turn as the global ones: one rope (ours without a local base)
-    if windowed and not same and local.get("rope_type", "default") != "default":
-        raise ValueError(f"hf: Gemma 3 with scaled rope on its windowed blocks ({local})")
+        raise ValueError(f"hf: Gemma hidden_activation {act!r}: only GELU (exact or tanh)")
+    every, windowed = _gemma_windows(hf)
+    global_rope, local_theta = _gemma_ropes(hf)
     plain = {**hf, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
     plain["rope_parameters"], plain["rope_scaling"] = global_rope, None
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     scalar = hf.get("query_pre_attn_scalar", head_dim)
-    llama = dict(state)
-    for i in range(n):
-        at = f"model.layers.{i}"
-        post_attn = llama.pop(f"{at}.post_attention_layernorm.weight")
-        llama[f"{at}.post_attention_layernorm.weight"] = llama.pop(
-            f"{at}.pre_feedforward_layernorm.weight"
-        )  # Llama's name for our ln_2
-        llama[f"{at}.gemma_post_attn"] = post_attn
+    layers = [f"model.layers.{i}" for i in range(hf["num_hidden_layers"])]
+    # our ln_2 is Gemma's pre_feedforward_layernorm, under Llama's name for it
+    renamed = {f"{at}.post_attention_layernorm.weight": f"{at}.pre_feedforward_layernorm.weight"
+               for at in layers}  # fmt: skip
+    llama = {**state, **{llama_name: state[name] for llama_name, name in renamed.items()}}
     extra = dict(
         norm_unit_offset=True, post_norms=True, qk_norm=not gemma2, glu_activation="gelu",
         attn_logit_softcapping=hf.get("attn_logit_softcapping"),
@@ -566,15 +573,14 @@ def _from_gemma3(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         softmax_scale=None if scalar == head_dim else float(scalar) ** -0.5,
         sliding_window=hf.get("sliding_window") if windowed else None,
         global_attention_every=every if windowed else 0,
-        rope_local_theta=None if same or not windowed else float(local["rope_theta"]),
+        rope_local_theta=local_theta if windowed else None,
     )  # fmt: skip
     config, out = _from_llama(plain, llama, extra)
-    for i in range(n):
-        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        out[f"{ours}.post_attn_norm.weight"] = llama[f"{theirs}.gemma_post_attn"]
-        out[f"{ours}.post_mlp_norm.weight"] = state[f"{theirs}.post_feedforward_layernorm.weight"]
+    for i, theirs in enumerate(layers):
+        for ours, name in _OUTPUT_NORMS:
+            out[f"blocks.{i}.{ours}.weight"] = state[f"{theirs}.{name}.weight"]
         for norm in ("q_norm", "k_norm") if not gemma2 else ():
-            out[f"{ours}.attn.{norm}.weight"] = state[f"{theirs}.self_attn.{norm}.weight"]
+            out[f"blocks.{i}.attn.{norm}.weight"] = state[f"{theirs}.self_attn.{norm}.weight"]
     return config, out
 
 
