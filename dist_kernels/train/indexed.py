@@ -93,9 +93,9 @@ def read_indexed(prefix: str) -> IndexedTokens:
     """Reads ``prefix``'s index and maps its ``.bin``; a ``DataError`` naming the file for
     anything that is not a well-formed text dataset."""
     idx = prefix + ".idx"
-    try:
-        raw = np.fromfile(idx, dtype=np.uint8)
-    except OSError as e:
+    try:  # mapped, not read: a corpus of 10^8 documents has an index of gigabytes
+        raw = np.memmap(idx, dtype=np.uint8, mode="r") if os.path.getsize(idx) else np.zeros(0)
+    except (OSError, ValueError) as e:
         raise DataError(f"data: cannot read {idx}: {e}") from None
     if len(raw) < _HEADER.size or bytes(raw[:9]) != MAGIC:
         raise DataError(
@@ -120,13 +120,13 @@ def read_indexed(prefix: str) -> IndexedTokens:
             f"indices take {_HEADER.size + body}: truncated or corrupt"
         )
     at = _HEADER.size
-    lengths = raw[at : at + 4 * n_seq].view(np.int32)
-    pointers = raw[at + 4 * n_seq : at + 12 * n_seq].view(np.int64)
-    documents = raw[at + 12 * n_seq : at + body].view(np.int64)
+    lengths = raw[at : at + 4 * n_seq].view("<i4")
+    pointers = raw[at + 4 * n_seq : at + 12 * n_seq].view("<i8")
+    documents = raw[at + 12 * n_seq : at + body].view("<i8")
     _check_layout(idx, dtype, lengths, pointers, documents)
     tokens = _map_bin(prefix + ".bin", dtype, int(lengths.sum(dtype=np.int64)))
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])[documents]
-    return IndexedTokens(prefix, tokens, lengths.copy(), starts)
+    return IndexedTokens(prefix, tokens, np.array(lengths, dtype=np.int32), starts)
 
 
 def _check_layout(idx, dtype, lengths, pointers, documents) -> None:
