@@ -49,6 +49,7 @@ from .split_linear import (
     linear_modules,
     supports,
 )
+from .tied import exchange_grads, untie
 from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -283,7 +284,10 @@ class Pipeline:
         if isinstance(module_or_stages, nn.Sequential):
             spans = plan_partition(module_or_stages, self.n_stages, split_points, balance)
             self.partition_text = format_partition(module_or_stages, spans, self.n_ranks)
-            return {s: build_stage(module_or_stages, spans[s]) for s in mine}
+            # every stage (sharing the children: no copy) to find the parameters they share
+            stages = [build_stage(module_or_stages, span) for span in spans]
+            self.tied = untie(stages, mine)
+            return {s: stages[s] for s in mine}
         if split_points is not None or balance is not None:
             raise ValueError("split_points and balance need an nn.Sequential, not a stage list")
         if not isinstance(module_or_stages, (list, tuple, nn.ModuleList)):
@@ -297,6 +301,7 @@ class Pipeline:
                 f"module_or_stages: {len(stages)} stages given; the {self.schedule.name} "
                 f"schedule on {self.n_ranks} ranks needs {self.n_stages}"
             )
+        self.tied = untie(stages, mine)
         self.partition_text = "\n".join(
             f"stage {s} (rank {self.schedule.rank_of(s)}): {type(m).__name__}, "
             f"{sum(p.numel() for p in m.parameters()):,} parameters"
@@ -373,7 +378,13 @@ class Pipeline:
         ended = time.perf_counter()
         self._guard(None, "waiting for this step's sends", self._wait_sends)
         # With dp > 1 each stage's DDP already averaged its gradients at the end of the stage's
-        # last backward (it waits for its all-reduces before that backward returns).
+        # last backward (it waits for its all-reduces before that backward returns). The sum
+        # over a tied parameter's copies is linear: after DDP's average as well as before.
+        if self.tied:
+            exchange = functools.partial(
+                exchange_grads, self.tied, self.comm, self.schedule.rank_of
+            )
+            self._guard(None, "exchanging the gradients of tied parameters", exchange)
         sent = time.perf_counter()
         loss = self._finish_loss()
         if self._timer is not None:  # the step's own costs, outside its actions

@@ -7,10 +7,11 @@ After the reductions, the replicas over dp x cp hold the same gradient (an exper
 parameters: its replicas over the expert-dp group), so only the first replica counts it. A
 tensor-parallel shard counts on every tp rank, each holding its own part; a parameter every tp
 rank holds whole (a layer norm, a row-parallel bias) counts on tp rank 0 only. Pipeline stages
-hold different parameters. One all-reduce of the partial sums, in float64, gives every rank the
-same norm and so the same factor: replicas stay equal. ZeRO shards the gradients themselves:
-there ``ShardedOptimizer.clip_grad_norm_`` sums each rank's shard over dp x cp. torch's
-engines clip with torch's own ``clip_grad_norm_`` (DTensor gradients under FSDP2).
+hold different parameters, except a tied one's copies (``pipeline/tied.py``): the first
+stage's counts. One all-reduce of the partial sums, in float64, gives every rank the same norm
+and so the same factor: replicas stay equal. ZeRO shards the gradients themselves: there
+``ShardedOptimizer.clip_grad_norm_`` sums each rank's shard over dp x cp. torch's engines clip
+with torch's own ``clip_grad_norm_`` (DTensor gradients under FSDP2).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
+from ..pipeline.tied import is_tied_copy
 from ..tensor_parallel import is_tensor_parallel_shard
 
 # torch's clip_grad_norm_ adds this to the norm before dividing
@@ -28,6 +30,8 @@ _EPS = 1e-6
 
 def _owned(p: torch.Tensor, mesh: Any) -> bool:
     """Whether this rank counts ``p``'s gradient in the model's norm (see the module doc)."""
+    if is_tied_copy(p):  # an earlier pipeline stage holds this parameter too and counts it
+        return False
     if mesh is None:
         return True
     expert = getattr(p, "expert_parallel", False)

@@ -64,6 +64,7 @@ import torch
 from ..buckets.reduce_scatter import STAGING_SLOTS, ReduceScatter, ShardTarget
 from ..buckets.reducer import BucketReducer
 from ..dtypes import ReduceOp
+from ..pipeline.tied import is_tied_copy
 from ..tensor_parallel.layers import is_tensor_parallel_shard
 from . import memory
 from .partition import FlatGroupPlan, ParamSpec, PartitionPlan, Segment, plan_flat_group
@@ -504,17 +505,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _counted_grads(self) -> Iterator[Tuple[torch.Tensor, float]]:
         """(gradient piece, pending factor) of what this rank counts in the model's norm: its
         whole shard, except that a tp rank other than 0 skips the parameters every tp rank
-        holds whole (their copies are equal; only tp rank 0 counts them)."""
-        skip_copies = self.tp_comm is not None and self.tp_comm.rank != 0
+        holds whole (their copies are equal; only tp rank 0 counts them), and every rank skips
+        a pipeline stage's copy of a parameter an earlier stage holds too (a tied head)."""
         for fg in self.flat_groups:
             factor = 1.0 if fg.master is None else self._grad_factor
-            if not skip_copies:
+            if all(self._counts(p) for p in fg.params):
                 for b in range(len(fg.plan.buckets)):
                     yield self._shard_grad(fg, b), factor
                 continue
             for seg in fg.plan.segments(fg.rank):
-                if is_tensor_parallel_shard(fg.params[seg.slot]):
+                if self._counts(fg.params[seg.slot]):
                     yield self._segment_grad(fg, seg), factor
+
+    def _counts(self, p: torch.Tensor) -> bool:
+        """Whether this rank's piece of ``p`` counts in the model's norm (see above)."""
+        if is_tied_copy(p):
+            return False
+        copies = self.tp_comm is not None and self.tp_comm.rank != 0
+        return not copies or is_tensor_parallel_shard(p)
 
     def _segment_grad(self, fg: _FlatGroup, seg: Segment) -> torch.Tensor:
         """The reduced gradient of one parameter piece of this rank's shard."""
