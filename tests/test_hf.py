@@ -546,6 +546,52 @@ def test_init_from_a_hf_model_directory(tmp_path):
     assert built[0].wte.weight.shape[0] == 128 and built[0].wpe.weight.shape[0] == 16
 
 
+def test_a_tied_model_trained_in_a_pipeline_exports_tied_and_starts_tied(tmp_path):
+    """A Gemma-style (tied) Llama trained at tp 2 x pp 2 with --tie-embeddings: the stages'
+    two copies export as one tensor (transformers' model ties them and gives our logits), and
+    the directory starts a tied run at pp 2 whose first loss is transformers' own."""
+    model = dataclasses.replace(LLAMA_TRAIN, block_size=16, vocab_size=256, tie_embeddings=True)
+    cfg = _cfg(global_batch=8, tp=2, pp=2, micro_batch=2, model=model)
+    out, gpt, config, state = _trained_and_exported(tmp_path, cfg, 4)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert hf_model.config.tie_word_embeddings
+    assert hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(state["head.lm_head.weight"], state["embedding.wte.weight"])
+    start = dataclasses.replace(cfg, init_from=out, steps=1, tp=1)
+    one = dataclasses.replace(start, pp=1, grad_accum=0).with_layout(1)
+    corpus = data.CharCorpus.build(one.data, config.block_size)
+    inputs, targets = driver.samplers(one, corpus)[0].replica_batch(0, 0, one.global_batch)
+    with torch.no_grad():
+        logits = _hf_logits(out, inputs)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    at_pp2 = run_ranks(2, _on_ranks, start, timeout=300)
+    assert at_pp2[0]["losses"][0] == pytest.approx(want, rel=1e-5)
+
+
+def test_init_from_a_tied_gpt2_trains_tied_and_an_untied_head_is_not_tied(tmp_path):
+    """--init-from GPT-2 (tied) with --tie-embeddings: the run starts at GPT-2's loss, at pp 2
+    as on one process. An untied model's head would be overwritten by the embedding (or the
+    reverse) if loaded into a tied run: refused."""
+    hf_dir = str(tmp_path / "gpt2")
+    hf_model = _hf_gpt2(hf_dir, vocab=100, positions=32).double().eval()
+    tokens = str(tmp_path / "tokens.npy")
+    np.save(tokens, np.random.default_rng(SEED).integers(0, 100, size=4000).astype(np.int64))
+    model = GPTConfig(
+        n_layers=1, n_heads=2, dim=32, block_size=16, tie_embeddings=True,
+        gelu_approximate="tanh",
+    )  # fmt: skip
+    cfg = _cfg(global_batch=8, model=model, data=tokens, vocab_size=100, init_from=hf_dir)
+    _starts_at_hf_loss(hf_model, cfg, tokens, dict(pp=2, micro_batch=2))
+    untied = transformers.GPT2Config(
+        vocab_size=100, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+        activation_function="gelu_new", tie_word_embeddings=False,
+    )  # fmt: skip
+    own_dir = str(tmp_path / "own-head")
+    transformers.AutoModelForCausalLM.from_config(untied).save_pretrained(own_dir)
+    with pytest.raises(ConfigError, match=r"output head of its own .* drop --tie-embeddings"):
+        load_exported(own_dir, dataclasses.replace(model, vocab_size=128))
+
+
 def test_init_from_a_hf_model_of_another_shape_is_refused(tmp_path):
     hf_dir = str(tmp_path / "gpt2")
     _hf_gpt2(hf_dir, vocab=100, positions=32)

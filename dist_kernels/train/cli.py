@@ -379,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="--qk-layernorm per head, or over all heads' features at once (OLMo 2; no --tp)",
     )
     add(
+        "--tie-embeddings",
+        action="store_true",
+        help="the output head is the token embedding's tensor (GPT-2, Gemma, Megatron's default)",
+    )
+    add(
         "--post-norms",
         action="store_true",
         help="the attention's and the MLP's outputs normalised before the residual add (Gemma)",
@@ -569,7 +574,7 @@ def _megatron_spellings(p: argparse.ArgumentParser) -> None:
     add(
         "--untie-embeddings-and-output-weights",
         action="store_true",
-        help="accepted: the driver always trains the head apart from the embedding",
+        help="the driver's default (Megatron ties them unless given; here --tie-embeddings)",
     )
 
 
@@ -586,6 +591,8 @@ def _from_megatron(args: argparse.Namespace) -> argparse.Namespace:
         out.moe_every = 1 if args.moe_every is None else args.moe_every  # every layer, as there
     if out.moe_every is None:
         out.moe_every = 2
+    if args.untie_embeddings_and_output_weights and args.tie_embeddings:
+        raise ConfigError("--untie-embeddings-and-output-weights and --tie-embeddings: give one")
     if args.min_lr is not None:
         if args.min_lr_ratio != d.min_lr_ratio:
             raise ConfigError("--min-lr and --min-lr-ratio both set the final rate: give one")
@@ -824,6 +831,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         glu_activation="gelu" if args.geglu else "silu",
         norm_unit_offset=args.apply_layernorm_1p,
         post_norms=args.post_norms,
+        tie_embeddings=args.tie_embeddings,
         pre_norms=not args.no_pre_norms,
         qk_norm_scope=args.qk_norm_scope,
         embedding_multiplier=args.embedding_multiplier,
@@ -918,6 +926,7 @@ def model_flags(model: GPTConfig) -> List[str]:
         (not model.bias, "--disable-bias-linear"), (model.qkv_bias, "--add-qkv-bias"),
         (model.qk_norm, "--qk-layernorm"), (model.norm_unit_offset, "--apply-layernorm-1p"),
         (model.post_norms, "--post-norms"), (not model.pre_norms, "--no-pre-norms"),
+        (model.tie_embeddings, "--tie-embeddings"),
     ]  # fmt: skip
     if model.qk_norm_scope != default.qk_norm_scope:
         flags += ["--qk-norm-scope", model.qk_norm_scope]

@@ -15,6 +15,7 @@ With cp > 1 both take this rank's sequence shard of the replica's samples (zig-z
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -399,11 +400,14 @@ def _model_parallel_comms(mesh: Any) -> Dict[str, Any]:
 
 
 def _fsdp2(model: nn.Sequential, optimizer: type, kwargs: Dict[str, Any]):
-    """torch FSDP2 over the default (gloo) group: every child sharded, then the root."""
+    """torch FSDP2 over the default (gloo) group: every child sharded, then the root. A tied
+    embedding and head are left to the root (FSDP2 manages a parameter in one module only)."""
     from torch.distributed.fsdp import fully_shard
 
+    holders = collections.Counter(id(p) for child in model for p in child.parameters())
     for child in model:
-        fully_shard(child)
+        if all(holders[id(p)] == 1 for p in child.parameters()):
+            fully_shard(child)
     fully_shard(model)
     opt = optimizer(decay_groups(model.parameters(), kwargs["weight_decay"]), **kwargs)
 

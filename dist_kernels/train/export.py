@@ -122,6 +122,7 @@ def _per_tp_rank(
         )
     cache: Dict[str, _Part] = {}
     known = set(sequential.state_dict())
+    tied = _tied_names(sequential)
 
     def read(key: Tuple[int, int, int]) -> _Part:
         if key not in dirs:
@@ -137,7 +138,7 @@ def _per_tp_rank(
             merged: Dict[str, torch.Tensor] = {}
             for s in stages:
                 merged.update(read((s, t, e)).model)
-            return merged
+            return _with_tied(merged, tied)
 
         model = moe_checkpoint.reshard_state(sequential, ep, ep_rank_state)
         per_param: Dict[str, Dict[str, Any]] = {}
@@ -149,8 +150,29 @@ def _per_tp_rank(
                     per_param.setdefault(name, state)
                 for name, hyper in part.options.items():
                     options.setdefault(name, hyper)
-        ranks.append(_Part(model, per_param, options, {}))
+        ranks.append(_Part(model, _with_tied(per_param, tied), _with_tied(options, tied), {}))
     return ranks, read(min(dirs))
+
+
+def _tied_names(module: torch.nn.Module) -> List[List[str]]:
+    """The names of each parameter ``module`` reaches under more than one (a tied head)."""
+    by_tensor: Dict[int, List[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def _with_tied(saved: Dict[str, Any], tied: List[List[str]]) -> Dict[str, Any]:
+    """``saved`` with every name of a tied parameter present. One process saves the tensor
+    (and ZeRO its shards and moments) under one name; a pipeline saves a copy per stage under
+    each stage's name (equal: the copies are kept equal)."""
+    out = dict(saved)
+    for names in tied:
+        present = [n for n in names if n in saved]
+        for name in names:
+            if present and name not in out:
+                out[name] = saved[present[0]]
+    return out
 
 
 def _model_key(key: str, known: Set[str]) -> str:
@@ -237,7 +259,7 @@ def consolidate_training(path: str, optimizer: bool = True) -> Consolidated:
     names = _gpt_names(gpt)
     state = {names[k]: _join(k, [r.model[k] for r in ranks], shape) for k, shape in whole.items()}
     per_param, options = {}, {}
-    for k, _ in sequential.named_parameters():
+    for k, _ in sequential.named_parameters(remove_duplicate=False):  # a tied one by each name
         if k in ranks[0].options:  # tp rank 0's (one param group's, like every tp rank's)
             options[names[k]] = ranks[0].options[k]
         held = [r.optimizer.get(k) for r in ranks]
@@ -335,8 +357,16 @@ def _fit_hf(path: str, hf_config: GPTConfig, state, config: GPTConfig):
     embedding and head get zero rows for the padding ids (which never occur; their logits are
     0, as Megatron's converters pad). A learned position table longer than the run's
     sequence keeps its first rows (nanoGPT's ``crop_block_size``). A model whose head is its
-    embedding (GPT-2) starts untied, as the driver trains: the head a copy of the embedding."""
+    embedding (GPT-2) trains tied with ``--tie-embeddings``, else its head starts as a copy of
+    the embedding; a head of its own cannot be tied to the embedding (refused)."""
     vocab, rows = hf_config.vocab_size, config.vocab_size
+    if config.tie_embeddings and not torch.equal(
+        state["embedding.wte.weight"], state["head.lm_head.weight"]
+    ):
+        raise ConfigError(
+            f"init_from: {path} has an output head of its own (tie_word_embeddings false) and "
+            "this run ties it to the embedding: drop --tie-embeddings"
+        )
     if vocab > rows:
         raise ConfigError(
             f"init_from: {path} has a vocabulary of {vocab} and this run {rows}: give "

@@ -1,8 +1,9 @@
 """The model seam of the driver: what it trains, as an ``nn.Sequential`` of pipeline-cuttable
 children (embedding, blocks, head), with its FLOPs per token.
 
-:func:`build_model` builds ``dist_kernels.models.GPT`` (untied head, so that the first and last
-pipeline stages share nothing; no dropout) as ``GPT.as_sequential()``, sharded over the tensor-
+:func:`build_model` builds ``dist_kernels.models.GPT`` (no dropout; a tied head is the
+embedding's tensor, which a pipeline gives its first and last stages as copies that it keeps
+equal: ``pipeline/tied.py``) as ``GPT.as_sequential()``, sharded over the tensor-
 parallel communicator when there is one and run on sequence shards over the context-parallel
 one (``GPT.context_parallel``). The driver uses only :func:`build_model`,
 :func:`flops_per_token`, :func:`describe` and :func:`loss_fn`.
