@@ -77,6 +77,15 @@ MODELS = {
         moe_ffn_hidden_size=24,
         tie_embeddings=False,
     ),
+    "qwen3-moe-layers-moe-then-dense": GPTConfig(  # a pattern: mlp_only_layers [1]
+        **SMALL,
+        **LLAMA,
+        qk_norm=True,
+        n_experts=4,
+        top_k=2,
+        moe_layers=(1, 0),
+        tie_embeddings=False,
+    ),
     "qwen2-moe-shared-gated": GPTConfig(  # biased q / k / v, a gated shared expert
         **SMALL,
         **LLAMA,
@@ -248,6 +257,9 @@ HF_BUILT = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=24, decoder_sparse_step=2,
                                          shared_expert_intermediate_size=40)),
+    "qwen2_moe-dense-first": ("Qwen2MoeConfig", dict(  # DeepSeek's first dense block
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[0],
+        shared_expert_intermediate_size=40)),
     "mistral": ("MistralConfig", dict(sliding_window=5, tie_word_embeddings=False)),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False, pad_token_id=None)),  # full rotary
     "gemma3_text": ("Gemma3TextConfig", dict(  # one windowed block, one global, scaled
@@ -308,7 +320,7 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     with pytest.raises(ValueError, match=r"an MoE model maps to Mixtral only"):
         dk_hf.to_hf(moe, GPT(moe).state_dict())
     for wrong in (dict(moe_every=2), dict(moe_norm_topk=False), dict(moe_router="sigmoid"),
-                  dict(moe_router_enable_expert_bias=True)):  # fmt: skip
+                  dict(moe_router_enable_expert_bias=True), dict(moe_layers=(1, 0))):  # fmt: skip
         other = GPTConfig(**SMALL, **LLAMA, **{**MIXTRAL_MOE, **wrong})
         with pytest.raises(ValueError, match=r"an MoE model maps to Mixtral only"):
             dk_hf.to_hf(other, GPT(other).state_dict())
@@ -328,9 +340,9 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
     with pytest.raises(ValueError, match=r"a shared expert maps to Qwen2-MoE only.*'moe_shared"
                        r"_expert_gate': False"):  # fmt: skip
         dk_hf.to_hf(ungated, GPT(ungated).state_dict())
-    dense_only = {"model_type": "qwen3_moe", "mlp_only_layers": [0]}
-    with pytest.raises(ValueError, match=r"Qwen3-MoE mlp_only_layers \[0\]: dense blocks"):
-        dk_hf.from_hf(dense_only, {})
+    dense_past = {"model_type": "qwen3_moe", "mlp_only_layers": [0, 2], "num_hidden_layers": 2}
+    with pytest.raises(ValueError, match=r"Qwen3-MoE mlp_only_layers \[0, 2\] past its 2 layers"):
+        dk_hf.from_hf(dense_past, {})
     capped = GPTConfig(**SMALL, **LLAMA, qk_norm=True, n_experts=4, moe_capacity_factor=1.0)
     with pytest.raises(ValueError, match=r"for Qwen3-MoE \{'moe_router': 'softmax', 'moe_cap"):
         dk_hf.to_hf(capped, GPT(capped).state_dict())

@@ -7,8 +7,10 @@ import os
 
 import pytest
 
+from dist_kernels.models import GPT
+from dist_kernels.moe import MoE
 from dist_kernels.train import ConfigError
-from dist_kernels.train.cli import build_parser, config_from_args
+from dist_kernels.train.cli import build_parser, config_from_args, model_flags
 from dist_kernels.train.cli import main as cli_main
 
 
@@ -71,6 +73,37 @@ def test_a_llama_moe_command_line():
     assert _cfg(["--group-query-attention"]).model.n_kv_heads == 1  # Megatron's default
     assert _cfg(["--num-experts", "4", "--moe-every", "2"]).model.moe_every == 2
     assert _cfg(["--experts", "4"]).model.moe_every == 2  # ours unchanged
+
+
+@pytest.mark.parametrize(
+    "freq,layers,want",
+    [("1", 3, [1, 1, 1]), ("2", 5, [1, 0, 1, 0, 1]),  # Megatron's: blocks 0, N, 2N, ...
+     ("([0]*1+[1]*3)", 4, [0, 1, 1, 1]),  # DeepSeek-V3's dense first block(s)
+     ("[1,0]*2", 4, [1, 0, 1, 0])],
+)  # fmt: skip
+def test_moe_layer_freq_places_the_moe_blocks_as_megatron(freq, layers, want):
+    """--moe-layer-freq N|PATTERN: which blocks Megatron makes MoE blocks (its
+    moe_layer_pattern), the model's blocks built so; model_flags writes it back."""
+    flags = ["--num-experts", "4", "--num-layers", str(layers), "--moe-layer-freq", freq]
+    model = _cfg(flags).model
+    assert [int(model.is_moe_block(i)) for i in range(layers)] == want
+    gpt = GPT(dataclasses.replace(model, vocab_size=64))
+    assert [isinstance(b.mlp, MoE) for b in gpt.blocks] == [bool(v) for v in want]
+    again = build_parser().parse_args([*model_flags(model), "--num-layers", str(layers)])
+    assert config_from_args(again).model.moe_layers == model.moe_layers
+
+
+@pytest.mark.parametrize(
+    "freq,message",
+    [("0", r"--moe-layer-freq 0: must be >= 1"), ("[1]*3", r"gives \[1, 1, 1\]: one 0 or 1 per"),
+     ("[2]*4", r"one 0 or 1 per block"), ("[__import__('os')]", r"not a list pattern"),
+     ("[1]*10**9", r"not a list pattern"), ("x", r"an int or a list pattern")],
+)  # fmt: skip
+def test_moe_layer_freq_errors(freq, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(["--num-experts", "4", "--num-layers", "4", "--moe-layer-freq", freq])
+    with pytest.raises(ConfigError, match=r"--moe-layer-freq and --moe-every"):
+        _cfg(["--num-experts", "4", "--moe-every", "2", "--moe-layer-freq", "2"])
 
 
 def test_load_from_another_directory_resumes_its_newest_checkpoint(tmp_path):

@@ -100,6 +100,44 @@ def test_moe_pipeline_matches_single_process(schedule):
     assert set().union(*(r["params"] for r in ranks)) == set(single.params)
 
 
+# Megatron's --moe-layer-freq 2 on two blocks: the first an MoE block, the second dense
+PATTERN = dataclasses.replace(MOE2, moe_layers=(1, 0))
+
+
+def test_moe_layer_pattern_trains_as_one_process_at_pp2_and_ep2():
+    """A pattern of MoE and dense blocks: at pp 2 (the MoE block on the first stage, a dense
+    one on the last) equal to one process; at dp 2 x ep 2 equal to dp 2 with every expert
+    local (dense parameters; the expert shards at their global ids)."""
+    cfg = _cfg(global_batch=8, micro_batch=2, model=PATTERN, log_every=1)
+    single = _single(cfg)
+    # the driver's names: child 1 is block 0, child 2 block 1
+    assert any(k.startswith("1.mlp.experts.") for k in single.params)
+    assert not any(k.startswith("2.mlp.experts.") for k in single.params)
+    piped = run_ranks(2, _on_ranks, dataclasses.replace(cfg, pp=2), timeout=300)
+    torch.testing.assert_close(
+        piped[0]["losses"], [r["loss"] for r in single.records], rtol=1e-5, atol=0
+    )
+    for r in piped:
+        _assert_params_close(r["params"], single.params, _key_bias_bound(cfg))
+    local = run_ranks(2, _on_ranks, dataclasses.replace(cfg, dp=2), timeout=300)
+    sharded = run_ranks(2, _on_ranks, dataclasses.replace(cfg, dp=2, ep=2), timeout=300)
+    torch.testing.assert_close(sharded[0]["losses"], local[0]["losses"], rtol=1e-5, atol=0)
+    for r in sharded:
+        dense = {k: v for k, v in r["params"].items() if ".experts." not in k}
+        _assert_params_close(dense, local[0]["params"], _key_bias_bound(cfg))
+
+
+def test_moe_layer_pattern_resumes_at_another_ep(tmp_path):
+    """The pattern is part of the checkpoint's model (a tuple, a list in its JSON record): a
+    resume at ep 1 of an ep 2 run is accepted and continues the uninterrupted run."""
+    from test_train_reshard import STOP, _saved_then_resumed
+
+    base = _cfg(steps=6, global_batch=8, micro_batch=2, warmup=2, log_every=1, model=PATTERN)
+    straight, again = _saved_then_resumed(tmp_path, base, dict(dp=2, ep=2), dict(dp=2))
+    assert again[0]["start"] == STOP
+    torch.testing.assert_close(again[0]["losses"], straight[0]["losses"][STOP:], rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_moe_pipeline_with_expert_parallel_matches_dp2(zero):
     """dp 2 x pp 2 x ep 2 (4 ranks; with ZeRO-1 too): experts sharded over the ep pair of each

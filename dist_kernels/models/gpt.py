@@ -172,6 +172,10 @@ class GPTConfig:
     moe_every: int = 2
     """Every ``moe_every``-th block (blocks ``moe_every - 1, 2 * moe_every - 1, ...``) has an
     MoE in place of its MLP; 1: every block."""
+    moe_layers: Optional[Tuple[int, ...]] = None
+    """Which blocks have an MoE, one 1 (MoE) or 0 (dense MLP) per block, in place of
+    ``moe_every``: Megatron's ``--moe-layer-freq`` pattern, DeepSeek-V3's dense first blocks,
+    Qwen-MoE's ``mlp_only_layers``."""
     moe_ffn_hidden_size: Optional[int] = None
     """Each expert's hidden size when it is not the MLP's (Megatron's ``--moe-ffn-hidden-size``;
     Qwen3-MoE's ``moe_intermediate_size``); None: ``ffn_dim``."""
@@ -315,6 +319,7 @@ class GPTConfig:
             )
         if self.n_experts and (not isinstance(self.moe_every, int) or self.moe_every < 1):
             raise ValueError(f"GPTConfig: moe_every must be a positive int, got {self.moe_every}")
+        self._check_moe_layers()
 
     def window_of(self, i: int) -> Optional[int]:
         """Block ``i``'s attention window (None: the whole prefix)."""
@@ -329,8 +334,24 @@ class GPTConfig:
             return self.rope_local_theta, None
         return self.rope_theta, self.rope_scaling
 
+    def _check_moe_layers(self) -> None:
+        """``moe_layers`` as a tuple (a list from JSON) of one 0 or 1 per block, with experts."""
+        if self.moe_layers is None:
+            return
+        pattern = tuple(self.moe_layers)
+        if len(pattern) != self.n_layers or any(v not in (0, 1) for v in pattern):
+            raise ValueError(
+                f"GPTConfig: moe_layers needs one 0 (dense) or 1 (MoE) per block, "
+                f"{self.n_layers} in all; got {list(pattern)}"
+            )
+        if not self.n_experts:
+            raise ValueError("GPTConfig: moe_layers places MoE blocks: it needs n_experts")
+        self.moe_layers = tuple(int(v) for v in pattern)
+
     def is_moe_block(self, i: int) -> bool:
         """Whether block ``i`` has an MoE in place of its MLP."""
+        if self.n_experts and self.moe_layers is not None:
+            return bool(self.moe_layers[i])
         return self.n_experts > 0 and (i + 1) % self.moe_every == 0
 
     @property

@@ -26,7 +26,8 @@ projections in one ``gate_up_proj``, and the rotary embedding over the first
 exports as Phi-3, a Phi-3 with full rotary as the Llama or Mistral it equals; Qwen2 is Llama
 with biased query / key / value projections, ``qkv_bias``; Qwen3 is Llama with per-head query /
 key norms, ``qk_norm``; Mixtral is Llama with an MoE in every block; Qwen3-MoE is Qwen3 with an
-MoE in every ``decoder_sparse_step``-th block, our ``moe_every``, its experts
+MoE in every ``decoder_sparse_step``-th block, our ``moe_every``, less its ``mlp_only_layers``
+(then our ``moe_layers`` pattern), its experts
 ``moe_intermediate_size`` wide, our ``moe_ffn_hidden_size``; Qwen2-MoE is that with Qwen2's
 attention and a shared expert scaled by a sigmoid gate, ``moe_shared_expert_intermediate_size``
 and ``moe_shared_expert_gate``):
@@ -79,8 +80,9 @@ State = Dict[str, torch.Tensor]
 
 
 _MIXTRAL_MOE = dict(
-    moe_every=1, moe_router="softmax", moe_norm_topk=True, moe_capacity_factor=None,
-    moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False, bias=False,
+    moe_every=1, moe_layers=None, moe_router="softmax", moe_norm_topk=True,
+    moe_capacity_factor=None, moe_shared_expert_intermediate_size=None,
+    moe_router_enable_expert_bias=False, bias=False,
 )  # fmt: skip
 # Qwen3-MoE's router: softmax, top-k (renormalised or not: norm_topk_prob), no capacity; MoE in
 # blocks (i + 1) % decoder_sparse_step == 0, as our moe_every
@@ -622,11 +624,19 @@ def _routed_to_hf(config: GPTConfig) -> Dict[str, Any]:
         num_experts=config.n_experts,
         num_experts_per_tok=config.top_k,
         moe_intermediate_size=config.moe_ffn_dim,
-        decoder_sparse_step=config.moe_every,
-        mlp_only_layers=[],
+        **_sparse_layers_to_hf(config),
         norm_topk_prob=config.moe_norm_topk,
         router_aux_loss_coef=config.moe_aux_loss_coeff,
     )
+
+
+def _sparse_layers_to_hf(config: GPTConfig) -> Dict[str, Any]:
+    """Qwen-MoE's MoE blocks: every ``decoder_sparse_step``-th block not in
+    ``mlp_only_layers`` (a pattern: every block, less its dense ones)."""
+    if config.moe_layers is None:
+        return dict(decoder_sparse_step=config.moe_every, mlp_only_layers=[])
+    dense = [i for i, moe in enumerate(config.moe_layers) if not moe]
+    return dict(decoder_sparse_step=1, mlp_only_layers=dense)
 
 
 def _to_qwen3_moe(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
@@ -889,15 +899,18 @@ def _from_mixtral(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
 
 def _routed_from_hf(hf: Dict[str, Any], family: str) -> Dict[str, Any]:
     """GPTConfig's MoE fields of a Qwen-MoE configuration (Qwen2-MoE's or Qwen3-MoE's)."""
-    if hf.get("mlp_only_layers"):
-        raise ValueError(
-            f"hf: {family} mlp_only_layers {hf['mlp_only_layers']}: dense blocks are every "
-            "block but each decoder_sparse_step-th here"
-        )
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    layers = hf["num_hidden_layers"]
+    if dense - set(range(layers)):
+        raise ValueError(f"hf: {family} mlp_only_layers {sorted(dense)} past its {layers} layers")
     moe = dict(
         n_experts=_get(hf, "num_local_experts", "num_experts"),
         top_k=hf["num_experts_per_tok"],
-        moe_every=hf.get("decoder_sparse_step", 1),
+        moe_every=step,
+        # transformers' rule: block i is MoE unless listed, if (i + 1) % step == 0
+        moe_layers=tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
+        if dense
+        else None,
         moe_norm_topk=bool(hf.get("norm_topk_prob", False)),
         moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 1e-3)),
     )

@@ -13,6 +13,7 @@ in the launching process, before any rank starts.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import datetime
 import os
@@ -551,6 +552,13 @@ def _megatron_spellings(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Megatron-LM's spellings (translated to the flags above)")
     add = g.add_argument
     add("--num-experts", type=int, default=None, help="--experts N with --moe-every 1")
+    add(
+        "--moe-layer-freq",
+        default=None,
+        metavar="N|PATTERN",
+        help="MoE blocks: N, blocks 0, N, 2N, ...; or a pattern of one 1 (MoE) or 0 per block, "
+        "'([0]*3+[1]*29)' (Megatron's)",
+    )
     add("--bf16", dest="dtype", action="store_const", const="bf16", help="--dtype bf16")
     add("--fp16", dest="dtype", action="store_const", const="fp16", help="--dtype fp16")
     add("--min-lr", type=float, default=None, help="--min-lr-ratio MIN_LR / --lr")
@@ -591,6 +599,11 @@ def _from_megatron(args: argparse.Namespace) -> argparse.Namespace:
         out.moe_every = 1 if args.moe_every is None else args.moe_every  # every layer, as there
     if out.moe_every is None:
         out.moe_every = 2
+    out.moe_layers = None
+    if args.moe_layer_freq is not None:
+        if args.moe_every is not None:
+            raise ConfigError("--moe-layer-freq and --moe-every both place the MoE blocks")
+        out.moe_layers = moe_layer_pattern(args.moe_layer_freq, args.n_layer)
     if args.untie_embeddings_and_output_weights and args.tie_embeddings:
         raise ConfigError("--untie-embeddings-and-output-weights and --tie-embeddings: give one")
     if args.min_lr is not None:
@@ -621,6 +634,47 @@ def _from_megatron(args: argparse.Namespace) -> argparse.Namespace:
             f"--seq-length ({args.seq_len}) rows"
         )
     return out
+
+
+def moe_layer_pattern(text: str, n_layers: int) -> Tuple[int, ...]:
+    """Megatron's ``--moe-layer-freq``: an int N (blocks 0, N, 2N, ... are MoE blocks) or a
+    Python list expression of one 1 (MoE) or 0 (dense) per block, ``([0]*3+[1]*29)``, read as
+    data (lists of ints, ``+`` and ``*`` only; nothing is executed)."""
+    text = text.strip()
+    if "[" not in text:
+        try:
+            every = int(text)
+        except ValueError:
+            raise ConfigError(f"--moe-layer-freq {text!r}: an int or a list pattern") from None
+        if every < 1:
+            raise ConfigError(f"--moe-layer-freq {every}: must be >= 1")
+        return tuple(int(i % every == 0) for i in range(n_layers))
+    try:
+        pattern = _pattern_value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as e:
+        raise ConfigError(f"--moe-layer-freq {text!r}: not a list pattern ({e})") from None
+    if not isinstance(pattern, list) or len(pattern) != n_layers or set(pattern) - {0, 1}:
+        raise ConfigError(
+            f"--moe-layer-freq {text!r} gives {pattern}: one 0 or 1 per block, "
+            f"--num-layers {n_layers} in all"
+        )
+    return tuple(pattern)
+
+
+def _pattern_value(node: ast.AST):
+    """The value of a list-pattern expression's node: int and list literals, ``+``, ``*``."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern_value(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if max(len(v) if isinstance(v, list) else v for v in (left, right)) > 1 << 20:
+            raise ValueError("too long for a pattern of blocks")  # ([1]*10**12 needs no RAM)
+        return left * right
+    raise ValueError(f"{ast.dump(node)[:40]} is not allowed")
 
 
 def _checkpoint_dirs(args: argparse.Namespace, out: argparse.Namespace) -> None:
@@ -815,6 +869,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         n_experts=args.experts,
         top_k=args.top_k,
         moe_every=args.moe_every,
+        moe_layers=args.moe_layers,
         moe_norm_topk=args.moe_norm_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
@@ -943,8 +998,11 @@ def model_flags(model: GPTConfig) -> List[str]:
         flags += ["--rotary-base-local", repr(model.rope_local_theta)]
     flags += [flag for on, flag in switches if on]
     if model.n_experts:
-        flags += ["--experts", str(model.n_experts), "--top-k", str(model.top_k),
-                  "--moe-every", str(model.moe_every)]  # fmt: skip
+        flags += ["--experts", str(model.n_experts), "--top-k", str(model.top_k)]
+        if model.moe_layers is not None:
+            flags += ["--moe-layer-freq", str(list(model.moe_layers)).replace(" ", "")]
+        else:
+            flags += ["--moe-every", str(model.moe_every)]
         if model.moe_norm_topk:
             flags.append("--moe-norm-topk")
         if model.moe_ffn_dim != model.ffn_dim:

@@ -12,6 +12,7 @@ one (``GPT.context_parallel``). The driver uses only :func:`build_model`,
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -139,5 +140,6 @@ def flops_per_token(cfg: GPTConfig, model: nn.Module) -> int:  # model: unsharde
 
 
 def describe(cfg: GPTConfig) -> Dict[str, Any]:
-    """The model's identity in checkpoints (resuming another model is refused)."""
-    return {"kind": "dist_kernels.models.GPT", **dataclasses.asdict(cfg)}
+    """The model's identity in checkpoints (resuming another model is refused), as JSON
+    gives it back (a tuple field as a list: the record's copy compares equal)."""
+    return json.loads(json.dumps({"kind": "dist_kernels.models.GPT", **dataclasses.asdict(cfg)}))
