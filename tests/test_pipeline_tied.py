@@ -182,6 +182,32 @@ def test_pipeline_of_a_tied_model_equals_one_process(world, dp):
             assert torch.equal(copy, copies[0]), schedule
 
 
+def _rank_seeded_apart():
+    """Each rank's model initialised apart (a script seeding by rank): the copies of the
+    tied parameter, as the pipeline holds them after it is built."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = _model(4)
+    with torch.no_grad():  # another initialisation on every rank but 0
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank),
+                               dtype=p.dtype) * rank)  # fmt: skip
+    ours = model[0].weight.detach().clone()
+    pipe = dk.Pipeline(model, _make_comm(), n_microbatches=4, loss_fn=_loss,
+                       print_partition=False)  # fmt: skip
+    (t,) = pipe.tied
+    return ours, {s: p.detach().clone() for s, p in t.local.items()}
+
+
+def test_copies_start_as_the_first_stages_when_ranks_seeded_apart():
+    """Megatron's first-stage sync: the last stage's copy takes the first stage's values."""
+    (ours0, first), (ours1, last) = run_ranks(2, _rank_seeded_apart, timeout=120)
+    assert not torch.equal(ours0, ours1)  # the ranks did start apart
+    assert list(first) == [0] and list(last) == [1]
+    assert torch.equal(first[0], ours0) and torch.equal(last[1], ours0)
+
+
 def _rank_untied_stays_apart():
     """The same model with an untied head: the exchange is not run (nothing shared)."""
     model = _model(2)

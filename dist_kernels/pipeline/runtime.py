@@ -49,7 +49,7 @@ from .split_linear import (
     linear_modules,
     supports,
 )
-from .tied import exchange_grads, untie
+from .tied import exchange_grads, share_values, untie
 from .wire import ACTIVATION, GRADIENT, Channels
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -236,6 +236,9 @@ class Pipeline:
         self._timer: Optional[ActionTimer] = None  # set while profile() runs
         self.stats: Dict[str, int] = {}
         self._failed: Optional[str] = None
+        if self.tied:  # copies start as the first stage's (ranks may have seeded apart)
+            share = functools.partial(share_values, self.tied, self.comm, self.schedule.rank_of)
+            self._guard(None, "sharing the first stage's tied parameters", share)
         self.ddp = self._wrap_data_parallel(find_unused_parameters) if reduce_gradients else {}
         self._scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # step()'s
         self._parameter_nodes = {

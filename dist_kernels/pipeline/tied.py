@@ -2,11 +2,12 @@
 
 A model whose first and last layers share one weight (GPT-2, Gemma, Megatron's default) cannot
 keep that weight as one tensor once the stages sit on different ranks: each stage's rank holds
-its own copy. The copies start equal (every rank builds the same model) and stay equal if each
-step gives them the same gradient: the sum of every stage's contribution, which is what
-autograd accumulates into the one tensor on a single process. Megatron all-reduces the word
-embedding's gradient over its "embedding group" (first and last stage) for this; DeepSpeed's
-``TiedLayerSpec`` does the same per tied module.
+its own copy. The copies start equal (the first stage's values are sent to the other holders
+when the pipeline is built) and stay equal if each step gives them the same gradient: the sum
+of every stage's contribution, which is what autograd accumulates into the one tensor on a
+single process. Megatron all-reduces the word embedding's gradient over its "embedding group"
+(first and last stage) for this; DeepSpeed's ``TiedLayerSpec`` does the same per tied
+module.
 
 Here the sharing is found, not declared: a parameter that two stages' modules reach (by
 identity, in the ``nn.Sequential`` or the stage list given to the pipeline) is tied. Each stage
@@ -89,6 +90,30 @@ def untie(stages: Sequence[nn.Module], mine: Sequence[int]) -> List[TiedParamete
             entry.local[s] = copy
         tied.append(entry)
     return tied
+
+
+@torch.no_grad()
+def share_values(tied: Sequence[TiedParameter], comm: Any, rank_of) -> None:
+    """Every copy of each tied parameter takes the first stage's values: ranks that seeded
+    apart, or a stage list built per rank, start equal (Megatron's first-stage embedding
+    sync). The first holder's rank sends to the other holder ranks only."""
+    me = comm.rank
+    for t in tied:
+        first = t.stages[0]
+        source, ranks = rank_of(first), sorted({rank_of(s) for s in t.stages})
+        if me not in ranks:
+            continue
+        if me == source:
+            value = t.local[first].detach()
+            works = [comm.isend(value, r) for r in ranks if r != me]
+        else:
+            value, works = torch.empty(t.shape, dtype=t.dtype), []
+            comm.recv(value, source)
+        for s, p in t.local.items():
+            if s != first:
+                p.copy_(value)
+        for w in works:
+            w.wait()
 
 
 def exchange_grads(tied: Sequence[TiedParameter], comm: Any, rank_of) -> None:
