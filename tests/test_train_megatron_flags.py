@@ -3,13 +3,15 @@ TrainConfig as the driver's own flags (the reference: our flags, each meaning wr
 here), and the spellings without a counterpart are refused, naming why."""
 
 import dataclasses
+import json
 import os
+import types
 
 import pytest
 
 from dist_kernels.models import GPT
 from dist_kernels.moe import MoE
-from dist_kernels.train import ConfigError
+from dist_kernels.train import ConfigError, driver
 from dist_kernels.train.cli import build_parser, config_from_args, model_flags
 from dist_kernels.train.cli import main as cli_main
 
@@ -23,7 +25,10 @@ def test_a_gpt2_pretraining_command_line(tmp_path):
     precision, data, intervals, checkpoint directories, distributed optimizer, dropout and
     initialisation, learned absolute positions."""
     ckpt = str(tmp_path / "ckpt")
+    vocab, merges = _gpt2_bpe_files(tmp_path, 300)
     megatron = (
+        f"--tokenizer-type GPT2BPETokenizer --vocab-file {vocab} --merge-file {merges} "
+        "--make-vocab-size-divisible-by 128 "
         "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --num-layers 4 "
         "--hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 0.00015 --train-iters 20 "
@@ -35,6 +40,7 @@ def test_a_gpt2_pretraining_command_line(tmp_path):
         "learned_absolute --untie-embeddings-and-output-weights"
     ).split()
     ours = (
+        "--vocab-size 300 --make-vocab-size-divisible-by 128 "
         "--pp 2 --n-layer 4 --d-model 64 --n-head 4 --seq-len 32 --micro-batch 2 "
         "--global-batch 8 --lr 0.00015 --steps 20 --lr-decay-steps 16 --decay cosine "
         "--min-lr-ratio 0.1 --weight-decay 1e-2 --warmup 4 --clip-grad 1.0 --dtype bf16 "
@@ -49,6 +55,64 @@ def test_a_gpt2_pretraining_command_line(tmp_path):
     got = _cfg(megatron)
     assert got.min_lr_ratio == pytest.approx(0.1, rel=1e-12)
     assert dataclasses.replace(got, min_lr_ratio=0.1) == want
+
+
+def _gpt2_bpe_files(tmp_path, n: int):
+    """GPT2BPETokenizer's files for a vocabulary of ``n`` tokens (byte-level, as GPT-2's)."""
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text(json.dumps({f"t{i}": i for i in range(n)}))
+    merges.write_text("#version: 0.2\nt 0\n")
+    return str(vocab), str(merges)
+
+
+def test_tokenizer_flags_give_the_tokenizers_vocabulary(tmp_path):
+    """The vocabulary Megatron's tokenizer has: GPT2BPETokenizer's vocab.json entries,
+    HuggingFaceTokenizer's tokens (a local directory), NullTokenizer's ids plus its
+    end-of-document id; padded by the driver to --make-vocab-size-divisible-by and tp."""
+    vocab, merges = _gpt2_bpe_files(tmp_path, 300)
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    assert _cfg(gpt2).vocab_size == 300
+    assert _cfg([*gpt2, "--vocab-size", "300"]).vocab_size == 300
+    assert _cfg(["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]).vocab_size == 101
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    bpe.train_from_iterator(["a tiny corpus, a tiny vocabulary"] * 50, trainer)
+    hf_dir = str(tmp_path / "tokenizer")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(hf_dir)
+    hf = _cfg(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir])
+    assert hf.vocab_size == bpe.get_vocab_size() > 256
+    corpus = types.SimpleNamespace(vocab_size=300)
+    for multiple, tp, want in ((64, 1, 320), (128, 2, 384), (48, 1, 336), (48, 32, 384)):
+        cfg = dataclasses.replace(_cfg(gpt2), vocab_multiple=multiple, tp=tp)
+        assert driver.model_config(cfg, corpus).vocab_size == want, (multiple, tp)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "t.model"],
+      r"Llama2Tokenizer: .* give --vocab-size N"),
+     (["--vocab-file", "v.json"], r"--vocab-file without --tokenizer-type"),
+     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"],
+      r"needs --vocab-file and --merge-file"),
+     (["--tokenizer-type", "NullTokenizer"], r"NullTokenizer needs --vocab-size"),
+     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "gpt2"],
+      r"a local directory \(nothing is downloaded\); got 'gpt2'"),
+     (["--make-vocab-size-divisible-by", "0"], r"vocab_multiple must be >= 1")],
+)  # fmt: skip
+def test_tokenizer_flag_errors(tmp_path, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(flags).check()
+    vocab, merges = _gpt2_bpe_files(tmp_path, 300)
+    other = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file",
+             merges, "--vocab-size", "50257"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--vocab-size 50257, but .* GPT2BPETokenizer has 300"):
+        _cfg(other)
 
 
 def test_a_llama_moe_command_line():

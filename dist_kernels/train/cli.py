@@ -13,7 +13,6 @@ in the launching process, before any rank starts.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import datetime
 import os
@@ -34,6 +33,7 @@ from .config import (
     ConfigError,
     TrainConfig,
 )
+from .megatron_flags import add_megatron_spellings, from_megatron
 
 _STRATEGY_HELP = "0 = DDP; 1 / 2 / 3 = ZeRO stage of dk.ShardedOptimizer (FSDP2 for --engine torch)"
 
@@ -300,6 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Python sources)",
     )
     field("--vocab-size", int, "with a token file: the vocabulary size (0: largest id + 1)")
+    add(
+        "--make-vocab-size-divisible-by",
+        dest="vocab_multiple",
+        type=int,
+        default=d.vocab_multiple,
+        help="the model's vocabulary padded to a multiple of this and of tp (Megatron's name; "
+        "there times tp)",
+    )
     docs = p.add_argument_group("documents packed into a sample, kept apart (Megatron's)")
     docs.add_argument(
         "--eod-token",
@@ -541,181 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write TensorBoard scalars here",
     )
-    _megatron_spellings(p)
+    add_megatron_spellings(p)
     return p
-
-
-def _megatron_spellings(p: argparse.ArgumentParser) -> None:
-    """Megatron-LM's flags that are not plain aliases of ours (those are on the flags
-    themselves: --num-layers, --hidden-size, --micro-batch-size, --train-iters, ...), so that
-    a pretrain_gpt.py command line runs here; :func:`_from_megatron` turns them into ours."""
-    g = p.add_argument_group("Megatron-LM's spellings (translated to the flags above)")
-    add = g.add_argument
-    add("--num-experts", type=int, default=None, help="--experts N with --moe-every 1")
-    add(
-        "--moe-layer-freq",
-        default=None,
-        metavar="N|PATTERN",
-        help="MoE blocks: N, blocks 0, N, 2N, ...; or a pattern of one 1 (MoE) or 0 per block, "
-        "'([0]*3+[1]*29)' (Megatron's)",
-    )
-    add("--bf16", dest="dtype", action="store_const", const="bf16", help="--dtype bf16")
-    add("--fp16", dest="dtype", action="store_const", const="fp16", help="--dtype fp16")
-    add("--min-lr", type=float, default=None, help="--min-lr-ratio MIN_LR / --lr")
-    add(
-        "--lr-warmup-fraction",
-        type=float,
-        default=None,
-        help="--warmup as this fraction of the decay horizon",
-    )
-    add("--save", default=None, metavar="DIR", help="--checkpoint-dir DIR")
-    add("--load", default=None, metavar="DIR", help="resume from DIR's newest checkpoint")
-    add("--recompute-granularity", choices=("full", "selective"), default=None)
-    add("--recompute-method", choices=("uniform", "block"), default=None)
-    add("--recompute-num-layers", type=int, default=None)
-    add("--use-distributed-optimizer", action="store_true", help="--zero 1")
-    add("--hidden-dropout", type=float, default=None, help="the model's dropout")
-    add("--attention-dropout", type=float, default=None, help="the same (they must agree)")
-    add("--init-method-std", type=float, default=None, help="the weights' initial std")
-    add("--group-query-attention", action="store_true", help="--num-query-groups (default 1)")
-    add("--max-position-embeddings", type=int, default=None, help="the model's positions")
-    add(
-        "--untie-embeddings-and-output-weights",
-        action="store_true",
-        help="the driver's default (Megatron ties them unless given; here --tie-embeddings)",
-    )
-
-
-def _from_megatron(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with Megatron-LM's spellings turned into the driver's flags; a ConfigError
-    where one contradicts a flag of ours or has no counterpart."""
-    out = argparse.Namespace(**vars(args))
-    d = TrainConfig()
-    out.moe_every = args.moe_every
-    if args.num_experts is not None:
-        if args.experts and args.experts != args.num_experts:
-            raise ConfigError(f"--num-experts {args.num_experts} and --experts {args.experts}")
-        out.experts = args.num_experts
-        out.moe_every = 1 if args.moe_every is None else args.moe_every  # every layer, as there
-    if out.moe_every is None:
-        out.moe_every = 2
-    out.moe_layers = None
-    if args.moe_layer_freq is not None:
-        if args.moe_every is not None:
-            raise ConfigError("--moe-layer-freq and --moe-every both place the MoE blocks")
-        out.moe_layers = moe_layer_pattern(args.moe_layer_freq, args.n_layer)
-    if args.untie_embeddings_and_output_weights and args.tie_embeddings:
-        raise ConfigError("--untie-embeddings-and-output-weights and --tie-embeddings: give one")
-    if args.min_lr is not None:
-        if args.min_lr_ratio != d.min_lr_ratio:
-            raise ConfigError("--min-lr and --min-lr-ratio both set the final rate: give one")
-        out.min_lr_ratio = args.min_lr / args.lr
-    if args.lr_warmup_fraction is not None:
-        if args.warmup != d.warmup:
-            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters / --warmup: give one")
-        out.warmup = round(args.lr_warmup_fraction * (args.lr_decay_steps or args.steps))
-    _checkpoint_dirs(args, out)
-    _recompute(args, out)
-    if args.use_distributed_optimizer and not args.zero:
-        out.zero = 1  # optimizer state sharded over the data-parallel ranks
-    dropouts = {args.hidden_dropout, args.attention_dropout} - {None}
-    if len(dropouts) > 1:
-        raise ConfigError(
-            f"--hidden-dropout {args.hidden_dropout} and --attention-dropout "
-            f"{args.attention_dropout}: this model has one dropout rate"
-        )
-    out.dropout = dropouts.pop() if dropouts else None
-    if args.group_query_attention and args.num_query_groups is None:
-        out.num_query_groups = 1  # Megatron's default number of groups
-    max_pos = args.max_position_embeddings
-    if max_pos is not None and max_pos != args.seq_len and args.position_embedding_type != "rope":
-        raise ConfigError(
-            f"--max-position-embeddings {max_pos} with learned positions: the table here has "
-            f"--seq-length ({args.seq_len}) rows"
-        )
-    return out
-
-
-def moe_layer_pattern(text: str, n_layers: int) -> Tuple[int, ...]:
-    """Megatron's ``--moe-layer-freq``: an int N (blocks 0, N, 2N, ... are MoE blocks) or a
-    Python list expression of one 1 (MoE) or 0 (dense) per block, ``([0]*3+[1]*29)``, read as
-    data (lists of ints, ``+`` and ``*`` only; nothing is executed)."""
-    text = text.strip()
-    if "[" not in text:
-        try:
-            every = int(text)
-        except ValueError:
-            raise ConfigError(f"--moe-layer-freq {text!r}: an int or a list pattern") from None
-        if every < 1:
-            raise ConfigError(f"--moe-layer-freq {every}: must be >= 1")
-        return tuple(int(i % every == 0) for i in range(n_layers))
-    try:
-        pattern = _pattern_value(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError, TypeError) as e:
-        raise ConfigError(f"--moe-layer-freq {text!r}: not a list pattern ({e})") from None
-    if not isinstance(pattern, list) or len(pattern) != n_layers or set(pattern) - {0, 1}:
-        raise ConfigError(
-            f"--moe-layer-freq {text!r} gives {pattern}: one 0 or 1 per block, "
-            f"--num-layers {n_layers} in all"
-        )
-    return tuple(pattern)
-
-
-def _pattern_value(node: ast.AST):
-    """The value of a list-pattern expression's node: int and list literals, ``+``, ``*``."""
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.List):
-        return [_pattern_value(e) for e in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _pattern_value(node.left), _pattern_value(node.right)
-        if isinstance(node.op, ast.Add):
-            return left + right
-        if max(len(v) if isinstance(v, list) else v for v in (left, right)) > 1 << 20:
-            raise ValueError("too long for a pattern of blocks")  # ([1]*10**12 needs no RAM)
-        return left * right
-    raise ValueError(f"{ast.dump(node)[:40]} is not allowed")
-
-
-def _checkpoint_dirs(args: argparse.Namespace, out: argparse.Namespace) -> None:
-    """--save DIR as --checkpoint-dir; --load DIR as --resume from DIR's newest checkpoint
-    (``auto`` when it is the --save directory; nothing there: a fresh start, as Megatron)."""
-    from .checkpoints import newest_complete
-
-    if args.save is not None:
-        if args.checkpoint_dir not in (None, args.save):
-            raise ConfigError("--save and --checkpoint-dir name different directories")
-        out.checkpoint_dir = args.save
-    if args.load is None:
-        return
-    if args.resume is not None:
-        raise ConfigError("--load and --resume both say what to resume: give one")
-    if out.checkpoint_dir in (None, args.load):
-        out.checkpoint_dir, out.resume = args.load, "auto"
-    else:
-        out.resume = newest_complete(args.load)
-
-
-def _recompute(args: argparse.Namespace, out: argparse.Namespace) -> None:
-    """Megatron's full recompute of every layer is --recompute; other settings have none."""
-    if args.recompute_granularity is None:
-        if args.recompute_method or args.recompute_num_layers:
-            raise ConfigError(
-                "--recompute-method / --recompute-num-layers need --recompute-granularity"
-            )
-        return
-    if args.recompute_granularity == "selective":
-        raise ConfigError(
-            "--recompute-granularity selective (the attention's core only) has no counterpart "
-            "here: --recompute-granularity full recomputes every block"
-        )
-    method, layers = args.recompute_method or "uniform", args.recompute_num_layers or 1
-    if (method, layers) != ("uniform", 1):
-        raise ConfigError(
-            f"--recompute-method {method} --recompute-num-layers {layers}: only every block "
-            "recomputed on its own (uniform, 1) has a counterpart here"
-        )
-    out.recompute = True
 
 
 def _span(text: str) -> Tuple[int, int]:
@@ -853,7 +688,7 @@ def _split(text: Optional[str], valid_fraction: float, eval_interval: int) -> Tu
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    args = _from_megatron(args)
+    args = from_megatron(args)
     data, blend = _data(args.data)
     held_out = _split(args.split, args.valid_fraction, args.eval_interval)
     base = TrainConfig().model
@@ -921,7 +756,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         clip_grad=args.clip_grad, recompute=args.recompute, compile=args.compile,
         compile_backend=args.compile_backend,
         sequence_parallel=args.sequence_parallel,
-        data=data, data_blend=blend, vocab_size=args.vocab_size, model=model,
+        data=data, data_blend=blend, vocab_size=args.vocab_size,
+        vocab_multiple=args.vocab_multiple, model=model,
         eod_token=args.eod_token, reset_attention_mask=args.reset_attention_mask,
         reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
         calculate_per_token_loss=args.calculate_per_token_loss,

@@ -194,6 +194,9 @@ class TrainConfig:
     vocab_size: int = 0
     """With a token file: the vocabulary's size (every id must be below it); 0 = the largest
     id + 1. A text corpus's vocabulary is its characters."""
+    vocab_multiple: int = 64
+    """The model's vocabulary is the data's padded to a multiple of this and of tp (Megatron's
+    ``--make-vocab-size-divisible-by``, there times tp): one model at every tp dividing it."""
     eod_token: Optional[int] = None
     """The end-of-document token id that the three options below look for (Megatron takes its
     tokenizer's ``eod``); None: documents are not told apart."""
@@ -428,6 +431,8 @@ class TrainConfig:
         _at_least("eval_iters", self.eval_iters, 1)
         if not 0 < self.valid_fraction < 1:
             raise ConfigError(f"valid_fraction must lie in (0, 1), got {self.valid_fraction}")
+        if self.vocab_multiple < 1:
+            raise ConfigError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
         if not 0 <= self.test_fraction < 1:
             raise ConfigError(f"test_fraction must lie in [0, 1), got {self.test_fraction}")
         held = self.test_fraction + (self.valid_fraction if self.eval_interval else 0.0)

@@ -101,15 +101,14 @@ class World:
                 obj.close()
 
 
-VOCAB_MULTIPLE = 64  # as Megatron's make-vocab-size-divisible-by: fixed, not tp's
-
-
 def model_config(cfg: TrainConfig, corpus: Corpus):
-    """The model size with the corpus's vocabulary padded to a multiple of ``VOCAB_MULTIPLE``
-    (and of tp, when tp does not divide it): the head and embedding are split by vocabulary,
-    and padding by a constant rather than by tp builds the same model, the same initialisation
-    and so the same losses at every tp that divides 64. The padding ids never occur."""
-    multiple = math.lcm(VOCAB_MULTIPLE, cfg.tp)
+    """The model size with the corpus's vocabulary padded to a multiple of
+    ``cfg.vocab_multiple`` (64 unless ``--make-vocab-size-divisible-by``; and of tp, when tp
+    does not divide it): the head and embedding are split by vocabulary, and padding by a
+    constant rather than by tp (Megatron pads to the multiple times tp) builds the same model,
+    the same initialisation and so the same losses at every tp that divides it. The padding
+    ids never occur."""
+    multiple = math.lcm(cfg.vocab_multiple, cfg.tp)
     vocab = -(-corpus.vocab_size // multiple) * multiple
     return dataclasses.replace(cfg.model, vocab_size=vocab)
 
