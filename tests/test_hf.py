@@ -552,7 +552,8 @@ def test_init_from_a_hf_model_directory(tmp_path):
     )  # fmt: skip
     cfg = _cfg(global_batch=8, model=model, data=tokens, vocab_size=100, init_from=hf_dir)
     one, corpus = _starts_at_hf_loss(hf_model, cfg, tokens, dict(dp=2))
-    state = load_exported(hf_dir, driver.model_config(one, corpus))
+    with pytest.warns(UserWarning, match=r"ties its output head .*\(--tie-embeddings keeps"):
+        state = load_exported(hf_dir, driver.model_config(one, corpus))
     assert state["head.lm_head.weight"].data_ptr() != state["embedding.wte.weight"].data_ptr()
     built, _ = build_model(driver.model_config(one, corpus), cfg.seed, init_state=state)
     assert built[0].wte.weight.shape[0] == 128 and built[0].wpe.weight.shape[0] == 16

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
@@ -366,6 +367,12 @@ def _fit_hf(path: str, hf_config: GPTConfig, state, config: GPTConfig):
         raise ConfigError(
             f"init_from: {path} has an output head of its own (tie_word_embeddings false) and "
             "this run ties it to the embedding: drop --tie-embeddings"
+        )
+    if hf_config.tie_embeddings and not config.tie_embeddings:
+        warnings.warn(
+            f"init_from: {path} ties its output head to the embedding; this run trains the head "
+            "as a copy, apart from it (--tie-embeddings keeps them one tensor)",
+            stacklevel=2,
         )
     if vocab > rows:
         raise ConfigError(
