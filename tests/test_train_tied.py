@@ -64,7 +64,6 @@ LAYOUTS = {
     "fsdp2": (dict(dp=2, zero=2, engine="torch"), 2),
     "tp2-sp": (dict(tp=2, sequence_parallel=True), 2),
     "cp2": (dict(cp=2), 2),
-    "pp2": (dict(pp=2, micro_batch=2), 2),
     "pp2-zb-h1": (dict(pp=2, micro_batch=2, schedule="zb-h1"), 2),
     "dp2xpp2-zero1": (dict(dp=2, pp=2, zero=1, micro_batch=2), 4),
     "tp2xpp2": (dict(tp=2, pp=2, micro_batch=2), 4),

@@ -135,9 +135,10 @@ def exchange_grads(tied: Sequence[TiedParameter], comm: Any, rank_of) -> None:
         for w in works:
             w.wait()
         first_stage_of = {r: min(s for s in t.stages if rank_of(s) == r) for r in ranks}
-        total = None
-        for r in sorted(ranks, key=first_stage_of.get):
-            total = parts[r].clone() if total is None else total.add_(parts[r])
+        order = sorted(ranks, key=first_stage_of.get)
+        total = parts[order[0]]  # a fresh tensor (a local sum or a receive buffer)
+        for r in order[1:]:
+            total.add_(parts[r])
         for p in t.local.values():
             if p.grad is None:
                 p.grad = total.clone()
