@@ -193,7 +193,8 @@ def _matches(plan: Mapping[str, Any], names: List[str]) -> Dict[str, Any]:
     return chosen
 
 
-def _tied_groups(module: nn.Module) -> List[List[str]]:
+def tied_names(module: nn.Module) -> List[List[str]]:
+    """The names of each parameter ``module`` reaches under more than one (a tied head)."""
     by_id: Dict[int, List[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
@@ -228,7 +229,7 @@ def shard_module(module: nn.Module, plan: Mapping[str, Any], comm: Any) -> nn.Mo
     Returns ``module`` (or the replacement, if the plan names the root ``""``). Each new
     layer's ``tp_name`` (``"ColumnParallelLinear 'blocks.0.attn.qkv'"``) names it in errors.
     """
-    tied = _tied_groups(module)
+    tied = tied_names(module)
     names = [n for n, _ in module.named_modules()]
     for name, style in _matches(plan, names).items():
         if not hasattr(style, "apply"):

@@ -33,6 +33,7 @@ import torch
 from .. import checkpoint as dk_checkpoint
 from ..models import GPT, GPTConfig
 from ..moe import checkpoint as moe_checkpoint
+from ..tensor_parallel.shard import tied_names
 from .checkpoints import read_record
 from .config import ConfigError
 
@@ -123,7 +124,7 @@ def _per_tp_rank(
         )
     cache: Dict[str, _Part] = {}
     known = set(sequential.state_dict())
-    tied = _tied_names(sequential)
+    tied = tied_names(sequential)
 
     def read(key: Tuple[int, int, int]) -> _Part:
         if key not in dirs:
@@ -153,14 +154,6 @@ def _per_tp_rank(
                     options.setdefault(name, hyper)
         ranks.append(_Part(model, _with_tied(per_param, tied), _with_tied(options, tied), {}))
     return ranks, read(min(dirs))
-
-
-def _tied_names(module: torch.nn.Module) -> List[List[str]]:
-    """The names of each parameter ``module`` reaches under more than one (a tied head)."""
-    by_tensor: Dict[int, List[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(p), []).append(name)
-    return [names for names in by_tensor.values() if len(names) > 1]
 
 
 def _with_tied(saved: Dict[str, Any], tied: List[List[str]]) -> Dict[str, Any]:
