@@ -1,4 +1,5 @@
-"""Element-wise kernels on torch tensors: in-place reduce, divide and cast-with-scale.
+"""Element-wise kernels on torch tensors: in-place reduce, divide and cast-with-scale, and the
+last step of a counter-based dropout mask.
 
 These are the kernels the collectives run on each rank, exposed for standalone use. CPU tensors
 run the vectorised CPU kernels, split across a small thread pool for calls touching 64 MiB or
@@ -24,7 +25,15 @@ import torch
 from . import _C
 from .dtypes import DTYPE_CODES, ReduceOp, ReduceOpLike, dtype_code, reduce_op
 
-__all__ = ["reduce_", "divide_", "cast_", "cpu_isa", "set_cpu_isa", "supported_cpu_isas"]
+__all__ = [
+    "reduce_",
+    "divide_",
+    "cast_",
+    "dropout_keep_mask",
+    "cpu_isa",
+    "set_cpu_isa",
+    "supported_cpu_isas",
+]
 
 #: dtypes :func:`cast_` converts between.
 CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -205,6 +214,25 @@ def cast_(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> torch.Ten
         stream,
     )
     return dst
+
+
+def dropout_keep_mask(rows_hash: torch.Tensor, cols_index: torch.Tensor, threshold: int):
+    """``keep[r, c] = lowbias32(rows_hash[r] ^ cols_index[c]) >= threshold`` as a bool tensor
+    ``[rows, cols]`` (``dk.models.dropout``'s full-size step; the low 32 bits of each int64
+    are hashed). CPU tensors only: a GPU computes the same bits with torch ops there."""
+    for t, arg in ((rows_hash, "rows_hash"), (cols_index, "cols_index")):
+        _check_tensor(t, arg)
+        if t.dtype != torch.int64 or t.dim() != 1 or not t.is_cpu:
+            raise ValueError(f"{arg}: expected a 1-D int64 CPU tensor, got {t.dtype} {t.device} "
+                             f"of shape {tuple(t.shape)}")  # fmt: skip
+    if not 0 <= threshold <= 2**32:
+        raise ValueError(f"threshold: {threshold} outside [0, 2**32]")
+    out = torch.empty(rows_hash.numel(), cols_index.numel(), dtype=torch.bool)
+    rows, cols = rows_hash.numel(), cols_index.numel()
+    _C.kernels_dropout_keep_mask(
+        out.data_ptr(), rows_hash.data_ptr(), rows, cols_index.data_ptr(), cols, int(threshold)
+    )
+    return out
 
 
 def cpu_isa() -> str:

@@ -5,6 +5,7 @@ parallelism, {2, 3} with it) running at the same time. Float64, dropout 0: every
 must match single-process training to rounding.
 """
 
+import contextlib
 import datetime
 
 import pytest
@@ -14,6 +15,7 @@ from mp_pool import run_ranks
 import dist_kernels as dk
 from dist_kernels import tensor_parallel as tp
 from dist_kernels.models import GPT, GPTConfig
+from dist_kernels.models.dropout import dropout_keys
 
 SEED = 20261201
 STEPS = 3
@@ -34,12 +36,16 @@ def _batches(steps=STEPS, batch=BATCH):
 
 
 def _train(model, batches):
+    """AdamW steps; with dropout, inside ``dropout_keys`` (counter-based masks: the same for
+    every element in every layout)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
-    for ids, targets in batches:
+    for step, (ids, targets) in enumerate(batches):
         opt.zero_grad()
-        loss = model(ids, targets)
-        loss.backward()
+        keys = dropout_keys(SEED, step) if model.config.dropout else contextlib.nullcontext()
+        with keys:
+            loss = model(ids, targets)
+            loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses
@@ -84,6 +90,12 @@ GEMMA = dict(
 )  # fmt: skip
 
 
+# Dropout on the embeddings, the attention probabilities (heads sharded) and both residual
+# branches (sequence-sharded under sp), with counter-based masks: the sharded runs must draw
+# the unsharded run's masks element for element, recomputed blocks included
+DROPOUT = dict(dropout=0.2)
+
+
 def _rank_train(tie, drop_norm_styles=False, overrides=None):
     import torch.distributed as dist
 
@@ -105,6 +117,8 @@ def _rank_train(tie, drop_norm_styles=False, overrides=None):
         tp.shard_module(model, plan, comm)
         if tie:
             assert model.head.lm_head.weight is model.embedding.wte.weight
+        if model.config.dropout:  # recomputed blocks must draw the same masks again
+            model.recompute_blocks()
         losses = _train(model, batches)
         diff = max_param_diff(model, reference, comm.rank)
         loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -121,9 +135,12 @@ def _rank_train(tie, drop_norm_styles=False, overrides=None):
         (False, LLAMA),
         (False, {**LLAMA, **QWEN}),
         (True, {**LLAMA, **GEMMA}),
+        (False, DROPOUT),
+        (True, {**LLAMA, **GEMMA, **DROPOUT}),
     ],
-    ids=["tied", "untied", "llama", "llama-qwen-options", "llama-gemma-options"],
-)
+    ids=["tied", "untied", "llama", "llama-qwen-options", "llama-gemma-options", "dropout",
+         "llama-gemma-dropout"],
+)  # fmt: skip
 def test_gpt_tp_trains_like_single_process(tie, overrides):
     print("seed", SEED)
     results = run_ranks(4, _rank_train, tie, False, overrides, timeout=240)
@@ -203,10 +220,15 @@ def _rank_errors():
     with pytest.raises(tp.TensorParallelDesyncError) as info:
         model(ids, targets)
     messages.append(str(info.value))
-    # recomputation with dropout: the tracker's masks would not be drawn again alike
+    # recomputation with dropout: the tracker's masks would not be drawn again alike (the
+    # training forward raises); counter-based masks are, and the same forward runs
+    model = _model(dropout=0.1).parallelize(comm).recompute_blocks()
+    ids, targets = _batches(1)[0]
     with pytest.raises(ValueError) as info:
-        _model(dropout=0.1).parallelize(comm).recompute_blocks()
+        model(ids, targets)
     messages.append(str(info.value))
+    with dropout_keys(seed=1, step=0):
+        model(ids, targets).backward()
     comm.close()
     return messages
 

@@ -633,3 +633,34 @@ def test_pool_gives_the_same_bits_at_every_thread_count(threads, pool):
     serial, pooled = run(1), run(threads)
     assert serial[:2] == [pool, "1"] and pooled[:2] == [pool, str(threads)]
     assert pooled[2:] == serial[2:]
+
+
+@pytest.mark.parametrize("parallel_size", [(37, 129), (300, 1000)], ids=["one-thread", "pool"])
+def test_dropout_keep_mask_kernel_equals_the_int64_hash(parallel_size):
+    """The C++ last step of a counter-based dropout mask (dk.models.dropout) against the same
+    lowbias32 hash in torch's int64 ops, at every threshold's edge; 300 x 1000 elements split
+    over the pool. Only the low 32 bits of an index count."""
+    from dist_kernels.models.dropout import _MASK32, _mix_tensor
+
+    print(f"seed {SEED}")
+    gen = torch.Generator().manual_seed(SEED)
+    rows, cols = parallel_size
+    rows_hash = torch.randint(0, 2**32, (rows,), generator=gen)
+    cols_index = torch.randint(0, 2**40, (cols,), generator=gen)
+    hashed = _mix_tensor(rows_hash[:, None] ^ (cols_index & _MASK32)[None, :])
+    for threshold in (0, 1, 2**31, 2**32 - 1, 2**32):
+        keep = ops.dropout_keep_mask(rows_hash, cols_index, threshold)
+        assert keep.dtype == torch.bool and keep.shape == (rows, cols)
+        assert torch.equal(keep, hashed >= threshold), threshold
+    assert ops.dropout_keep_mask(rows_hash, cols_index, 2**32).sum() == 0
+    assert ops.dropout_keep_mask(rows_hash, cols_index, 0).all()
+
+
+def test_dropout_keep_mask_bad_input_names_the_argument():
+    good = torch.arange(4)
+    with pytest.raises(ValueError, match="rows_hash: expected a 1-D int64 CPU tensor"):
+        ops.dropout_keep_mask(good.int(), good, 0)
+    with pytest.raises(ValueError, match="cols_index: expected a 1-D int64 CPU tensor"):
+        ops.dropout_keep_mask(good, good.view(2, 2), 0)
+    with pytest.raises(ValueError, match=r"threshold: 4294967297 outside \[0, 2\*\*32\]"):
+        ops.dropout_keep_mask(good, good, 2**32 + 1)

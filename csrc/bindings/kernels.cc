@@ -17,6 +17,7 @@
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_openmp.h"
 #include "kernels/cpu_thread_pool.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/reduce.h"
 
 namespace py = pybind11;
@@ -144,6 +145,19 @@ void castScale(uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, size_
         "cast_");
 }
 
+// Host memory only: on a GPU the same hash runs as torch ops (dist_kernels/models/dropout.py).
+void dropoutKeepMask(uintptr_t out, uintptr_t rows_hash, size_t rows, uintptr_t cols_index,
+                     size_t cols, uint64_t threshold, bool parallel) {
+  check(runOn(-1, rows * cols,
+              [&] {
+                return kernels::dropoutKeepMaskCpu(
+                    static_cast<uint8_t*>(asPointer(out)),
+                    static_cast<const int64_t*>(asPointer(rows_hash)), rows,
+                    static_cast<const int64_t*>(asPointer(cols_index)), cols, threshold, parallel);
+              }),
+        "dropout keep mask");
+}
+
 void setCpuIsa(const std::string& name) {
   CpuIsa isa;
   check(kernels::parseCpuIsa(name, &isa), "set_cpu_isa");
@@ -178,6 +192,10 @@ DK_REGISTER_BINDINGS(kernels) {
         py::arg("src_dtype"), py::arg("count"), py::arg("scale"), py::arg("device") = -1,
         py::arg("stream") = 0, py::arg("parallel") = true,
         "dst = (dst_dtype)(src * scale), computed in FP32 and rounded once to nearest even.");
+  m.def("kernels_dropout_keep_mask", &dropoutKeepMask, py::arg("out"), py::arg("rows_hash"),
+        py::arg("rows"), py::arg("cols_index"), py::arg("cols"), py::arg("threshold"),
+        py::arg("parallel") = true,
+        "out[r, c] = lowbias32(rows_hash[r] ^ cols_index[c]) >= threshold (bool bytes; host).");
   m.def("kernels_set_cpu_isa", &setCpuIsa, py::arg("isa"),
         "Forces the CPU kernel build: 'baseline', 'avx2' or 'avx512' (testing and benchmarks).");
   m.def(

@@ -32,8 +32,9 @@ over every token of the whole sequences.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,9 @@ import torch.utils.checkpoint
 from .. import context_parallel as cp
 from .. import moe as moe_lib
 from .. import tensor_parallel as tp
+from . import dropout as dropout_lib
 from .documents import DocumentMasking
+from .dropout import SiteDropout
 from .rope import apply_rope, pairs_checked, rope_scaling_checked, rope_tables
 
 __all__ = ["GPTConfig", "GPT"]
@@ -404,7 +407,8 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = _norm(cfg, q_size * cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, k_size * cfg.head_dim) if cfg.qk_norm else None
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.probs_site = 3 * layer + 1  # the attention probabilities' dropout site
+        self.drop = SiteDropout(cfg.dropout, 3 * layer + 2)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
         self.documents: Optional[DocumentMasking] = None  # set by GPT.document_masking
         self.window = cfg.window_of(layer)
@@ -436,9 +440,14 @@ class CausalSelfAttention(nn.Module):
             # / value head for the r query heads of its group
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         mask = self._mask(s, q.device)  # None: causal
-        if self.softcap is not None:  # SDPA has no cap: the scores written out
+        keys = dropout_lib.active_keys() if p > 0 else None
+        if keys is not None:  # counter-based masks on the probabilities, written out
+            drop = functools.partial(self._drop_probs, keys=keys)
+            y = _explicit_attention(q, k, v, mask, self.softcap, drop)
+        elif self.softcap is not None:  # SDPA has no cap: the scores written out
+            drop = functools.partial(F.dropout, p=p)
             with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-                y = _capped_attention(q, k, v, mask, self.softcap, p)
+                y = _explicit_attention(q, k, v, mask, self.softcap, drop)
         elif self.sequence is not None:
             y = self.sequence.attention(q, k, v, causal=True)
         else:  # heads are sharded: per-tp-rank masks (no stream swap when nothing is drawn)
@@ -448,6 +457,17 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal, **gqa)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * d]
         return self.drop(self.proj(y))
+
+    @torch.compiler.disable  # the keys change every step: no graph guarded on them
+    def _drop_probs(self, weights: torch.Tensor, keys: Any) -> torch.Tensor:
+        """Dropout of the probabilities ``[b, heads, s, s]`` with counter-based masks over
+        (sample, global head, query, key); this rank's heads are a contiguous block of all."""
+        b, heads, s, _ = weights.shape
+        rank = getattr(self.qkv, "tp_rank", 0)
+        ids = torch.arange(rank * heads, (rank + 1) * heads)
+        keep = dropout_lib.attention_keep(self.probs_site, keys, b, ids, s, self.dropout,
+                                          weights.device)  # fmt: skip
+        return dropout_lib.apply_mask(weights, keep, self.dropout)
 
     def _mask(self, s: int, device: torch.device) -> Optional[torch.Tensor]:
         """True where a query may attend: the documents' mask ``[b, 1, s, s]`` and / or the
@@ -482,29 +502,30 @@ def _across_heads(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x.transpose(1, 2).reshape(b, s, h * d)).view(b, s, h, d).transpose(1, 2)
 
 
-def _capped_attention(q, k, v, mask, cap: float, dropout: float) -> torch.Tensor:
-    """Causal attention with the scores capped to ``(-cap, cap)`` by ``cap * tanh(s / cap)``
-    (Gemma 2's): ``q [b, h, s, d]``, ``k`` / ``v [b, g, s, d]`` (query head ``i`` on key /
+def _explicit_attention(q, k, v, mask, cap: Optional[float], drop: Callable) -> torch.Tensor:
+    """Causal attention written out: the scores capped to ``(-cap, cap)`` by
+    ``cap * tanh(s / cap)`` (Gemma 2's) unless ``cap`` is None, the probabilities passed
+    through ``drop``: ``q [b, h, s, d]``, ``k`` / ``v [b, g, s, d]`` (query head ``i`` on key /
     value head ``i // (h / g)``), ``mask`` True where a query may attend (None: causal)."""
     r = q.shape[1] // k.shape[1]
     if r > 1:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if mask is None:
         s = q.shape[-2]
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
-    weights = F.dropout(weights.to(q.dtype), p=dropout)
-    return weights @ v
+    return drop(weights.to(q.dtype)) @ v
 
 
 class MLP(nn.Module):
     """GPT-2's ``proj(gelu(fc(x)))``, or with ``swiglu`` Llama's ``proj(silu(gate(x)) *
     fc(x))``; ``fc`` and ``gate`` are column-parallel under tp, ``proj`` row-parallel."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         hidden = cfg.ffn_dim
         self.approximate = cfg.gelu_approximate
@@ -512,7 +533,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.gate = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if cfg.swiglu else None
         self.proj = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = SiteDropout(cfg.dropout, 3 * layer + 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is None:
@@ -585,14 +606,23 @@ class Block(nn.Module):
         self.ln_1 = _norm(cfg) if cfg.pre_norms else None
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = _norm(cfg) if cfg.pre_norms else None
-        self.mlp = _moe(cfg) if moe else MLP(cfg)
+        self.mlp = _moe(cfg) if moe else MLP(cfg, layer)
         # Gemma's norms of the branches' outputs (GPTConfig.post_norms)
         self.post_attn_norm = _norm(cfg) if cfg.post_norms else None
         self.post_mlp_norm = _norm(cfg) if cfg.post_norms else None
         self.recompute = False  # GPT.recompute_blocks
+        # recomputed with dropout on tp shards: only counter-based masks are drawn alike again
+        self.needs_keys = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
+            if self.needs_keys and self.training and dropout_lib.active_keys() is None:
+                raise ValueError(
+                    f"GPT.recompute_blocks: dropout({self.attn.dropout}) > 0 on a "
+                    "tensor-parallel model: the recomputed forward would draw other dropout "
+                    "masks from the tracker's stream than the first one did (run it inside "
+                    "dk.models.dropout.dropout_keys: counter-based masks)"
+                )
             # Activation checkpointing: keep the block's input only and run the block again in
             # backward. Non-reentrant: the MoE aux loss, an output besides the return value,
             # gets its gradient too; the block's collectives (tensor-parallel all-reduces, ring
@@ -622,7 +652,7 @@ class Embedding(nn.Module):
         self.multiplier = cfg.embedding_multiplier
         learned = cfg.position_embedding == "learned"  # rope: positions turn q and k instead
         self.wpe = nn.Embedding(cfg.block_size, cfg.dim) if learned else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = SiteDropout(cfg.dropout, 0)
         self.sequence: Optional[cp.SequenceSharding] = None  # set by GPT.context_parallel
         self.documents: Optional[DocumentMasking] = None  # set by GPT.document_masking
 
@@ -742,17 +772,14 @@ class GPT(nn.Module):
         only its input for backward and runs its forward again there. Returns the model.
 
         torch's checkpoint replays the default generators' state, so dropout draws the same
-        masks again; the tensor-parallel tracker's stream it does not replay: dropout with a
-        tensor-parallel model is refused (docs/tensor_parallel.md, Random numbers)."""
+        masks again; the tensor-parallel tracker's stream it does not replay: a training forward
+        of a tensor-parallel model with dropout raises, unless it runs inside
+        ``dk.models.dropout.dropout_keys`` (counter-based masks, drawn alike every time;
+        docs/tensor_parallel.md, Random numbers)."""
         sharded = any(getattr(m, "tp_size", 1) > 1 for m in self.modules())
-        if on and sharded and self.config.dropout > 0:
-            raise ValueError(
-                f"GPT.recompute_blocks: dropout({self.config.dropout}) > 0 on a tensor-parallel "
-                "model: the recomputed forward would draw other dropout masks from the "
-                "tracker's stream than the first one did"
-            )
         for block in self.blocks:
             block.recompute = bool(on)
+            block.needs_keys = bool(on) and sharded and self.config.dropout > 0
         return self
 
     def compile_blocks(self, backend: str = "inductor", **options: Any) -> GPT:

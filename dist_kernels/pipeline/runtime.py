@@ -213,6 +213,7 @@ class Pipeline:
         check_schedule(self.schedule)  # plan first: never run a schedule that fails on paper
         self.n_stages = self.schedule.n_stages
         self.n_microbatches = n_microbatches
+        self.current_microbatch: Optional[int] = None  # the one an action computes, in step()
         self.loss_fn = loss_fn
         self.checkpoint_activations = bool(checkpoint_activations)
         self.stages = self._select_stages(module_or_stages, split_points, balance)
@@ -522,12 +523,19 @@ class Pipeline:
 
     def _execute(self, action: Action) -> None:
         handler = self._handlers[action.kind]
-        if self._timer is None:
-            self._guard(action, action.describe(), lambda: handler(action))
-        else:  # the runtime's own cost of an action counts as the action's
-            self._timer.run(
-                action, lambda: self._guard(action, action.describe(), lambda: handler(action))
-            )
+        # which micro-batch the stages compute: keys of counter-based dropout masks
+        # (dk.models.dropout), asked in forward and again in a recomputing backward; restored
+        # after, as a receive may run inside a compute step
+        outer, self.current_microbatch = self.current_microbatch, action.microbatch
+        try:
+            if self._timer is None:
+                self._guard(action, action.describe(), lambda: handler(action))
+            else:  # the runtime's own cost of an action counts as the action's
+                self._timer.run(
+                    action, lambda: self._guard(action, action.describe(), lambda: handler(action))
+                )
+        finally:
+            self.current_microbatch = outer
 
     def _guard(self, action: Optional[Action], what: str, fn: Callable[[], Any]) -> Any:
         """Runs ``fn``; on failure closes the communicators and raises naming ``what``."""

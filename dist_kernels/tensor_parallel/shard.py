@@ -158,6 +158,8 @@ class SequenceParallel:
     """
 
     def apply(self, module: nn.Module, comm: Any, name: str) -> nn.Module:
+        if hasattr(module, "on_sequence_shards"):  # a dropout that keys its own masks
+            return module.on_sequence_shards(mappings.tp_rank(comm), mappings.tp_size(comm))
         if type(module) is nn.Dropout:
             return ShardedDropout(module.p, module.inplace)
         params = list(module.parameters())
