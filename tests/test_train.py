@@ -1501,16 +1501,14 @@ def test_cli_errors_before_any_rank_starts(tmp_path, capsys):
 
 
 def test_model_is_a_gpt_config_the_driver_can_train(capsys):
-    """The driver's model config is dk.models.GPTConfig: the CLI maps its options onto it, a
-    shape GPTConfig refuses is a CLI error, and dropout is refused by name (a tied head is
-    trained: test_train_tied.py)."""
+    """The driver's model config is dk.models.GPTConfig: the CLI maps its options onto it and
+    a shape GPTConfig refuses is a CLI error (a tied head is trained: test_train_tied.py;
+    dropout: test_train_dropout.py)."""
     assert TrainConfig().model == GPTConfig(
         block_size=64, n_layers=2, n_heads=4, dim=128, tie_embeddings=False
     )
     assert cli_main(["--d-model", "30", "--n-head", "4"]) == 2
     assert "GPTConfig: dim(30) % n_heads(4) != 0" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="without dropout"):
-        TrainConfig(model=dataclasses.replace(TINY, dropout=0.1)).check()
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):

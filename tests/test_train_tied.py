@@ -146,5 +146,3 @@ def test_tie_flags():
     with pytest.raises(ConfigError, match="--untie-embeddings-and-output-weights and --tie-"):
         config_from_args(parse(["--tie-embeddings", "--untie-embeddings-and-output-weights"]))
     assert "--tie-embeddings" in model_flags(TIED) and "--tie-embeddings" not in model_flags(TINY)
-    with pytest.raises(ConfigError, match=r"without dropout.*got dropout=0.1"):
-        _cfg(model=dataclasses.replace(TIED, dropout=0.1)).with_layout(1)

@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="each attention head's width (default d_model / heads; Qwen3's head_dim)",
     )
     add(
+        "--dropout",
+        type=float,
+        default=None,
+        help="dropout on the embeddings, attention probabilities and residual branches (default "
+        "0; its masks are the same in every layout: hashed from the seed, step, sample and "
+        "element)",
+    )
+    add(
         "--disable-bias-linear",
         action="store_true",
         help="no biases in the linear layers and norms (Llama's, Qwen's, Mixtral's)",

@@ -55,6 +55,17 @@ def replica_batch(engine: Any, sampler: Sampler, step: int):
     return tuple(shard_sequence(t, mesh.cp_comm, dim=1) for t in (inputs, targets))
 
 
+def dropout_keys(cfg: TrainConfig, step: int, first_sample: Any):
+    """With dropout, the context of counter-based masks (``dk.models.dropout``) for a forward
+    and backward of samples ``first_sample, ...`` of step ``step``'s global batch: every
+    layout, every recomputation and every resume draws the same mask for the same element."""
+    if not cfg.model.dropout:
+        return contextlib.nullcontext()
+    from ..models.dropout import dropout_keys as keys
+
+    return keys(cfg.seed, step, first_sample)
+
+
 def peak_lr(cfg: TrainConfig) -> float:
     return dk_lr.scale_lr(cfg.lr, cfg.global_batch, cfg.lr_base_batch, cfg.lr_scaling)
 
@@ -331,9 +342,11 @@ class DataParallel:
         inputs, targets = replica_batch(self, sampler, step)
         self.weights.start(targets)
         loss_sum = 0.0
+        first_sample = self.dp_rank * cfg.micro_batch * cfg.grad_accum  # in the global batch
         for k in range(cfg.grad_accum):
             part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
-            with self._no_sync(k == cfg.grad_accum - 1):
+            keys = dropout_keys(cfg, step, first_sample + part.start)
+            with self._no_sync(k == cfg.grad_accum - 1), keys:
                 loss_sum += self._micro_step(inputs[part], targets[part], times, k == 0)
         self._last_lr = _optimizer_step(
             self.optimizer, self.scheduler, times, begin, self.clip, self.scaler
@@ -495,7 +508,11 @@ class Pipelined:
         self.delay()
         # ZeRO: the micro-batches' gradients add up locally; the optimizer's step reduces them
         no_sync = self.optimizer.no_sync() if cfg.flat_shards else contextlib.nullcontext()
-        with _autocast(cfg.dtype), no_sync:
+        first_sample = self.dp_rank * cfg.micro_batch * cfg.grad_accum  # in the global batch
+        keys = dropout_keys(
+            cfg, step, lambda: first_sample + self.pipe.current_microbatch * cfg.micro_batch
+        )
+        with _autocast(cfg.dtype), no_sync, keys:
             scale_loss = None if self.scaler is None else self.scaler.scale
             loss = float(self.pipe.step(inputs, targets, scale_loss=scale_loss))
         self._last_lr = _optimizer_step(

@@ -54,7 +54,7 @@ def add_megatron_spellings(p: argparse.ArgumentParser) -> None:
     add("--recompute-method", choices=("uniform", "block"), default=None)
     add("--recompute-num-layers", type=int, default=None)
     add("--use-distributed-optimizer", action="store_true", help="--zero 1")
-    add("--hidden-dropout", type=float, default=None, help="the model's dropout")
+    add("--hidden-dropout", type=float, default=None, help="--dropout (Megatron: 0.1 by default)")
     add("--attention-dropout", type=float, default=None, help="the same (they must agree)")
     add("--init-method-std", type=float, default=None, help="the weights' initial std")
     add("--group-query-attention", action="store_true", help="--num-query-groups (default 1)")
@@ -105,7 +105,13 @@ def from_megatron(args: argparse.Namespace) -> argparse.Namespace:
             f"--hidden-dropout {args.hidden_dropout} and --attention-dropout "
             f"{args.attention_dropout}: this model has one dropout rate"
         )
-    out.dropout = dropouts.pop() if dropouts else None
+    if dropouts:
+        rate = dropouts.pop()
+        if args.dropout is not None and args.dropout != rate:
+            raise ConfigError(
+                f"--dropout {args.dropout} and Megatron's dropout flags ({rate}): give one"
+            )
+        out.dropout = rate
     if args.group_query_attention and args.num_query_groups is None:
         out.num_query_groups = 1  # Megatron's default number of groups
     max_pos = args.max_position_embeddings

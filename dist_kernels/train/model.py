@@ -1,7 +1,8 @@
 """The model seam of the driver: what it trains, as an ``nn.Sequential`` of pipeline-cuttable
 children (embedding, blocks, head), with its FLOPs per token.
 
-:func:`build_model` builds ``dist_kernels.models.GPT`` (no dropout; a tied head is the
+:func:`build_model` builds ``dist_kernels.models.GPT`` (its dropout masks counter-based,
+``dk.models.dropout``, keyed by the engines per micro-batch; a tied head is the
 embedding's tensor, which a pipeline gives its first and last stages as copies that it keeps
 equal: ``pipeline/tied.py``) as ``GPT.as_sequential()``, sharded over the tensor-
 parallel communicator when there is one and run on sequence shards over the context-parallel

@@ -1,0 +1,172 @@
+"""``--dropout``: masks hashed from (seed, step, site, sample, element) instead of drawn from a
+generator's stream (``dk.models.dropout``), so every layout the driver trains draws the single
+process's masks element for element: data parallelism with its gradient accumulation (global
+sample indices), tensor parallelism (global head indices; global positions on sequence
+shards), pipelines (the micro-batch a schedule action computes), recomputation, resumes.
+Every layout must end on the single process's losses and parameters."""
+
+import dataclasses
+
+import pytest
+import torch
+from mp_pool import run_ranks
+from test_train import (
+    SEED,
+    TINY,
+    _assert_layout_matches,
+    _assert_params_close,
+    _cfg,
+    _key_bias_bound,
+    _on_ranks,
+    _single,
+)
+from test_train_reshard import STOP, _saved_then_resumed
+
+from dist_kernels.models import GPT
+from dist_kernels.models import dropout as dk_dropout
+from dist_kernels.train import ConfigError
+from dist_kernels.train.cli import build_parser, config_from_args
+
+DROP = dataclasses.replace(TINY, dropout=0.2)
+DROP2 = dataclasses.replace(DROP, n_layers=2)  # four stages for the V schedule
+
+
+def _reference(model, **kw):
+    print(f"seed {SEED}")
+    cfg = _cfg(global_batch=8, model=model, **kw)
+    result = _single(cfg)
+    return _losses(result), result.params, _key_bias_bound(cfg)
+
+
+def _losses(result):
+    return [rec["loss"] for rec in result.records]
+
+
+@pytest.fixture(scope="module")
+def dropout_reference():
+    return _reference(DROP)
+
+
+def test_dropout_changes_training_and_accumulation_keeps_the_masks(dropout_reference):
+    """The reference itself: dropout moves the losses away from the same run without it (the
+    masks are applied), and one process accumulating 4 micro-batches draws the masks of one
+    batch of 8 (each sample keeps its index in the global batch)."""
+    losses, params, bound = dropout_reference
+    plain = _losses(_single(_cfg(global_batch=8)))
+    assert max(abs(a - b) for a, b in zip(losses, plain)) > 1e-3
+    accumulated = _single(_cfg(global_batch=8, micro_batch=8, model=DROP))
+    _assert_layout_matches([{"losses": _losses(accumulated), "params": accumulated.params}],
+                           (losses, params, bound))  # fmt: skip
+
+
+LAYOUTS = {
+    "dp2": (dict(dp=2), 2),
+    "dp2-torch": (dict(dp=2, engine="torch"), 2),
+    "dp2-zero3": (dict(dp=2, zero=3), 2),
+    "tp2": (dict(tp=2), 2),
+    "tp2-sp-recompute": (dict(tp=2, sequence_parallel=True, recompute=True), 2),
+    "pp2-1f1b": (dict(pp=2, micro_batch=2), 2),
+    "pp2-zb-h1": (dict(pp=2, micro_batch=2, schedule="zb-h1"), 2),
+    "dp2xtp2": (dict(dp=2, tp=2), 4),
+    "dp2xpp2": (dict(dp=2, pp=2, micro_batch=2), 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dropout_matches_single_process_in_every_layout(dropout_reference, layout):
+    layout, world = LAYOUTS[layout]
+    engine = layout.get("engine", "dk")
+    layout = {k: v for k, v in layout.items() if k != "engine"}
+    cfg = _cfg(global_batch=8, model=DROP, **layout)
+    ranks = run_ranks(world, _on_ranks, cfg, engine, timeout=240)
+    _assert_layout_matches(ranks, dropout_reference, tp=layout.get("tp", 1))
+
+
+def test_dropout_with_a_v_schedule_and_recomputed_stages():
+    """ZB-V: rank 0 runs the first and the last stage, their actions for different
+    micro-batches interleaved; stages recomputed in backward draw their forward's masks."""
+    reference = _reference(DROP2)
+    cfg = _cfg(global_batch=8, model=DROP2, pp=2, micro_batch=2, schedule="zb-v",
+               recompute=True)  # fmt: skip
+    _assert_layout_matches(run_ranks(2, _on_ranks, cfg, timeout=240), reference)
+
+
+def test_dropout_run_resumed_in_another_layout_continues_the_same_masks(tmp_path):
+    """Stopped after step STOP on dp2 and resumed on pp2: no generator state is saved, and the
+    resumed steps draw what the uninterrupted pp2 run draws."""
+    print(f"seed {SEED}")
+    base = _cfg(global_batch=8, model=DROP, steps=STOP + 2, log_every=1)
+    straight, again = _saved_then_resumed(tmp_path, base, dict(dp=2), dict(pp=2, micro_batch=2))
+    assert again[0]["start"] == STOP
+    torch.testing.assert_close(again[0]["losses"], straight[0]["losses"][STOP:], rtol=1e-5, atol=0)
+    bound = _key_bias_bound(base)
+    for mine, ref in zip(again, straight):
+        _assert_params_close(mine["params"], ref["params"], bound)
+
+
+def test_dropout_refusals_and_flags():
+    with pytest.raises(ConfigError, match=r"dropout\(0.2\) with cp\(2\) > 1"):
+        _cfg(model=DROP, cp=2).with_layout(2)
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["--dropout", "0.1"])).model.dropout == 0.1
+    megatron = parse(["--hidden-dropout", "0.1", "--attention-dropout", "0.1"])
+    assert config_from_args(megatron).model.dropout == 0.1
+    with pytest.raises(ConfigError, match="give one"):
+        config_from_args(parse(["--dropout", "0.2", "--hidden-dropout", "0.1"]))
+
+
+def test_counter_masks_against_an_integer_reference_and_their_rate():
+    """The tensor hash equals lowbias32 written with Python's unbounded integers, element by
+    element; the kept share is 1 - p; a slice of the coordinates draws the slice's masks."""
+    seed = SEED
+    print(f"seed {seed}")
+    key = dk_dropout.site_key(seed, 3, 5)
+    coords = [torch.arange(2, 5), torch.arange(7), torch.arange(40)]
+    keep = dk_dropout.keep_mask(key, coords, 0.3)
+
+    def reference(*index):
+        h = key
+        for i in index:
+            h ^= i
+            h ^= h >> 16
+            h = (h * 0x7FEB352D) % 2**32
+            h ^= h >> 15
+            h = (h * 0x846CA68B) % 2**32
+            h ^= h >> 16
+        return h >= round(0.3 * 2**32)
+
+    for i in range(3):
+        for j in range(7):
+            for k in range(40):
+                assert bool(keep[i, j, k]) == reference(i + 2, j, k)
+    big = dk_dropout.keep_mask(key, [torch.arange(256), torch.arange(4096)], 0.3)
+    assert abs(big.double().mean().item() - 0.7) < 3e-3  # 1M draws: sigma 4.6e-4
+    part = dk_dropout.keep_mask(key, [torch.arange(100, 130), torch.arange(4000, 4096)], 0.3)
+    assert torch.equal(part, big[100:130, 4000:])
+    attention = [torch.arange(3), torch.arange(2, 6), torch.arange(9), torch.arange(9)]
+    assert torch.equal(dk_dropout.keep_mask(key, attention, 0.3),  # the kernel's last step
+                       dk_dropout.keep_mask_reference(key, attention, 0.3))  # fmt: skip
+    other = dk_dropout.keep_mask(dk_dropout.site_key(seed, 4, 5), coords, 0.3)
+    assert not torch.equal(other, keep)  # another step, other masks
+
+
+def test_model_outside_the_keys_is_torch_dropout_and_eval_is_exact():
+    torch.manual_seed(SEED)
+    model = GPT(DROP).double()
+    ids = torch.randint(0, DROP.vocab_size, (4, 8))
+    torch.manual_seed(1)
+    a = model(ids)
+    torch.manual_seed(1)
+    assert torch.equal(model(ids), a)  # torch's stream: reseeded, the same draw
+    with dk_dropout.dropout_keys(SEED, 0):
+        whole = model(ids)
+        assert torch.equal(model(ids), whole)  # keyed: no stream consumed
+    with dk_dropout.dropout_keys(SEED, 0, first_sample=2):
+        assert torch.equal(model(ids[2:]), whole[2:])  # samples 2, 3 keep their masks
+    model.eval()
+    with dk_dropout.dropout_keys(SEED, 0):
+        evaluated = model(ids)
+    torch.manual_seed(SEED)
+    plain = GPT(dataclasses.replace(DROP, dropout=0.0)).double().eval()
+    plain.load_state_dict(model.state_dict())
+    assert torch.equal(evaluated, plain(ids))
