@@ -170,3 +170,36 @@ def test_model_outside_the_keys_is_torch_dropout_and_eval_is_exact():
     plain = GPT(dataclasses.replace(DROP, dropout=0.0)).double().eval()
     plain.load_state_dict(model.state_dict())
     assert torch.equal(evaluated, plain(ids))
+
+
+MOE = dataclasses.replace(DROP, n_experts=4, top_k=2, moe_every=1)
+
+
+def test_moe_block_output_is_dropped_as_a_dense_mlps():
+    """Megatron's hidden dropout follows an MoE as it follows the MLP: the block's feed-forward
+    output is the MoE's with the dense MLP's site mask (sample, position, feature) applied."""
+    torch.manual_seed(SEED)
+    block = GPT(MOE).blocks[0]
+    x = torch.randn(8, 4, MOE.dim)  # [s, b, h]
+    with dk_dropout.dropout_keys(SEED, 2, first_sample=4):
+        out = block._ffn(x)
+        plain = block.mlp(x)
+    coords = [torch.arange(4, 8), torch.arange(8), torch.arange(MOE.dim)]
+    keep = dk_dropout.keep_mask_reference(dk_dropout.site_key(SEED, 2, 3), coords, MOE.dropout)
+    torch.testing.assert_close(out, dk_dropout.apply_mask(plain, keep.permute(1, 0, 2), 0.2))
+    assert (out == 0).any() and not (plain == 0).any()
+
+
+def test_moe_dropout_at_pp2_and_at_ep2():
+    """The MoE GPT with dropout: at pp 2 equal to one process; at dp 2 x ep 2 equal to dp 2 with
+    every expert local (the experts' tokens come back to their samples' masks)."""
+    cfg = _cfg(global_batch=8, micro_batch=2, model=MOE, log_every=1)
+    single = _single(cfg)
+    piped = run_ranks(2, _on_ranks, dataclasses.replace(cfg, pp=2), timeout=300)
+    _assert_layout_matches(piped, (_losses(single), single.params, _key_bias_bound(cfg)))
+    local = run_ranks(2, _on_ranks, dataclasses.replace(cfg, dp=2), timeout=300)
+    sharded = run_ranks(2, _on_ranks, dataclasses.replace(cfg, dp=2, ep=2), timeout=300)
+    torch.testing.assert_close(sharded[0]["losses"], local[0]["losses"], rtol=1e-5, atol=0)
+    for r in sharded:
+        dense = {k: v for k, v in r["params"].items() if ".experts." not in k}
+        _assert_params_close(dense, local[0]["params"], _key_bias_bound(cfg))

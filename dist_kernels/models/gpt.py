@@ -607,6 +607,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = _norm(cfg) if cfg.pre_norms else None
         self.mlp = _moe(cfg) if moe else MLP(cfg, layer)
+        # Megatron's hidden dropout after an MoE too (the dense MLP has its own, the same site)
+        self.moe_drop = SiteDropout(cfg.dropout, 3 * layer + 3) if moe else None
         # Gemma's norms of the branches' outputs (GPTConfig.post_norms)
         self.post_attn_norm = _norm(cfg) if cfg.post_norms else None
         self.post_mlp_norm = _norm(cfg) if cfg.post_norms else None
@@ -633,12 +635,16 @@ class Block(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.post_attn_norm is None:
             x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
+            return x + self._ffn(self.ln_2(x))
         if self.ln_1 is None:  # OLMo 2: the branches' outputs normalised only
             x = x + self.post_attn_norm(self.attn(x))
-            return x + self.post_mlp_norm(self.mlp(x))
+            return x + self.post_mlp_norm(self._ffn(x))
         x = x + self.post_attn_norm(self.attn(self.ln_1(x)))
-        return x + self.post_mlp_norm(self.mlp(self.ln_2(x)))
+        return x + self.post_mlp_norm(self._ffn(self.ln_2(x)))
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(x)
+        return y if self.moe_drop is None else self.moe_drop(y)
 
 
 class Embedding(nn.Module):
