@@ -29,11 +29,24 @@ from dist_kernels.train.cli import build_parser, config_from_args
 
 DROP = dataclasses.replace(TINY, dropout=0.2)
 DROP2 = dataclasses.replace(DROP, n_layers=2)  # four stages for the V schedule
+HIDDEN = dataclasses.replace(DROP, attention_dropout=0.0)
+
+
+# Adam's eps far above the FP32 rounding of a gradient: a dropped element zeroes its share of
+# a gradient, and at eps 1e-8 an element left near zero turns its rounding (a layout sums in
+# another order) into a whole Adam step (cp 2: one weight of 4,096 off by 9 % of a step,
+# its hidden unit rarely active). At 1e-6 such an element moves in proportion to its
+# gradient, and every parameter is held to the layout tests' 1 % of a step.
+ADAM_EPS = 1e-6
+
+
+def _dcfg(**kw):
+    return _cfg(**{"global_batch": 8, "adam_eps": ADAM_EPS, **kw})
 
 
 def _reference(model, **kw):
     print(f"seed {SEED}")
-    cfg = _cfg(global_batch=8, model=model, **kw)
+    cfg = _dcfg(model=model, **kw)
     result = _single(cfg)
     return _losses(result), result.params, _key_bias_bound(cfg)
 
@@ -52,9 +65,9 @@ def test_dropout_changes_training_and_accumulation_keeps_the_masks(dropout_refer
     masks are applied), and one process accumulating 4 micro-batches draws the masks of one
     batch of 8 (each sample keeps its index in the global batch)."""
     losses, params, bound = dropout_reference
-    plain = _losses(_single(_cfg(global_batch=8)))
+    plain = _losses(_single(_dcfg()))
     assert max(abs(a - b) for a, b in zip(losses, plain)) > 1e-3
-    accumulated = _single(_cfg(global_batch=8, micro_batch=8, model=DROP))
+    accumulated = _single(_dcfg(micro_batch=8, model=DROP))
     _assert_layout_matches([{"losses": _losses(accumulated), "params": accumulated.params}],
                            (losses, params, bound))  # fmt: skip
 
@@ -69,24 +82,35 @@ LAYOUTS = {
     "pp2-zb-h1": (dict(pp=2, micro_batch=2, schedule="zb-h1"), 2),
     "dp2xtp2": (dict(dp=2, tp=2), 4),
     "dp2xpp2": (dict(dp=2, pp=2, micro_batch=2), 4),
+    # ring attention has no dropout of the probabilities: the hidden dropout only
+    "cp2": (dict(cp=2, model=HIDDEN), 2),
+    "tp2xcp2-sp": (dict(tp=2, cp=2, sequence_parallel=True, model=HIDDEN), 4),
 }
 
 
+@pytest.fixture(scope="module")
+def hidden_reference():
+    return _reference(HIDDEN)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_dropout_matches_single_process_in_every_layout(dropout_reference, layout):
+def test_dropout_matches_single_process_in_every_layout(dropout_reference, hidden_reference,
+                                                        layout):  # fmt: skip
     layout, world = LAYOUTS[layout]
     engine = layout.get("engine", "dk")
     layout = {k: v for k, v in layout.items() if k != "engine"}
-    cfg = _cfg(global_batch=8, model=DROP, **layout)
+    layout.setdefault("model", DROP)
+    reference = hidden_reference if layout["model"] is HIDDEN else dropout_reference
+    cfg = _dcfg(**layout)
     ranks = run_ranks(world, _on_ranks, cfg, engine, timeout=240)
-    _assert_layout_matches(ranks, dropout_reference, tp=layout.get("tp", 1))
+    _assert_layout_matches(ranks, reference, tp=layout.get("tp", 1))
 
 
 def test_dropout_with_a_v_schedule_and_recomputed_stages():
     """ZB-V: rank 0 runs the first and the last stage, their actions for different
     micro-batches interleaved; stages recomputed in backward draw their forward's masks."""
     reference = _reference(DROP2)
-    cfg = _cfg(global_batch=8, model=DROP2, pp=2, micro_batch=2, schedule="zb-v",
+    cfg = _dcfg(model=DROP2, pp=2, micro_batch=2, schedule="zb-v",
                recompute=True)  # fmt: skip
     _assert_layout_matches(run_ranks(2, _on_ranks, cfg, timeout=240), reference)
 
@@ -95,7 +119,7 @@ def test_dropout_run_resumed_in_another_layout_continues_the_same_masks(tmp_path
     """Stopped after step STOP on dp2 and resumed on pp2: no generator state is saved, and the
     resumed steps draw what the uninterrupted pp2 run draws."""
     print(f"seed {SEED}")
-    base = _cfg(global_batch=8, model=DROP, steps=STOP + 2, log_every=1)
+    base = _dcfg(model=DROP, steps=STOP + 2, log_every=1)
     straight, again = _saved_then_resumed(tmp_path, base, dict(dp=2), dict(pp=2, micro_batch=2))
     assert again[0]["start"] == STOP
     torch.testing.assert_close(again[0]["losses"], straight[0]["losses"][STOP:], rtol=1e-5, atol=0)
@@ -104,15 +128,31 @@ def test_dropout_run_resumed_in_another_layout_continues_the_same_masks(tmp_path
         _assert_params_close(mine["params"], ref["params"], bound)
 
 
+def test_hidden_and_attention_rates_act_apart(dropout_reference, hidden_reference):
+    """Each rate drops its own sites: the hidden dropout alone, the attention's alone and both
+    train three different ways."""
+    attention_only = dataclasses.replace(TINY, attention_dropout=0.2)
+    assert attention_only.attn_dropout == 0.2 and attention_only.dropout == 0.0
+    only = _losses(_single(_dcfg(model=attention_only)))
+    runs = [dropout_reference[0], hidden_reference[0], only]
+    for i in range(3):
+        for j in range(i):
+            assert max(abs(a - b) for a, b in zip(runs[i], runs[j])) > 1e-4, (i, j)
+
+
 def test_dropout_refusals_and_flags():
-    with pytest.raises(ConfigError, match=r"dropout\(0.2\) with cp\(2\) > 1"):
+    with pytest.raises(ConfigError, match=r"attention dropout\(0.2\) with cp\(2\) > 1"):
         _cfg(model=DROP, cp=2).with_layout(2)
+    _cfg(model=HIDDEN, cp=2).with_layout(2)  # the hidden dropout alone is fine
     parse = build_parser().parse_args
-    assert config_from_args(parse(["--dropout", "0.1"])).model.dropout == 0.1
-    megatron = parse(["--hidden-dropout", "0.1", "--attention-dropout", "0.1"])
-    assert config_from_args(megatron).model.dropout == 0.1
+    model = config_from_args(parse(["--dropout", "0.1"])).model
+    assert (model.dropout, model.attn_dropout) == (0.1, 0.1)
+    megatron = config_from_args(parse(["--hidden-dropout", "0.1", "--attention-dropout", "0"]))
+    assert (megatron.model.dropout, megatron.model.attn_dropout) == (0.1, 0.0)
     with pytest.raises(ConfigError, match="give one"):
         config_from_args(parse(["--dropout", "0.2", "--hidden-dropout", "0.1"]))
+    with pytest.raises(ValueError, match=r"attention_dropout must be in \[0, 1\), got 1.0"):
+        dataclasses.replace(TINY, attention_dropout=1.0)
 
 
 def test_counter_masks_against_an_integer_reference_and_their_rate():
@@ -193,7 +233,7 @@ def test_moe_block_output_is_dropped_as_a_dense_mlps():
 def test_moe_dropout_at_pp2_and_at_ep2():
     """The MoE GPT with dropout: at pp 2 equal to one process; at dp 2 x ep 2 equal to dp 2 with
     every expert local (the experts' tokens come back to their samples' masks)."""
-    cfg = _cfg(global_batch=8, micro_batch=2, model=MOE, log_every=1)
+    cfg = _dcfg(micro_batch=2, model=MOE, log_every=1)
     single = _single(cfg)
     piped = run_ranks(2, _on_ranks, dataclasses.replace(cfg, pp=2), timeout=300)
     _assert_layout_matches(piped, (_losses(single), single.params, _key_bias_bound(cfg)))

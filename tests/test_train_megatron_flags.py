@@ -46,7 +46,7 @@ def test_a_gpt2_pretraining_command_line(tmp_path):
         "--min-lr-ratio 0.1 --weight-decay 1e-2 --warmup 4 --clip-grad 1.0 --dtype bf16 "
         f"--split 949,50,1 --log-every 5 --checkpoint-every 10 --eval-interval 10 --eval-iters "
         f"2 --checkpoint-dir {ckpt} --resume auto --zero 1 --normalization layernorm "
-        "--position-embedding-type learned --dropout 0.1"
+        "--position-embedding-type learned --dropout 0.1 --attention-dropout 0.1"
     ).split()
     want = _cfg(ours)
     want = dataclasses.replace(want, model=dataclasses.replace(want.model, init_std=0.006))
@@ -187,7 +187,7 @@ def test_load_from_another_directory_resumes_its_newest_checkpoint(tmp_path):
      (["--recompute-granularity", "full", "--recompute-method", "block",
        "--recompute-num-layers", "2"], r"only every block recomputed on its own"),
      (["--recompute-num-layers", "1"], r"need --recompute-granularity"),
-     (["--hidden-dropout", "0.1", "--attention-dropout", "0"], r"one dropout rate"),
+     (["--hidden-dropout", "0.1", "--dropout", "0"], r"--dropout 0.0 and --hidden-dropout 0.1"),
      (["--min-lr", "1e-5", "--min-lr-ratio", "0.2"], r"--min-lr and --min-lr-ratio"),
      (["--lr-warmup-fraction", "0.1", "--warmup", "3"], r"--lr-warmup-fraction and"),
      (["--max-position-embeddings", "64", "--seq-length", "32"], r"the table here has"),

@@ -136,12 +136,13 @@ def apply_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
 class SiteDropout(nn.Dropout):
     """``nn.Dropout`` on the GPT's residual stream ``[s, b, h]``, site ``site``: inside
     :func:`dropout_keys` its masks are counter-based over (sample, position, feature), the
-    position global under sequence parallelism; outside it, torch's dropout
+    position global under context and sequence parallelism; outside it, torch's dropout
     (on the tensor-parallel tracker's stream when the input is a sequence shard)."""
 
     def __init__(self, p: float, site: int) -> None:
         super().__init__(p)
         self.site = site
+        self.sequence = None  # a context-parallel SequenceSharding (GPT.context_parallel)
         self.sp_rank, self.sp_size = 0, 1  # this rank's sequence shard (sequence parallel)
 
     def on_sequence_shards(self, rank: int, size: int) -> SiteDropout:
@@ -171,8 +172,13 @@ class SiteDropout(nn.Dropout):
 
     def positions(self, rows: int, device: torch.device) -> torch.Tensor:
         """The global sequence positions of an input's ``rows`` rows."""
-        first = rows * self.sp_rank  # the shards are the sequence's equal, ordered chunks
-        return torch.arange(first, first + rows, device=device)
+        whole = rows * self.sp_size  # this context-parallel rank's tokens (all of them at cp 1)
+        if self.sequence is None:
+            pos = torch.arange(whole)
+        else:  # zig-zag: its two chunks' positions
+            pos = self.sequence.positions(whole)
+        # sequence-parallel shards are the equal, ordered chunks of those
+        return pos.chunk(self.sp_size)[self.sp_rank].to(device)
 
 
 def attention_keep(

@@ -92,7 +92,11 @@ class GPTConfig:
     """GPT-2 MLP's GELU as ``F.gelu``'s ``approximate``: ``"none"`` (exact) or ``"tanh"``
     (OpenAI GPT-2's; Megatron's ``--openai-gelu``)."""
     dropout: float = 0.0
-    """Dropout on embeddings, attention probabilities and residual branches."""
+    """Dropout on the embeddings' output and the residual branches (Megatron's hidden dropout),
+    and on the attention probabilities unless ``attention_dropout`` is set."""
+    attention_dropout: Optional[float] = None
+    """Dropout on the attention probabilities (Megatron's ``--attention-dropout``, Hugging
+    Face's ``attn_pdrop`` / ``attention_dropout``); None: ``dropout``."""
     bias: bool = True
     """Biases in the linear layers and norms."""
     qkv_bias: bool = False
@@ -234,8 +238,10 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig: kv_channels must be a positive int or None, got {self.kv_channels!r}"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {value}")
         for name, choices in (
             ("normalization", NORMALIZATIONS),
             ("position_embedding", POSITION_EMBEDDINGS),
@@ -358,6 +364,15 @@ class GPTConfig:
         return self.n_experts > 0 and (i + 1) % self.moe_every == 0
 
     @property
+    def attn_dropout(self) -> float:
+        """The attention probabilities' dropout rate."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def any_dropout(self) -> bool:
+        return self.dropout > 0 or self.attn_dropout > 0
+
+    @property
     def ffn_dim(self) -> int:
         """The MLP's hidden size."""
         return self.ffn_hidden_size or self.mlp_ratio * self.dim
@@ -390,7 +405,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
-        self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
+        self.head_dim, self.dropout = cfg.head_dim, cfg.attn_dropout
         self.group = cfg.n_heads // cfg.kv_heads  # query heads per key / value head
         theta, self.rope_scaling = cfg.rope_of(layer)
         self.rope_theta = theta if cfg.position_embedding == "rope" else None
@@ -620,9 +635,9 @@ class Block(nn.Module):
         if self.recompute and torch.is_grad_enabled():
             if self.needs_keys and self.training and dropout_lib.active_keys() is None:
                 raise ValueError(
-                    f"GPT.recompute_blocks: dropout({self.attn.dropout}) > 0 on a "
-                    "tensor-parallel model: the recomputed forward would draw other dropout "
-                    "masks from the tracker's stream than the first one did (run it inside "
+                    "GPT.recompute_blocks: dropout > 0 on a tensor-parallel model: the "
+                    "recomputed forward would draw other dropout masks from the tracker's "
+                    "stream than the first one did (run it inside "
                     "dk.models.dropout.dropout_keys: counter-based masks)"
                 )
             # Activation checkpointing: keep the block's input only and run the block again in
@@ -785,7 +800,7 @@ class GPT(nn.Module):
         sharded = any(getattr(m, "tp_size", 1) > 1 for m in self.modules())
         for block in self.blocks:
             block.recompute = bool(on)
-            block.needs_keys = bool(on) and sharded and self.config.dropout > 0
+            block.needs_keys = bool(on) and sharded and self.config.any_dropout
         return self
 
     def compile_blocks(self, backend: str = "inductor", **options: Any) -> GPT:
@@ -867,10 +882,11 @@ class GPT(nn.Module):
         (``mesh.cp_comm``); returns it. Inputs and targets are then this rank's shard
         (``cp.shard_sequence(ids, comm, dim=1, load_balance=load_balance)``); parameters'
         gradients are averaged over dp x cp (``mesh.dp_cp_comm``), as over dp."""
-        if self.config.dropout > 0:
+        if self.config.attn_dropout > 0:
             raise ValueError(
-                f"GPT.context_parallel: dropout({self.config.dropout}) > 0, but ring "
-                "attention has no attention dropout (torch's CPU flash kernel has none)"
+                f"GPT.context_parallel: attention dropout({self.config.attn_dropout}) > 0, but "
+                "ring attention has no dropout of the probabilities (torch's CPU flash kernel "
+                "has none): set attention_dropout=0"
             )
         if self.embedding.documents is not None or self.config.sliding_window is not None:
             raise ValueError(
@@ -883,7 +899,8 @@ class GPT(nn.Module):
                 "capped scores"
             )
         sequence = cp.SequenceSharding(comm, load_balance)
-        for module in (self.embedding, *(b.attn for b in self.blocks), self.head):
+        drops = [m for m in self.modules() if isinstance(m, SiteDropout)]  # global positions
+        for module in (self.embedding, *(b.attn for b in self.blocks), self.head, *drops):
             module.sequence = sequence
         return self
 

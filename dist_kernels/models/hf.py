@@ -262,7 +262,7 @@ def _to_gpt2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
         "layer_norm_epsilon": config.norm_eps,
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout,
+        "attn_pdrop": config.attn_dropout,
         "initializer_range": config.init_std,
     }
     weight = state["embedding.wte.weight"]
@@ -333,7 +333,7 @@ def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
         "rope_parameters": _rope_parameters(config),
         "attention_bias": config.bias,
         "mlp_bias": config.bias,
-        "attention_dropout": config.dropout,
+        "attention_dropout": config.attn_dropout,
         "initializer_range": config.init_std,
     }
     out = {"model.embed_tokens.weight": state["embedding.wte.weight"]}

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "element)",
     )
     add(
+        "--attention-dropout",
+        type=float,
+        default=None,
+        help="the attention probabilities' own rate (default: --dropout's; Megatron's flag)",
+    )
+    add(
         "--disable-bias-linear",
         action="store_true",
         help="no biases in the linear layers and norms (Llama's, Qwen's, Mixtral's)",
@@ -703,6 +709,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     model = dataclasses.replace(
         base,
         dropout=base.dropout if args.dropout is None else args.dropout,
+        attention_dropout=args.attention_dropout,
         init_std=base.init_std if args.init_method_std is None else args.init_method_std,
         n_layers=args.n_layer,
         n_heads=args.n_head,

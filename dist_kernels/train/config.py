@@ -454,10 +454,11 @@ class TrainConfig:
             raise ConfigError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if self.resume is not None and self.resume == "auto" and self.checkpoint_dir is None:
             raise ConfigError("resume=auto needs checkpoint_dir")
-        if self.model.dropout and self.cp > 1:
+        if self.model.attn_dropout and self.cp > 1:
             raise ConfigError(
-                f"model: dropout({self.model.dropout}) with cp({self.cp}) > 1: ring attention "
-                "has no dropout of the attention probabilities"
+                f"model: attention dropout({self.model.attn_dropout}) with cp({self.cp}) > 1: "
+                "ring attention has no dropout of the probabilities (--attention-dropout 0 "
+                "keeps the hidden dropout)"
             )
         if self.profile_steps is not None:
             first, last = self.profile_steps

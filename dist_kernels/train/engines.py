@@ -59,7 +59,7 @@ def dropout_keys(cfg: TrainConfig, step: int, first_sample: Any):
     """With dropout, the context of counter-based masks (``dk.models.dropout``) for a forward
     and backward of samples ``first_sample, ...`` of step ``step``'s global batch: every
     layout, every recomputation and every resume draws the same mask for the same element."""
-    if not cfg.model.dropout:
+    if not cfg.model.any_dropout:
         return contextlib.nullcontext()
     from ..models.dropout import dropout_keys as keys
 

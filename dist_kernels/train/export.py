@@ -309,8 +309,9 @@ def _check_same_model(path: str, saved: Dict[str, Any], mine: Dict[str, Any]) ->
 
 # what only training uses, or what _fit_hf adapts: not compared with a Hugging Face model
 # (and the MoE losses' coefficients: training settings, the run's own)
-_HF_FREE = ("dropout", "init_std", "vocab_size", "block_size", "tie_embeddings",
-            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate")  # fmt: skip
+_HF_FREE = ("dropout", "attention_dropout", "init_std", "vocab_size", "block_size",
+            "tie_embeddings", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+            "moe_router_bias_update_rate")  # fmt: skip
 
 
 def _architecture(config: GPTConfig) -> Dict[str, Any]:

@@ -55,7 +55,6 @@ def add_megatron_spellings(p: argparse.ArgumentParser) -> None:
     add("--recompute-num-layers", type=int, default=None)
     add("--use-distributed-optimizer", action="store_true", help="--zero 1")
     add("--hidden-dropout", type=float, default=None, help="--dropout (Megatron: 0.1 by default)")
-    add("--attention-dropout", type=float, default=None, help="the same (they must agree)")
     add("--init-method-std", type=float, default=None, help="the weights' initial std")
     add("--group-query-attention", action="store_true", help="--num-query-groups (default 1)")
     add("--max-position-embeddings", type=int, default=None, help="the model's positions")
@@ -99,19 +98,12 @@ def from_megatron(args: argparse.Namespace) -> argparse.Namespace:
     _recompute(args, out)
     if args.use_distributed_optimizer and not args.zero:
         out.zero = 1  # optimizer state sharded over the data-parallel ranks
-    dropouts = {args.hidden_dropout, args.attention_dropout} - {None}
-    if len(dropouts) > 1:
-        raise ConfigError(
-            f"--hidden-dropout {args.hidden_dropout} and --attention-dropout "
-            f"{args.attention_dropout}: this model has one dropout rate"
-        )
-    if dropouts:
-        rate = dropouts.pop()
-        if args.dropout is not None and args.dropout != rate:
+    if args.hidden_dropout is not None:
+        if args.dropout is not None and args.dropout != args.hidden_dropout:
             raise ConfigError(
-                f"--dropout {args.dropout} and Megatron's dropout flags ({rate}): give one"
+                f"--dropout {args.dropout} and --hidden-dropout {args.hidden_dropout}: give one"
             )
-        out.dropout = rate
+        out.dropout = args.hidden_dropout
     if args.group_query_attention and args.num_query_groups is None:
         out.num_query_groups = 1  # Megatron's default number of groups
     max_pos = args.max_position_embeddings
