@@ -243,3 +243,20 @@ def test_moe_dropout_at_pp2_and_at_ep2():
     for r in sharded:
         dense = {k: v for k, v in r["params"].items() if ".experts." not in k}
         _assert_params_close(dense, local[0]["params"], _key_bias_bound(cfg))
+
+
+def test_dropout_benchmark_runs_and_prints_its_ratios():
+    """benchmarks/bench_dropout.py at toy sizes: both tables, every row."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "bench_dropout.py"), "--iters", "1",
+         "--warmup", "0", "--dim", "64", "--seq", "32", "--heads", "2"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("counter/torch") == 2 and "bernoulli ms" in out.stdout
+    assert "[8, 1024, 1024]" in out.stdout
