@@ -123,6 +123,21 @@ def test_cast_scale_kernel_matches_torch(src_dtype, dst_dtype):
     torch.testing.assert_close(dst, expected, rtol=0, atol=0, equal_nan=True)
 
 
+def test_dropout_masks_on_the_gpu_equal_the_cpu_kernels():
+    """Counter-based dropout (dk.models.dropout): the GPU hashes with torch's int64 ops, the CPU
+    with its C++ kernel; a layout spanning both kinds of device must draw the same masks."""
+    from dist_kernels.models import dropout as dk_dropout
+
+    key = dk_dropout.site_key(SEED, 7, 3)
+    shapes = ([8, 256, 512], [2, 4, 64, 64])  # the residual stream; attention probabilities
+    for shape in shapes:
+        cpu = [torch.arange(n) + 5 for n in shape]
+        gpu = [c.cuda() for c in cpu]
+        on_gpu = dk_dropout.keep_mask(key, gpu, 0.1)
+        assert on_gpu.is_cuda
+        assert torch.equal(on_gpu.cpu(), dk_dropout.keep_mask(key, cpu, 0.1)), shape
+
+
 # -- collectives at world size 1: out-of-place only, into poisoned outputs ---------------------
 
 
