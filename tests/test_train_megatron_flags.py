@@ -137,6 +137,27 @@ def test_a_llama_moe_command_line():
     assert _cfg(["--experts", "4"]).model.moe_every == 2  # ours unchanged
 
 
+def test_disable_bias_linear_keeps_the_layernorm_biases_as_megatron():
+    """Megatron's --disable-bias-linear unbiases its linear layers only (add_bias_linear); its
+    LayerNorm always has a bias (RMSNorm none): a Nemotron-style LayerNorm model without
+    linear biases has every norm's bias and no other, as Megatron builds it."""
+    from dist_kernels.models import GPT
+
+    cfg = _cfg(["--disable-bias-linear", "--normalization", "LayerNorm"]).model
+    names = {n for n, _ in GPT(cfg).named_parameters() if n.endswith(".bias")}
+    norms = {"ln_1", "ln_2", "ln_f"}
+    assert names and all(n.split(".")[-2] in norms for n in names), sorted(names)
+    assert len(names) == 2 * cfg.n_layers + 1  # ln_1, ln_2 per block and the final ln_f
+    rms = _cfg(["--disable-bias-linear", "--normalization", "RMSNorm"]).model
+    assert not [n for n, _ in GPT(rms).named_parameters() if n.endswith(".bias")]
+    assert rms.norm_bias is None  # nothing to say: an identity as before
+    # the library's own spelling: bias=False alone unbiases the norms too (--no-norm-bias)
+    plain = dataclasses.replace(cfg, norm_bias=None)
+    assert not [n for n, _ in GPT(plain).named_parameters() if n.endswith(".bias")]
+    none = _cfg(["--disable-bias-linear", "--no-norm-bias"]).model
+    assert not [n for n, _ in GPT(none).named_parameters() if n.endswith(".bias")]
+
+
 @pytest.mark.parametrize(
     "freq,layers,want",
     [("1", 3, [1, 1, 1]), ("2", 5, [1, 0, 1, 0, 1]),  # Megatron's: blocks 0, N, 2N, ...

@@ -98,7 +98,10 @@ class GPTConfig:
     """Dropout on the attention probabilities (Megatron's ``--attention-dropout``, Hugging
     Face's ``attn_pdrop`` / ``attention_dropout``); None: ``dropout``."""
     bias: bool = True
-    """Biases in the linear layers and norms."""
+    """Biases in the linear layers, and in the LayerNorms unless ``norm_bias`` says."""
+    norm_bias: Optional[bool] = None
+    """Biases in the LayerNorms (RMSNorm has none); None: ``bias``. Megatron's
+    ``--disable-bias-linear`` unbiases the linear layers only: its LayerNorms keep theirs."""
     qkv_bias: bool = False
     """The fused query / key / value projection biased even where ``bias`` is False (Qwen2's
     attention; Megatron's ``--add-qkv-bias``)."""
@@ -364,6 +367,11 @@ class GPTConfig:
         return self.n_experts > 0 and (i + 1) % self.moe_every == 0
 
     @property
+    def norm_biased(self) -> bool:
+        """Whether a LayerNorm of this model has a bias."""
+        return self.bias if self.norm_bias is None else self.norm_bias
+
+    @property
     def attn_dropout(self) -> float:
         """The attention probabilities' dropout rate."""
         return self.dropout if self.attention_dropout is None else self.attention_dropout
@@ -586,10 +594,10 @@ def _norm(cfg: GPTConfig, size: Optional[int] = None) -> nn.Module:
     if rms and not hasattr(nn, "RMSNorm"):
         raise ValueError("GPT: normalization='rmsnorm' needs torch >= 2.4 (nn.RMSNorm)")
     if cfg.norm_unit_offset:
-        return UnitOffsetNorm(size, cfg.norm_eps, rms, cfg.bias)
+        return UnitOffsetNorm(size, cfg.norm_eps, rms, cfg.norm_biased)
     if rms:
         return nn.RMSNorm(size, eps=cfg.norm_eps)
-    return nn.LayerNorm(size, eps=cfg.norm_eps, bias=cfg.bias)
+    return nn.LayerNorm(size, eps=cfg.norm_eps, bias=cfg.norm_biased)
 
 
 def _moe(cfg: GPTConfig) -> moe_lib.MoE:

@@ -112,7 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--disable-bias-linear",
         action="store_true",
-        help="no biases in the linear layers and norms (Llama's, Qwen's, Mixtral's)",
+        help="no biases in the linear layers (Llama's, Qwen's, Mixtral's); a LayerNorm keeps "
+        "its bias, as Megatron's",
+    )
+    add(
+        "--no-norm-bias",
+        action="store_true",
+        help="LayerNorms without a bias (GPTConfig.norm_bias=False; with --disable-bias-linear: "
+        "no bias anywhere)",
     )
     add(
         "--add-qkv-bias",
@@ -701,6 +708,14 @@ def _split(text: Optional[str], valid_fraction: float, eval_interval: int) -> Tu
     return (valid / total if valid else TrainConfig.valid_fraction), test / total
 
 
+def _norm_bias(args: argparse.Namespace) -> Optional[bool]:
+    """``GPTConfig.norm_bias``: Megatron's LayerNorm is biased whatever --disable-bias-linear
+    says (RMSNorm has none: nothing to say)."""
+    if args.no_norm_bias:
+        return False
+    return True if args.disable_bias_linear and args.normalization == "layernorm" else None
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     args = from_megatron(args)
     data, blend = _data(args.data)
@@ -731,6 +746,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         kv_channels=args.kv_channels,
         qkv_bias=args.add_qkv_bias,
         bias=not args.disable_bias_linear,
+        norm_bias=_norm_bias(args),
         normalization=args.normalization,
         swiglu=args.swiglu or args.geglu,
         glu_activation="gelu" if args.geglu else "silu",
@@ -830,6 +846,7 @@ def model_flags(model: GPTConfig) -> List[str]:
         (model.swiglu and not geglu, "--swiglu"), (geglu, "--geglu"),
         (model.gelu_approximate == "tanh", "--openai-gelu"),
         (not model.bias, "--disable-bias-linear"), (model.qkv_bias, "--add-qkv-bias"),
+        (model.normalization == "layernorm" and not model.norm_biased, "--no-norm-bias"),
         (model.qk_norm, "--qk-layernorm"), (model.norm_unit_offset, "--apply-layernorm-1p"),
         (model.post_norms, "--post-norms"), (not model.pre_norms, "--no-pre-norms"),
         (model.tie_embeddings, "--tie-embeddings"),

@@ -324,6 +324,8 @@ def _architecture(config: GPTConfig) -> Dict[str, Any]:
     sizes = {"ffn_dim": config.ffn_dim} if dense else {}  # what is built: no dense MLP, no size
     if config.n_experts:
         sizes["moe_ffn_dim"] = config.moe_ffn_dim
+    # a LayerNorm's bias as built (RMSNorm has none, whatever the fields say)
+    out["norm_bias"] = config.norm_biased if config.normalization == "layernorm" else None
     return {**out, **sizes, "kv_heads": config.kv_heads}
 
 
