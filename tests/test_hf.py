@@ -32,6 +32,8 @@ LONGROPE = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embed
             "short_factor": [1.0, 1.7], "long_factor": [2.5, 7.0]}  # fmt: skip
 GEMMA3 = dict(norm_unit_offset=True, post_norms=True, qk_norm=True, glu_activation="gelu",
               embedding_multiplier=32**0.5)  # fmt: skip
+NEMOTRON = dict(normalization="layernorm", position_embedding="rope", squared_relu=True,
+                norm_unit_offset=True, bias=False, norm_bias=True, rotary_percent=0.5)  # fmt: skip
 MODELS = {
     "gpt2": GPTConfig(**SMALL, tie_embeddings=False),
     "gpt2-tied-tanh-ffn72-nobias": GPTConfig(
@@ -163,6 +165,15 @@ MODELS = {
         qk_norm_scope="all",
         tie_embeddings=False,
     ),
+    # Nemotron: LayerNorms of 1 + w with their biases, no linear biases, a squared-ReLU MLP,
+    # rope over half of each head, grouped queries
+    "nemotron-gqa-half-rotary": GPTConfig(**SMALL, **NEMOTRON, n_kv_heads=2, tie_embeddings=False),
+    "nemotron-biased-wide-heads": GPTConfig(  # every linear biased; heads 16 wide
+        **{**SMALL, **NEMOTRON, "bias": True, "norm_bias": None, "rotary_percent": 0.25},
+        kv_channels=16,
+        ffn_hidden_size=40,
+        tie_embeddings=True,
+    ),
     # the same within the trained length (the short factors), every dimension turned
     "llama-longrope-short": GPTConfig(
         **SMALL,
@@ -181,7 +192,7 @@ TOLERANCE = {"gpt2": 1e-12, "llama": 1e-6}
 
 
 def _family(config):
-    return "llama" if config.swiglu else "gpt2"
+    return "llama" if config.position_embedding == "rope" else "gpt2"
 
 
 def _perturbed_gpt(config, seed):
@@ -285,6 +296,11 @@ HF_BUILT = {
     "phi3-partial-rotary-window": ("Phi3Config", dict(sliding_window=5, pad_token_id=None,
                                                       rope_parameters={
         "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
+    "nemotron": ("NemotronConfig", dict(head_dim=8, tie_word_embeddings=False)),  # half rotary
+    "nemotron-biased": ("NemotronConfig", dict(head_dim=16, attention_bias=True, mlp_bias=True,
+                                               rope_parameters={"rope_type": "default",
+                                               "rope_theta": 500.0,
+                                               "partial_rotary_factor": 0.25})),
     "mixtral": ("MixtralConfig", dict(intermediate_size=40, num_local_experts=4,
                                       num_experts_per_tok=2, tie_word_embeddings=False)),
 }  # fmt: skip
@@ -324,6 +340,15 @@ def test_mappings_refuse_what_has_no_counterpart(tmp_path):
         other = GPTConfig(**SMALL, **LLAMA, **{**MIXTRAL_MOE, **wrong})
         with pytest.raises(ValueError, match=r"an MoE model maps to Mixtral only"):
             dk_hf.to_hf(other, GPT(other).state_dict())
+    # a squared-ReLU MLP is Nemotron's only: GPT-2 would export it as GELU, silently
+    for wrong in (dict(position_embedding="learned", rotary_percent=1.0),
+                  dict(norm_unit_offset=False), dict(norm_bias=False), dict(qk_norm=True),
+                  dict(sliding_window=4)):  # fmt: skip
+        other = GPTConfig(**SMALL, **{**NEMOTRON, **wrong})
+        with pytest.raises(ValueError, match=r"squared_relu maps to Nemotron only"):
+            dk_hf.to_hf(other, GPT(other).state_dict())
+    with pytest.raises(ValueError, match=r"squared_relu is the ungated MLP's activation"):
+        GPTConfig(**SMALL, squared_relu=True, swiglu=True)
     qkv_gpt2 = GPTConfig(**SMALL, bias=False, qkv_bias=True)
     with pytest.raises(ValueError, match=r"qkv_bias without bias maps to Qwen2 only"):
         dk_hf.to_hf(qkv_gpt2, GPT(qkv_gpt2).state_dict())

@@ -137,6 +137,28 @@ def test_a_llama_moe_command_line():
     assert _cfg(["--experts", "4"]).model.moe_every == 2  # ours unchanged
 
 
+def test_a_nemotron_command_line():
+    """Megatron's Nemotron-4 spellings (its examples' model options): squared ReLU, LayerNorm
+    of 1 + w, no linear biases, rope over half of each head, grouped queries. The model they
+    build is Nemotron's (exports as NemotronForCausalLM)."""
+    from dist_kernels.models import GPT
+    from dist_kernels.models.hf import to_hf
+
+    megatron = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --squared-relu --normalization LayerNorm "
+        "--apply-layernorm-1p --disable-bias-linear --position-embedding-type rope "
+        "--rotary-percent 0.5 --group-query-attention --num-query-groups 2 "
+        "--untie-embeddings-and-output-weights"
+    ).split()
+    model = _cfg(megatron).model
+    assert (model.squared_relu, model.norm_unit_offset, model.bias, model.norm_biased) == (
+        True, True, False, True)  # fmt: skip
+    hf, _ = to_hf(model, GPT(model).state_dict())
+    assert hf["model_type"] == "nemotron" and hf["hidden_act"] == "relu2"
+    assert hf["rope_parameters"]["partial_rotary_factor"] == 0.5
+
+
 def test_disable_bias_linear_keeps_the_layernorm_biases_as_megatron():
     """Megatron's --disable-bias-linear unbiases its linear layers only (add_bias_linear); its
     LayerNorm always has a bias (RMSNorm none): a Nemotron-style LayerNorm model without

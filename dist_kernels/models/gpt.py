@@ -122,6 +122,9 @@ class GPTConfig:
     embedding_multiplier: float = 1.0
     """The token embeddings multiplied by this before the first block (Gemma's
     ``sqrt(hidden_size)``)."""
+    squared_relu: bool = False
+    """The (ungated) MLP's activation is ``relu(x)^2`` in place of GELU (Nemotron's; Megatron's
+    ``--squared-relu``; So et al. 2021, Primer). Not with ``swiglu``."""
     glu_activation: str = "silu"
     """With ``swiglu``, the gate's activation: ``"silu"`` (SwiGLU, Llama's) or ``"gelu"``
     (GeGLU, Gemma's; ``gelu_approximate`` applies)."""
@@ -280,6 +283,11 @@ class GPTConfig:
             raise ValueError(
                 "GPTConfig: pre_norms=False leaves the blocks without norms: set post_norms "
                 "(OLMo 2's blocks normalise the branches' outputs)"
+            )
+        if self.squared_relu and self.swiglu:
+            raise ValueError(
+                "GPTConfig: squared_relu is the ungated MLP's activation; swiglu gates the MLP "
+                "(glu_activation): set one"
             )
         if self.glu_activation not in ("silu", "gelu"):
             raise ValueError(
@@ -552,6 +560,7 @@ class MLP(nn.Module):
         super().__init__()
         hidden = cfg.ffn_dim
         self.approximate = cfg.gelu_approximate
+        self.squared_relu = cfg.squared_relu
         self.glu = cfg.glu_activation
         self.fc = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.gate = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if cfg.swiglu else None
@@ -560,7 +569,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is None:
-            return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
+            h = self.fc(x)
+            h = F.relu(h).square() if self.squared_relu else F.gelu(h, approximate=self.approximate)
+            return self.drop(self.proj(h))
         if self.glu == "gelu":  # GeGLU
             gated = F.gelu(self.gate(x), approximate=self.approximate)
         else:

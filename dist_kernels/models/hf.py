@@ -9,11 +9,15 @@
                                                      #   / Phi3ForCausalLM
                                                      #   / Gemma2ForCausalLM / Gemma3ForCausalLM
                                                      #   / Olmo2ForCausalLM
+                                                     #   / NemotronForCausalLM
     config, state = from_hf(hf_config, hf_state)     # and back
     save_pretrained(directory, config, state)        # config.json + model.safetensors
     config, state = load_pretrained(directory)       # any local Hugging Face directory
 
-Twelve families map one to one (Mistral is Llama with a ``sliding_window``; OLMo 2 is Llama
+Thirteen families map one to one (Mistral is Llama with a ``sliding_window``; Nemotron is
+Llama's attention with rope over part of each head (``rotary_percent``), LayerNorms of
+``1 + w`` with biases (``norm_unit_offset``, ``norm_bias``) and an ungated MLP of
+``relu(x)^2`` (``squared_relu``); OLMo 2 is Llama
 without the pre-norms (``pre_norms=False``), the branches' outputs normalised (``post_norms``)
 and the query / key norms over every head's features (``qk_norm_scope="all"``); Gemma 3's text
 model is Llama with norms of ``1 + w`` (``norm_unit_offset``), the branches' outputs normalised
@@ -101,6 +105,10 @@ _QWEN2_MOE = dict(
 # sets (its embedding multiplier must be sqrt(dim); its scale, window pattern and local rope
 # base are free)
 _OLMO2 = dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
+# Nemotron (Nemotron-4, Minitron): LayerNorms of 1 + w with biases, an ungated squared-ReLU MLP,
+# rope over part of each head
+_NEMOTRON = dict(normalization="layernorm", swiglu=False, position_embedding="rope",
+                 squared_relu=True, norm_unit_offset=True, norm_biased=True)  # fmt: skip
 _GEMMA = dict(norm_unit_offset=True, post_norms=True, glu_activation="gelu")
 _GEMMA_ONLY = dict(
     norm_unit_offset=False, post_norms=False, glu_activation="silu", embedding_multiplier=1.0,
@@ -115,6 +123,8 @@ def _family(config: GPTConfig) -> str:
     gpt2 = dict(normalization="layernorm", swiglu=False, position_embedding="learned")
     llama = dict(normalization="rmsnorm", swiglu=True, position_embedding="rope")
     mine = {k: getattr(config, k) for k in gpt2}
+    if config.squared_relu:  # first: no other family has it, and each would drop it
+        return _nemotron_family(config)
     if not config.pre_norms or config.qk_norm_scope == "all":  # OLMo 2's options
         olmo = {k: getattr(config, k) for k in _OLMO2}
         others = {k: getattr(config, k) for k in _GEMMA_ONLY if k != "post_norms"}
@@ -208,6 +218,26 @@ def _family(config: GPTConfig) -> str:
     )
 
 
+def _nemotron_family(config: GPTConfig) -> str:
+    nemotron = {k: getattr(config, k) for k in _NEMOTRON}
+    gemma_only = {k: getattr(config, k) for k in _GEMMA_ONLY if k != "norm_unit_offset"}
+    plain = not (config.qkv_bias or config.qk_norm or config.n_experts or config.post_norms)
+    plain = plain and config.pre_norms and config.sliding_window is None
+    if (
+        nemotron == _NEMOTRON
+        and plain
+        and config.rope_scaling is None
+        and gemma_only == {k: v for k, v in _GEMMA_ONLY.items() if k != "norm_unit_offset"}
+    ):
+        return "nemotron"
+    raise ValueError(
+        f"hf: squared_relu maps to Nemotron only: {_NEMOTRON}, pre-norms only, no qkv_bias, "
+        f"qk_norm, MoE, window, rope_scaling or Gemma's options; this one has {nemotron}, "
+        f"qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, n_experts={config.n_experts}, "
+        f"sliding_window={config.sliding_window}, rope_scaling={config.rope_scaling}"
+    )
+
+
 def _split_qkv(config: GPTConfig, qkv: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """Our ``qkv`` weight (or bias) -> ``(q, k, v)``, each with its heads in order."""
     g, r, d = config.kv_heads, config.n_heads // config.kv_heads, config.head_dim
@@ -234,7 +264,8 @@ def to_hf(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     to = {"gpt2": _to_gpt2, "llama": _to_llama, "qwen2": _to_qwen2, "qwen3": _to_qwen3,
           "mixtral": _to_mixtral, "qwen3_moe": _to_qwen3_moe,
           "qwen2_moe": _to_qwen2_moe, "mistral": _to_mistral, "phi3": _to_phi3,
-          "gemma3_text": _to_gemma3, "gemma2": _to_gemma2, "olmo2": _to_olmo2}  # fmt: skip
+          "gemma3_text": _to_gemma3, "gemma2": _to_gemma2, "olmo2": _to_olmo2,
+          "nemotron": _to_nemotron}  # fmt: skip
     return to[family](config, state)
 
 
@@ -499,6 +530,101 @@ def _to_olmo2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
     return hf, out
 
 
+def _nemotron_pairs(i: int, bias: bool) -> List[Tuple[str, str]]:
+    """Block ``i``'s tensors but the fused ``qkv``, ``(ours, theirs)``: Llama's names, norms
+    with their biases, an MLP of ``up_proj`` and ``down_proj`` only."""
+    ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+    renamed = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+    pairs = [(f"{ours}.{a}.{kind}", f"{theirs}.{b}.{kind}")
+             for a, b in renamed.items() for kind in ("weight", "bias")]  # fmt: skip
+    linear = {"attn.proj": "self_attn.o_proj", "mlp.fc": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}
+    for kind in ("weight", "bias") if bias else ("weight",):
+        pairs += [(f"{ours}.{a}.{kind}", f"{theirs}.{b}.{kind}") for a, b in linear.items()]
+    return pairs
+
+
+def _to_nemotron(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    """Nemotron: its LayerNorm1P stores ``w`` and scales by ``1 + w``, as ours."""
+    hf = {
+        "model_type": "nemotron",
+        **_common(config),
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "relu2",
+        "max_position_embeddings": config.block_size,
+        "norm_eps": config.norm_eps,
+        "rope_parameters": {
+            **_rope_parameters(config),
+            "partial_rotary_factor": config.rotary_percent,
+        },  # fmt: skip
+        "attention_bias": config.bias,
+        "mlp_bias": config.bias,
+        "attention_dropout": config.attn_dropout,
+        "initializer_range": config.init_std,
+    }
+    out = {"model.embed_tokens.weight": state["embedding.wte.weight"]}
+    for i in range(config.n_layers):
+        for ours, theirs in _nemotron_pairs(i, config.bias):
+            out[theirs] = state[ours]
+        for kind in ("weight", "bias") if config.bias else ("weight",):
+            q, k, v = _split_qkv(config, state[f"blocks.{i}.attn.qkv.{kind}"])
+            for name, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[f"model.layers.{i}.self_attn.{name}.{kind}"] = value
+    out["model.norm.weight"], out["model.norm.bias"] = (
+        state["head.ln_f.weight"], state["head.ln_f.bias"])  # fmt: skip
+    out["lm_head.weight"] = state["head.lm_head.weight"]
+    return hf, out
+
+
+def _from_nemotron(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
+    if hf.get("hidden_act", "relu2") != "relu2":
+        raise ValueError(f"hf: Nemotron hidden_act {hf['hidden_act']!r}: only 'relu2'")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise ValueError("hf: Nemotron with attention_bias != mlp_bias has no counterpart here")
+    rope = dict(hf.get("rope_parameters") or {})
+    partial = rope.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"hf: Nemotron with rope_type {rope['rope_type']!r}: only 'default'")
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim")
+    bias = bool(hf.get("attention_bias", False))
+    config = GPTConfig(
+        vocab_size=hf["vocab_size"],
+        block_size=hf["max_position_embeddings"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=_get(hf, "num_key_value_heads", default=heads),
+        dim=dim,
+        kv_channels=None if head_dim in (None, dim // heads) else head_dim,
+        **_int_ratio(hf["intermediate_size"], dim),
+        norm_eps=hf.get("norm_eps", 1e-5),
+        normalization="layernorm",
+        norm_unit_offset=True,
+        squared_relu=True,
+        position_embedding="rope",
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rotary_percent=float(partial),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=bias,
+        norm_bias=None if bias else True,
+    )
+    out = {"embedding.wte.weight": state["model.embed_tokens.weight"]}
+    for i in range(config.n_layers):
+        for ours, theirs in _nemotron_pairs(i, bias):
+            out[ours] = state[theirs]
+        for kind in ("weight", "bias") if bias else ("weight",):
+            names = (f"model.layers.{i}.self_attn.{n}_proj.{kind}" for n in "qkv")
+            out[f"blocks.{i}.attn.qkv.{kind}"] = _join_qkv(config, *(state[n] for n in names))
+    out["head.ln_f.weight"], out["head.ln_f.bias"] = (
+        state["model.norm.weight"], state["model.norm.bias"])  # fmt: skip
+    out["head.lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    return config, out
+
+
 def _from_olmo2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     """OLMo 2: Llama without the pre-norms, the branches' outputs normalised, and the query /
     key norms over every head's features."""
@@ -677,12 +803,14 @@ def from_hf(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         return _from_phi3(hf, state)
     if model_type in ("gemma3_text", "gemma2"):
         return _from_gemma3(hf, state)
+    if model_type == "nemotron":
+        return _from_nemotron(hf, state)
     if model_type == "olmo2":
         return _from_olmo2(hf, state)
     raise ValueError(
         f"hf: model_type {model_type!r}: only 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', "
-        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'phi3', 'gemma2', 'gemma3_text' and 'olmo2' are "
-        "mapped"
+        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'phi3', 'gemma2', 'gemma3_text', 'olmo2' and "
+        "'nemotron' are mapped"
     )
 
 

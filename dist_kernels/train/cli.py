@@ -388,6 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--openai-gelu", action="store_true", help="GPT-2's tanh approximation of GELU")
     add(
+        "--squared-relu",
+        action="store_true",
+        help="the MLP's activation relu(x)^2 (Nemotron's; Megatron's flag)",
+    )
+    add(
         "--geglu",
         action="store_true",
         help="a gated MLP with GELU on the gate (GeGLU, Gemma's; --openai-gelu: tanh GELU)",
@@ -750,6 +755,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         normalization=args.normalization,
         swiglu=args.swiglu or args.geglu,
         glu_activation="gelu" if args.geglu else "silu",
+        squared_relu=args.squared_relu,
         norm_unit_offset=args.apply_layernorm_1p,
         post_norms=args.post_norms,
         tie_embeddings=args.tie_embeddings,
@@ -845,6 +851,7 @@ def model_flags(model: GPTConfig) -> List[str]:
     switches = [
         (model.swiglu and not geglu, "--swiglu"), (geglu, "--geglu"),
         (model.gelu_approximate == "tanh", "--openai-gelu"),
+        (model.squared_relu, "--squared-relu"),
         (not model.bias, "--disable-bias-linear"), (model.qkv_bias, "--add-qkv-bias"),
         (model.normalization == "layernorm" and not model.norm_biased, "--no-norm-bias"),
         (model.qk_norm, "--qk-layernorm"), (model.norm_unit_offset, "--apply-layernorm-1p"),
