@@ -799,6 +799,28 @@ def test_olmo2_style_model_matches_single_process(olmo2_reference, layout, world
         _cfg(global_batch=8, model=OLMO2_TINY, tp=2).with_layout(2)
 
 
+# Nemotron's block: LayerNorms of 1 + w keeping their biases, no linear biases, a squared-ReLU
+# MLP, rope over half of each head
+NEMOTRON_TINY = dataclasses.replace(
+    TINY, normalization="layernorm", norm_unit_offset=True, bias=False, norm_bias=True,
+    squared_relu=True, position_embedding="rope", rotary_percent=0.5,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layout,world", [(dict(tp=2, sequence_parallel=True), 2), (dict(pp=2, micro_batch=2), 2)],
+    ids=["tp2-sp", "pp2"],
+)  # fmt: skip
+def test_nemotron_style_model_matches_single_process(layout, world):
+    """--squared-relu --apply-layernorm-1p --disable-bias-linear --rotary-percent 0.5: the
+    LayerNorms' biases sequence-parallel under tp with SP; every layout trains as one process."""
+    reference = _model_reference(NEMOTRON_TINY)
+    ranks = run_ranks(world, _on_ranks, _cfg(global_batch=8, model=NEMOTRON_TINY, **layout),
+                      timeout=240)  # fmt: skip
+    _assert_layout_matches(ranks, reference, tp=layout.get("tp", 1))
+    assert any(k.endswith("ln_1.bias") for r in ranks for k in r["params"])
+
+
 def test_gemma_style_options_change_the_model():
     """Each option changes the loss of the same weights (none is silently ignored), and
     the unit-offset norm's weights start at 0 and multiply by 1 + w."""
