@@ -553,8 +553,9 @@ def _explicit_attention(q, k, v, mask, cap: Optional[float], drop: Callable) -> 
 
 
 class MLP(nn.Module):
-    """GPT-2's ``proj(gelu(fc(x)))``, or with ``swiglu`` Llama's ``proj(silu(gate(x)) *
-    fc(x))``; ``fc`` and ``gate`` are column-parallel under tp, ``proj`` row-parallel."""
+    """GPT-2's ``proj(gelu(fc(x)))`` (Nemotron's ``proj(relu(fc(x))^2)`` with
+    ``squared_relu``), or with ``swiglu`` Llama's ``proj(silu(gate(x)) * fc(x))``; ``fc`` and
+    ``gate`` are column-parallel under tp, ``proj`` row-parallel."""
 
     def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
