@@ -347,9 +347,10 @@ def _llama_pairs(i: int, bias: bool, mlp: bool = True, norms: bool = True) -> Li
     return pairs
 
 
-def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
-    hf = {
-        "model_type": "llama",
+def _decoder_config(config: GPTConfig) -> Dict[str, Any]:
+    """The configuration keys of Llama's lineage (Llama, Nemotron, ...): sizes, heads, biases,
+    the attention's dropout, the initialisation."""
+    return {
         **_common(config),
         "hidden_size": config.dim,
         "intermediate_size": config.ffn_dim,
@@ -357,25 +358,44 @@ def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
         "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
         "max_position_embeddings": config.block_size,
-        "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_parameters": _rope_parameters(config),
         "attention_bias": config.bias,
         "mlp_bias": config.bias,
         "attention_dropout": config.attn_dropout,
         "initializer_range": config.init_std,
+    }
+
+
+def _qkv_to_hf(config: GPTConfig, state: State, out: State, i: int, biased: bool) -> None:
+    """Block ``i``'s fused ``qkv`` as Llama's ``q_proj``, ``k_proj``, ``v_proj``."""
+    for kind in ("weight", "bias") if biased else ("weight",):
+        q, k, v = _split_qkv(config, state[f"blocks.{i}.attn.qkv.{kind}"])
+        for name, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            out[f"model.layers.{i}.self_attn.{name}.{kind}"] = value
+
+
+def _qkv_from_hf(config: GPTConfig, state: State, out: State, i: int, biased: bool) -> None:
+    """Block ``i``'s ``q_proj``, ``k_proj``, ``v_proj`` as our fused ``qkv``."""
+    for kind in ("weight", "bias") if biased else ("weight",):
+        names = (f"model.layers.{i}.self_attn.{n}_proj.{kind}" for n in "qkv")
+        out[f"blocks.{i}.attn.qkv.{kind}"] = _join_qkv(config, *(state[n] for n in names))
+
+
+def _to_llama(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
+    hf = {
+        "model_type": "llama",
+        **_decoder_config(config),
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": _rope_parameters(config),
     }
     out = {"model.embed_tokens.weight": state["embedding.wte.weight"]}
     for i in range(config.n_layers):
         pairs = _llama_pairs(i, config.bias, not config.is_moe_block(i), config.pre_norms)
         for ours, theirs in pairs:
             out[theirs] = state[ours]
-        for kind in ("weight", "bias") if config.bias or config.qkv_bias else ("weight",):
-            q, k, v = _split_qkv(config, state[f"blocks.{i}.attn.qkv.{kind}"])
-            for name, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                out[f"model.layers.{i}.self_attn.{name}.{kind}"] = value
+        _qkv_to_hf(config, state, out, i, config.bias or config.qkv_bias)
     out["model.norm.weight"] = state["head.ln_f.weight"]
     out["lm_head.weight"] = state["head.lm_head.weight"]
     return hf, out
@@ -547,33 +567,19 @@ def _to_nemotron(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State
     """Nemotron: its LayerNorm1P stores ``w`` and scales by ``1 + w``, as ours."""
     hf = {
         "model_type": "nemotron",
-        **_common(config),
-        "hidden_size": config.dim,
-        "intermediate_size": config.ffn_dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
+        **_decoder_config(config),
         "hidden_act": "relu2",
-        "max_position_embeddings": config.block_size,
         "norm_eps": config.norm_eps,
         "rope_parameters": {
             **_rope_parameters(config),
             "partial_rotary_factor": config.rotary_percent,
         },  # fmt: skip
-        "attention_bias": config.bias,
-        "mlp_bias": config.bias,
-        "attention_dropout": config.attn_dropout,
-        "initializer_range": config.init_std,
     }
     out = {"model.embed_tokens.weight": state["embedding.wte.weight"]}
     for i in range(config.n_layers):
         for ours, theirs in _nemotron_pairs(i, config.bias):
             out[theirs] = state[ours]
-        for kind in ("weight", "bias") if config.bias else ("weight",):
-            q, k, v = _split_qkv(config, state[f"blocks.{i}.attn.qkv.{kind}"])
-            for name, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                out[f"model.layers.{i}.self_attn.{name}.{kind}"] = value
+        _qkv_to_hf(config, state, out, i, config.bias)
     out["model.norm.weight"], out["model.norm.bias"] = (
         state["head.ln_f.weight"], state["head.ln_f.bias"])  # fmt: skip
     out["lm_head.weight"] = state["head.lm_head.weight"]
@@ -589,18 +595,9 @@ def _from_nemotron(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     partial = rope.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"hf: Nemotron with rope_type {rope['rope_type']!r}: only 'default'")
-    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim")
     bias = bool(hf.get("attention_bias", False))
     config = GPTConfig(
-        vocab_size=hf["vocab_size"],
-        block_size=hf["max_position_embeddings"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=_get(hf, "num_key_value_heads", default=heads),
-        dim=dim,
-        kv_channels=None if head_dim in (None, dim // heads) else head_dim,
-        **_int_ratio(hf["intermediate_size"], dim),
+        **_decoder_shape_from_hf(hf),
         norm_eps=hf.get("norm_eps", 1e-5),
         normalization="layernorm",
         norm_unit_offset=True,
@@ -616,9 +613,7 @@ def _from_nemotron(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
     for i in range(config.n_layers):
         for ours, theirs in _nemotron_pairs(i, bias):
             out[ours] = state[theirs]
-        for kind in ("weight", "bias") if bias else ("weight",):
-            names = (f"model.layers.{i}.self_attn.{n}_proj.{kind}" for n in "qkv")
-            out[f"blocks.{i}.attn.qkv.{kind}"] = _join_qkv(config, *(state[n] for n in names))
+        _qkv_from_hf(config, state, out, i, bias)
     out["head.ln_f.weight"], out["head.ln_f.bias"] = (
         state["model.norm.weight"], state["model.norm.bias"])  # fmt: skip
     out["head.lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
@@ -909,6 +904,22 @@ def _rope_parameters(config: GPTConfig) -> Dict[str, Any]:
     return {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})}
 
 
+def _decoder_shape_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """GPTConfig's sizes and heads of a configuration of Llama's lineage (Llama, Nemotron)."""
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim")
+    return dict(
+        vocab_size=hf["vocab_size"],
+        block_size=hf["max_position_embeddings"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=_get(hf, "num_key_value_heads", default=heads),
+        dim=dim,
+        kv_channels=None if head_dim in (None, dim // heads) else head_dim,
+        **_int_ratio(hf["intermediate_size"], dim),
+    )
+
+
 def _from_llama(
     hf: Dict[str, Any], state: State, moe: Optional[Dict[str, Any]] = None
 ) -> Tuple[GPTConfig, State]:
@@ -919,19 +930,9 @@ def _from_llama(
         raise ValueError(f"hf: Llama hidden_act {hf['hidden_act']!r}: only 'silu' (SwiGLU)")
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         raise ValueError("hf: Llama with attention_bias != mlp_bias has no counterpart here")
-    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim")
-    kv_channels = None if head_dim in (None, dim // heads) else head_dim
     bias, (theta, scaling) = bool(hf.get("attention_bias", False)), _rope(hf)
     config = GPTConfig(
-        vocab_size=hf["vocab_size"],
-        block_size=hf["max_position_embeddings"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=_get(hf, "num_key_value_heads", default=heads),
-        dim=dim,
-        kv_channels=kv_channels,
-        **_int_ratio(hf["intermediate_size"], dim),
+        **_decoder_shape_from_hf(hf),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         normalization="rmsnorm",
         swiglu=True,
@@ -946,9 +947,7 @@ def _from_llama(
     for i in range(config.n_layers):
         for ours, theirs in _llama_pairs(i, bias, not config.is_moe_block(i), config.pre_norms):
             out[ours] = state[theirs]
-        for kind in ("weight", "bias") if bias or config.qkv_bias else ("weight",):
-            names = (f"model.layers.{i}.self_attn.{n}_proj.{kind}" for n in "qkv")
-            out[f"blocks.{i}.attn.qkv.{kind}"] = _join_qkv(config, *(state[n] for n in names))
+        _qkv_from_hf(config, state, out, i, bias or config.qkv_bias)
     out["head.ln_f.weight"] = state["model.norm.weight"]
     out["head.lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
     return config, out
