@@ -74,7 +74,7 @@ GQA_CFG = dict(GPT_CFG, n_kv_heads=2)  # two query heads per key / value head
 def test_split_qkv_equals_torch_muon_on_separate_projections():
     """split_qkv on the fused projection, against torch.optim.Muon stepping q, k and v as three
     separate parameters (cut and joined by the Hugging Face mapping's functions): same bits."""
-    from dist_kernels.models import hf
+    from dist_kernels.models.hf import common as hf
 
     config = GPTConfig(**GQA_CFG)
     torch.manual_seed(SEED)
