@@ -725,3 +725,30 @@ def test_model_flags_rebuild_each_mapped_architecture(tmp_path):
     load_exported(directory, dataclasses.replace(run, vocab_size=64))  # the flags fit
     with pytest.raises(ConfigError, match="its model is the driver's " + " ".join(flags)):
         load_exported(directory, dataclasses.replace(run, vocab_size=64, qkv_bias=False))
+
+
+def test_dropout_rates_travel_both_ways_and_init_from_names_a_difference(tmp_path):
+    """GPT-2's resid / attn pdrop, Llama's and Nemotron's attention_dropout come back as our
+    dropout and attention_dropout; --init-from a directory whose rates differ from the run's
+    warns with both (a fine-tuning recipe usually keeps the model's rates)."""
+    import warnings
+
+    for name, rates in (("gpt2", dict(dropout=0.1, attention_dropout=0.05)),
+                        ("llama-gqa", dict(attention_dropout=0.1)),
+                        ("nemotron-gqa-half-rotary", dict(attention_dropout=0.1))):  # fmt: skip
+        config = dataclasses.replace(MODELS[name], **rates)
+        directory = str(tmp_path / name)
+        dk_hf.save_pretrained(directory, config, GPT(config).state_dict())
+        back, _ = dk_hf.load_pretrained(directory)
+        assert (back.dropout, back.attn_dropout) == (config.dropout, config.attn_dropout), name
+    hf_dir = str(tmp_path / "hf-gpt2")
+    _hf_gpt2(hf_dir, vocab=100, positions=32)  # transformers' defaults: every pdrop 0.1
+    run = GPTConfig(n_layers=1, n_heads=2, dim=32, block_size=16, vocab_size=128,
+                    tie_embeddings=True, gelu_approximate="tanh")  # fmt: skip
+    with pytest.warns(UserWarning, match=r"configured with dropout 0.1 and attention dropout "
+                      r"0.1; this run trains with 0.0 and 0.0"):  # fmt: skip
+        load_exported(hf_dir, run)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_exported(hf_dir, dataclasses.replace(run, dropout=0.1))
+    assert not [w for w in caught if "dropout" in str(w.message)]

@@ -370,6 +370,17 @@ def _fit_hf(path: str, hf_config: GPTConfig, state, config: GPTConfig):
             "as a copy, apart from it (--tie-embeddings keeps them one tensor)",
             stacklevel=2,
         )
+    theirs, ours = (
+        (hf_config.dropout, hf_config.attn_dropout),
+        (config.dropout, config.attn_dropout),
+    )
+    if theirs != ours:  # a fine-tuning recipe usually keeps the model's rates
+        warnings.warn(
+            f"init_from: {path} is configured with dropout {theirs[0]} and attention dropout "
+            f"{theirs[1]}; this run trains with {ours[0]} and {ours[1]} (--dropout and "
+            "--attention-dropout set them)",
+            stacklevel=2,
+        )
     if vocab > rows:
         raise ConfigError(
             f"init_from: {path} has a vocabulary of {vocab} and this run {rows}: give "

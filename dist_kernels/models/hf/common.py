@@ -89,6 +89,13 @@ _OUTPUT_NORMS = (
 )
 
 
+def _dropout_rates(hidden: Any, attention: Any) -> Dict[str, Any]:
+    """GPTConfig's ``dropout`` and ``attention_dropout`` of a configuration's rates (None or 0:
+    none); ``attention_dropout`` stays None where it equals the hidden rate."""
+    hidden, attention = float(hidden or 0.0), float(attention or 0.0)
+    return {"dropout": hidden, "attention_dropout": None if attention == hidden else attention}
+
+
 def _get(hf: Dict[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:
         if hf.get(key) is not None:

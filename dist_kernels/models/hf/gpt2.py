@@ -8,7 +8,16 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..gpt import GPTConfig
-from .common import _GELU, _GELU_FROM_HF, State, _common, _int_ratio, _join_qkv, _split_qkv
+from .common import (
+    _GELU,
+    _GELU_FROM_HF,
+    State,
+    _common,
+    _dropout_rates,
+    _int_ratio,
+    _join_qkv,
+    _split_qkv,
+)
 
 
 def _to_gpt2(config: GPTConfig, state: State) -> Tuple[Dict[str, Any], State]:
@@ -80,6 +89,7 @@ def _from_gpt2(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         gelu_approximate=_GELU_FROM_HF[act],
         norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        **_dropout_rates(hf.get("resid_pdrop", 0.1), hf.get("attn_pdrop", 0.1)),
         bias=True,
     )
     s = {k.removeprefix("transformer."): v for k, v in state.items()}

@@ -14,6 +14,7 @@ from .common import (
     State,
     _decoder_config,
     _decoder_shape_from_hf,
+    _dropout_rates,
     _get,
     _qkv_from_hf,
     _qkv_to_hf,
@@ -160,6 +161,8 @@ def _from_llama(
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # Llama has an attention dropout only; Phi-3 a residual one too
+        **_dropout_rates(hf.get("resid_pdrop"), hf.get("attention_dropout")),
         bias=bias,
         **(moe or {}),
     )

@@ -11,6 +11,7 @@ from .common import (
     State,
     _decoder_config,
     _decoder_shape_from_hf,
+    _dropout_rates,
     _qkv_from_hf,
     _qkv_to_hf,
     _rope_parameters,
@@ -73,6 +74,7 @@ def _from_nemotron(hf: Dict[str, Any], state: State) -> Tuple[GPTConfig, State]:
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rotary_percent=float(partial),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **_dropout_rates(None, hf.get("attention_dropout")),
         bias=bias,
         norm_bias=None if bias else True,
     )
