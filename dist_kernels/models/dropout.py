@@ -74,15 +74,15 @@ def keep_mask(key: int, coords: Sequence[torch.Tensor], p: float) -> torch.Tenso
     """Bool mask, True where an element is kept, of shape ``[len(c) for c in coords]``:
     element ``(i, j, ...)`` hashes ``key`` with ``coords[0][i]``, then ``coords[1][j]``, ...
     (non-negative global indices, int64, one 1-D tensor per dimension)."""
-    threshold = round(p * 2**32)
-    h = torch.tensor(key, dtype=torch.int64, device=coords[0].device)
+    if not coords[0].is_cpu:  # a GPU: torch's int64 ops, the same bits
+        return keep_mask_reference(key, coords, p)
+    h = torch.tensor(key, dtype=torch.int64)
     for d, c in enumerate(coords[:-1]):  # per row of the last dimension: small tensors
         h = _mix_tensor(h.unsqueeze(-1) ^ (c.to(torch.int64) & _MASK32).view([1] * d + [-1]))
-    last = coords[-1].to(torch.int64) & _MASK32
-    if h.is_cpu:  # the full-size step in one pass (torch's int64 ops take ~15)
-        keep = ops.dropout_keep_mask(h.reshape(-1), last.contiguous(), threshold)
-        return keep.view(*h.shape, -1)
-    return _mix_tensor(h.unsqueeze(-1) ^ last) >= threshold
+    last = (coords[-1].to(torch.int64) & _MASK32).contiguous()
+    # the full-size step in one C++ pass (torch's int64 ops take ~15)
+    keep = ops.dropout_keep_mask(h.reshape(-1), last, round(p * 2**32))
+    return keep.view(*h.shape, -1)
 
 
 def keep_mask_reference(key: int, coords: Sequence[torch.Tensor], p: float) -> torch.Tensor:

@@ -55,6 +55,12 @@ def replica_batch(engine: Any, sampler: Sampler, step: int):
     return tuple(shard_sequence(t, mesh.cp_comm, dim=1) for t in (inputs, targets))
 
 
+def first_sample(engine: Any) -> int:
+    """The index of ``engine``'s replica's first sample in a step's global batch (what
+    :func:`replica_batch` takes)."""
+    return engine.dp_rank * engine.cfg.micro_batch * engine.cfg.grad_accum
+
+
 def dropout_keys(cfg: TrainConfig, step: int, first_sample: Any):
     """With dropout, the context of counter-based masks (``dk.models.dropout``) for a forward
     and backward of samples ``first_sample, ...`` of step ``step``'s global batch: every
@@ -342,10 +348,10 @@ class DataParallel:
         inputs, targets = replica_batch(self, sampler, step)
         self.weights.start(targets)
         loss_sum = 0.0
-        first_sample = self.dp_rank * cfg.micro_batch * cfg.grad_accum  # in the global batch
+        first = first_sample(self)
         for k in range(cfg.grad_accum):
             part = slice(k * cfg.micro_batch, (k + 1) * cfg.micro_batch)
-            keys = dropout_keys(cfg, step, first_sample + part.start)
+            keys = dropout_keys(cfg, step, first + part.start)
             with self._no_sync(k == cfg.grad_accum - 1), keys:
                 loss_sum += self._micro_step(inputs[part], targets[part], times, k == 0)
         self._last_lr = _optimizer_step(
@@ -508,9 +514,9 @@ class Pipelined:
         self.delay()
         # ZeRO: the micro-batches' gradients add up locally; the optimizer's step reduces them
         no_sync = self.optimizer.no_sync() if cfg.flat_shards else contextlib.nullcontext()
-        first_sample = self.dp_rank * cfg.micro_batch * cfg.grad_accum  # in the global batch
+        first = first_sample(self)
         keys = dropout_keys(
-            cfg, step, lambda: first_sample + self.pipe.current_microbatch * cfg.micro_batch
+            cfg, step, lambda: first + self.pipe.current_microbatch * cfg.micro_batch
         )
         with _autocast(cfg.dtype), no_sync, keys:
             scale_loss = None if self.scaler is None else self.scaler.scale
